@@ -1,0 +1,20 @@
+# The two commands (see README.md):
+#   make run    set up .venv and run the main job (tiny CPU default)
+#   make test   set up .venv and run the test suite (8 simulated CPU devices)
+.PHONY: run test setup setup-test bench clean
+WORKDIR ?= runs/tiny
+
+setup:
+	tools/bootstrap.sh runtime
+
+setup-test:
+	tools/bootstrap.sh test
+
+run: setup
+	.venv/bin/python launch/main.py --workdir=$(WORKDIR)
+
+test: setup-test
+	.venv/bin/python -m pytest -q tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv runs
