@@ -1,0 +1,175 @@
+"""Model configuration for the Mistral/Llama decoder family.
+
+A `ModelConfig` is built from a Hugging Face `config.json` (MistralForCausalLM, LlamaForCausalLM)
+or from an ml_collections ConfigDict (our configs/). Field names follow Hugging Face where one
+exists, so a reader can check a value against the checkpoint's config.json directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM")
+
+
+class UnsupportedArchitectureError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """llama3-style frequency scaling (Llama 3.1+). `rope_type` is 'llama3'."""
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+  rope_type: str = "llama3"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  sliding_window: int | None = None      # Mistral: attend to at most this many previous tokens
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 4096
+  architecture: str = "LlamaForCausalLM"
+  bos_token_id: int | None = 1
+  eos_token_id: int | None = 2
+  # Dtype policy: parameters are stored in param_dtype (the master copy when training), and
+  # matmuls run in dtype. Norms, softmax and log-probs are always computed in float32.
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  # Per-layer rematerialisation in the training forward ("none" | "full" | "dots").
+  remat: str = "none"
+  # Sequence chunk for the log-prob/entropy head so the [T, V] logits are never all live at once.
+  logits_chunk: int = 256
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"remat must be none|full|dots, got {self.remat!r}")
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
+    attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_word_embeddings else d * self.vocab_size
+    return self.vocab_size * d + l * per_layer + d + head
+
+  # ---- constructors -------------------------------------------------------------------------
+  @classmethod
+  def from_hf_config(cls, hf: Mapping[str, Any] | str, **overrides) -> "ModelConfig":
+    """Builds a config from a HF config.json dict (or a path to the file or its directory)."""
+    if isinstance(hf, (str, os.PathLike)):
+      path = os.path.join(hf, "config.json") if os.path.isdir(hf) else hf
+      with open(path) as f:
+        hf = json.load(f)
+    archs = list(hf.get("architectures") or [])
+    model_type = hf.get("model_type")
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+      raise UnsupportedArchitectureError(
+          f"unsupported architecture {arch or model_type!r} in config.json; "
+          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+      raise UnsupportedArchitectureError(f"{arch} with attention_bias/mlp_bias is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+      raise UnsupportedArchitectureError(f"{arch} with hidden_act={act!r} is not supported (SwiGLU needs silu)")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rs = hf.get("rope_scaling") or None
+    rope_theta = hf.get("rope_theta")
+    rope_params = hf.get("rope_parameters") or {}
+    if rope_theta is None:
+      rope_theta = rope_params.get("rope_theta", 10000.0)
+    if rs is None and rope_params.get("rope_type") not in (None, "default"):
+      rs = rope_params
+    scaling = None
+    if rs:
+      rtype = rs.get("rope_type", rs.get("type"))
+      if rtype in (None, "default"):
+        scaling = None
+      elif rtype == "llama3":
+        scaling = RopeScaling(
+            factor=float(rs["factor"]), low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+      else:
+        raise UnsupportedArchitectureError(f"rope_scaling type {rtype!r} is not supported (only llama3)")
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+      eos = eos[0]
+    kw = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rope_theta=float(rope_theta), rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        architecture=arch, bos_token_id=hf.get("bos_token_id"), eos_token_id=eos)
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf_config(self) -> dict:
+    """The inverse of from_hf_config (used when exporting safetensors directories)."""
+    hf = {
+        "architectures": [self.architecture],
+        "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
+        "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim, "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+        "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        "torch_dtype": self.param_dtype,
+    }
+    if self.architecture == "MistralForCausalLM":
+      hf["sliding_window"] = self.sliding_window
+    if self.rope_scaling is not None:
+      hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+    return hf
+
+  @classmethod
+  def from_config_dict(cls, cd: Mapping[str, Any]) -> "ModelConfig":
+    """Builds from an ml_collections ConfigDict (configs/*.py `config.model`). Unknown keys are errors."""
+    d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
+    d.pop("hf_config", None)
+    d.pop("checkpoint", None)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"unknown model config field(s): {unknown}; valid: {sorted(fields)}")
+    if d.get("rope_scaling"):
+      d["rope_scaling"] = RopeScaling(**dict(d["rope_scaling"]))
+    else:
+      d["rope_scaling"] = None
+    return cls(**d)

@@ -1,0 +1,383 @@
+"""The policy: a Mistral/Llama-family decoder in Flax (linen).
+
+Layers are stacked with `nn.scan`, so every layer parameter has a leading 'layers' axis, the
+compiled program holds one layer body (fast compiles), and the KV cache is one [L, B, S, K, Dh]
+array per K and V.
+
+Two call modes share the same weights:
+  (a) `hidden_states` / `token_logprobs`: training and scoring over packed rows. `positions` drive
+      RoPE and `segment_ids` keep packed sequences from attending to each other (0 = padding).
+      Log-probs of given targets are computed in sequence chunks, so the fp32 [B, T, V] logits
+      are never all live at once (in the forward or, thanks to a checkpointed chunk body, in the
+      backward).
+  (b) `decode`: append T >= 1 tokens per slot to a KV cache with per-slot lengths. The engine's
+      prefill is decode from an empty cache; its generate step is decode with T = 1.
+
+Params are a plain nested dict (see `param_logical_axes` for the layout and axis names):
+  embed/embedding (V, D); layers/{attn_norm,mlp_norm}/scale (L, D);
+  layers/attn/{q,k,v}_proj/kernel (L, D, H|K, Dh); layers/attn/o_proj/kernel (L, H, Dh, D);
+  layers/mlp/{gate,up}_proj/kernel (L, D, F); layers/mlp/down_proj/kernel (L, F, D);
+  final_norm/scale (D,); lm_head/kernel (D, V) unless embeddings are tied.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.sharding import ShardingCtx, constrain
+
+Array = jax.Array
+NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig) -> Array:
+  """Inverse frequencies theta^(-2i/Dh), with llama3-style scaling when configured.
+
+  llama3 scaling: wavelengths longer than orig_ctx/low_freq_factor are divided by `factor`,
+  shorter than orig_ctx/high_freq_factor are kept, and the band in between is interpolated
+  smoothly: (1-s)·f/factor + s·f with s = (orig_ctx/wavelen - low)/(high - low)."""
+  dh = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv_freq
+  orig = rs.original_max_position_embeddings
+  low_wavelen = orig / rs.low_freq_factor
+  high_wavelen = orig / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+  smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+  """x: [B, T, N, Dh], positions: [B, T]. Half-split (rotate_half) layout, as in HF Llama."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+def _param(module: nn.Module, name: str, shape, axes, init, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class Kernel(nn.Module):
+  """Holds one projection weight as {'kernel': ...}, the layout HF conversion maps onto."""
+  shape: tuple
+  axes: tuple
+  dtype: Any
+
+  @nn.compact
+  def __call__(self):
+    return _param(self, "kernel", self.shape, self.axes, nn.initializers.normal(0.02), self.dtype)
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones,
+                   self.cfg.jnp_param_dtype)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    # HF casts back to the input dtype before the scale multiply; keep the same order.
+    return scale.astype(self.cfg.jnp_dtype) * xf.astype(self.cfg.jnp_dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with explicit head_dim and an optional sliding window."""
+  cfg: ModelConfig
+  shard: ShardingCtx | None = None
+
+  @nn.compact
+  def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None):
+    cfg, dt = self.cfg, self.cfg.jnp_dtype
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pdt = cfg.jnp_param_dtype
+    wq = Kernel((d, h, dh), ("embed", "heads", "head_dim"), pdt, name="q_proj")()
+    wk = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="k_proj")()
+    wv = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="v_proj")()
+    wo = Kernel((h, dh, d), ("heads", "head_dim", "embed"), pdt, name="o_proj")()
+
+    x = x.astype(dt)
+    q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))
+    kk = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
+    q = constrain(self.shard, q, ("act_batch", "act_length", "act_heads", None))
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, positions, inv_freq)
+    kk = apply_rope(kk, positions, inv_freq)
+
+    b, t = x.shape[:2]
+    if kv_cache is None:
+      # Packed training / scoring: causal within a row, never across segments.
+      keys, values = kk, v
+      k_pos, k_segment = positions, q_segment
+      idx = jnp.arange(t)
+      mask = (idx[None, :, None] >= idx[None, None, :]) & \
+             (q_segment[:, :, None] == k_segment[:, None, :])
+      new_cache = None
+    else:
+      # Decode: write the T new keys/values at each slot's own offset, attend to the prefix.
+      ck, cv = kv_cache
+      upd = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
+      ck = upd(ck, kk.astype(ck.dtype), write_index)
+      cv = upd(cv, v.astype(cv.dtype), write_index)
+      new_cache = (ck, cv)
+      keys, values = ck.astype(dt), cv.astype(dt)
+      s = ck.shape[1]
+      k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
+      mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
+             (k_pos[:, None, :] < valid_len[:, None, None])
+    if cfg.sliding_window is not None:
+      mask &= (positions[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window
+
+    g = h // k
+    qg = q.reshape(b, t, k, g, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys).astype(jnp.float32) / math.sqrt(dh)
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(b, t, h, dh)
+    out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
+    y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
+    return y, new_cache
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  cfg: ModelConfig
+  shard: ShardingCtx | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, dt = self.cfg, self.cfg.jnp_dtype
+    pdt = cfg.jnp_param_dtype
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    wg = Kernel((d, f), ("embed", "mlp"), pdt, name="gate_proj")()
+    wu = Kernel((d, f), ("embed", "mlp"), pdt, name="up_proj")()
+    wd = Kernel((f, d), ("mlp", "embed"), pdt, name="down_proj")()
+    x = x.astype(dt)
+    hidden = jax.nn.silu(x @ wg.astype(dt)) * (x @ wu.astype(dt))
+    hidden = constrain(self.shard, hidden, ("act_batch", "act_length", "act_mlp"))
+    return hidden @ wd.astype(dt)
+
+
+class DecoderLayer(nn.Module):
+  """One pre-norm block; the scan body. carry = residual stream, xs = this layer's KV cache."""
+  cfg: ModelConfig
+  shard: ShardingCtx | None = None
+
+  @nn.compact
+  def __call__(self, x, layer_cache, positions, segment_ids, write_index, valid_len):
+    h, new_cache = Attention(self.cfg, self.shard, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids, layer_cache,
+        write_index, valid_len)
+    x = x + h
+    x = x + MLP(self.cfg, self.shard, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
+    return x, new_cache
+
+
+class Transformer(nn.Module):
+  """Embedding -> L scanned decoder layers -> final RMSNorm. Returns hidden states; the output
+  projection is applied by `logits` / `token_logprobs` so it can be chunked."""
+  cfg: ModelConfig
+  shard: ShardingCtx | None = None
+
+  @nn.compact
+  def __call__(self, tokens, positions, segment_ids=None, cache=None, write_index=None,
+               valid_len=None):
+    cfg = self.cfg
+    emb = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                 nn.initializers.normal(1.0), cfg.jnp_param_dtype)
+    if not cfg.tie_word_embeddings:
+      # Declared here so init creates it; used through output_embedding().
+      _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+             nn.initializers.normal(0.02), cfg.jnp_param_dtype)
+    x = jnp.take(emb, tokens, axis=0).astype(cfg.jnp_dtype)
+    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
+    if segment_ids is None:
+      segment_ids = jnp.ones_like(tokens)
+
+    layer = DecoderLayer
+    if cfg.remat != "none" and cache is None:
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if cfg.remat == "dots" else None)
+      layer = nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
+    stack = nn.scan(
+        layer, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    x, new_cache = stack(cfg, self.shard, name="layers")(
+        x, cache, positions, segment_ids, write_index, valid_len)
+    x = RMSNorm(cfg, name="final_norm")(x)
+    return x, new_cache
+
+
+# Linen nests params as {'embedding': ...} at top level; we expose the documented layout.
+def _to_module_params(params):
+  p = dict(params)
+  out = {"embedding": p["embed"]["embedding"], "layers": p["layers"],
+         "final_norm": p["final_norm"]}
+  if "lm_head" in p:
+    out["lm_head"] = p["lm_head"]["kernel"]
+  return {"params": out}
+
+
+def _from_module_params(variables):
+  v = variables["params"]
+  out = {"embed": {"embedding": v["embedding"]}, "layers": v["layers"],
+         "final_norm": v["final_norm"]}
+  if "lm_head" in v:
+    out["lm_head"] = {"kernel": v["lm_head"]}
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API
+# ----------------------------------------------------------------------------------------------
+def _abstract_boxed(cfg: ModelConfig):
+  model = Transformer(cfg)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens))
+
+
+def init_params(cfg: ModelConfig, rng: Array) -> dict:
+  """Random params (normal(0.02) projections, unit norms)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = Transformer(cfg).init(rng, tokens, tokens)
+  return _from_module_params(nn.meta.unbox(variables))
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict:
+  """Tree (same structure as params) of logical axis-name tuples for every parameter."""
+  specs = nn.get_partition_spec(_abstract_boxed(cfg))
+  specs = jax.tree.map(lambda s: tuple(s), specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+  return _from_module_params(specs)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+  """Tree of ShapeDtypeStructs for the params (no allocation)."""
+  return _from_module_params(nn.meta.unbox(_abstract_boxed(cfg)))
+
+
+def output_embedding(params, cfg: ModelConfig) -> Array:
+  """[D, V] output projection: the lm_head, or the transposed input embedding when tied."""
+  if cfg.tie_word_embeddings:
+    return params["embed"]["embedding"].T
+  return params["lm_head"]["kernel"]
+
+
+def hidden_states(params, cfg: ModelConfig, tokens, positions=None, segment_ids=None,
+                  shard: ShardingCtx | None = None) -> Array:
+  """Packed training/scoring forward: [B, T] tokens -> [B, T, D] final hidden states."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  x, _ = Transformer(cfg, shard).apply(_to_module_params(params), tokens, positions, segment_ids)
+  return x
+
+
+def logits(params, cfg: ModelConfig, hidden: Array) -> Array:
+  """Full fp32 logits [..., V]. Prefer `token_logprobs` for training (chunked)."""
+  w = output_embedding(params, cfg).astype(cfg.jnp_dtype)
+  return jnp.einsum("...d,dv->...v", hidden.astype(cfg.jnp_dtype), w).astype(jnp.float32)
+
+
+def forward_logits(params, cfg: ModelConfig, tokens, positions=None, segment_ids=None,
+                   shard: ShardingCtx | None = None) -> Array:
+  return logits(params, cfg, hidden_states(params, cfg, tokens, positions, segment_ids, shard))
+
+
+def token_logprobs(params, cfg: ModelConfig, hidden: Array, targets: Array,
+                   temperature: float = 1.0, with_entropy: bool = False):
+  """log π(target_t | ·) for every position, from hidden states [B, T, D] and targets [B, T].
+
+  π is softmax(logits / temperature) (temperature 1.0 = the raw policy); the generator computes its
+  sampled-token log-probs with this same function, so π_old and π_θ are the same quantity.
+  The sequence is processed in chunks of cfg.logits_chunk with a checkpointed body, so the fp32
+  logits of only one chunk are live at a time, and the entropy (when requested) comes from the
+  same logits pass rather than a second one.
+  Returns logprobs [B, T] (and entropy [B, T] if with_entropy)."""
+  b, t, d = hidden.shape
+  chunk = min(cfg.logits_chunk, t)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  w = output_embedding(params, cfg).astype(cfg.jnp_dtype)
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
+  y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def body(hc, yc):
+    lg = jnp.einsum("bcd,dv->bcv", hc.astype(cfg.jnp_dtype), w).astype(jnp.float32)
+    lg = lg / temperature
+    lse = jax.nn.logsumexp(lg, axis=-1)
+    lp = jnp.take_along_axis(lg, yc[..., None], axis=-1)[..., 0] - lse
+    if not with_entropy:
+      return lp, jnp.zeros_like(lp)
+    p = jnp.exp(lg - lse[..., None])
+    ent = lse - jnp.sum(p * lg, axis=-1)
+    return lp, ent
+
+  lp, ent = jax.lax.map(lambda xs: body(*xs), (h, y))
+  lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  if not with_entropy:
+    return lp
+  return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+class KVCache(NamedTuple):
+  """Per-slot KV cache. k, v: [L, B, S, K, Dh]; lengths: [B] tokens already in each slot."""
+  k: Array
+  v: Array
+  lengths: Array
+
+
+def cache_logical_axes():
+  kv = ("layers", "cache_batch", "cache_length", "act_kv_heads", "head_dim")
+  return KVCache(kv, kv, ("cache_batch",))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
+           shard: ShardingCtx | None = None, num_new: Array | None = None):
+  """Appends `tokens` [B, T] to each slot at its own offset cache.lengths[b] and returns
+  (hidden [B, T, D], new cache). Token t of slot b sits at position lengths[b] + t.
+
+  `num_new` [B] (default T) says how many of the T tokens are real per slot: the new lengths are
+  lengths + num_new, so padding written past a prompt's true length is overwritten later (this is
+  how a padded prefill sets a slot to its true length)."""
+  b, t = tokens.shape
+  positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  valid = cache.lengths + t
+  x, (k, v) = Transformer(cfg, shard).apply(
+      _to_module_params(params), tokens, positions, None, (cache.k, cache.v), cache.lengths, valid)
+  new_len = cache.lengths + (t if num_new is None else num_new)
+  return x, KVCache(k, v, new_len.astype(jnp.int32))
+
+
+def decode_logits(params, cfg: ModelConfig, tokens, cache: KVCache, shard=None, num_new=None):
+  x, cache = decode(params, cfg, tokens, cache, shard, num_new)
+  return logits(params, cfg, x), cache
