@@ -1,0 +1,174 @@
+"""Benchmark: the verifier pool and the sandbox against their bare baselines, in one run.
+
+  (a) math: verifications/s through VerifierPool(N) vs direct in-process math-verify calls on the
+      same answers (MATH-500 gold answers in several equivalent formats);
+      math_pool_overhead = 1 - (pool rate / N) / direct rate          (goal <= 0.25)
+  (b) python code: sandboxed HumanEval test programs/s vs bare `subprocess.run` of the same
+      program files, one process each;  python_sandbox_over_bare = sandbox rate / bare rate
+      (goal >= 0.7)
+  (c) C++: compile time of one program with and without the precompiled bits/stdc++.h.
+The last line printed is one JSON object.
+
+  python bench/verifiers.py [--workers=2] [--math_items=400] [--code_items=100]
+"""
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from magistral_jax.rewards import RewardConfig  # noqa: E402
+from magistral_jax.rewards import code_check, math_check, sandbox  # noqa: E402
+from magistral_jax.verify import VerifierPool  # noqa: E402
+
+flags.DEFINE_integer("workers", max(1, (os.cpu_count() or 2) - 1), "Pool size for the math measurement.")
+flags.DEFINE_integer("math_items", 400, "Answers verified per math measurement.")
+flags.DEFINE_integer("code_items", 100, "HumanEval programs per code measurement.")
+flags.DEFINE_integer("cpp_repeats", 3, "Compiles per C++ measurement (median reported).")
+FLAGS = flags.FLAGS
+
+SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "magistral_jax", "data", "sources")
+
+
+def _jsonl(name):
+  with open(os.path.join(SOURCES, name)) as f:
+    return [json.loads(l) for l in f]
+
+
+def math_items(n):
+  """(gold, predicted) pairs: each MATH-500 answer as given and in an equivalent format."""
+  items = []
+  for row in _jsonl("math500.jsonl"):
+    g = row["answer"]
+    variants = [g, g.replace("\\dfrac", "\\frac").replace("\\left", "").replace("\\right", ""),
+                "\\text{ }" + g if not g.startswith("\\text") else g, " " + g + " "]
+    items += [(g, v) for v in variants]
+  random.Random(0).shuffle(items)
+  return items[:n]
+
+
+def bench_math(n_workers, n):
+  items = math_items(n)
+  cfg = RewardConfig(language_bonus=0.0)
+  # Direct: math-verify in this process's main thread (its SIGALRM timeout works here too).
+  def direct(p, g):
+    try:
+      return math_check.math_equal(p, g)
+    except ValueError:     # unparsable reference: the pool reports it as an error, reward 0
+      return False
+
+  direct("1", "1")
+  t = time.perf_counter()
+  direct_ok = sum(direct(p, g) for g, p in items)
+  direct_rate = len(items) / (time.perf_counter() - t)
+  math_check.parse_reference.cache_clear()
+  with VerifierPool(n_workers, cfg, task_timeout_s=60, max_queue=4 * n_workers) as pool:
+    task = lambda g: {"kind": "math", "problem": "p", "answer": g}
+    resp = lambda p: "<think>\nworking\n</think>\nSo \\boxed{" + p + "}"
+    for f in [pool.submit(task("1"), resp("1")) for _ in range(2 * n_workers)]:   # warm, ready
+      f.result()
+    t = time.perf_counter()
+    futs = [pool.submit(task(g), resp(p)) for g, p in items]
+    res = [f.result() for f in futs]
+    pool_rate = len(items) / (time.perf_counter() - t)
+    m = pool.metrics()
+  pool_ok = sum(r.parts["correct"] > 0 for r in res)
+  return dict(math_items=len(items), math_direct_per_s=direct_rate, math_pool_per_s=pool_rate,
+              math_pool_per_worker_per_s=pool_rate / n_workers,
+              math_pool_overhead=1.0 - (pool_rate / n_workers) / direct_rate,
+              math_accepted_direct=direct_ok, math_accepted_pool=pool_ok,
+              math_pool_latency_p95_s=m["latency_p95_s"])
+
+
+def humaneval_programs(n):
+  rows = random.Random(0).sample(_jsonl("humaneval_full.jsonl"), n)
+  return [(r["prompt"] + r["canonical_solution"], r["test"], r["entry_point"]) for r in rows]
+
+
+def bench_python(n):
+  progs = humaneval_programs(n)
+  python = code_check.default_python()
+  sbx = sandbox.default_sandbox()
+  limits = sandbox.Limits(cpu_s=4.0, memory_mb=300)
+  # Bare baseline: the same program in a file, run with subprocess.run.
+  d = tempfile.mkdtemp()
+  files = []
+  for i, (code, test, entry) in enumerate(progs):
+    path = os.path.join(d, f"p{i}.py")
+    with open(path, "w") as f:
+      f.write(f"{code}\n{test}\ncheck({entry})\nprint('ok')\n")
+    files.append(path)
+  # Interleaved (bare, sandboxed) per program, so load from other processes hits both alike.
+  bare_s = sbx_s = 0.0
+  bare_ok = sbx_ok = 0
+  for path, (code, test, entry) in zip(files, progs):
+    t = time.perf_counter()
+    bare_ok += b"ok" in subprocess.run([python, "-I", path], capture_output=True, timeout=10).stdout
+    bare_s += time.perf_counter() - t
+    # Sandboxed: fresh dir, secret harness, namespaces, uid, rlimits (what a pool worker does).
+    t = time.perf_counter()
+    w = sbx.make_dir()
+    try:
+      sbx_ok += code_check._run_assert_tests(sbx, w, python, code, test, entry, limits).passed
+    finally:
+      sbx.remove_dir(w)
+    sbx_s += time.perf_counter() - t
+  shutil.rmtree(d)
+  bare_rate, sbx_rate = n / bare_s, n / sbx_s
+  return dict(python_programs=n, python_bare_per_s=bare_rate, python_sandbox_per_s=sbx_rate,
+              python_sandbox_over_bare=sbx_rate / bare_rate, python_bare_passed=bare_ok,
+              python_sandbox_passed=sbx_ok, sandbox_isolation=sbx.isolation)
+
+
+CPP = """#include <bits/stdc++.h>
+using namespace std;
+int main() { int n; cin >> n; vector<long long> a(n); for (auto &x : a) cin >> x;
+  sort(a.begin(), a.end()); map<long long, int> c; for (auto x : a) c[x]++;
+  cout << a.back() << " " << c.size() << endl; }
+"""
+
+
+def bench_cpp(repeats):
+  sbx = sandbox.default_sandbox()
+  t = time.perf_counter()
+  code_check._pch_dirs.clear()
+  pch = code_check.precompiled_header_dir()
+  pch_ready_s = time.perf_counter() - t
+  out = {}
+  for name, use in (("pch", True), ("no_pch", False)):
+    times = []
+    for _ in range(repeats):
+      w = sbx.make_dir()
+      t = time.perf_counter()
+      ok, msg = code_check.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use)
+      times.append(time.perf_counter() - t)
+      sbx.remove_dir(w)
+      assert ok, msg
+    out[f"cpp_compile_s_{name}"] = statistics.median(times)
+  out["cpp_pch_ready_s"] = pch_ready_s
+  out["cpp_pch_available"] = pch is not None
+  return out
+
+
+def main(argv):
+  del argv
+  res = dict(bench="verifiers", workers=FLAGS.workers, cpus=os.cpu_count())
+  res.update(bench_math(FLAGS.workers, FLAGS.math_items))
+  print("math", {k: v for k, v in res.items() if k.startswith("math")}, flush=True)
+  res.update(bench_python(FLAGS.code_items))
+  print("python", {k: v for k, v in res.items() if k.startswith("python")}, flush=True)
+  res.update(bench_cpp(FLAGS.cpp_repeats))
+  print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,142 @@
+"""Code correctness: HumanEval, MBPP, C++ stdin tasks, test drawing and output comparison."""
+import json
+import os
+import random
+
+import pytest
+
+import magistral_jax
+from magistral_jax.rewards import RewardConfig, compute_reward
+from magistral_jax.rewards.code_check import draw_tests, extract_code_block, outputs_match
+
+SOURCES = os.path.join(os.path.dirname(magistral_jax.__file__), "data", "sources")
+CFG = RewardConfig(language_bonus=0.0)
+
+# Wraps the entry point so that every return value is off by a little: a plausible wrong answer.
+MUTATION = '''
+_orig_{e} = {e}
+def {e}(*a, **k):
+  r = _orig_{e}(*a, **k)
+  if isinstance(r, bool): return not r
+  if isinstance(r, (int, float)): return r + 1
+  if isinstance(r, str): return r + "x"
+  if isinstance(r, (list, tuple)): return type(r)(list(r) + [0])
+  return "mutated"
+'''
+
+
+def _load(name):
+  with open(os.path.join(SOURCES, name)) as f:
+    return [json.loads(l) for l in f]
+
+
+def _answer(code, lang="python"):
+  return f"<think>\nI will write the program.\n</think>\nHere it is:\n```{lang}\n{code}\n```\n"
+
+
+def _humaneval_task(p):
+  return {"kind": "code", "problem": p["prompt"], "language": "python", "test_code": p["test"],
+          "entry_point": p["entry_point"]}
+
+
+HUMANEVAL = _load("humaneval_full.jsonl")
+
+
+def test_all_humaneval_canonical_solutions_pass():
+  failed = []
+  for p in HUMANEVAL:
+    r = compute_reward(_humaneval_task(p), _answer(p["prompt"] + p["canonical_solution"]), None, CFG)
+    if r.reward != pytest.approx(1.0):
+      failed.append((p["task_id"], r.error, r.info.get("code")))
+  assert not failed
+
+
+def test_mutated_humaneval_solutions_fail():
+  sample = random.Random(0).sample(HUMANEVAL, 30)
+  passed = []
+  for p in sample:
+    code = p["prompt"] + p["canonical_solution"] + MUTATION.format(e=p["entry_point"])
+    r = compute_reward(_humaneval_task(p), _answer(code), None, CFG)
+    if r.parts["correct"] != 0.0:
+      passed.append(p["task_id"])
+  assert not passed
+
+
+def test_mbpp_sample_passes_and_wrong_code_fails():
+  rows = _load("mbpp_sample20.jsonl")
+  failed = []
+  for p in rows:
+    task = {"kind": "code", "problem": p["text"], "language": "python",
+            "test_list": p["test_list"], "test_setup_code": p["test_setup_code"]}
+    r = compute_reward(task, _answer(p["code"]), None, CFG)
+    if r.reward != pytest.approx(1.0):
+      failed.append((p["task_id"], r.info))
+  assert not failed
+  p = rows[0]
+  bad = {"kind": "code", "problem": p["text"], "language": "python", "test_list": p["test_list"]}
+  assert compute_reward(bad, _answer("def remove_Occ(s, ch):\n  return s"), None,
+                        CFG).parts["correct"] == 0.0
+
+
+CPP_SUM = """#include <bits/stdc++.h>
+using namespace std;
+int main() { long long n, s = 0, x; cin >> n; for (int i = 0; i < n; ++i) { cin >> x; s += x; }
+  cout << s << "\\n" << fixed << setprecision(9) << (double)s / n << endl; }
+"""
+
+
+def _sum_task(n_tests=30):
+  rng = random.Random(1)
+  tests = []
+  for _ in range(n_tests):
+    xs = [rng.randint(-1000, 1000) for _ in range(rng.randint(1, 8))]
+    # Expected mean printed with fewer digits: the numeric tolerance must accept it.
+    tests.append({"input": f"{len(xs)}\n{' '.join(map(str, xs))}\n",
+                  "output": f"{sum(xs)}\n{sum(xs) / len(xs):.7f}\n"})
+  return {"kind": "code", "problem": "Print the sum and the mean.", "language": "cpp",
+          "tests": tests}
+
+
+def test_cpp_stdin_problem_passes_and_wrong_answer_fails():
+  task = _sum_task()
+  r = compute_reward(task, _answer(CPP_SUM, "cpp"), None, CFG)
+  assert r.error is None and r.parts["correct"] == 0.9, r.info
+  wrong = CPP_SUM.replace("s += x", "s += x + (x == 7)")   # wrong only on some inputs
+  task["tests"].append({"input": "1\n7\n", "output": "7\n7.0\n"})
+  r = compute_reward({**task, "tests": task["tests"][-3:]}, _answer(wrong, "cpp"), None, CFG)
+  assert r.parts["correct"] == 0.0 and "wrong answer" in r.info["code"]
+  r = compute_reward(task, _answer("int main( {", "cpp"), None, CFG)
+  assert r.parts["correct"] == 0.0 and "compile error" in r.info["code"]
+  # A Python block for a C++ task is graded as wrong, not run.
+  r = compute_reward(task, _answer("print(1)", "python"), None, CFG)
+  assert r.parts["correct"] == 0.0 and "language" in r.info["code"]
+
+
+def test_python_stdin_problem_uses_token_comparison():
+  task = {"kind": "code", "problem": "Double it.", "language": "python",
+          "tests": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(5)]}
+  assert compute_reward(task, _answer("print(2 * int(input()), end='  \\n\\n')"), None,
+                        CFG).parts["correct"] == 0.9
+  assert compute_reward(task, _answer("print(2 * int(input()) + 1)"), None,
+                        CFG).parts["correct"] == 0.0
+
+
+def test_the_same_tests_are_drawn_for_a_whole_group():
+  a = draw_tests(100, 20, group_seed=7)
+  assert a == draw_tests(100, 20, group_seed=7) and len(set(a)) == 20
+  assert a != draw_tests(100, 20, group_seed=8)
+  assert draw_tests(5, 20, group_seed=7) == [0, 1, 2, 3, 4]
+
+
+def test_outputs_match_tokens_with_numeric_tolerance():
+  assert outputs_match("1 2\n3.0000001\n", "1 2 3")
+  assert outputs_match("YES", "YES\n")
+  assert not outputs_match("1 2", "1 2 3")
+  assert not outputs_match("yes", "YES")
+  assert not outputs_match("3.01", "3")
+  assert not outputs_match("nan", "1")
+
+
+def test_first_code_block_is_taken():
+  assert extract_code_block("```c++\nint main(){}\n```\n```python\nx\n```") == ("cpp", "int main(){}\n")
+  assert extract_code_block("no code") is None

@@ -1,0 +1,157 @@
+"""The verifier pool: correct results, timeouts, crashes, recycling, back-pressure, clean exit."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from magistral_jax.rewards import RewardConfig
+from magistral_jax.verify import VerifierPool
+
+CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)
+MATH = {"kind": "math", "problem": "p", "answer": "5"}
+STDIN = {"kind": "code", "problem": "Double it.", "language": "python",
+         "tests": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(1, 6)]}
+
+
+def _math(box):
+  return f"<think>\nx\n</think>\n\\boxed{{{box}}}"
+
+
+def _code(src):
+  return f"<think>\nx\n</think>\n```python\n{src}\n```"
+
+
+GOOD = _code("print(2 * int(input()))")
+SLOW = _code("import time\ntime.sleep(1.2)\nprint(2 * int(input()))")   # 5 x 1.2 s > 3 s
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/status") as f:   # a zombie is not alive
+    return "zombie" not in f.read()
+
+
+def _uid_processes(uids):
+  out = []
+  for p in os.listdir("/proc"):
+    if p.isdigit():
+      try:
+        with open(f"/proc/{p}/status") as f:
+          st = f.read()
+      except OSError:
+        continue
+      uid = int(st.split("Uid:")[1].split()[0])
+      if uid in uids and "zombie" not in st:
+        out.append(int(p))
+  return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with VerifierPool(2, CFG, task_timeout_s=3.0, max_tasks_per_worker=4, max_queue=4) as p:
+    yield p
+
+
+def test_pool_scores_correctly_and_keeps_serving_through_hostile_code(pool):
+  items = [
+      (MATH, _math(5), None, 0, 1.0),
+      (MATH, _math(6), None, 0, 0.1),
+      (MATH, _math("9^{9^{9^{9}}}"), None, 0, None),   # 0.1, or 0.0 if the hard kill hits
+      (MATH, "", None, 0, 0.0),
+      (STDIN, GOOD, None, 0, 1.0),
+      (STDIN, _code("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"), None, 0, 0.1),
+      (STDIN, _code("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, 9)"), None, 0, 0.1),
+      (STDIN, _code("x = bytearray(10 * 1024**3)"), None, 0, 0.1),
+      (MATH, _math(5), 10, 0, 1.0),
+      (STDIN, GOOD, None, 3, 1.0),
+  ]
+  futs = [pool.submit(t, r, n, s) for t, r, n, s, _ in items]
+  got = [f.result(timeout=60) for f in futs]
+  for g, (*_, want) in zip(got, items):
+    if want is None:
+      assert g.parts["correct"] == 0.0
+    else:
+      assert g.reward == pytest.approx(want), g
+  m = pool.metrics()
+  assert m["completed"] >= len(items) and m["recycled"] >= 1
+  assert m["latency_p95_s"] > 0 and m["throughput_per_s"] > 0
+
+
+def test_timed_out_task_resolves_to_zero_and_the_pool_recovers(pool):
+  before = pool.metrics()["timeouts"]
+  r = pool.submit(STDIN, SLOW).result(timeout=60)
+  assert r.reward == 0.0 and "timed out" in r.error
+  assert pool.metrics()["timeouts"] == before + 1
+  assert pool.submit(STDIN, GOOD).result(timeout=60).reward == 1.0
+
+
+def test_pool_survives_a_worker_killed_mid_task(pool):
+  before = pool.metrics()["crashes"]
+  fut = pool.submit(STDIN, _code("import time\ntime.sleep(1.0)\nprint(2 * int(input()))"))
+  deadline = time.monotonic() + 30
+  while pool.metrics()["busy"] == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  busy = [w for w in pool._workers if w.tid is not None]
+  assert busy
+  os.kill(busy[0].proc.pid, signal.SIGKILL)
+  r = fut.result(timeout=60)
+  assert r.reward == 0.0 and "died" in r.error
+  assert pool.metrics()["crashes"] == before + 1
+  results = [f.result(timeout=60) for f in [pool.submit(MATH, _math(5)) for _ in range(4)]]
+  assert all(x.reward == 1.0 for x in results)
+
+
+def test_bounded_queue_applies_back_pressure():
+  with VerifierPool(1, CFG, task_timeout_s=30, max_queue=2) as p:
+    seen, futs = [], []
+
+    def producer():
+      for _ in range(8):
+        futs.append(p.submit(MATH, _math(5)))
+
+    t = threading.Thread(target=producer)
+    t.start()
+    while t.is_alive():
+      seen.append(p.metrics()["queued"])
+      time.sleep(0.005)
+    t.join()
+    assert max(seen) <= 2
+    assert [f.result(timeout=60).reward for f in futs] == [1.0] * 8
+
+
+def test_close_leaves_no_orphan_processes():
+  p = VerifierPool(2, CFG, task_timeout_s=30)
+  # A setsid grandchild that would outlive a process-group kill.
+  leak = _code("import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(1000)\n"
+               "time.sleep(1000)")
+  futs = [p.submit(STDIN, leak), p.submit(MATH, _math(5))]
+  time.sleep(0.5)
+  pids = p.worker_pids()
+  p.close(timeout=0.5)     # abandons the running task
+  uids = {p.uid_base + s for s in range(2)}
+  assert all(f.done() for f in futs)
+  deadline = time.monotonic() + 5
+  while (any(_alive(x) for x in pids) or _uid_processes(uids)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not any(_alive(x) for x in pids)
+  assert _uid_processes(uids) == []
+  with pytest.raises(RuntimeError, match="closed"):
+    p.submit(MATH, _math(5))
+
+
+def test_ray_backend_has_the_same_interface():
+  ray = pytest.importorskip("ray")
+  from magistral_jax.verify import RayVerifierPool
+  ray.init(num_cpus=2, include_dashboard=False)
+  try:
+    with RayVerifierPool(2, CFG, task_timeout_s=30) as p:
+      assert p.submit(MATH, _math(5)).result(timeout=120).reward == 1.0
+      assert p.submit(STDIN, GOOD).result(timeout=120).reward == 1.0
+      assert p.metrics()["completed"] == 2
+  finally:
+    ray.shutdown()
