@@ -1,1 +1,15 @@
+"""Data: TFDS datasets (array_record, no TensorFlow), grain loaders and the paper's filters.
 
+  records        the canonical math / code / SFT records and adapters from public layouts
+  jsonl          reading damaged JSONL: bad rows skipped, counted per reason, logged by row
+  tfds_builders  TFDS builders from local JSONL; build_dataset / build_shipped / load_source
+  loader         grain: ProblemLoader (RL problem dicts), SftLoader (tokenised, packed);
+                 shuffle, repeat, data-parallel shards, JSON state for the checkpoint
+  format_filter  proofs, multi-part, multiple choice -> open answer, verifiable answers
+  difficulty     two-stage pass-rate filter over sampled completions (resumable journal)
+  code_filter    reference solutions vote on the tests (drop, fix)
+  translate      a fraction of problems into fr/es/it/de/zh/ru, checked with fastText
+  filters        runs the filters over JSONL into a new dataset plus a report
+  synthetic      seeded multi-step arithmetic problems and traces (the tiny default task)
+  sources/       the shipped public sets (see sources/SOURCES.md)
+"""

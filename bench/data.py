@@ -1,0 +1,178 @@
+"""Benchmark: can the SFT data loader keep the trainer fed?
+
+Loader side: `SftLoader` over a TFDS array_record dataset of real traces (GSM8K test questions ->
+reference solutions, shipped in data/sources), tokenised with a real tokenizer (SmolLM2's GGUF
+vocabulary through `model.tokenizer`, and Mistral's Tekken from mistral-common), packed
+first-fit into rows of --seq_len tokens and batched: examples/s and tokens/s.
+Named baseline beside it: a plain Python loop over the same JSONL (json.loads + the same
+tokenisation, no packing), to show what grain + array_record cost or save.
+
+Trainer side: a jitted forward + backward of the next-token loss (masked mean of -log π) with
+`model.transformer` on random weights at the tiny and SmolLM2-135M shapes, on packed batches of
+the same seq_len: tokens/s consumed, turned into examples/s with the loader's measured tokens per
+example.
+
+Last line: JSON with `loader_over_consumption` = loader examples/s / trainer examples/s for the
+fastest trainer measured (the hardest case); the goal is >= 10.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from magistral_jax.data import jsonl  # noqa: E402
+from magistral_jax.data import loader  # noqa: E402
+from magistral_jax.data import records  # noqa: E402
+from magistral_jax.data import tfds_builders  # noqa: E402
+
+# SmolLM2-135M(-Instruct) config.json shapes.
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                    tie_word_embeddings=True, max_position_embeddings=8192)
+
+
+def build_traces(data_dir: str) -> str:
+  rows = []
+  for r in jsonl.iter_rows(records.shipped_path("gsm8k_test"), jsonl.ReadReport()):
+    obj = r[1]
+    rows.append({"id": f"gsm8k/{obj['idx']}", "prompt": obj["question"],
+                 "completion": f"<think>\n{obj['solution']}\n</think>\n\n\\boxed{{{obj['answer']}}}"})
+  path = os.path.join(data_dir, "traces.jsonl")
+  jsonl.write_jsonl(path, rows)
+  tfds_builders.build_dataset("sft", "gsm8k_traces", path, data_dir)
+  return path
+
+
+def make_tokenizers():
+  from magistral_jax.model import tokenizer as tk
+  out = {}
+  try:
+    out["smollm2_gguf"] = tk.HFTokenizer.from_gguf()
+  except Exception as e:  # noqa: BLE001  report, and measure with the other one
+    print(f"SmolLM2 GGUF tokenizer unavailable: {e}", file=sys.stderr)
+  out["tekken"] = tk.MistralCommonTokenizer("tekken_240911.json")
+  return out
+
+
+def measure_loader(data_dir, tok, seq_len, batch_size, seconds):
+  fn = loader.chat_sft_tokenize_fn(tok)
+  sft = loader.SftLoader(data_dir, "gsm8k_traces", fn, seq_len=seq_len, batch_size=batch_size,
+                         seed=0, shard_index=0, shard_count=1)
+  next(sft)                                   # thread start-up and first fill
+  n_ex = n_tok = n_batches = 0
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    b = next(sft)
+    seg = b["segment_ids"]
+    n_ex += sum(len(np.unique(row[row > 0])) for row in seg)
+    n_tok += int(np.sum(seg > 0))
+    n_batches += 1
+  dt = time.perf_counter() - t0
+  return {"examples_per_s": n_ex / dt, "tokens_per_s": n_tok / dt, "batches": n_batches,
+          "tokens_per_example": n_tok / max(n_ex, 1), "fill": n_tok / (n_batches * batch_size * seq_len)}
+
+
+def measure_plain_loop(path, tok, seconds):
+  fn = loader.chat_sft_tokenize_fn(tok)
+  n_ex = n_tok = 0
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        ex = fn(json.loads(line))
+        n_ex += 1
+        n_tok += len(ex["tokens"])
+        if time.perf_counter() - t0 >= seconds:
+          break
+  dt = time.perf_counter() - t0
+  return {"examples_per_s": n_ex / dt, "tokens_per_s": n_tok / dt}
+
+
+def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
+  import jax
+  import jax.numpy as jnp
+  from magistral_jax.model import transformer
+  from magistral_jax.model.config import ModelConfig
+
+  shape = {**shape, "max_position_embeddings": max(seq_len, shape.get("max_position_embeddings", 0))}
+  cfg = ModelConfig(**shape)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
+  # Packed rows of 4 sequences each, as the loader emits.
+  seg = jnp.asarray(np.repeat(np.arange(1, 5), seq_len // 4)[None].repeat(batch_size, 0), jnp.int32)
+  pos = jnp.asarray(np.tile(np.arange(seq_len // 4), 4)[None].repeat(batch_size, 0), jnp.int32)
+  mask = jnp.ones((batch_size, seq_len), jnp.float32)
+
+  def loss_fn(p, tokens, pos, seg, mask):
+    h = transformer.hidden_states(p, cfg, tokens[:, :-1], pos[:, :-1], seg[:, :-1])
+    lp = transformer.token_logprobs(p, cfg, h, tokens[:, 1:])
+    m = mask[:, 1:] * (seg[:, 1:] == seg[:, :-1])
+    return -jnp.sum(lp * m) / jnp.sum(m)
+
+  step = jax.jit(jax.value_and_grad(loss_fn))
+  t0 = time.perf_counter()
+  jax.block_until_ready(step(params, tokens, pos, seg, mask))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(params, tokens, pos, seg, mask))
+    times.append(time.perf_counter() - t0)
+  dt = float(np.median(times))
+  return {"step_s": dt, "tokens_per_s": batch_size * seq_len / dt, "compile_s": compile_s,
+          "params": cfg.num_params(), "batch": [batch_size, seq_len],
+          "device": str(jax.devices()[0].platform)}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--seq_len", type=int, default=512)
+  ap.add_argument("--loader_batch", type=int, default=8)
+  ap.add_argument("--loader_seconds", type=float, default=5.0)
+  ap.add_argument("--tiny_batch", type=int, default=8)
+  ap.add_argument("--smollm2_batch", type=int, default=1)
+  ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--configs", default="tiny,smollm2")
+  args = ap.parse_args()
+
+  result = {"seq_len": args.seq_len, "loader": {}, "plain_loop_baseline": {}, "trainer": {}}
+  with tempfile.TemporaryDirectory() as d:
+    path = build_traces(d)
+    toks = make_tokenizers()
+    for name, tok in toks.items():
+      result["loader"][name] = measure_loader(d, tok, args.seq_len, args.loader_batch, args.loader_seconds)
+      result["plain_loop_baseline"][name] = measure_plain_loop(path, tok, args.loader_seconds)
+      print(name, json.dumps(result["loader"][name]), json.dumps(result["plain_loop_baseline"][name]),
+            flush=True)
+
+  shapes = {"tiny": ({}, args.tiny_batch), "smollm2_135m": (SMOLLM2_135M, args.smollm2_batch)}
+  wanted = {"tiny": "tiny", "smollm2": "smollm2_135m"}
+  for c in args.configs.split(","):
+    shape, b = shapes[wanted[c]]
+    result["trainer"][wanted[c]] = measure_trainer(shape, args.seq_len, b, args.steps)
+    print(wanted[c], json.dumps(result["trainer"][wanted[c]]), flush=True)
+
+  # The loader measured with the SmolLM2 tokenizer (the shipped model's) when available.
+  ref = result["loader"].get("smollm2_gguf") or result["loader"]["tekken"]
+  ratios = {}
+  for name, tr in result["trainer"].items():
+    consumed = tr["tokens_per_s"] / ref["tokens_per_example"]   # examples/s the trainer eats
+    tr["examples_per_s"] = consumed
+    ratios[name] = ref["examples_per_s"] / consumed
+  result["ratio_per_config"] = ratios
+  result["loader_over_consumption"] = min(ratios.values())
+  result["goal"] = ">= 10"
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
