@@ -1,0 +1,155 @@
+"""Benchmark: the continuous-batching generator vs transformers `generate` (static batches).
+
+Workload: SmolLM2-135M-Instruct (GGUF weights dequantized to fp32, the same on both sides), 128-token
+prompts, per-request output lengths drawn uniformly from [min_new, 5 * min_new] (a 5x spread, as
+RL completions have), greedy with EOS ignored so both sides generate exactly the requested
+lengths. For each batch size B (slots for us, batch for transformers):
+  ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
+        slots are refilled from the queue at the next step. Mid-run, new weights are pushed from
+        another thread `n_updates` times (same values, new version).
+  hf:   the same requests in static batches of B; each batch runs until its longest member is
+        done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
+Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
+
+Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active slot-steps / all
+slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
+the queue still held work; `update_pause_in_steps` = the longest time the loop was blocked by a
+weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
+the caller's thread and is reported separately as update_call_s).
+Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
+"""
+import argparse
+import json
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+
+def run_ours(cfg, params, prompts, lengths, slots, n_updates):
+  from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+  from magistral_jax.parallel.sharding import make_mesh
+  p_len = len(prompts[0])
+  eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
+               max_prefill_length=p_len, max_decode_length=int(max(lengths)),
+               prefill_buckets=(p_len,), sampling=SamplingConfig(greedy=True, max_new_tokens=8))
+  # Warm-up: compile prefill / insert / generate / set_active once.
+  warm = GeneratorLoop(eng, params)
+  warm.submit(Request("w", prompts[0], max_new_tokens=2))
+  warm.run_until_idle()
+  compiled = eng.compile_counts()
+
+  loop = GeneratorLoop(eng, params)
+  for i, (p, n) in enumerate(zip(prompts, lengths)):
+    loop.submit(Request(i, p, max_new_tokens=int(n)))
+  total = int(sum(lengths))
+  queued_util = []
+  call_s = []
+
+  # The trainer side holds its weights on device; give it distinct device copies to push.
+  pushes = [jax.tree.map(lambda x: x.copy(), loop.params) for _ in range(n_updates)]
+  jax.block_until_ready(pushes)
+
+  def pusher():  # push weights a few times while the loop runs, from another thread
+    for v in range(1, n_updates + 1):
+      while loop.generated_tokens < total * v / (n_updates + 1):
+        time.sleep(0.01)
+      t = time.perf_counter()
+      loop.update_params(pushes[v - 1], v)
+      call_s.append(time.perf_counter() - t)
+  th = threading.Thread(target=pusher)
+  t0 = time.perf_counter()
+  th.start()
+  done = 0
+  while not loop.idle():
+    loop.step()
+    if not loop._requests.empty() or loop._groups:
+      queued_util.append((loop.steps, loop.active_slot_steps))
+  while not loop.completions.empty():
+    c = loop.completions.get()
+    done += len(c.tokens)
+  wall = time.perf_counter() - t0
+  th.join()
+  step_s = loop.decode_time_s / loop.steps
+  s_q, a_q = queued_util[-1] if queued_util else (1, 0)
+  return {
+      "tokens_per_s": done / wall, "wall_s": wall, "generated_tokens": done, "steps": loop.steps,
+      "slot_utilization": loop.metrics()["slot_utilization"],
+      "slot_utilization_while_queued": a_q / (s_q * slots),
+      "decode_step_s": step_s, "versions_seen": loop.version,
+      "update_pause_s": max(loop.update_pauses_s, default=0.0),
+      "update_pause_in_steps": max(loop.update_pauses_s, default=0.0) / step_s,
+      "update_call_s": max(call_s, default=0.0),
+      "recompiled": eng.compile_counts() != compiled,
+  }
+
+
+def run_hf(hf, prompts, lengths, batch):
+  import torch
+  t0 = time.perf_counter()
+  slot_steps = 0
+  with torch.inference_mode():
+    for s in range(0, len(prompts), batch):
+      x = torch.tensor(prompts[s:s + batch], dtype=torch.long)
+      n = int(max(lengths[s:s + batch]))
+      hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                  pad_token_id=0, use_cache=True)
+      slot_steps += n * len(x)
+  wall = time.perf_counter() - t0
+  return {"tokens_per_s": float(sum(lengths)) / wall, "wall_s": wall,
+          "slot_utilization": float(sum(lengths)) / slot_steps}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batches", default="16,64")
+  ap.add_argument("--requests_per_slot", type=float, default=1.5)
+  ap.add_argument("--prompt", type=int, default=128)
+  ap.add_argument("--min_new", type=int, default=8)
+  ap.add_argument("--n_updates", type=int, default=3)
+  ap.add_argument("--skip_hf", action="store_true")
+  args = ap.parse_args()
+
+  import torch
+  import transformers
+  from magistral_jax.model import checkpoint as ckpt
+  torch.set_num_threads(os.cpu_count())
+  path = ckpt.default_gguf_path()
+  cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+  hf = None
+  if not args.skip_hf:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
+    hf.eval()
+
+  runs = {}
+  for b in [int(x) for x in args.batches.split(",")]:
+    rs = np.random.RandomState(b)
+    n_req = int(round(args.requests_per_slot * b))
+    prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt)).tolist()
+    lengths = rs.randint(args.min_new, 5 * args.min_new + 1, n_req)
+    r = {"batch": b, "requests": n_req, "ours": run_ours(cfg, params, prompts, lengths, b,
+                                                        args.n_updates)}
+    if hf is not None:
+      r["hf"] = run_hf(hf, prompts, lengths, b)
+      r["speedup_vs_hf"] = r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
+    runs[b] = r
+    print(json.dumps(r), flush=True)
+
+  last = runs[max(runs)]
+  result = {
+      "machine": f"cpu x{os.cpu_count()}", "jax_backend": jax.default_backend(),
+      "model": "SmolLM2-135M-Instruct fp32", "prompt": args.prompt,
+      "new_tokens_range": [args.min_new, 5 * args.min_new],
+      "speedup_vs_hf": last.get("speedup_vs_hf"),
+      "slot_utilization": last["ours"]["slot_utilization"],
+      "update_pause_in_steps": max(r["ours"]["update_pause_in_steps"] for r in runs.values()),
+      "runs": {str(k): v for k, v in runs.items()},
+  }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,321 @@
+"""The generation engine: JetStream's Engine contract, written natively in JAX.
+
+JetStream splits serving into
+  prefill(params, padded_tokens, true_length) -> prefix   (KV cache of one prompt + first token)
+  insert(prefix, decode_state, slot)          -> decode_state
+  generate(params, decode_state)              -> (decode_state, result tokens)
+over a fixed number of decode slots (`max_concurrent_decodes`). We keep that contract (so the
+optional adapter in jetstream_adapter.py can hand this engine to the real orchestrator) and add
+what RL needs: every token comes with its fp32 log-prob under the sampling policy (sampling.py
+says which distribution), per-slot PRNG streams, and `resample` so the G samples of a GRPO group
+share one prefill.
+
+Compilation: `generate` is one jitted program with fixed shapes, fixed in/out shardings and the
+decode state donated, so new weights of the same shapes/shardings never recompile it. `prefill`
+and `insert` compile once per prefill length bucket.
+
+Placement: the engine lives on its own mesh (any subset of devices) with its own rules (default
+GENERATOR_RULES: tensor parallel, full weights per tensor-parallel group); `load_params` reshards
+whatever it is given (e.g. the trainer's FSDP layout) onto that mesh.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from magistral_jax.generate import sampling as S
+from magistral_jax.model import transformer as T
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.sharding import GENERATOR_RULES, ShardingCtx, param_shardings
+
+Array = jax.Array
+log = logging.getLogger(__name__)
+
+
+class ParamsMismatchError(ValueError):
+  """New params whose tree structure or shapes differ from the engine's."""
+
+
+class NonFiniteError(FloatingPointError):
+  """NaN/Inf in params or in the logits of an active slot."""
+
+
+class Prefix(NamedTuple):
+  """One prefilled prompt. cache: KVCache with batch 1 and the bucket's length; logits: [V] fp32
+  at the last prompt position (kept so group members can draw their own first token);
+  token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
+  tokens in the cache."""
+  cache: T.KVCache
+  logits: Array
+  token: Array
+  logprob: Array
+  key: Array
+  true_length: Array
+
+
+class DecodeState(NamedTuple):
+  """All slots. cache: KVCache [L, B, S, K, Dh]; tokens [B]: the next input token of each slot
+  (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
+  cache: T.KVCache
+  tokens: Array
+  keys: Array
+  active: Array
+
+
+class ResultTokens(NamedTuple):
+  """One decode step, per slot: the sampled token, its log-prob, whether the slot was active
+  (valid), the slot's sequence length in the cache, and whether its logits were all finite."""
+  tokens: Array
+  logprobs: Array
+  valid: Array
+  lengths: Array
+  finite: Array
+
+
+def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
+  """Powers of two from `smallest` up to max_prefill_length (always included)."""
+  out, b = [], smallest
+  while b < max_prefill_length:
+    out.append(b)
+    b *= 2
+  out.append(max_prefill_length)
+  return tuple(out)
+
+
+class Engine:
+  """Slots, a KV cache and three jitted programs (prefill / insert / generate) on one mesh."""
+
+  def __init__(self, cfg: ModelConfig, mesh: Mesh, rules=GENERATOR_RULES, *,
+               max_concurrent_decodes: int, max_prefill_length: int, max_decode_length: int,
+               sampling: S.SamplingConfig = S.SamplingConfig(),
+               prefill_buckets: Sequence[int] | None = None, cache_dtype=None,
+               truncate_prompts: bool = False):
+    if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
+      raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
+                       f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
+                       f"{max_decode_length}")
+    self.cfg, self.mesh, self.rules = cfg, mesh, tuple(rules)
+    self.sampling = sampling
+    self._slots = int(max_concurrent_decodes)
+    self._max_prefill = int(max_prefill_length)
+    self._max_decode = int(max_decode_length)
+    self.cache_length = self._max_prefill + self._max_decode
+    self.cache_dtype = jnp.dtype(cache_dtype or cfg.dtype)
+    self.truncate_prompts = truncate_prompts
+    buckets = sorted(set(prefill_buckets or default_buckets(self._max_prefill)))
+    if buckets[-1] < self._max_prefill:
+      buckets.append(self._max_prefill)
+    if buckets[0] < 1 or buckets[-1] > self._max_prefill:
+      raise ValueError(f"prefill_buckets {buckets} must lie in [1, max_prefill_length="
+                       f"{self._max_prefill}]")
+    self.prefill_buckets = tuple(buckets)
+    # KV recompute (the ablation) re-prefills whole sequences, so it needs buckets up to S.
+    self.recompute_buckets = self.prefill_buckets + tuple(
+        b for b in default_buckets(self.cache_length, 2 * self._max_prefill)
+        if b > self._max_prefill)
+    self.shard = ShardingCtx(mesh, self.rules)
+
+    shapes = T.param_shapes(cfg)
+    self._param_shapes = shapes
+    self.param_shardings = param_shardings(T.param_logical_axes(cfg), mesh, self.rules, shapes)
+    self._treedef = jax.tree.structure(shapes)
+    rep = NamedSharding(mesh, P())
+    state_shapes = jax.eval_shape(self._init_state)
+    cax = T.cache_logical_axes()
+    cache_sh = T.KVCache(*(self.shard.sharding(ax, s.shape)
+                           for ax, s in zip(cax, state_shapes.cache)))
+    batch = self.shard.sharding(("cache_batch",), (self._slots,))
+    self.state_shardings = DecodeState(cache_sh, batch, self.shard.sharding(
+        ("cache_batch", None), (self._slots, 2)), batch)
+    result_sh = ResultTokens(*([rep] * 5))
+
+    self._generate = jax.jit(self._generate_impl,
+                             in_shardings=(self.param_shardings, self.state_shardings),
+                             out_shardings=(self.state_shardings, result_sh),
+                             donate_argnums=(1,))
+    self._prefill = jax.jit(self._prefill_impl, out_shardings=None)
+    self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
+                           donate_argnums=(1,), static_argnames=("cache_only",))
+    self._resample = jax.jit(self._resample_impl)
+    self._set_active = jax.jit(lambda st, a: st._replace(active=a),
+                               out_shardings=self.state_shardings, donate_argnums=(0,))
+    self._all_finite = jax.jit(
+        lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
+
+  # ---- JetStream Engine properties -----------------------------------------------------------
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self._slots
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill
+
+  @property
+  def max_decode_length(self) -> int:
+    return self._max_decode
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  def compile_counts(self) -> dict[str, int]:
+    """How many programs each jitted entry point has compiled (for no-recompile checks)."""
+    return {name: getattr(self, f"_{name}")._cache_size()
+            for name in ("generate", "prefill", "insert", "resample", "set_active")}
+
+  # ---- params --------------------------------------------------------------------------------
+  def check_params(self, params) -> None:
+    """Raises ParamsMismatchError unless `params` has the engine's tree structure and shapes."""
+    treedef = jax.tree.structure(params)
+    if treedef != self._treedef:
+      raise ParamsMismatchError(
+          f"params tree structure differs from the engine's: got {treedef}, expected "
+          f"{self._treedef}")
+    bad = []
+    for (path, x), ref in zip(jax.tree_util.tree_leaves_with_path(params),
+                              jax.tree.leaves(self._param_shapes)):
+      if tuple(np.shape(x)) != tuple(ref.shape):
+        bad.append(f"{jax.tree_util.keystr(path)}: {tuple(np.shape(x))} != {tuple(ref.shape)}")
+    if bad:
+      raise ParamsMismatchError("params shapes differ from the engine's: " + "; ".join(bad))
+
+  def load_params(self, params) -> Any:
+    """Validates params (structure, shapes, finiteness) and puts them on the engine's mesh in
+    cfg.param_dtype, resharding from whatever layout they come in."""
+    self.check_params(params)
+    params = jax.tree.map(lambda x, ref: jnp.asarray(x, ref.dtype) if x.dtype != ref.dtype else x,
+                          params, self._param_shapes)
+    params = jax.device_put(params, self.param_shardings)
+    if not bool(self._all_finite(params)):
+      raise NonFiniteError("params contain NaN or Inf; refusing to generate with them")
+    return params
+
+  # ---- decode state --------------------------------------------------------------------------
+  def _init_state(self) -> DecodeState:
+    cache = T.init_cache(self.cfg, self._slots, self.cache_length, self.cache_dtype)
+    return DecodeState(cache, jnp.zeros((self._slots,), jnp.int32),
+                       jnp.zeros((self._slots, 2), jnp.uint32),
+                       jnp.zeros((self._slots,), bool))
+
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+    del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
+    return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+
+  # ---- prompts -------------------------------------------------------------------------------
+  def bucket_for(self, n: int, buckets: Sequence[int] | None = None) -> int:
+    buckets = buckets or self.prefill_buckets
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+      raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+  def pad_prompt(self, tokens: Sequence[int], buckets: Sequence[int] | None = None,
+                 truncate: bool | None = None):
+    """Validates a prompt and right-pads it to its bucket: (padded int32 [bucket], true_length,
+    truncated). Too long -> ValueError, or with truncate_prompts=True the *last*
+    max_prefill_length tokens are kept (the end of a chat prompt is what conditions the answer)
+    and truncated=True is reported (`truncate` overrides the engine's setting)."""
+    truncate = self.truncate_prompts if truncate is None else truncate
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if tokens.size == 0:
+      raise ValueError("empty prompt: at least one token is needed to condition generation")
+    if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+      raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size}); got "
+                       f"min {tokens.min()}, max {tokens.max()}")
+    truncated = False
+    limit = (buckets or self.prefill_buckets)[-1]
+    if tokens.size > limit:
+      if not truncate:
+        raise ValueError(f"prompt has {tokens.size} tokens, more than max_prefill_length="
+                         f"{limit}; shorten it or build the engine with truncate_prompts=True")
+      log.warning("truncating a %d-token prompt to its last %d tokens", tokens.size, limit)
+      tokens, truncated = tokens[-limit:], True
+    b = self.bucket_for(tokens.size, buckets)
+    padded = np.zeros((b,), np.int32)
+    padded[:tokens.size] = tokens
+    return padded, int(tokens.size), truncated
+
+  # ---- prefill / insert / generate -----------------------------------------------------------
+  def _prefill_impl(self, params, padded_tokens, true_length, key):
+    b = padded_tokens.shape[0]
+    cache = T.init_cache(self.cfg, 1, b, self.cache_dtype)
+    hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
+                             num_new=true_length[None])
+    last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
+    lg = T.logits(params, self.cfg, last)
+    tok, lp = S.sample(lg[None], key[None], true_length[None], self.sampling)
+    return Prefix(cache, lg, tok[0], lp[0], key, true_length)
+
+  def prefill(self, params, padded_tokens, true_length, *, rng=None, existing_prefix=None
+              ) -> Prefix:
+    """KV cache of one prompt (padded to a bucket) and its first sampled token. `rng` (a
+    uint32[2] PRNG key) seeds the slot stream this prefix will carry into `insert`."""
+    if existing_prefix is not None:
+      raise NotImplementedError("prefix caching (existing_prefix) is not supported")
+    padded_tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(-1)
+    if not 1 <= int(true_length) <= padded_tokens.shape[0]:
+      raise ValueError(f"true_length={int(true_length)} outside [1, {padded_tokens.shape[0]}]")
+    key = jax.random.PRNGKey(0) if rng is None else jnp.asarray(rng, jnp.uint32)
+    return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key)
+
+  def _resample_impl(self, prefix: Prefix, key):
+    tok, lp = S.sample(prefix.logits[None], key[None], prefix.true_length[None], self.sampling)
+    return prefix._replace(token=tok[0], logprob=lp[0], key=key)
+
+  def resample(self, prefix: Prefix, rng) -> Prefix:
+    """The same prompt cache with a new slot stream and a first token drawn with it: how one
+    prefill serves the G samples of a GRPO group."""
+    return self._resample(prefix, jnp.asarray(rng, jnp.uint32))
+
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
+    def put(big, small):
+      return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0, 0))
+    cache = T.KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v),
+                      state.cache.lengths.at[slot].set(prefix.true_length))
+    if cache_only:
+      return state._replace(cache=cache)
+    return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
+                       state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True))
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Copies a prefix into `slot` (donating decode_state) and activates it."""
+    if not 0 <= int(slot) < self._slots:
+      raise ValueError(f"slot {slot} outside [0, {self._slots})")
+    return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32))
+
+  def refresh_slot(self, params, decode_state: DecodeState, slot: int,
+                   sequence: Sequence[int]) -> DecodeState:
+    """Recomputes the KV cache of an in-flight slot from its tokens (prompt + generated, except
+    the pending input token) under `params`; tokens, keys and activity are kept. Only used by
+    the recompute-on-update ablation: the paper keeps the stale cache."""
+    padded, n, _ = self.pad_prompt(sequence, self.recompute_buckets)
+    prefix = self._prefill(params, jnp.asarray(padded), jnp.asarray(n, jnp.int32),
+                           jnp.zeros((2,), jnp.uint32))
+    return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
+
+  def _generate_impl(self, params, state: DecodeState):
+    active = state.active
+    hidden, cache = T.decode(params, self.cfg, state.tokens[:, None], state.cache, self.shard,
+                             num_new=active.astype(jnp.int32))
+    lg = T.logits(params, self.cfg, hidden[:, 0])
+    finite = jnp.all(jnp.isfinite(lg), axis=-1)
+    # The sampled token will sit at position cache.lengths (the stream's key is folded with it).
+    tok, lp = S.sample(lg, state.keys, cache.lengths, self.sampling)
+    tok = jnp.where(active, tok, state.tokens)
+    new_state = DecodeState(cache, tok, state.keys, active)
+    return new_state, ResultTokens(tok, lp, active, cache.lengths, finite)
+
+  def generate(self, params, decode_state: DecodeState):
+    """One decode step for every slot (inactive slots compute but do not advance)."""
+    return self._generate(params, decode_state)
+
+  def set_active(self, decode_state: DecodeState, active) -> DecodeState:
+    """Frees (False) or keeps (True) slots; a freed slot stops advancing until re-inserted."""
+    return self._set_active(decode_state, jnp.asarray(active, bool))

@@ -1,0 +1,363 @@
+"""The generator loop: continuous batching over the engine's slots, with weights updated in flight.
+
+One iteration (`step`):
+  1. swap in pending weights, if any (a pointer swap at a decode-step boundary; the KV cache of
+     in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set);
+  2. refill free slots: one prefill per request, its G group samples inserted into G slots
+     (samples that do not fit wait for the next free slots, reusing the same prefix);
+  3. one decode step for all slots, then host-side bookkeeping: append token, log-prob and the
+     policy version of each active slot; finish on EOS, a stop string or max tokens; stream
+     finished sequences out as `Completion`s.
+
+`start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
+exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
+cause) by `check()`, `get()` and `submit()`, so callers never hang on a dead generator.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from magistral_jax.generate.engine import Engine, NonFiniteError, Prefix
+from magistral_jax.generate.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorError(RuntimeError):
+  """The loop thread died; the original exception is the __cause__."""
+
+
+@dataclasses.dataclass
+class Request:
+  id: Any
+  prompt_tokens: Sequence[int]
+  group_size: int = 1
+  max_new_tokens: int | None = None
+  metadata: Any = None
+  seed: int | None = None  # per-request sampling seed (default: drawn from the loop's seed)
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished sample. logprobs[t] = log π_T(tokens[t]) under the policy version versions[t]
+  that sampled it (see sampling.py). finish_reason: 'eos' | 'stop' | 'length'."""
+  request_id: Any
+  sample_index: int
+  prompt_tokens: list[int]
+  tokens: list[int]
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: str
+  metadata: Any = None
+  prompt_truncated: bool = False
+
+
+@dataclasses.dataclass
+class _Group:
+  request: Request
+  prompt: list[int]        # after truncation, as prefilled
+  padded: np.ndarray
+  true_length: int
+  truncated: bool
+  key: np.ndarray          # request PRNG key; sample i uses fold_in(key, i)
+  max_new: int
+  next_index: int = 0
+  prefix: Prefix | None = None
+  prefix_version: int = 0
+
+
+@dataclasses.dataclass
+class _Slot:
+  group: _Group
+  index: int
+  tokens: list
+  logprobs: list
+  versions: list
+
+
+class GeneratorLoop:
+  """Continuous-batching generator over one Engine; see the module docstring."""
+
+  def __init__(self, engine: Engine, params, version: int = 0, *,
+               detokenize: Callable[[Sequence[int]], str] | None = None,
+               callback: Callable[[Completion], None] | None = None,
+               recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
+               sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None):
+    self.engine = engine
+    # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side, so a loop may set its
+    # own; what the compiled step uses (temperature, top-p, top-k, greedy) must match the engine.
+    self.sampling = sampling or engine.sampling
+    for f in ("temperature", "top_p", "top_k", "greedy"):
+      if getattr(self.sampling, f) != getattr(engine.sampling, f):
+        raise ValueError(f"sampling.{f}={getattr(self.sampling, f)!r} differs from the engine's "
+                         f"{getattr(engine.sampling, f)!r} (it is compiled into the engine)")
+    self.truncate_prompts = engine.truncate_prompts if truncate_prompts is None \
+        else truncate_prompts
+    if self.sampling.stop_strings and detokenize is None:
+      raise ValueError("SamplingConfig.stop_strings needs a detokenize callable")
+    self.detokenize = detokenize
+    self.callback = callback
+    self.recompute_kv_on_update = recompute_kv_on_update
+    self.idle_wait_s = idle_wait_s
+    self.params = engine.load_params(params)
+    self.version = int(version)
+    self.state = engine.init_decode_state()
+    self.completions: queue.Queue[Completion] = queue.Queue()
+    self._requests: queue.Queue[Request] = queue.Queue()
+    self._groups: collections.deque[_Group] = collections.deque()
+    self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
+    self._pending: tuple[Any, int] | None = None
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self._error_tb = ""
+    self._rng = np.random.default_rng(seed)
+    self._max_stop = max((len(s) for s in self.sampling.stop_strings), default=0)
+    # Metrics.
+    self.steps = 0
+    self.active_slot_steps = 0
+    self.generated_tokens = 0
+    self.decode_time_s = 0.0
+    self.update_pauses_s: list[float] = []
+    self.update_pause_steps: list[int] = []  # decode steps between update_params and the swap
+    self._pending_since_step = 0
+
+  # ---- public API ----------------------------------------------------------------------------
+  def submit(self, request: Request) -> None:
+    """Validates and enqueues a request (raises at once on bad input; nothing is queued)."""
+    self.check()
+    if request.group_size < 1:
+      raise ValueError(f"request {request.id!r}: group_size must be >= 1, got "
+                       f"{request.group_size}")
+    mx = request.max_new_tokens or self.sampling.max_new_tokens
+    if not 1 <= mx <= self.engine.max_decode_length:
+      raise ValueError(f"request {request.id!r}: max_new_tokens={mx} outside [1, "
+                       f"max_decode_length={self.engine.max_decode_length}]")
+    try:
+      padded, n, truncated = self.engine.pad_prompt(request.prompt_tokens,
+                                                      truncate=self.truncate_prompts)
+    except ValueError as e:
+      raise ValueError(f"request {request.id!r}: {e}") from None
+    prompt = list(np.asarray(request.prompt_tokens).reshape(-1)[-n:].tolist())
+    seed = request.seed if request.seed is not None else int(self._rng.integers(2**31))
+    key = np.asarray(jax.random.PRNGKey(seed))
+    self._requests.put(_Group(request, prompt, padded, n, truncated, key, mx))
+
+  def update_params(self, params, version: int) -> None:
+    """Thread-safe. Validates (tree, shapes, finiteness) and moves the new weights onto the
+    engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
+    Bad params raise here and the loop keeps generating with the old ones."""
+    params = self.engine.load_params(params)
+    with self._lock:
+      self._pending = (params, int(version))
+      self._pending_since_step = self.steps
+
+  def start(self) -> "GeneratorLoop":
+    if self._thread is not None:
+      raise RuntimeError("generator loop already started")
+    self._stop.clear()
+    self._thread = threading.Thread(target=self._run, name="generator-loop", daemon=True)
+    self._thread.start()
+    return self
+
+  def stop(self, timeout: float | None = 30.0) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+      self._thread = None
+
+  def check(self) -> None:
+    """Re-raises an exception from the loop thread."""
+    if self._error is not None:
+      raise GeneratorError(f"generator loop failed:\n{self._error_tb}") from self._error
+
+  def get(self, timeout: float | None = None) -> Completion:
+    """Next completion; raises GeneratorError if the loop died, queue.Empty on timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      self.check()
+      try:
+        return self.completions.get(timeout=0.05)
+      except queue.Empty:
+        if deadline is not None and time.monotonic() > deadline:
+          raise
+        if self._thread is None and self.idle():
+          self.check()
+          raise queue.Empty("generator loop is not running and has no work left")
+
+  def idle(self) -> bool:
+    return (self._requests.empty() and not self._groups
+            and all(s is None for s in self._slots))
+
+  def run_until_idle(self, max_steps: int | None = None) -> list[Completion]:
+    """Steps in the calling thread until all submitted work is done; returns the completions."""
+    n = 0
+    while not self.idle():
+      self.step()
+      n += 1
+      if max_steps is not None and n >= max_steps:
+        break
+    out = []
+    while not self.completions.empty():
+      out.append(self.completions.get())
+    return out
+
+  @property
+  def num_active(self) -> int:
+    return sum(s is not None for s in self._slots)
+
+  def metrics(self) -> dict[str, float]:
+    total = self.steps * self.engine.max_concurrent_decodes
+    return {
+        "steps": self.steps, "generated_tokens": self.generated_tokens,
+        "slot_utilization": self.active_slot_steps / total if total else 0.0,
+        "tokens_per_s": self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0,
+        "version": self.version,
+        "max_update_pause_s": max(self.update_pauses_s, default=0.0),
+    }
+
+  # ---- the loop ------------------------------------------------------------------------------
+  def _run(self):
+    try:
+      while not self._stop.is_set():
+        if not self.step():
+          self._wait_for_work()
+    except BaseException as e:  # surfaced to the caller by check()/get()
+      self._error, self._error_tb = e, traceback.format_exc()
+      log.error("generator loop failed: %s", self._error_tb)
+
+  def _wait_for_work(self):
+    try:
+      group = self._requests.get(timeout=self.idle_wait_s)
+    except queue.Empty:
+      return
+    self._groups.append(group)
+
+  def step(self) -> bool:
+    """One loop iteration; returns False when there was nothing to decode."""
+    self._apply_pending_update()
+    self._fill_slots()
+    if self.num_active == 0:
+      return False
+    t0 = time.perf_counter()
+    self.state, res = self.engine.generate(self.params, self.state)
+    res = jax.device_get(res)
+    self.decode_time_s += time.perf_counter() - t0
+    self.steps += 1
+    active = np.array([s is not None for s in self._slots])
+    self.active_slot_steps += int(active.sum())
+    bad = active & ~res.finite
+    if bad.any():
+      raise NonFiniteError(f"non-finite logits in slots {np.flatnonzero(bad).tolist()} at policy "
+                           f"version {self.version}; stopping instead of sampling garbage")
+    finished = []
+    for i in np.flatnonzero(active):
+      self.generated_tokens += 1
+      if self._append(i, int(res.tokens[i]), float(res.logprobs[i]), self.version):
+        finished.append(i)
+    if finished:
+      self._release()
+    return True
+
+  def _apply_pending_update(self):
+    with self._lock:
+      pending, self._pending = self._pending, None
+      since = self._pending_since_step
+    if pending is None:
+      return
+    t0 = time.perf_counter()
+    self.params, self.version = pending
+    if self.recompute_kv_on_update:
+      for i, s in enumerate(self._slots):
+        if s is not None:  # everything in the cache: the prompt and all but the pending token
+          self.state = self.engine.refresh_slot(self.params, self.state, i,
+                                                s.group.prompt + s.tokens[:-1])
+      for g in self._groups:
+        g.prefix = None  # re-prefilled under the new weights when their turn comes
+      jax.block_until_ready(self.state)
+    self.update_pauses_s.append(time.perf_counter() - t0)
+    self.update_pause_steps.append(self.steps - since)
+
+  def _next_sample(self):
+    """(group, sample index) for the next free slot, prefilling a new request when needed."""
+    while self._groups and self._groups[0].next_index >= self._groups[0].request.group_size:
+      self._groups.popleft()
+    if not self._groups:
+      try:
+        self._groups.append(self._requests.get_nowait())
+      except queue.Empty:
+        return None
+    g = self._groups[0]
+    if g.prefix is None:
+      g.prefix = self.engine.prefill(self.params, g.padded, g.true_length,
+                                     rng=jax.random.fold_in(g.key, 0))
+      g.prefix_version = self.version
+    i = g.next_index
+    g.next_index += 1
+    return g, i
+
+  def _fill_slots(self):
+    finished_at_once = False
+    for slot in range(len(self._slots)):
+      while self._slots[slot] is None:
+        nxt = self._next_sample()
+        if nxt is None:
+          break
+        g, i = nxt
+        prefix = g.prefix if i == 0 else self.engine.resample(g.prefix,
+                                                              jax.random.fold_in(g.key, i))
+        self.state = self.engine.insert(prefix, self.state, slot)
+        self._slots[slot] = _Slot(g, i, [], [], [])
+        tok, lp = jax.device_get((prefix.token, prefix.logprob))
+        # A sample can finish on its first token; the slot is then refilled right away.
+        finished_at_once |= self._append(slot, int(tok), float(lp), g.prefix_version)
+      if self._slots[slot] is None:  # no work left
+        break
+    if finished_at_once:
+      self._release()
+
+  def _release(self):
+    """Makes the device's active mask match the host's slot table."""
+    active = np.array([s is not None for s in self._slots])
+    self.state = self.engine.set_active(self.state, active)
+
+  def _append(self, slot: int, token: int, logprob: float, version: int) -> bool:
+    """Records one token; streams the completion out and frees the slot when it is finished."""
+    s = self._slots[slot]
+    s.tokens.append(token)
+    s.logprobs.append(logprob)
+    s.versions.append(version)
+    reason = None
+    if self.sampling.eos_id is not None and token == self.sampling.eos_id:
+      reason = "eos"
+    elif self._max_stop and self._hit_stop(s.tokens):
+      reason = "stop"
+    elif len(s.tokens) >= s.group.max_new:
+      reason = "length"
+    if reason is None:
+      return False
+    self._slots[slot] = None
+    g = s.group
+    c = Completion(g.request.id, s.index, list(g.prompt), s.tokens,
+                   np.asarray(s.logprobs, np.float32), np.asarray(s.versions, np.int64), reason,
+                   g.request.metadata, g.truncated)
+    self.completions.put(c)
+    if self.callback is not None:
+      self.callback(c)
+    return True
+
+  def _hit_stop(self, tokens) -> bool:
+    # Only the tail can contain a stop string that the previous step did not already contain.
+    tail = self.detokenize(tokens[-(self._max_stop + 8):])
+    return any(s in tail for s in self.sampling.stop_strings)
