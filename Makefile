@@ -1,7 +1,7 @@
 # The two commands (see README.md):
 #   make run    set up .venv and run the main job (tiny CPU default)
 #   make test   set up .venv and run the test suite (8 simulated CPU devices)
-.PHONY: run test setup setup-test bench clean
+.PHONY: run test setup setup-test train-tiny clean
 WORKDIR ?= runs/tiny
 
 setup:
@@ -12,6 +12,10 @@ setup-test:
 
 run: setup
 	.venv/bin/python launch/main.py --workdir=$(WORKDIR)
+
+# The tiny RL run (SFT warm start + async GRPO on synthetic arithmetic, 8 simulated CPU devices).
+train-tiny: setup
+	.venv/bin/python launch/train.py --config=configs/tiny.py --workdir=$(WORKDIR)
 
 test: setup-test
 	.venv/bin/python -m pytest -q tests $(PYTEST_ARGS)

@@ -126,6 +126,8 @@ class RLPipeline:
     self._errors: list[tuple[str, BaseException, str]] = []
     self._lock = threading.Lock()
     self._inflight = 0          # completions submitted and not yet consumed or dropped
+    self.max_inflight = 0       # high-water mark of _inflight: must stay <= n_async
+    self.last_pushed: list = [None] * len(generators)
     self._prompts_exhausted = False
     self.opt_steps = 0          # optimizer steps (one per minibatch)
     self.batches = 0
@@ -208,6 +210,7 @@ class RLPipeline:
       self._next_gid += 1
       self._groups[gid] = _Group(gid, task, self.group_size)
       self._inflight += self.group_size
+      self.max_inflight = max(self.max_inflight, self._inflight)
     i = int(np.argmin(self._gen_load))
     self._gen_load[i] += self.group_size
     self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, group_size=self.group_size,
@@ -268,6 +271,8 @@ class RLPipeline:
       g.members.append(s)
       if len(g.members) == g.size:
         del self._groups[g.gid]
+        # Arrival order depends on thread timing; sample order does not.
+        g.members.sort(key=lambda m: m.gen.sample_index)
         self._finish_group(g)
 
   def _finish_group(self, g: _Group):
@@ -329,15 +334,18 @@ class RLPipeline:
   def _push(self) -> float:
     """Device-to-device reshard of the trainer's params onto every generator (version v+1)."""
     t = time.time()
-    for g in self.generators:
+    for i, g in enumerate(self.generators):
+      # may_alias=False: the trainer donates its state next step, so never share its buffers.
       new = jax.device_put(self.state.params, g.engine.param_shardings, may_alias=False)
       jax.block_until_ready(new)
       g.update_params(new, self.version)
+      self.last_pushed[i] = new
     return time.time() - t
 
   def train_on_groups(self, groups: list[_Group]) -> dict:
     """Advantages -> fixed permutation -> minibatches -> one optimizer step + push per minibatch."""
     comps, rows = [], []
+    groups = sorted(groups, key=lambda g: g.gid)   # independent of which generator was faster
     for gid, g in enumerate(groups):
       rewards = np.asarray([m.result.reward for m in g.members])
       advs = adv_lib.group_advantages(rewards, np.zeros(len(rewards), int))

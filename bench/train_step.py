@@ -1,0 +1,165 @@
+"""Benchmark: the GRPO train step against a plain cross-entropy step, greedy collation against
+naive fixed-count microbatches, and peak memory with and without rematerialisation.
+
+Model: SmolLM2-135M shapes (vocab 49152, hidden 576, MLP 1536, 30 layers, 9 heads, 3 KV heads,
+head_dim 64, tied embeddings), random init. Measured in one run:
+  * step time (process CPU seconds; wall also reported): GRPO step (policy forward + chunked log-probs/entropy + clipped loss) vs the SFT
+    next-token cross-entropy step, both through train.step.make_train_step (same batch shapes,
+    same jit settings: fp32 accumulation scan, AdamW, NaN guard, donated state). Interleaved
+    repeats; the median of each is compared.
+  * padding: greedy collation (longest first, first fit into rows) vs naive fixed-count
+    microbatches (one sequence per row, the same fixed [rows, row_len] microbatch shape), on
+    lengths drawn uniformly with a 5x spread. Also vs padding each naive microbatch only to its
+    longest sequence (dynamic shapes, a recompile per shape).
+  * memory: the compiled GRPO step's memory analysis with ModelConfig.remat = none vs full.
+
+Usage: .venv/bin/python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.rl import collate as C
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.train import optimizer as O
+from magistral_jax.train import step as S
+from magistral_jax.train.sft import make_sft_step
+
+SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                           num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
+                           max_position_embeddings=8192, logits_chunk=256)
+
+
+def memory(compiled) -> tuple[int, int]:
+  """(peak bytes, temp bytes) from the compiled memory analysis. Peak = arguments + outputs −
+  donated aliases + temporaries: everything the step can hold at once. (The CPU backend's own
+  `peak_memory_in_bytes` counts only the arguments here, so it would hide the activations.)"""
+  ma = compiled.memory_analysis()
+  peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+          + ma.temp_size_in_bytes)
+  return int(peak), int(ma.temp_size_in_bytes)
+
+
+def padding_study(rng, n_seq=2048, l_max=1000, spread=5, rows=4):
+  lengths = rng.integers(l_max // spread, l_max + 1, n_seq)
+  real = int(lengths.sum())
+  greedy = C.padding_tokens(lengths, C.first_fit(lengths, l_max), l_max, rows)
+  naive_rows = [[i] for i in range(n_seq)]                      # fixed count: one per row
+  naive = C.padding_tokens(lengths, naive_rows, l_max, rows)
+  dynamic = sum(rows * int(lengths[i:i + rows].max()) - int(lengths[i:i + rows].sum())
+                for i in range(0, n_seq, rows))
+  return {
+      "padding_lengths": f"uniform[{l_max // spread}, {l_max}] x {n_seq}, row_len {l_max}, {rows} rows/microbatch",
+      "padding_frac_greedy": greedy / (greedy + real),
+      "padding_frac_naive": naive / (naive + real),
+      "padding_frac_naive_dynamic": dynamic / (dynamic + real),
+      "padding_reduction": 1.0 - greedy / naive,
+      "padding_reduction_vs_dynamic": 1.0 - greedy / dynamic,
+  }
+
+
+def make_batch(rng, cfg: GRPOConfig, vocab: int):
+  """Completions filling the microbatch: prompts 16-48 tokens, completions with a 5x spread."""
+  comps, used = [], 0
+  budget = cfg.microbatch_tokens
+  for _ in range(200):
+    p = rng.integers(1, vocab, rng.integers(16, 33))
+    c = rng.integers(1, vocab, rng.integers(cfg.row_len // 10, cfg.row_len // 2))
+    n = len(p) + len(c) - 1
+    if used + n > budget * 0.85:
+      continue
+    comps.append(C.Completion(p, c, -np.abs(rng.normal(2.0, 1.0, len(c))), float(rng.normal()),
+                              len(comps) // 2))
+    used += n
+  if len(comps) % 2:
+    comps = comps[:-1]
+  arrays, _, stats = C.collate_minibatch(comps, cfg.replace(n_batch=len(comps), n_mini=len(comps),
+                                                             group_size=2))
+  return arrays, stats
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rows", type=int, default=2)
+  ap.add_argument("--row_len", type=int, default=256)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--layers", type=int, default=SMOLLM2_135M.num_layers)
+  args = ap.parse_args(argv)
+
+  model_cfg = SMOLLM2_135M.replace(num_layers=args.layers)
+  rng = np.random.default_rng(0)
+  result = {"model": "SmolLM2-135M shapes (random init)", "params": model_cfg.num_params(),
+            "devices": f"{jax.device_count()} x {jax.devices()[0].platform}"}
+  result.update(padding_study(rng))
+  print(f"[padding] greedy {result['padding_frac_greedy']:.3f} vs naive fixed "
+        f"{result['padding_frac_naive']:.3f} (dynamic {result['padding_frac_naive_dynamic']:.3f}): "
+        f"reduction {result['padding_reduction']:.3f}", flush=True)
+
+  gcfg = GRPOConfig(microbatch_tokens=args.rows * args.row_len, microbatch_rows=args.rows)
+  batch, stats = make_batch(rng, gcfg, model_cfg.vocab_size)
+  batch = S.shard_batch(batch)
+  result["batch"] = f"{stats['sequences']} sequences, {stats['completion_tokens']} completion tokens, " \
+                    f"[{args.rows} x {args.row_len}] x {stats['microbatches']} microbatch"
+  tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
+
+  t0 = time.perf_counter()
+  state = S.init_state(model_cfg, tx, jax.random.PRNGKey(0))
+  jax.block_until_ready(state)
+  print(f"[init] {time.perf_counter() - t0:.1f}s", flush=True)
+
+  steps = {"grpo": S.make_grpo_step(model_cfg, gcfg, tx), "ce": make_sft_step(model_cfg, tx)}
+  compiled = {}
+  for name, fn in steps.items():
+    t0 = time.perf_counter()
+    compiled[name] = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
+    result[f"compile_s_{name}"] = time.perf_counter() - t0
+    print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
+  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = memory(compiled["grpo"])
+  result["peak_bytes_ce"], result["temp_bytes_ce"] = memory(compiled["ce"])
+
+  # Wall time and process CPU time per step. On a shared host the wall clock mostly measures the
+  # other jobs; CPU seconds measure the work of the step, so the ratio is taken from those.
+  wall = {name: [] for name in compiled}
+  cpu = {name: [] for name in compiled}
+  for r in range(args.repeats + 1):                       # first round is a warm-up
+    for name, fn in compiled.items():
+      w0, c0 = time.perf_counter(), time.process_time()
+      state, metrics = fn(state, batch)
+      jax.block_until_ready((state, metrics))
+      if r:
+        wall[name].append(time.perf_counter() - w0)
+        cpu[name].append(time.process_time() - c0)
+    if r:
+      print(f"[round {r}] " + ", ".join(f"{n}: {wall[n][-1]:.2f}s wall, {cpu[n][-1]:.2f}s cpu"
+                                        for n in compiled), flush=True)
+  for name in compiled:
+    result[f"step_wall_s_{name}"] = statistics.median(wall[name])
+    result[f"step_cpu_s_{name}"] = statistics.median(cpu[name])
+  result["grpo_over_ce_step_time"] = result["step_cpu_s_grpo"] / result["step_cpu_s_ce"]
+  result["grpo_over_ce_wall_time"] = result["step_wall_s_grpo"] / result["step_wall_s_ce"]
+
+  remat_cfg = model_cfg.replace(remat="full")
+  grpo_remat = S.make_grpo_step(remat_cfg, gcfg, tx)
+  t0 = time.perf_counter()
+  result["peak_bytes_remat"], result["temp_bytes_remat"] = memory(
+      jax.jit(grpo_remat, donate_argnums=0).lower(state, batch).compile())
+  print(f"[compile] grpo remat: {time.perf_counter() - t0:.1f}s", flush=True)
+  result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]
+  result["remat_temp_saving"] = 1.0 - result["temp_bytes_remat"] / max(result["temp_bytes_no_remat"], 1)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()

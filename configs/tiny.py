@@ -1,0 +1,55 @@
+"""The CPU default: synthetic multi-step arithmetic with a character-level tokenizer.
+
+A 4-layer, 128-wide decoder (~0.8M parameters) is warm-started by SFT on worked traces in the
+Magistral format, then trained with the full async pipeline (trainer on 4 simulated devices, two
+generators on 2 each) and the full Magistral reward through the real math verifier.
+
+Variants: configs/tiny.py:adv_norm=group, :mode=sync, :eps_high=0.2, :n_mini=8 (see get_config).
+"""
+from magistral_jax.config import default_config
+
+
+def get_config(arg=None):
+  c = default_config()
+  c.seed = 0
+  c.model.update(vocab_size=104, hidden_size=128, intermediate_size=384, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+                 bos_token_id=1, eos_token_id=2)
+  c.tokenizer = "char"
+  c.system_prompt = "tiny"   # a one-line prompt: the paper's is ~900 characters of char tokens
+  c.data.update(source="synthetic", min_steps=1, max_steps=3, max_operand=20, heldout=64)
+  c.sft.update(num_steps=200, batch_size=16, learning_rate=3e-3, row_len=512, rows_per_micro=4)
+  c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=32, n_mini=32, group_size=8,
+              microbatch_tokens=2048, microbatch_rows=4)
+  c.optimizer.update(learning_rate=1e-3, warmup_steps=0, grad_clip_norm=1.0)
+  c.sampling.update(temperature=1.0, max_new_tokens=48)
+  c.engine.update(max_concurrent_decodes=16, max_prefill_length=64)
+  # Tiny length budget: l_max - l_cache = 32 tokens of free room, penalty up to 48.
+  c.reward.update(l_max=48, l_cache=16)
+  c.verifier.update(num_workers=1, task_timeout_s=30.0)
+  c.pipeline.update(mode="async", n_async=64, sample_every=5, batch_timeout_s=600.0)
+  c.devices.update(trainer=4, generators=[2, 2], trainer_mesh={"fsdp": -1},
+                   generator_mesh={"tensor": -1})
+  c.eval.update(k=1, greedy=True, max_new_tokens=48)
+  c.checkpoint.update(every=5, keep=2)
+  c.num_batches = 20
+  _apply_arg(c, arg)
+  return c
+
+
+def _apply_arg(c, arg):
+  """`configs/tiny.py:adv_norm=group,mode=sync,eps_high=0.2,n_mini=8,batches=4`."""
+  if not arg:
+    return
+  for item in arg.split(","):
+    key, _, value = item.partition("=")
+    if key in ("adv_norm", "eps_high", "eps_low", "n_mini", "n_batch", "loss_agg", "group_size"):
+      c.rl[key] = type(c.rl[key])(value)
+    elif key == "mode":
+      c.pipeline.mode = value
+    elif key == "batches":
+      c.num_batches = int(value)
+    elif key == "sft_steps":
+      c.sft.num_steps = int(value)
+    else:
+      raise ValueError(f"configs/tiny.py: unknown config argument {key!r}")

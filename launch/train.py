@@ -1,0 +1,300 @@
+r"""RL training: `python launch/train.py --config=configs/tiny.py --workdir=runs/tiny`.
+
+Reads top to bottom like the algorithm: devices and meshes, tokenizer and policy, (cold-start SFT),
+held-out evaluation, then for each stage the async RL pipeline (generators on their own device
+slices, verifier pool, trainer, weight pushes after every optimizer step), checkpoints, and a final
+evaluation. Any config field can be overridden: `--config.rl.eps_high=0.3`. A run resumes from the
+latest checkpoint in --workdir automatically.
+
+Multi-host (TPU pods, GPU clusters): add `--distributed` to call `jax.distributed.initialize()`
+first; see README.md ("Launching on TPU VMs and GPU hosts").
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+# On a CPU host the device layout (trainer + generator slices) needs several devices; this flag
+# only affects the host platform, so it is harmless on GPU/TPU hosts. Must precede importing jax.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run configuration file.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Checkpoints, metrics and summary.json.")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
+
+log = logging.getLogger("train")
+
+
+class SyntheticPrompts:
+  """The synthetic-arithmetic prompt stream with a resumable position."""
+
+  def __init__(self, seed: int, data_cfg, consumed: int = 0):
+    from magistral_jax.data import synthetic
+    self._it = synthetic.problems(seed, "train", min_steps=data_cfg.min_steps,
+                                  max_steps=data_cfg.max_steps, max_operand=data_cfg.max_operand)
+    self.consumed = 0
+    for _ in range(consumed):
+      next(self)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.consumed += 1
+    return next(self._it)
+
+  def state(self) -> dict:
+    return {"consumed": self.consumed}
+
+
+def system_prompt_for(name: str):
+  from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
+  from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
+  table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
+  if name not in table:
+    raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
+  return table[name]
+
+
+def build_tokenizer_and_model(config):
+  """(tokenizer, ModelConfig, initial params or None for random init)."""
+  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.char_tokenizer import char_tokenizer
+  from magistral_jax.model.config import ModelConfig
+  from magistral_jax.model.tokenizer import load_tokenizer
+  src, path = config.init.source, config.init.path
+  model_cfg = ModelConfig.from_config_dict(config.model)
+  params, tok = None, None
+  if src == "gguf":
+    cfg_g, params, tok = ckpt.load_gguf(path or None)
+    model_cfg = cfg_g.replace(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
+                              remat=model_cfg.remat, logits_chunk=model_cfg.logits_chunk)
+  elif src == "hf":
+    cfg_h, params = ckpt.load_hf_safetensors(path)
+    model_cfg = cfg_h.replace(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
+                              remat=model_cfg.remat, logits_chunk=model_cfg.logits_chunk)
+  elif src == "orbax":
+    model_cfg = ckpt.read_orbax_config(path).replace(
+        param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat)
+    params = ckpt.restore_params_orbax(os.path.join(path, "params") if os.path.isdir(
+        os.path.join(path, "params")) else path)
+  elif src != "random":
+    raise ValueError(f"init.source must be random|gguf|hf|orbax, got {src!r}")
+  if tok is None:
+    tok = char_tokenizer() if config.tokenizer == "char" else load_tokenizer(config.tokenizer)
+  if model_cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"model vocab_size={model_cfg.vocab_size} < tokenizer vocab "
+                     f"{tok.vocab_size} ({config.tokenizer})")
+  model_cfg = model_cfg.replace(eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+  return tok, model_cfg, params
+
+
+def heldout_problems(config):
+  from magistral_jax.data import synthetic
+  n = config.data.heldout
+  if config.data.source == "synthetic":
+    return synthetic.take(n, config.seed, "heldout", min_steps=config.data.min_steps,
+                          max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+  return load_problem_set(config, "heldout")[:n]
+
+
+def load_problem_set(config, split):
+  """Shipped/TFDS problem sets (gsm8k, math500): built once into data_dir, read as dicts."""
+  from magistral_jax.data.loader import ProblemLoader
+  from magistral_jax.data.tfds_builders import build_shipped
+  data_dir = config.data.data_dir or os.path.join(_WORKDIR.value, "data")
+  build_shipped(data_dir, [config.data.source])
+  loader = ProblemLoader(data_dir, [config.data.source], seed=config.seed, shuffle=True,
+                         num_epochs=1)
+  probs = list(loader)
+  n = config.data.heldout
+  return probs[:n] if split == "heldout" else probs[n:]
+
+
+def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, params, tag):
+  from magistral_jax.eval.evaluate import evaluate
+  loop = engine_loop_factory(params)
+  t = time.time()
+  res = evaluate(loop, pool, tok, problems, k=config.eval.k, system_prompt=system_prompt,
+                 seed=config.seed)
+  log.info("[eval %s] pass@1=%.3f maj@%d=%.3f format=%.3f len=%.1f (%d problems, %.1fs)", tag,
+           res["pass@1"], config.eval.k, res[f"maj@{config.eval.k}"], res["format_rate"],
+           res["response_length_mean"], res["num_problems"], time.time() - t)
+  return res
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  config = _CONFIG.value
+  if _DISTRIBUTED.value:
+    import jax
+    jax.distributed.initialize()
+  import jax
+  import numpy as np
+  from magistral_jax import config as config_lib
+  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.parallel import TRAINER_RULES, GENERATOR_RULES, make_mesh
+  from magistral_jax.pipeline import PipelineConfig, RLPipeline
+  from magistral_jax.pipeline.build import make_generators, sft_warm_start, split_devices
+  from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
+  from magistral_jax.train.metrics_writer import MetricsWriter, Progress
+  from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer, learning_rate_schedule
+  from magistral_jax.train.sft import make_sft_step
+  from magistral_jax.train.step import init_state, make_grpo_step
+  from magistral_jax.verify import VerifierPool
+
+  t_start = time.time()
+  run = config_lib.validate(config, jax.device_count())   # every config error, before any work
+  workdir = os.path.abspath(_WORKDIR.value)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json(indent=1))
+  writer = MetricsWriter(workdir)
+  tok, model_cfg, init_params = build_tokenizer_and_model(config)
+  system_prompt = system_prompt_for(config.system_prompt)
+  tdev, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
+  tmesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
+  log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
+           dict(tmesh.shape), [len(g) for g in gdevs])
+  rl_tx = make_optimizer(run.optimizer)
+  state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh, TRAINER_RULES,
+                     params=init_params)
+  ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                         keep_every=config.checkpoint.keep_every,
+                         async_save=config.checkpoint.async_save)
+  restored = ckpt.restore_latest(abstract_like(state))
+  meta = {"stage": 0, "batch_in_stage": 0, "batches": 0, "version": 0, "opt_steps": 0,
+          "data": {"consumed": 0}, "rng": None}
+  if restored is not None:
+    step, state, meta = restored
+    log.info("resumed from checkpoint %d (stage %d, batch %d, policy version %d)", step,
+             meta["stage"], meta["batch_in_stage"], meta["version"])
+
+  pool = VerifierPool(config.verifier.num_workers, run.reward,
+                      task_timeout_s=config.verifier.task_timeout_s,
+                      max_tasks_per_worker=config.verifier.max_tasks_per_worker)
+  eval_sampling = SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
+                                 greedy=config.eval.greedy,
+                                 max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
+  eval_engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), gdevs[0]),
+                       GENERATOR_RULES, max_concurrent_decodes=config.engine.max_concurrent_decodes,
+                       max_prefill_length=config.engine.max_prefill_length,
+                       max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling)
+  eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed)
+  heldout = heldout_problems(config)
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+
+  try:
+    if restored is None:
+      if config.sft.num_steps > 0 and config.init.source == "random":
+        from magistral_jax.data import synthetic
+        log.info("cold-start SFT: %d steps", config.sft.num_steps)
+        sft_tx = make_optimizer(OptimizerConfig(learning_rate=config.sft.learning_rate))
+        sft_state = init_state(model_cfg, sft_tx, jax.random.PRNGKey(config.seed), tmesh,
+                               TRAINER_RULES, params=state.params)
+        examples = ((p["problem"], synthetic.trace(p)) for p in synthetic.problems(
+            config.seed, "sft", min_steps=config.data.min_steps, max_steps=config.data.max_steps,
+            max_operand=config.data.max_operand))
+        sft_state, _ = sft_warm_start(
+            sft_state, make_sft_step(model_cfg, sft_tx, tmesh, TRAINER_RULES), tok, examples,
+            num_steps=config.sft.num_steps, batch_size=config.sft.batch_size,
+            row_len=config.sft.row_len, rows_per_micro=config.sft.rows_per_micro,
+            system_prompt=system_prompt, mesh=tmesh, writer=writer, log_every=25)
+        state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh,
+                           TRAINER_RULES, params=sft_state.params)
+        del sft_state
+      res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
+                     jax.device_get(state.params), "before")
+      summary.update(heldout_accuracy_before=res["pass@1"],
+                     format_rate_before=res["format_rate"])
+      json.dump(summary, open(summary_path, "w"), indent=1)
+      ckpt.save(0, state, meta, force=True)
+
+    stages = list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
+                                      "overrides": {}}]
+    total_batches = sum(s.get("num_batches", config.num_batches) for s in stages)
+    progress = Progress(total_batches, meta["batches"])
+    for si in range(meta["stage"], len(stages)):
+      stage = stages[si]
+      scfg = config_lib.apply_overrides(config, dict(stage.get("overrides", {})))
+      srun = config_lib.validate(scfg)
+      n_batches = stage.get("num_batches", config.num_batches) - meta["batch_in_stage"]
+      log.info("stage %d/%d %r: %d batches, n_batch=%d n_mini=%d G=%d l_max=%d", si + 1,
+               len(stages), stage.get("name", si), n_batches, srun.rl.n_batch, srun.rl.n_mini,
+               srun.rl.group_size, srun.reward.l_max)
+      sampling = SamplingConfig(temperature=scfg.sampling.temperature, top_p=scfg.sampling.top_p,
+                                top_k=scfg.sampling.top_k,
+                                max_new_tokens=scfg.sampling.max_new_tokens, eos_id=tok.eos_id)
+      step_fn = make_grpo_step(model_cfg, srun.rl, rl_tx, tmesh, TRAINER_RULES,
+                               temperature=sampling.temperature,
+                               lr_schedule=learning_rate_schedule(srun.optimizer))
+      gens = make_generators(
+          model_cfg, jax.device_get(state.params), gdevs, sampling,
+          mesh_shape=dict(scfg.devices.generator_mesh),
+          max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
+          max_prefill_length=scfg.engine.max_prefill_length,
+          max_decode_length=sampling.max_new_tokens, version=meta["version"],
+          recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si)
+      if config.data.source == "synthetic":
+        prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
+      else:
+        prompts = iter(load_problem_set(config, "train")[meta["data"].get("consumed", 0):])
+
+      def on_step(opt_step, pipe, m, si=si):
+        meta.update(stage=si, batch_in_stage=meta["batch_in_stage"] + 1,
+                    batches=meta["batches"] + 1, version=pipe.version, opt_steps=opt_step,
+                    data=prompts.state() if hasattr(prompts, "state") else {})
+        log.info(progress.line(meta["batches"], m))
+        if meta["batches"] % config.checkpoint.every == 0:
+          ckpt.save(opt_step, pipe.state, dict(meta))
+
+      pipe = RLPipeline(
+          model_cfg=model_cfg, grpo_cfg=srun.rl, train_step=step_fn, state=state,
+          trainer_mesh=tmesh, generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
+          cfg=PipelineConfig(mode=scfg.pipeline.mode, n_async=scfg.pipeline.n_async,
+                             seed=config.seed + si, sample_every=scfg.pipeline.sample_every,
+                             batch_timeout_s=scfg.pipeline.batch_timeout_s),
+          writer=writer, version=meta["version"], system_prompt=system_prompt, on_step=on_step)
+      pipe.opt_steps = meta["opt_steps"]
+      pipe.batches = meta["batches"]
+      try:
+        pipe.run(n_batches)
+      finally:
+        state = pipe.state
+        ckpt.wait()
+        if meta["opt_steps"] not in ckpt.steps():
+          ckpt.save(meta["opt_steps"], state, dict(meta), force=True)
+        ckpt.wait()
+      meta.update(stage=si + 1, batch_in_stage=0)
+
+    res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
+                   jax.device_get(state.params), "after")
+    summary.update(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],
+                   response_length_mean_after=res["response_length_mean"],
+                   batches=meta["batches"], optimizer_steps=meta["opt_steps"],
+                   wall_time_s=summary.get("wall_time_s", 0.0) + time.time() - t_start)
+    json.dump(summary, open(summary_path, "w"), indent=1)
+    log.info("summary: %s", json.dumps(summary))
+  finally:
+    ckpt.close()
+    pool.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,50 @@
+"""Evaluation: math pass@1 averaged over k samples and maj@k; code pass@1 (SPEC §4).
+
+    pass@1 (avg over k) = mean over problems of (correct samples / k)
+    maj@k               = mean over problems of [the most frequent final answer is correct]
+"""
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import numpy as np
+
+from magistral_jax.generate.loop import GeneratorLoop, Request
+
+
+def evaluate(loop: GeneratorLoop, pool, tokenizer, problems: Sequence[dict], *, k: int = 1,
+             system_prompt: str | None = None, seed: int = 0) -> dict:
+  """Generates k samples per problem with `loop` (stepped in this thread) and scores them with
+  `pool`. Returns summary metrics plus per-problem rows."""
+  if not problems:
+    raise ValueError("evaluate: no problems")
+  for i, p in enumerate(problems):
+    prompt = tokenizer.apply_chat_template(p["problem"], system_prompt)
+    loop.submit(Request(id=i, prompt_tokens=prompt, group_size=k, metadata=p, seed=seed + i))
+  completions = loop.run_until_idle()
+  futures = [(c, pool.submit(c.metadata, tokenizer.decode(c.tokens), len(c.tokens), 0))
+             for c in completions]
+  per = collections.defaultdict(list)
+  for c, f in futures:
+    per[c.request_id].append((c, f.result()))
+  rows, pass1, maj, fmt, lengths = [], [], [], [], []
+  for i in range(len(problems)):
+    samples = per.get(i, [])
+    correct = [float((r.parts.get("correct") or 0) > 0) for _, r in samples]
+    pass1.append(float(np.mean(correct)) if correct else 0.0)
+    fmt.extend(float((r.parts.get("format") or 0) > 0) for _, r in samples)
+    lengths.extend(len(c.tokens) for c, _ in samples)
+    answers = [r.info.get("boxed") for _, r in samples if r.info.get("boxed") is not None]
+    if answers:
+      top = collections.Counter(answers).most_common(1)[0][0]
+      maj.append(float(any(r.info.get("boxed") == top and correct[j]
+                           for j, (_, r) in enumerate(samples))))
+    else:
+      maj.append(0.0)
+    rows.append({"id": problems[i].get("id", i), "pass1": pass1[-1], "maj": maj[-1],
+                 "sample": tokenizer.decode(samples[0][0].tokens) if samples else ""})
+  return {"pass@1": float(np.mean(pass1)), f"maj@{k}": float(np.mean(maj)),
+          "format_rate": float(np.mean(fmt)) if fmt else 0.0,
+          "response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+          "num_problems": len(problems), "k": k, "rows": rows}

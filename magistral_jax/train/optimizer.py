@@ -1,0 +1,66 @@
+"""The trainer's optimizer: AdamW, linear warmup then constant or cosine, global-norm clipping.
+
+The paper states none of these hyper-parameters (NOT STATED): the defaults are common choices for
+RL fine-tuning of an instruct model and are config fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import optax
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = 1e-6       # NOT STATED
+  warmup_steps: int = 0             # NOT STATED
+  schedule: str = "constant"        # constant | cosine (after warmup)
+  decay_steps: int = 1000           # cosine: steps from the end of warmup to the final value
+  final_lr_frac: float = 0.1        # cosine: final lr = learning_rate · final_lr_frac
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0         # NOT STATED (0: RL updates should not shrink the policy)
+  grad_clip_norm: float | None = 1.0
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; expected one of {SCHEDULES}")
+    if self.learning_rate < 0 or self.warmup_steps < 0:
+      raise ValueError(f"OptimizerConfig: negative learning_rate/warmup_steps: {self}")
+
+  def replace(self, **kw) -> "OptimizerConfig":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_config_dict(cls, cd: Mapping[str, Any]) -> "OptimizerConfig":
+    d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"unknown optimizer config field(s): {unknown}; valid: {sorted(fields)}")
+    return cls(**d)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  """0 -> learning_rate linearly over warmup_steps, then constant or cosine to final_lr_frac."""
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(cfg.learning_rate)
+  else:
+    after = optax.cosine_decay_schedule(cfg.learning_rate, max(cfg.decay_steps, 1), cfg.final_lr_frac)
+  if cfg.warmup_steps == 0:
+    return after
+  warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  parts = []
+  if cfg.grad_clip_norm is not None:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
+  parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)

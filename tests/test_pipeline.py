@@ -1,0 +1,141 @@
+"""The RL pipeline end to end on 8 simulated devices: trainer on 4, two generators on 2 each, the
+real verifier pool, the real math verifier, a tiny model warm-started by SFT on the synthetic task."""
+import json
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from magistral_jax.data import synthetic
+from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.model.char_tokenizer import char_tokenizer
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel import TRAINER_RULES, make_mesh
+from magistral_jax.pipeline import PipelineConfig, PipelineError, RLPipeline
+from magistral_jax.pipeline.build import make_generators, sft_warm_start, split_devices
+from magistral_jax.rewards import RewardConfig
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.train.metrics_writer import MetricsWriter
+from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
+from magistral_jax.train.sft import make_sft_step
+from magistral_jax.train.step import init_state, make_grpo_step
+from magistral_jax.verify import VerifierPool
+
+GRPO = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=1024, microbatch_rows=4)
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+  tok = char_tokenizer()
+  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+  tdev, gdevs = split_devices(4, [2, 2])
+  tmesh = make_mesh({"fsdp": 4}, tdev)
+  tx = make_optimizer(OptimizerConfig(learning_rate=3e-3))
+  state = init_state(cfg, tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES)
+  examples = ((p["problem"], synthetic.trace(p)) for p in synthetic.problems(0))
+  state, _ = sft_warm_start(state, make_sft_step(cfg, tx, tmesh, TRAINER_RULES), tok, examples,
+                            num_steps=80, batch_size=16, row_len=512, rows_per_micro=4,
+                            system_prompt=synthetic.TINY_SYSTEM_PROMPT, mesh=tmesh)
+  params = jax.device_get(state.params)
+  pool = VerifierPool(1, RewardConfig(l_max=MAX_NEW, l_cache=16), task_timeout_s=20)
+  yield dict(tok=tok, cfg=cfg, tmesh=tmesh, gdevs=gdevs, params=params, pool=pool)
+  pool.close()
+
+
+def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None):
+  rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+  state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
+                     params=s["params"])
+  step = make_grpo_step(s["cfg"], GRPO, rl_tx, s["tmesh"], TRAINER_RULES)
+  gens = make_generators(s["cfg"], s["params"], s["gdevs"],
+                         SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=s["tok"].eos_id),
+                         max_concurrent_decodes=8, max_prefill_length=64, max_decode_length=MAX_NEW,
+                         seed=seed)
+  return RLPipeline(model_cfg=s["cfg"], grpo_cfg=GRPO, train_step=step, state=state,
+                    trainer_mesh=s["tmesh"], generators=gens, pool=pool or s["pool"],
+                    tokenizer=s["tok"], prompts=synthetic.problems(seed),
+                    cfg=PipelineConfig(mode=mode, n_async=n_async, batch_timeout_s=300, seed=seed),
+                    writer=MetricsWriter(workdir) if workdir else None,
+                    system_prompt=synthetic.TINY_SYSTEM_PROMPT)
+
+
+def test_async_pipeline_end_to_end(setup, tmp_path):
+  pipe = _pipeline(setup, "async", str(tmp_path), n_async=32)
+  history = pipe.run(3)
+  assert len(history) == 3 and pipe.opt_steps == 3 * GRPO.num_minibatches
+  # Off-policy: in async mode a batch holds tokens from several policy versions.
+  assert max(h["versions_in_batch"] for h in history) > 1
+  assert max(h["version_lag_max"] for h in history) >= 1
+  # The bounded queue: never more than n_async completions in flight.
+  assert 0 < pipe.max_inflight <= 32
+  for key in ("reward", "reward_format", "reward_correct", "reward_length_penalty", "accuracy",
+              "format_rate", "response_length_mean", "response_length_max", "entropy",
+              "clip_low_frac", "clip_high_frac", "filtered_group_frac", "generator_utilization",
+              "trainer_idle_s", "verifier_latency_s", "weight_push_s", "version_lag_mean"):
+    assert all(key in h and np.isfinite(h[key]) for h in history), key
+  # After a push, each generator holds the trainer's weights bitwise, on its own devices.
+  trainer = jax.device_get(pipe.state.params)
+  for i, g in enumerate(pipe.generators):
+    pushed = pipe.last_pushed[i]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), pushed, trainer)
+    leaf = jax.tree.leaves(pushed)[0]
+    assert leaf.sharding.device_set == set(setup["gdevs"][i])
+  # Metrics on disk: JSONL rows and TensorBoard event files.
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert len(rows) == 3 and "reward" in rows[0]
+  assert any(f.startswith("events") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_sync_pipeline_trains_on_exactly_one_version(setup):
+  pipe = _pipeline(setup, "sync")
+  history = pipe.run(2)
+  assert len(history) == 2
+  for h in history:
+    assert h["versions_in_batch"] == 1 and h["version_lag_max"] == 0
+  assert pipe.max_inflight <= GRPO.n_batch + GRPO.n_batch  # top-ups only replace dropped groups
+
+
+def test_generator_thread_failure_surfaces_without_hanging(setup):
+  pipe = _pipeline(setup, "async", n_async=32)
+  g = pipe.generators[1]
+  real_step, calls = g.step, [0]
+
+  def failing_step():
+    calls[0] += 1
+    if calls[0] > 5:
+      raise RuntimeError("boom: simulated generator fault")
+    return real_step()
+  g.step = failing_step
+  t = time.time()
+  with pytest.raises(PipelineError, match="boom"):
+    pipe.run(50)
+  assert time.time() - t < 200
+  # Clean stop: no pipeline or generator thread is left running.
+  assert not any(th.is_alive() for th in pipe._threads)
+  assert all(gen._thread is None for gen in pipe.generators)
+
+
+class _FlakyPool:
+  """Delegates to the real pool but fails every third submission, like a lost verifier host."""
+
+  def __init__(self, pool):
+    self.pool, self.n = pool, 0
+
+  def submit(self, *args):
+    self.n += 1
+    if self.n % 3 == 0:
+      raise ConnectionError("verifier host unreachable")
+    return self.pool.submit(*args)
+
+
+def test_verifier_failures_score_zero_and_the_run_continues(setup):
+  pipe = _pipeline(setup, "async", n_async=32, pool=_FlakyPool(setup["pool"]))
+  history = pipe.run(1)
+  assert len(history) == 1
+  assert pipe.counters["verifier_errors"] > 0
