@@ -18,7 +18,7 @@ train-tiny: setup
 	.venv/bin/python launch/train.py --config=configs/tiny.py --workdir=$(WORKDIR)
 
 test: setup-test
-	.venv/bin/python -m pytest -q tests $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q --durations=25 tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv runs

@@ -106,17 +106,56 @@ def heldout_problems(config):
   return load_problem_set(config, "heldout")[:n]
 
 
-def load_problem_set(config, split):
-  """Shipped/TFDS problem sets (gsm8k, math500): built once into data_dir, read as dicts."""
+# Short names for the public sets shipped in magistral_jax/data/sources (records.SHIPPED).
+SHIPPED_ALIASES = {"gsm8k": "gsm8k_test", "mbpp": "mbpp_sample20"}
+
+
+def problem_loader(config, num_epochs):
+  """A seeded ProblemLoader over data.source (comma-separated dataset names; shipped sets are
+  built into data.data_dir, default WORKDIR/data, on first use)."""
+  from magistral_jax.data import records
   from magistral_jax.data.loader import ProblemLoader
   from magistral_jax.data.tfds_builders import build_shipped
+  names = [SHIPPED_ALIASES.get(n, n) for n in config.data.source.split(",") if n]
   data_dir = config.data.data_dir or os.path.join(_WORKDIR.value, "data")
-  build_shipped(data_dir, [config.data.source])
-  loader = ProblemLoader(data_dir, [config.data.source], seed=config.seed, shuffle=True,
-                         num_epochs=1)
-  probs = list(loader)
-  n = config.data.heldout
-  return probs[:n] if split == "heldout" else probs[n:]
+  shipped = [n for n in names if n in records.SHIPPED]
+  if shipped:
+    build_shipped(data_dir, shipped)
+  return ProblemLoader(data_dir, names, seed=config.seed, shuffle=True, num_epochs=num_epochs)
+
+
+def load_problem_set(config, split):
+  """The held-out problems: the first data.heldout of one seeded shuffled epoch."""
+  if split != "heldout":
+    raise ValueError(f"load_problem_set: split {split!r}; training problems come from "
+                     "TrainProblems")
+  return problem_loader(config, 1).take(config.data.heldout)
+
+
+class TrainProblems:
+  """RL prompts from problem datasets: seeded shuffled epochs without end, minus the held-out
+  problems; `state()` is the loader's position, saved in the checkpoint meta ("data")."""
+
+  def __init__(self, config, heldout_ids, state=None):
+    self.loader = problem_loader(config, None)
+    if state:
+      self.loader.restore(state)
+    self.heldout = set(heldout_ids)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    # An epoch is a permutation, so a run of held-out ids is at most two epochs' worth.
+    for _ in range(2 * len(self.heldout) + 1):
+      p = next(self.loader)
+      if p["id"] not in self.heldout:
+        return p
+    raise ValueError(f"every problem of data.source={list(self.loader._fingerprint['datasets'])} "
+                     f"is held out (data.heldout={len(self.heldout)}); lower data.heldout")
+
+  def state(self) -> dict:
+    return self.loader.state()
 
 
 def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, params, tag):
@@ -253,7 +292,8 @@ def main(argv):
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:
-        prompts = iter(load_problem_set(config, "train")[meta["data"].get("consumed", 0):])
+        prompts = TrainProblems(config, [p["id"] for p in heldout],
+                                meta["data"] if "iterator" in meta["data"] else None)
 
       def on_step(opt_step, pipe, m, si=si):
         meta.update(stage=si, batch_in_stage=meta["batch_in_stage"] + 1,

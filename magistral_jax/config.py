@@ -14,6 +14,7 @@ import dataclasses
 
 import ml_collections as mlc
 
+from magistral_jax.configurable import checked_fields
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
@@ -118,12 +119,7 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
     model = ModelConfig.from_config_dict(config.model)
     rl = GRPOConfig.from_config_dict(config.rl)
     opt = OptimizerConfig.from_config_dict(config.optimizer)
-    reward_fields = {f.name for f in dataclasses.fields(RewardConfig)}
-    rd = config.reward.to_dict()
-    unknown = sorted(set(rd) - reward_fields)
-    if unknown:
-      raise ValueError(f"unknown reward config field(s): {unknown}")
-    reward = RewardConfig(**rd)
+    reward = RewardConfig(**checked_fields(RewardConfig, config.reward, "reward"))
   except TypeError as e:
     raise ValueError(f"bad config: {e}") from e
   if rl.group_size < 2:

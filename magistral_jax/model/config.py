@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from magistral_jax.configurable import checked_fields
+
 SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM")
 
 
@@ -161,13 +163,7 @@ class ModelConfig:
   @classmethod
   def from_config_dict(cls, cd: Mapping[str, Any]) -> "ModelConfig":
     """Builds from an ml_collections ConfigDict (configs/*.py `config.model`). Unknown keys are errors."""
-    d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
-    d.pop("hf_config", None)
-    d.pop("checkpoint", None)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise ValueError(f"unknown model config field(s): {unknown}; valid: {sorted(fields)}")
+    d = checked_fields(cls, cd, "model")
     if d.get("rope_scaling"):
       d["rope_scaling"] = RopeScaling(**dict(d["rope_scaling"]))
     else:

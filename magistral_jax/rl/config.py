@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from magistral_jax.configurable import checked_fields
+
 ADV_NORMS = ("minibatch", "group", "none")
 LOSS_AGGS = ("token", "sequence", "group_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -102,9 +104,4 @@ class GRPOConfig:
 
   @classmethod
   def from_config_dict(cls, cd: Mapping[str, Any]) -> "GRPOConfig":
-    d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise ValueError(f"unknown GRPO config field(s): {unknown}; valid: {sorted(fields)}")
-    return cls(**d)
+    return cls(**checked_fields(cls, cd, "GRPO"))

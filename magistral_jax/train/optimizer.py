@@ -10,6 +10,8 @@ from typing import Any, Mapping
 
 import optax
 
+from magistral_jax.configurable import checked_fields
+
 SCHEDULES = ("constant", "cosine")
 
 
@@ -37,12 +39,7 @@ class OptimizerConfig:
 
   @classmethod
   def from_config_dict(cls, cd: Mapping[str, Any]) -> "OptimizerConfig":
-    d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise ValueError(f"unknown optimizer config field(s): {unknown}; valid: {sorted(fields)}")
-    return cls(**d)
+    return cls(**checked_fields(cls, cd, "optimizer"))
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

@@ -1,0 +1,188 @@
+r"""Evaluation: `python launch/eval.py --config=configs/tiny.py --workdir=runs/tiny`.
+
+Math: pass@1 averaged over k samples and maj@k; code: pass@1 through the verifier pool (SPEC §4:
+temperature 0.7, top-p 1.0 for math and 0.95 for code, k = eval.k). The policy is the run's
+orbax checkpoint (--checkpoint=latest or a step number; WORKDIR/checkpoints), or the config's
+initial weights (--checkpoint=init: init.source/init.path, e.g. an SFT run's params).
+
+Sets (--sets, comma-separated; default: the config's data.source):
+  synthetic                 the synthetic task's held-out problems (data.heldout of them)
+  math500, gsm8k_test, humaneval, mbpp_sample20 (gsm8k = gsm8k_test)
+                            the shipped public sets, built into data.data_dir (or WORKDIR/data)
+  any other name            a math/code dataset already built in data.data_dir
+--num_problems caps each set (default data.heldout); the same seeded order as train.py's held-out
+split. Prints a table and writes WORKDIR/eval_<step>.json (eval_init.json for --checkpoint=init).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# train.py defines the --config/--workdir/--distributed flags and the shared setup helpers.
+import train as rl_launch  # noqa: E402  (also sets the CPU device-count flag before jax)
+
+from absl import app, flags  # noqa: E402
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "latest",
+                                  "latest | a checkpoint step | init (the config's init weights)")
+_SETS = flags.DEFINE_string("sets", "", "Comma-separated evaluation sets (default data.source).")
+_NUM_PROBLEMS = flags.DEFINE_integer("num_problems", 0, "Problems per set (0: data.heldout).")
+
+log = logging.getLogger("eval")
+
+ALIASES = rl_launch.SHIPPED_ALIASES
+
+
+def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
+  """The first n problems of set `name` in a seeded order (train.py's held-out order)."""
+  from magistral_jax.data import records, synthetic
+  from magistral_jax.data.loader import ProblemLoader
+  from magistral_jax.data.tfds_builders import build_shipped
+  if name == "synthetic":
+    return synthetic.take(n, config.seed, "heldout", min_steps=config.data.min_steps,
+                          max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+  name = ALIASES.get(name, name)
+  data_dir = config.data.data_dir or os.path.join(workdir, "data")
+  if name in records.SHIPPED:
+    build_shipped(data_dir, [name])
+  loader = ProblemLoader(data_dir, [name], seed=config.seed, shuffle=True, num_epochs=1,
+                         code_languages=("python",))
+  return loader.take(n)
+
+
+def load_policy(config, workdir, which: str, model_cfg, init_params, optimizer_cfg):
+  """(params on host, step label): from the run's checkpoints or the config's init weights."""
+  import jax
+  from magistral_jax.model import transformer as tfm
+  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.pipeline.build import split_devices
+  from magistral_jax.train.checkpointing import RunCheckpointer
+  from magistral_jax.train.optimizer import make_optimizer
+  from magistral_jax.train.step import TrainState, state_shardings
+  if which == "init":
+    if init_params is None:
+      log.warning("init.source=random: evaluating randomly initialised weights")
+      init_params = tfm.init_params(model_cfg, jax.random.PRNGKey(config.seed))
+    return jax.device_get(init_params), "init"
+  ck_dir = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(ck_dir):
+    raise FileNotFoundError(f"no checkpoints in {ck_dir}; pass --checkpoint=init to evaluate the "
+                            "config's initial weights")
+  # The restore target: the trainer's TrainState layout, built abstractly (nothing allocated).
+  tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
+  mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
+  tx = make_optimizer(optimizer_cfg)
+  shapes = tfm.param_shapes(model_cfg)
+  abstract = TrainState(jax.ShapeDtypeStruct((), "int32"), shapes, jax.eval_shape(tx.init, shapes),
+                        jax.ShapeDtypeStruct((), "int32"))
+  sh = state_shardings(model_cfg, tx, mesh, TRAINER_RULES)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, sh)
+  ckpt = RunCheckpointer(ck_dir, async_save=False)
+  try:
+    if which == "latest":
+      got = ckpt.restore_latest(abstract)
+      if got is None:
+        raise FileNotFoundError(f"no restorable checkpoint in {ck_dir}")
+      step, state, _ = got
+    else:
+      try:
+        step = int(which)
+      except ValueError:
+        raise ValueError(f"--checkpoint={which!r}: expected latest, init or a step number")
+      if step not in ckpt.steps():
+        raise FileNotFoundError(f"no checkpoint {step} in {ck_dir}; steps: {ckpt.steps()}")
+      state, _ = ckpt.restore(step, abstract)
+  finally:
+    ckpt.close()
+  return jax.device_get(state.params), step
+
+
+def format_table(results: dict, k: int) -> str:
+  head = f"{'set':<16}{'kind':<6}{'n':>5}{'pass@1':>9}{f'maj@{k}':>9}{'format':>9}{'len':>8}"
+  lines = [head, "-" * len(head)]
+  for name, r in results.items():
+    maj = f"{r[f'maj@{k}']:.3f}" if r["kind"] == "math" else "-"
+    lines.append(f"{name:<16}{r['kind']:<6}{r['num_problems']:>5}{r['pass@1']:>9.3f}{maj:>9}"
+                 f"{r['format_rate']:>9.3f}{r['response_length_mean']:>8.1f}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  config = rl_launch._CONFIG.value
+  import jax
+  if rl_launch._DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from magistral_jax import config as config_lib
+  from magistral_jax.eval.evaluate import evaluate
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.parallel import GENERATOR_RULES, make_mesh
+  from magistral_jax.pipeline.build import split_devices
+  from magistral_jax.verify import VerifierPool
+
+  run = config_lib.validate(config, jax.device_count())
+  workdir = os.path.abspath(rl_launch._WORKDIR.value)
+  sets = [s for s in (_SETS.value or config.data.source).split(",") if s]
+  n = _NUM_PROBLEMS.value or config.data.heldout
+  problems = {s: eval_problems(config, s, n, workdir) for s in sets}   # data errors first
+  for s, probs in problems.items():
+    if not probs:
+      raise ValueError(f"evaluation set {s!r} has no problems")
+  tok, model_cfg, init_params = rl_launch.build_tokenizer_and_model(config)
+  params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params,
+                             run.optimizer)
+  system_prompt = rl_launch.system_prompt_for(config.system_prompt)
+  _, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
+  gen_mesh = make_mesh(dict(config.devices.generator_mesh), gdevs[0])
+  pool = VerifierPool(config.verifier.num_workers, run.reward,
+                      task_timeout_s=config.verifier.task_timeout_s,
+                      max_tasks_per_worker=config.verifier.max_tasks_per_worker)
+  k = config.eval.k
+  results, out = {}, {"checkpoint": step, "k": k, "temperature": config.eval.temperature,
+                      "greedy": config.eval.greedy, "sets": {}}
+  try:
+    engines = {}
+    for name, probs in problems.items():
+      kind = "code" if all(p.get("kind") == "code" for p in probs) else "math"
+      # SPEC §4: top-p 1.0 for math, 0.95 for code (config.eval.top_p is the math value).
+      top_p = config.eval.top_p if kind == "math" else min(config.eval.top_p, 0.95)
+      if top_p not in engines:
+        sampling = SamplingConfig(temperature=config.eval.temperature, top_p=top_p,
+                                  greedy=config.eval.greedy,
+                                  max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
+        engines[top_p] = Engine(model_cfg, gen_mesh, GENERATOR_RULES,
+                                max_concurrent_decodes=config.engine.max_concurrent_decodes,
+                                max_prefill_length=config.engine.max_prefill_length,
+                                max_decode_length=config.eval.max_new_tokens, sampling=sampling)
+      t = time.time()
+      res = evaluate(GeneratorLoop(engines[top_p], params, seed=config.seed), pool, tok, probs,
+                     k=k, system_prompt=system_prompt, seed=config.seed)
+      res["kind"] = kind
+      res["wall_time_s"] = time.time() - t
+      results[name] = res
+      log.info("[eval %s @ %s] pass@1=%.3f maj@%d=%.3f (%d problems, %.1fs)", name, step,
+               res["pass@1"], k, res[f"maj@{k}"], res["num_problems"], res["wall_time_s"])
+      out["sets"][name] = res
+  finally:
+    pool.close()
+  print(format_table(results, k))
+  path = os.path.join(workdir, f"eval_{step}.json")
+  os.makedirs(workdir, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1)
+  log.info("wrote %s", path)
+
+
+if __name__ == "__main__":
+  app.run(main)
