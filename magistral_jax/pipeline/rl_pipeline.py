@@ -31,6 +31,7 @@ import numpy as np
 
 from magistral_jax.generate.loop import Completion as GenCompletion, GeneratorLoop, Request
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
 from magistral_jax.rl import advantages as adv_lib
 from magistral_jax.rl.collate import Completion as TrainCompletion, make_minibatches
 from magistral_jax.rl.config import GRPOConfig
@@ -89,12 +90,13 @@ class RLPipeline:
     tokenizer: builds prompts (apply_chat_template) and detokenizes responses.
     prompts: iterator of task dicts ({"id", "kind", "problem", "answer", ...}).
     writer: MetricsWriter or None. version: policy version of `state.params`.
+    system_prompt: the prompt template ({problem} placeholder); None = the bare problem.
   """
 
   def __init__(self, *, model_cfg: ModelConfig, grpo_cfg: GRPOConfig, train_step, state: TrainState,
                trainer_mesh, generators: Sequence[GeneratorLoop], pool, tokenizer,
                prompts: Iterator[dict], cfg: PipelineConfig = PipelineConfig(), writer=None,
-               version: int = 0, system_prompt: str | None = None,
+               version: int = 0, system_prompt: str | None = MAGISTRAL_SYSTEM_PROMPT,
                on_step: Callable[[int, "RLPipeline", dict], None] | None = None,
                rng_seed: int | None = None):
     if not generators:
@@ -132,8 +134,9 @@ class RLPipeline:
     self.opt_steps = 0          # optimizer steps (one per minibatch)
     self.batches = 0
     self.counters = collections.Counter()
-    self._verifier_latencies: list[float] = []
+    self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
+    self._stats_window: list[_Group] = []
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, i=i: self._generated.put((i, c)))
@@ -201,20 +204,17 @@ class RLPipeline:
     task = self._next_task()
     if task is None:
       return False
-    if self.system_prompt is None:
-      prompt = self.tokenizer.apply_chat_template(task["problem"])
-    else:
-      prompt = self.tokenizer.apply_chat_template(task["problem"], self.system_prompt)
+    prompt = self.tokenizer.apply_chat_template(task["problem"], self.system_prompt)
     with self._lock:
       gid = self._next_gid
       self._next_gid += 1
       self._groups[gid] = _Group(gid, task, self.group_size)
       self._inflight += self.group_size
       self.max_inflight = max(self.max_inflight, self._inflight)
-    i = int(np.argmin(self._gen_load))
-    self._gen_load[i] += self.group_size
+      i = int(np.argmin(self._gen_load))
+      self._gen_load[i] += self.group_size
     self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, group_size=self.group_size,
-                       metadata=task, seed=int(self._rng.integers(2**31))))
+                                      metadata=task, seed=int(self._rng.integers(2**31))))
     return True
 
   def _feed(self):
@@ -234,7 +234,8 @@ class RLPipeline:
         i, c = self._generated.get(timeout=0.05)
       except queue.Empty:
         continue
-      self._gen_load[i] -= 1
+      with self._lock:
+        self._gen_load[i] -= 1
       response = self.tokenizer.decode(c.tokens)
       t_submit = time.time()
       try:
@@ -397,7 +398,6 @@ class RLPipeline:
     """Runs `num_batches` training batches (n_batch/n_mini optimizer steps each). Returns the
     per-batch metrics. Stops early (cleanly) when the prompts run out."""
     history = []
-    self._stats_window: list[_Group] = []
     self.start()
     try:
       for _ in range(num_batches):
@@ -444,7 +444,7 @@ class RLPipeline:
       busy = min(1.0, (g.decode_time_s - d0) / wall)
       utils.append(slot_util * busy)
       self._gen_t0[i] = (g.decode_time_s, g.steps, g.active_slot_steps)
-    lat = self._verifier_latencies[-1000:]
+    lat = list(self._verifier_latencies)
     return {
         "generator_utilization": float(np.mean(utils)),
         "trainer_idle_s": wait_s, "trainer_idle_frac": wait_s / max(1e-9, wait_s + train_s),
