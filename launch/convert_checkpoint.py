@@ -16,6 +16,7 @@ import os
 import sys
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from magistral_jax.model import checkpoint as ckpt  # noqa: E402
@@ -31,6 +32,9 @@ flags.DEFINE_string("output", None, "Destination directory.")
 flags.DEFINE_string("dtype", None, "Cast parameters to this dtype (e.g. bfloat16); default keeps "
                     "the stored dtype (GGUF: float32 after dequantization).")
 flags.DEFINE_integer("max_shard_bytes", None, "HF output: shard safetensors past this size.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Optional run config (configs/*.py): without --dtype, parameters are cast to "
+    "its model.param_dtype, the dtype the run will train in.")
 
 
 def _orbax_params_dir(path: str) -> str:
@@ -84,7 +88,12 @@ def convert(direction: str, input: str | None, output: str, dtype: str | None = 
 
 def main(argv):
   del argv
-  cfg = convert(FLAGS.direction, FLAGS.input, FLAGS.output, FLAGS.dtype, FLAGS.max_shard_bytes)
+  dtype = FLAGS.dtype
+  if _CONFIG.value is not None:
+    from magistral_jax import config as config_lib
+    run = config_lib.validate(_CONFIG.value)   # the same config system as launch/train.py
+    dtype = dtype or run.model.param_dtype
+  cfg = convert(FLAGS.direction, FLAGS.input, FLAGS.output, dtype, FLAGS.max_shard_bytes)
   print(json.dumps({"direction": FLAGS.direction, "output": FLAGS.output,
                     "num_params": cfg.num_params(), "param_dtype": cfg.param_dtype}))
 

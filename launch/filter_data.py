@@ -18,6 +18,7 @@ import sys
 
 from absl import app
 from absl import flags
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,9 +65,19 @@ _VERIFIERS = flags.DEFINE_integer("verifier_workers", 2, "verifier pool processe
 _TRANSLATE_MODEL = flags.DEFINE_string("translate_model", None, "GGUF of the translator (default: shipped SmolLM2)")
 _TRANSLATE_FRACTION = flags.DEFINE_float("translate_fraction", 0.1, "fraction of problems translated")
 _LANGS = flags.DEFINE_list("translate_languages", list(tr.TranslationConfig().languages), "target languages")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Optional run config (configs/*.py). Its reward definition grades the "
+    "difficulty samples, and its sampling.temperature, sampling.max_new_tokens, "
+    "engine.max_concurrent_decodes and verifier.num_workers replace --temperature, "
+    "--max_new_tokens, --slots and --verifier_workers unless those flags are given explicitly.")
 
 
-def _generator(path, temperature, max_new_tokens, greedy=False, prompt_len=1024):
+def _from_config(holder, name: str, value):
+  """An explicit flag wins; otherwise the config's value (when a config is given)."""
+  return holder.value if value is None or flags.FLAGS[name].present else value
+
+
+def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_len=1024):
   """A GeneratorLoop on all local devices (tensor parallel) for a GGUF model, and its tokenizer."""
   import jax
   from magistral_jax.generate import Engine, GeneratorLoop, SamplingConfig
@@ -74,7 +85,7 @@ def _generator(path, temperature, max_new_tokens, greedy=False, prompt_len=1024)
   from magistral_jax.parallel.sharding import make_mesh
   cfg, params, tok = checkpoint.load_gguf(path)
   tp = max(d for d in (1, 2, 4, 8) if len(jax.devices()) % d == 0 and cfg.num_kv_heads % d == 0)
-  engine = Engine(cfg, make_mesh({"tensor": tp}, jax.devices()[:tp]), max_concurrent_decodes=_SLOTS.value,
+  engine = Engine(cfg, make_mesh({"tensor": tp}, jax.devices()[:tp]), max_concurrent_decodes=slots,
                   max_prefill_length=prompt_len, max_decode_length=max_new_tokens,
                   sampling=SamplingConfig(temperature=temperature, greedy=greedy,
                                           max_new_tokens=max_new_tokens, eos_id=tok.eos_id),
@@ -95,11 +106,20 @@ def main(argv):
   default = {"math": ["format"], "code": ["code"], "sft": []}[kind]
   fl = default if _FILTERS.value is None else [f for f in _FILTERS.value if f]
 
+  config, reward_cfg = _CONFIG.value, None
+  if config is not None:   # the same config system as launch/train.py; errors before any work
+    from magistral_jax import config as config_lib
+    reward_cfg = config_lib.validate(config).reward
+  temperature = _from_config(_TEMPERATURE, "temperature", config and config.sampling.temperature)
+  max_new = _from_config(_MAX_NEW, "max_new_tokens", config and config.sampling.max_new_tokens)
+  slots = _from_config(_SLOTS, "slots", config and config.engine.max_concurrent_decodes)
+  workers = _from_config(_VERIFIERS, "verifier_workers", config and config.verifier.num_workers)
+
   kw = {}
   pool = None
   if "difficulty" in fl:
     from magistral_jax.verify.pool import VerifierPool
-    pool = VerifierPool(num_workers=_VERIFIERS.value)
+    pool = VerifierPool(num_workers=workers, reward_cfg=reward_cfg)
     kw["score_fn"] = df.pool_score_fn(pool)
     stages = [(df.DifficultyStage("stage1", k=_K.value, min_pass_rate=float(_S1.value[0]),
                                   max_pass_rate=float(_S1.value[1])), _STAGE1_MODEL.value)]
@@ -109,11 +129,11 @@ def main(argv):
                                         consensus_fraction=_CONSENSUS.value), _STAGE2_MODEL.value))
     kw["difficulty_stages"] = []
     for stage, path in stages:
-      loop, tok = _generator(path, _TEMPERATURE.value, _MAX_NEW.value)
-      kw["difficulty_stages"].append((stage, df.generator_sample_fn(loop, tok, max_new_tokens=_MAX_NEW.value)))
+      loop, tok = _generator(path, temperature, max_new, slots)
+      kw["difficulty_stages"].append((stage, df.generator_sample_fn(loop, tok, max_new_tokens=max_new)))
   if "translate" in fl:
-    loop, tok = _generator(_TRANSLATE_MODEL.value, 1.0, _MAX_NEW.value, greedy=True)
-    kw["translate_fn"] = tr.generator_translate_fn(loop, tok, max_new_tokens=_MAX_NEW.value)
+    loop, tok = _generator(_TRANSLATE_MODEL.value, 1.0, max_new, slots, greedy=True)
+    kw["translate_fn"] = tr.generator_translate_fn(loop, tok, max_new_tokens=max_new)
     kw["translate_config"] = tr.TranslationConfig(fraction=_TRANSLATE_FRACTION.value,
                                                   languages=tuple(_LANGS.value))
   config = ff.FormatFilterConfig(drop_proofs=_NO_PROOFS.value, drop_multi_part=_NO_MULTI.value,
