@@ -32,9 +32,14 @@ flags.DEFINE_string("output", None, "Destination directory.")
 flags.DEFINE_string("dtype", None, "Cast parameters to this dtype (e.g. bfloat16); default keeps "
                     "the stored dtype (GGUF: float32 after dequantization).")
 flags.DEFINE_integer("max_shard_bytes", None, "HF output: shard safetensors past this size.")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Optional run config (configs/*.py): without --dtype, parameters are cast to "
-    "its model.param_dtype, the dtype the run will train in.")
+
+
+def _define_config_flag():
+  # Defined only when run as a script: tests import this module next to launch/train.py, and
+  # absl flags are process-global ('config' would be defined twice).
+  config_flags.DEFINE_config_file(
+      "config", None, "Optional run config (configs/*.py): without --dtype, parameters are cast "
+      "to its model.param_dtype, the dtype the run will train in.")
 
 
 def _orbax_params_dir(path: str) -> str:
@@ -89,9 +94,9 @@ def convert(direction: str, input: str | None, output: str, dtype: str | None = 
 def main(argv):
   del argv
   dtype = FLAGS.dtype
-  if _CONFIG.value is not None:
+  if "config" in FLAGS and FLAGS.config is not None:
     from magistral_jax import config as config_lib
-    run = config_lib.validate(_CONFIG.value)   # the same config system as launch/train.py
+    run = config_lib.validate(FLAGS.config)   # the same config system as launch/train.py
     dtype = dtype or run.model.param_dtype
   cfg = convert(FLAGS.direction, FLAGS.input, FLAGS.output, dtype, FLAGS.max_shard_bytes)
   print(json.dumps({"direction": FLAGS.direction, "output": FLAGS.output,
@@ -99,5 +104,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_config_flag()
   flags.mark_flags_as_required(["direction", "output"])
   app.run(main)
