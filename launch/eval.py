@@ -114,14 +114,8 @@ def format_table(results: dict, k: int) -> str:
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  config = rl_launch._CONFIG.value
+  config = rl_launch.start_run()
   import jax
-  if rl_launch._DISTRIBUTED.value:
-    jax.distributed.initialize()
   from magistral_jax import config as config_lib
   from magistral_jax.eval.evaluate import evaluate
   from magistral_jax.generate.engine import Engine

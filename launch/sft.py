@@ -82,14 +82,8 @@ def loader_batch_to_arrays(batch: dict, rows_per_micro: int) -> dict:
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  config = rl_launch._CONFIG.value
+  config = rl_launch.start_run()
   import jax
-  if rl_launch._DISTRIBUTED.value:
-    jax.distributed.initialize()
   import numpy as np
   from magistral_jax import config as config_lib
   from magistral_jax.model.checkpoint import save_params_orbax

@@ -170,16 +170,22 @@ def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, pa
   return res
 
 
-def main(argv):
-  del argv
+def start_run():
+  """Shared start of every launcher: logging to stdout (quiet libraries), optional
+  jax.distributed initialisation, and the parsed --config."""
   logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                       format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  config = _CONFIG.value
   if _DISTRIBUTED.value:
     import jax
     jax.distributed.initialize()
+  return _CONFIG.value
+
+
+def main(argv):
+  del argv
+  config = start_run()
   import jax
   import numpy as np
   from magistral_jax import config as config_lib
