@@ -1,0 +1,136 @@
+"""Benchmark: the checkpoint PCA and the perturbation-grid scoring of analysis/ (SPEC §6).
+
+Side by side in one run:
+
+  pca     T checkpoints of W weights (float32, as stacked from a run). Ours: top-2 eigenvectors
+          of X_cᵀX_c through the T × T Gram matrix (analysis/pca.py, method="gram"), and the
+          Lanczos route (method="lanczos": scipy eigsh on a LinearOperator). Baseline: the
+          naive route, a thin SVD of the centred T × W matrix (numpy.linalg.svd on a float64
+          centred copy). All three must agree (eigenvalues, |cos| of the components).
+          The W × W route is not run: at the tiny model's W = 0.81M it would be a 2.6 TB matrix.
+  grid    scoring a row of grid points on the tiny model (random init). Ours: one Engine +
+          GeneratorLoop, weights swapped in with update_params (no recompilation). Baseline: a
+          fresh Engine per grid point (what a script that builds the engine around each weight
+          set does: it recompiles prefill/insert/generate every time).
+
+Last line: one JSON object with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from magistral_jax.analysis import pca as P  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timed(fn, repeats=1):
+  best, out = float("inf"), None
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = fn()
+    best = min(best, time.perf_counter() - t0)
+  return best, out
+
+
+def bench_pca(t: int, w: int, repeats: int) -> dict:
+  rng = np.random.default_rng(0)
+  # A trajectory: steady drift + a slower second motion + per-checkpoint noise.
+  steps = np.arange(t, dtype=np.float64)
+  d = rng.standard_normal((2, w)).astype(np.float32)
+  x = (rng.standard_normal(w).astype(np.float32)[None]
+       + np.outer(steps, d[0]).astype(np.float32) * 1e-2
+       + np.outer(np.sin(steps), d[1]).astype(np.float32) * 5e-3
+       + rng.standard_normal((t, w)).astype(np.float32) * 1e-3)
+  t_gram, g = timed(lambda: P.top_components(x, 2, "gram"), repeats)
+  t_lz, lz = timed(lambda: P.top_components(x, 2, "lanczos"), repeats)
+
+  def svd():
+    xc = x.astype(np.float64) - x.mean(axis=0, dtype=np.float64)
+    _, s, vt = np.linalg.svd(xc, full_matrices=False)
+    return s[:2] ** 2, vt[:2]
+  t_svd, (lam, vt) = timed(svd, repeats)
+  return {
+      "T": t, "W": w, "gram_s": t_gram, "lanczos_s": t_lz, "svd_baseline_s": t_svd,
+      "gram_speedup_vs_svd": t_svd / t_gram, "lanczos_speedup_vs_svd": t_svd / t_lz,
+      "max_rel_eig_err_gram": float(np.max(np.abs(g.eigenvalues - lam) / lam)),
+      "max_rel_eig_err_lanczos": float(np.max(np.abs(lz.eigenvalues - lam) / lam)),
+      "min_abs_cos_gram": float(np.min(np.abs(np.sum(g.components * vt, axis=1)))),
+      "min_abs_cos_lanczos": float(np.min(np.abs(np.sum(lz.components * vt, axis=1)))),
+  }
+
+
+def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> dict:
+  import jax
+  from magistral_jax import config as config_lib
+  from magistral_jax.analysis import length_dimension as ld
+  from magistral_jax.analysis import run as R
+  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.model import transformer as T
+  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  config = mod.get_config()
+  model_cfg, tok = R.model_and_tokenizer(config)
+  params = jax.tree.map(np.asarray, T.init_params(model_cfg, jax.random.PRNGKey(0)))
+  flat = P.flatten_params(params)
+  direction = np.random.default_rng(1).standard_normal(flat.size)
+  direction /= np.linalg.norm(direction)
+  grid = [P.unflatten_params(P.perturb(flat, direction[None], [a]), params)
+          for a in np.linspace(-5, 5, points)]
+  problems = ld.prompt_set(config, prompts)
+  kw = dict(sampling=SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens,
+                                    eos_id=tok.eos_id),
+            samples_per_prompt=samples, system_prompt=ld.system_prompt_for(config.system_prompt),
+            max_concurrent_decodes=8, max_prefill_length=64)
+  reward_cfg = config_lib.validate(config).reward
+  from magistral_jax.verify import VerifierPool
+  with VerifierPool(1, reward_cfg) as pool:
+    def ours():
+      with ld.GridScorer(model_cfg, tok, reward_cfg, problems, grid[0], pool=pool, **kw) as s:
+        return [s.score(p)["length"] for p in grid]
+
+    def baseline():
+      out = []
+      for p in grid:
+        with ld.GridScorer(model_cfg, tok, reward_cfg, problems, p, pool=pool, **kw) as s:
+          out.append(s.score(p)["length"])
+      return out
+    baseline()   # warm the verifier processes and Python-side caches for both
+    t_ours, l_ours = timed(ours)
+    t_base, l_base = timed(baseline)
+  assert l_ours == l_base, (l_ours, l_base)   # same seeds, same weights: same samples
+  return {"points": points, "prompts": prompts, "samples_per_prompt": samples,
+          "max_new_tokens": max_new_tokens, "update_params_s": t_ours,
+          "engine_per_point_baseline_s": t_base, "grid_speedup": t_base / t_ours}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--T", type=int, default=16)
+  ap.add_argument("--W", type=str, default="814208,4000000")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--points", type=int, default=5)
+  args = ap.parse_args()
+  res = {"pca": []}
+  for w in (int(v) for v in args.W.split(",")):
+    r = bench_pca(args.T, w, args.repeats)
+    print(json.dumps(r))
+    res["pca"].append(r)
+  res["grid"] = bench_grid(args.points, prompts=4, samples=2, max_new_tokens=32)
+  print(json.dumps(res["grid"]))
+  print(json.dumps(res))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,112 @@
+"""Matplotlib figures for the notebooks (imported lazily: the analysis itself needs no plotting).
+
+Each function returns the Figure, so a notebook shows it and a script can `fig.savefig(...)`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from magistral_jax.analysis import report as report_lib
+
+
+def _plt():
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def run_report(rl_rows: list[dict], sft_rows: list[dict] | None = None,
+               panels: dict | None = None, ncols: int = 3):
+  """One subplot per panel with data (plus the SFT loss if there was a cold start)."""
+  plt = _plt()
+  panels = dict(panels or report_lib.PANELS)
+  chosen = [(name, report_lib.panel_keys(rl_rows, pats)) for name, pats in panels.items()]
+  chosen = [(name, keys) for name, keys in chosen if keys]
+  if sft_rows:
+    chosen.insert(0, ("cold-start SFT", report_lib.panel_keys(sft_rows, ("sft/loss",))))
+  if not chosen:
+    raise ValueError("run_report: none of the panels' metrics were logged")
+  nrows = math.ceil(len(chosen) / ncols)
+  fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.2 * nrows), squeeze=False)
+  for ax, (name, keys) in zip(axes.flat, chosen):
+    rows = sft_rows if name == "cold-start SFT" else rl_rows
+    for k in keys:
+      s, v = report_lib.series(rows, k)
+      ax.plot(s, v, marker="o" if len(s) < 30 else None, ms=3, label=k)
+    ax.set_title(name)
+    ax.set_xlabel("SFT step" if name == "cold-start SFT" else "optimizer step")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+  for ax in list(axes.flat)[len(chosen):]:
+    ax.axis("off")
+  fig.tight_layout()
+  return fig
+
+
+def _heatmap(ax, values, m1, m2, title, fmt):
+  im = ax.imshow(values, origin="lower", cmap="viridis", aspect="auto")
+  ax.set_xticks(range(len(m2)), [f"{m:g}" for m in m2])
+  ax.set_yticks(range(len(m1)), [f"{m:g}" for m in m1])
+  ax.set_xlabel("α2 / σ2 (component 2)")
+  ax.set_ylabel("α1 / σ1 (component 1)")
+  ax.set_title(title)
+  mid = (np.nanmin(values) + np.nanmax(values)) / 2
+  for i in range(values.shape[0]):
+    for j in range(values.shape[1]):   # dark text on the bright (high) end of viridis
+      ax.text(j, i, format(values[i, j], fmt), ha="center", va="center", fontsize=7,
+              color="k" if values[i, j] > mid else "w")
+  ax.figure.colorbar(im, ax=ax)
+
+
+def grid_heatmaps(result):
+  """Mean reward and mean response length over the (α1, α2) grid; (0, 0) is the final weights."""
+  plt = _plt()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  _heatmap(axes[0], result.grid["reward"], result.multiples1, result.multiples2, "mean reward",
+           ".3f")
+  _heatmap(axes[1], result.grid["length"], result.multiples1, result.multiples2,
+           "mean response length (tokens)", ".1f")
+  fig.tight_layout()
+  return fig
+
+
+def reward_vs_log_length(result):
+  """Each grid point's (log length, reward) with the least-squares line."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  length, reward = result.grid["length"].reshape(-1), result.grid["reward"].reshape(-1)
+  m1 = np.repeat(result.multiples1, len(result.multiples2))
+  sc = ax.scatter(np.log(length), reward, c=m1, cmap="coolwarm")
+  fig.colorbar(sc, ax=ax, label="α1 / σ1")
+  fit = result.fit
+  if math.isfinite(fit["slope"]):
+    xs = np.linspace(np.log(length).min(), np.log(length).max(), 50)
+    ax.plot(xs, fit["slope"] * xs + fit["intercept"], "k--",
+            label=f"slope {fit['slope']:.3g}, r² {fit['r2']:.2f}")
+    ax.legend()
+  ax.set_xlabel("log(mean response length)")
+  ax.set_ylabel("mean reward")
+  ax.set_title("reward vs log(length) over the grid")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  return fig
+
+
+def trajectory(result):
+  """The checkpoints' coordinates on (c1, c2), labelled by step, and the perturbation grid."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  p = result.pca.projections
+  ax.plot(p[:, 0], p[:, 1], "-o", ms=4)
+  for s, (a, b) in zip(result.steps, p):
+    ax.annotate(str(s), (a, b), fontsize=7, xytext=(3, 3), textcoords="offset points")
+  ga, gb = np.meshgrid(p[-1, 0] + result.alpha1, p[-1, 1] + result.alpha2, indexing="ij")
+  ax.scatter(ga, gb, marker="x", c="gray", label="grid points")
+  ax.set_xlabel(f"c1 ({100 * result.pca.explained[0]:.0f}% of variance)")
+  ax.set_ylabel(f"c2 ({100 * result.pca.explained[1]:.0f}% of variance)")
+  ax.set_title("checkpoint trajectory (labels: step)")
+  ax.legend(fontsize=7)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  return fig
