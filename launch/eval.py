@@ -43,8 +43,7 @@ def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
   from magistral_jax.data.loader import ProblemLoader
   from magistral_jax.data.tfds_builders import build_shipped
   if name == "synthetic":
-    return synthetic.take(n, config.seed, "heldout", min_steps=config.data.min_steps,
-                          max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+    return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
   name = ALIASES.get(name, name)
   data_dir = config.data.data_dir or os.path.join(workdir, "data")
   if name in records.SHIPPED:

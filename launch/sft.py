@@ -35,8 +35,7 @@ log = logging.getLogger("sft")
 def synthetic_pairs(config, skip: int = 0):
   """(problem, worked trace) pairs of the synthetic task, from position `skip` on."""
   from magistral_jax.data import synthetic
-  it = synthetic.problems(config.seed, "sft", min_steps=config.data.min_steps,
-                          max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+  it = synthetic.problems(config.seed, "sft", **synthetic.options(config.data))
   for i, p in enumerate(it):
     if i >= skip:
       yield p["problem"], synthetic.trace(p)

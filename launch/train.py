@@ -38,8 +38,7 @@ class SyntheticPrompts:
 
   def __init__(self, seed: int, data_cfg, consumed: int = 0):
     from magistral_jax.data import synthetic
-    self._it = synthetic.problems(seed, "train", min_steps=data_cfg.min_steps,
-                                  max_steps=data_cfg.max_steps, max_operand=data_cfg.max_operand)
+    self._it = synthetic.problems(seed, "train", **synthetic.options(data_cfg))
     self.consumed = 0
     for _ in range(consumed):
       next(self)
@@ -56,53 +55,21 @@ class SyntheticPrompts:
 
 
 def system_prompt_for(name: str):
-  from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
-  from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
-  table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
-  if name not in table:
-    raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
-  return table[name]
+  from magistral_jax.pipeline.build import system_prompt_for as f
+  return f(name)
 
 
 def build_tokenizer_and_model(config):
   """(tokenizer, ModelConfig, initial params or None for random init)."""
-  from magistral_jax.model import checkpoint as ckpt
-  from magistral_jax.model.char_tokenizer import char_tokenizer
-  from magistral_jax.model.config import ModelConfig
-  from magistral_jax.model.tokenizer import load_tokenizer
-  src, path = config.init.source, config.init.path
-  model_cfg = ModelConfig.from_config_dict(config.model)
-  params, tok = None, None
-  if src == "gguf":
-    cfg_g, params, tok = ckpt.load_gguf(path or None)
-    model_cfg = cfg_g.replace(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
-                              remat=model_cfg.remat, logits_chunk=model_cfg.logits_chunk)
-  elif src == "hf":
-    cfg_h, params = ckpt.load_hf_safetensors(path)
-    model_cfg = cfg_h.replace(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
-                              remat=model_cfg.remat, logits_chunk=model_cfg.logits_chunk)
-  elif src == "orbax":
-    model_cfg = ckpt.read_orbax_config(path).replace(
-        param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat)
-    params = ckpt.restore_params_orbax(os.path.join(path, "params") if os.path.isdir(
-        os.path.join(path, "params")) else path)
-  elif src != "random":
-    raise ValueError(f"init.source must be random|gguf|hf|orbax, got {src!r}")
-  if tok is None:
-    tok = char_tokenizer() if config.tokenizer == "char" else load_tokenizer(config.tokenizer)
-  if model_cfg.vocab_size < tok.vocab_size:
-    raise ValueError(f"model vocab_size={model_cfg.vocab_size} < tokenizer vocab "
-                     f"{tok.vocab_size} ({config.tokenizer})")
-  model_cfg = model_cfg.replace(eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
-  return tok, model_cfg, params
+  from magistral_jax.pipeline.build import build_tokenizer_and_model as f
+  return f(config)
 
 
 def heldout_problems(config):
   from magistral_jax.data import synthetic
   n = config.data.heldout
   if config.data.source == "synthetic":
-    return synthetic.take(n, config.seed, "heldout", min_steps=config.data.min_steps,
-                          max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+    return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
   return load_problem_set(config, "heldout")[:n]
 
 
@@ -253,8 +220,7 @@ def main(argv):
         sft_state = init_state(model_cfg, sft_tx, jax.random.PRNGKey(config.seed), tmesh,
                                TRAINER_RULES, params=state.params)
         examples = ((p["problem"], synthetic.trace(p)) for p in synthetic.problems(
-            config.seed, "sft", min_steps=config.data.min_steps, max_steps=config.data.max_steps,
-            max_operand=config.data.max_operand))
+            config.seed, "sft", **synthetic.options(config.data)))
         sft_state, _ = sft_warm_start(
             sft_state, make_sft_step(model_cfg, sft_tx, tmesh, TRAINER_RULES), tok, examples,
             num_steps=config.sft.num_steps, batch_size=config.sft.batch_size,

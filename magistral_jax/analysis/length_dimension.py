@@ -46,17 +46,10 @@ def fit_reward_log_length(reward: np.ndarray, length: np.ndarray) -> dict:
   return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2), "n": n}
 
 
-SYSTEM_PROMPTS = ("magistral", "tiny", "none")
-
-
 def system_prompt_for(name: str) -> str | None:
   """The run config's `system_prompt` name -> its text (as launch/train.py resolves it)."""
-  from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
-  from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
-  table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
-  if name not in table:
-    raise ValueError(f"system_prompt must be one of {SYSTEM_PROMPTS}, got {name!r}")
-  return table[name]
+  from magistral_jax.pipeline.build import system_prompt_for as f
+  return f(name)
 
 
 def prompt_set(config, num_prompts: int, split: str = "heldout") -> list[dict]:
@@ -68,8 +61,7 @@ def prompt_set(config, num_prompts: int, split: str = "heldout") -> list[dict]:
     raise ValueError(f"prompt_set: data.source={config.data.source!r}; build the problem list "
                      "yourself (e.g. with data.loader.ProblemLoader) and pass it as `problems=`")
   from magistral_jax.data import synthetic
-  return synthetic.take(num_prompts, config.seed, split, min_steps=config.data.min_steps,
-                        max_steps=config.data.max_steps, max_operand=config.data.max_operand)
+  return synthetic.take(num_prompts, config.seed, split, **synthetic.options(config.data))
 
 
 class GridScorer:

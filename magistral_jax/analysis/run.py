@@ -156,30 +156,12 @@ def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def model_and_tokenizer(config):
-  """(ModelConfig, tokenizer) of the run's policy, as launch/train.py builds them, without
-  loading any initial weights when the config describes the model itself (random/char init)."""
-  from magistral_jax.model import checkpoint as ckpt
-  from magistral_jax.model.char_tokenizer import char_tokenizer
-  from magistral_jax.model.config import ModelConfig
-  from magistral_jax.model.tokenizer import load_tokenizer
-  src, path = config.init.source, config.init.path
-  model_cfg = ModelConfig.from_config_dict(config.model)
-  keep = dict(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat,
-              logits_chunk=model_cfg.logits_chunk)
-  tok = None
-  if src == "gguf":   # the architecture and the vocabulary come from the file's metadata
-    from magistral_jax.model.tokenizer import HFTokenizer
-    gpath = path or ckpt.default_gguf_path()
-    gf = ckpt.read_gguf(gpath)
-    model_cfg = ckpt.gguf_config(gf, gpath).replace(**keep)
-    tok = HFTokenizer.from_gguf_metadata(gf.metadata, gpath)
-  elif src == "hf":
-    model_cfg = ModelConfig.from_hf_config(path).replace(**keep)
-  elif src == "orbax":
-    model_cfg = ckpt.read_orbax_config(path).replace(**keep)
-  elif src != "random":
-    raise RunError(f"init.source must be random|gguf|hf|orbax, got {src!r}")
-  if tok is None:
-    tok = char_tokenizer() if config.tokenizer == "char" else load_tokenizer(config.tokenizer)
-  return model_cfg.replace(eos_token_id=tok.eos_id, bos_token_id=tok.bos_id), tok
+  """(ModelConfig, tokenizer) of the run's policy, as launch/train.py builds them, reading only
+  metadata (no initial weights)."""
+  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  try:
+    tok, model_cfg, _ = build_tokenizer_and_model(config, load_weights=False)
+  except ValueError as e:
+    raise RunError(str(e)) from e
+  return model_cfg, tok
 

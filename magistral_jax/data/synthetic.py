@@ -21,13 +21,15 @@ TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{prob
 
 
 def make_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 3,
-                 max_operand: int = 20) -> dict:
+                 max_operand: int = 20, allow_negative: bool = True) -> dict:
+  """With allow_negative=False a subtraction never goes below zero (its operand is drawn from
+  0..min(value, max_operand)), so every intermediate value is a non-negative integer."""
   steps = rng.randint(min_steps, max_steps)
   value = rng.randint(0, max_operand)
   expr, lines = str(value), []
   for _ in range(steps):
     op = rng.choice("+-")
-    x = rng.randint(0, max_operand)
+    x = rng.randint(0, max_operand if allow_negative or op == "+" else min(value, max_operand))
     new = value + x if op == "+" else value - x
     lines.append(f"{value}{op}{x}={new}")
     expr += f"{op}{x}"
@@ -50,6 +52,13 @@ def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
     p["id"] = f"{split}-{seed}-{i}"
     yield p
     i += 1
+
+
+def options(data_cfg) -> dict:
+  """The problem-distribution keyword arguments of a run config's `data` section."""
+  return dict(min_steps=data_cfg.min_steps, max_steps=data_cfg.max_steps,
+              max_operand=data_cfg.max_operand,
+              allow_negative=data_cfg.get("allow_negative", True))
 
 
 def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:

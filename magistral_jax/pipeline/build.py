@@ -38,6 +38,63 @@ def split_devices(trainer_devices: int, generator_devices: Sequence[int],
   return trainer, gens
 
 
+def system_prompt_for(name: str) -> str | None:
+  """The run config's `system_prompt` name -> its text: "magistral" (SPEC §2), "tiny" (the
+  one-line prompt of the synthetic task) or "none"."""
+  from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
+  from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
+  table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
+  if name not in table:
+    raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
+  return table[name]
+
+
+def build_tokenizer_and_model(config, load_weights: bool = True):
+  """(tokenizer, ModelConfig, initial params or None) of a run config's policy.
+
+  init.source: random (config.model), gguf, hf or orbax (architecture from the checkpoint; the
+  run's dtype/remat/logits_chunk kept). With load_weights=False only metadata is read (params
+  is None): enough to build engines or abstract params, e.g. for analysing a run's checkpoints.
+  """
+  import os
+  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.char_tokenizer import char_tokenizer
+  from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
+  src, path = config.init.source, config.init.path
+  model_cfg = ModelConfig.from_config_dict(config.model)
+  keep = dict(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat,
+              logits_chunk=model_cfg.logits_chunk)
+  params, tok = None, None
+  if src == "gguf":   # architecture and vocabulary come from the file's metadata
+    if load_weights:
+      cfg_g, params, tok = ckpt.load_gguf(path or None)
+    else:
+      gpath = path or ckpt.default_gguf_path()
+      gf = ckpt.read_gguf(gpath)
+      cfg_g, tok = ckpt.gguf_config(gf, gpath), HFTokenizer.from_gguf_metadata(gf.metadata, gpath)
+    model_cfg = cfg_g.replace(**keep)
+  elif src == "hf":
+    if load_weights:
+      cfg_h, params = ckpt.load_hf_safetensors(path)
+    else:
+      cfg_h = ModelConfig.from_hf_config(path)
+    model_cfg = cfg_h.replace(**keep)
+  elif src == "orbax":
+    model_cfg = ckpt.read_orbax_config(path).replace(**keep)
+    if load_weights:
+      sub = os.path.join(path, "params")
+      params = ckpt.restore_params_orbax(sub if os.path.isdir(sub) else path)
+  elif src != "random":
+    raise ValueError(f"init.source must be random|gguf|hf|orbax, got {src!r}")
+  if tok is None:
+    tok = char_tokenizer() if config.tokenizer == "char" else load_tokenizer(config.tokenizer)
+  if model_cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"model vocab_size={model_cfg.vocab_size} < tokenizer vocab "
+                     f"{tok.vocab_size} ({config.tokenizer})")
+  model_cfg = model_cfg.replace(eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+  return tok, model_cfg, params
+
+
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig, *,
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,

@@ -424,8 +424,12 @@ class RLPipeline:
           self.writer.write(self.opt_steps, m)
           if self.cfg.sample_every and self.batches % self.cfg.sample_every == 0:
             s = groups[0].members[0]
-            self.writer.write_text(self.opt_steps, "sample", f"reward={s.result.reward:.3f}\n"
-                                   + self.tokenizer.decode(s.gen.tokens))
+            task = s.gen.metadata or {}
+            self.writer.write_text(
+                self.opt_steps, "sample",
+                f"problem: {task.get('problem', '?')}\nreference: {task.get('answer', '?')}\n"
+                f"reward={s.result.reward:.3f} policy versions {min(s.gen.versions, default=-1)}"
+                f"..{max(s.gen.versions, default=-1)}\n" + self.tokenizer.decode(s.gen.tokens))
         if self.on_step is not None:
           self.on_step(self.opt_steps, self, m)
     finally:

@@ -65,6 +65,8 @@ def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, rng, me
   if mesh is None:
     return jax.jit(make)(rng, params)
   sh = state_shardings(model_cfg, tx, mesh, rules)
+  if params is not None:   # e.g. restored onto one device: lay them out on this mesh first
+    params = jax.device_put(params, sh.params)
   return jax.jit(make, out_shardings=sh)(rng, params)
 
 

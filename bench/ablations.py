@@ -1,0 +1,200 @@
+r"""The paper's RL ablations (SPEC §6) at tiny scale, on the CPU default task.
+
+  python bench/ablations.py                       # all four, ~30-40 min on 2 quiet cores
+  python bench/ablations.py --which=clip --batches=20 --seeds=0
+
+Every variant starts from the same cold-start SFT checkpoint (made once with launch/sft.py under
+ROOT/sft, reused afterwards) and runs the real `launch/train.py` (async pipeline, real verifier
+pool, held-out evaluation before/after) for the same number of batches; each row below is one
+variant, its baseline being the paper's default in the same ablation:
+
+  clip       ε_high 0.28 (clip-higher, Magistral)    vs  0.20 (symmetric PPO clip)
+             paper: entropy stays higher with clip-higher
+  adv_norm   minibatch (Magistral)  vs  group  vs  none
+             paper: little difference
+  async      async (Magistral)  vs  sync (barrier per batch)
+             paper: same reward per sample, more samples per second
+  minibatch  n_batch/n_mini = 1 (Magistral)  vs  2  vs  4  vs  8 optimizer steps per batch
+             paper: more than 2 minibatches per batch hurts
+
+Outputs: ROOT/<ablation>/<variant>-s<seed>/ (a train.py workdir each), docs/ablations/<ablation>.png
+(reward and entropy curves), docs/ablations/results.json, and as the last line one JSON object
+with the headline figure of each ablation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ABLATIONS = {
+    "clip": [("eps_high_0.28", "eps_high=0.28"), ("eps_high_0.20", "eps_high=0.2")],
+    "adv_norm": [("minibatch", "adv_norm=minibatch"), ("group", "adv_norm=group"),
+                 ("none", "adv_norm=none")],
+    "async": [("async", "mode=async"), ("sync", "mode=sync")],
+    "minibatch": [("1_mini", "n_mini_per_batch=1"), ("2_mini", "n_mini_per_batch=2"),
+                  ("4_mini", "n_mini_per_batch=4"), ("8_mini", "n_mini_per_batch=8")],
+}
+
+
+def run(argv, log_path):
+  with open(log_path, "w") as log:
+    t = time.time()
+    rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+  if rc:
+    tail = open(log_path).read()[-3000:]
+    raise RuntimeError(f"{' '.join(argv)} failed (exit {rc}); log {log_path}:\n{tail}")
+  return time.time() - t
+
+
+def ensure_sft(root: str, sft_steps: int | None) -> str:
+  """The shared cold-start checkpoint (ROOT/sft/params), made once."""
+  wd = os.path.join(root, "sft")
+  if os.path.isdir(os.path.join(wd, "params")):
+    return wd
+  os.makedirs(wd, exist_ok=True)
+  arg = f":sft_steps={sft_steps}" if sft_steps else ""
+  print(f"cold-start SFT -> {wd}", flush=True)
+  dt = run([sys.executable, "launch/sft.py", f"--config=configs/tiny.py{arg}", f"--workdir={wd}"],
+           os.path.join(wd, "log.txt"))
+  print(f"  done in {dt:.0f}s", flush=True)
+  return wd
+
+
+def rl_rows(workdir: str) -> list[dict]:
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if l.strip()]
+  return [r for r in rows if "reward" in r and "sft/nll_per_token" not in r]
+
+
+def variant_stats(workdir: str, wall_s: float) -> dict:
+  rows = rl_rows(workdir)
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  tail = rows[len(rows) * 2 // 3:] or rows   # the last third of the batches
+  mean = lambda key, rs: float(np.mean([r[key] for r in rs if key in r])) if rs else float("nan")
+  n_batch = json.load(open(os.path.join(workdir, "config.json")))["rl"]["n_batch"]
+  # Trained-on completions per second between the first and the last batch (start-up excluded).
+  samples = n_batch * (len(rows) - 1)
+  rl_time = float(rows[-1]["time"] - rows[0]["time"]) if len(rows) > 1 else 0.0
+  return {
+      "heldout_accuracy_before": summary.get("heldout_accuracy_before"),
+      "heldout_accuracy_after": summary.get("heldout_accuracy_after"),
+      "format_rate": summary.get("format_rate"),
+      "reward_first_third": mean("reward", rows[:max(1, len(rows) // 3)]),
+      "reward_last_third": mean("reward", tail),
+      "entropy_first_third": mean("entropy", rows[:max(1, len(rows) // 3)]),
+      "entropy_last_third": mean("entropy", tail),
+      "clip_high_frac": mean("clip_high_frac", rows),
+      "clip_low_frac": mean("clip_low_frac", rows),
+      "samples": samples,
+      "rl_time_s": rl_time,
+      "samples_per_s": samples / rl_time if rl_time else float("nan"),
+      "wall_s": wall_s,
+      "curves": {k: [r.get(k) for r in rows] for k in ("reward", "entropy", "accuracy",
+                                                      "response_length_mean", "time")},
+  }
+
+
+def plot(name: str, results: dict, out_dir: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for variant, per_seed in results.items():
+    curves = [s["curves"] for s in per_seed]
+    n = min(len(c["reward"]) for c in curves)
+    for ax, key in zip(axes[:2], ("reward", "entropy")):
+      y = np.mean([[v if v is not None else np.nan for v in c[key][:n]] for c in curves], 0)
+      ax.plot(np.arange(1, n + 1), y, label=variant)
+      ax.set_xlabel("batch")
+      ax.set_ylabel(f"{key} (mean over {len(curves)} seed(s))")
+    # reward against wall-clock seconds of RL: the async-vs-sync question
+    t = np.asarray([v or 0.0 for v in curves[0]["time"][:n]], float)
+    y = [v if v is not None else np.nan for v in curves[0]["reward"][:n]]
+    axes[2].plot(t - t[0] if len(t) else t, y, label=variant)
+    axes[2].set_xlabel("seconds since the first batch (seed 0)")
+    axes[2].set_ylabel("reward")
+  for ax in axes:
+    ax.legend()
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"tiny-scale ablation: {name}")
+  fig.tight_layout()
+  path = os.path.join(out_dir, f"{name}.png")
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+  return path
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--which", default="clip,adv_norm,async,minibatch")
+  ap.add_argument("--batches", type=int, default=30, help="RL batches per variant")
+  ap.add_argument("--seeds", default="0", help="comma-separated RL seeds per variant")
+  ap.add_argument("--root", default=os.path.join(ROOT, "runs", "ablations"))
+  ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "ablations"))
+  ap.add_argument("--sft_steps", type=int, default=0, help="0 = configs/tiny.py's sft.num_steps")
+  ap.add_argument("--heldout", type=int, default=64)
+  args = ap.parse_args()
+  which = [w for w in args.which.split(",") if w]
+  for w in which:
+    if w not in ABLATIONS:
+      sys.exit(f"--which: unknown ablation {w!r}; choose from {sorted(ABLATIONS)}")
+  seeds = [int(s) for s in args.seeds.split(",")]
+  root = os.path.abspath(args.root)
+  os.makedirs(args.docs, exist_ok=True)
+  sft = ensure_sft(root, args.sft_steps or None)
+  all_results = {}
+  headline = {}
+  for name in which:
+    results = {}
+    for variant, arg in ABLATIONS[name]:
+      for seed in seeds:
+        wd = os.path.join(root, name, f"{variant}-s{seed}")
+        if not os.path.exists(os.path.join(wd, "summary.json")) or "heldout_accuracy_after" \
+            not in json.load(open(os.path.join(wd, "summary.json"))):
+          os.makedirs(wd, exist_ok=True)
+          print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
+          wall = run([sys.executable, "launch/train.py", f"--config=configs/tiny.py:{arg}",
+                      f"--workdir={wd}", "--config.init.source=orbax",
+                      f"--config.init.path={os.path.join(sft, 'params')}",
+                      f"--config.num_batches={args.batches}", f"--config.seed={seed}",
+                      f"--config.data.heldout={args.heldout}"],
+                     os.path.join(wd, "log.txt"))
+        else:
+          wall = json.load(open(os.path.join(wd, "summary.json"))).get("wall_time_s", 0.0)
+        results.setdefault(variant, []).append(variant_stats(wd, wall))
+        s = results[variant][-1]
+        print(f"  {variant} s{seed}: reward {s['reward_first_third']:.3f} -> "
+              f"{s['reward_last_third']:.3f} | entropy {s['entropy_first_third']:.3f} -> "
+              f"{s['entropy_last_third']:.3f} | held-out {s['heldout_accuracy_before']:.3f} -> "
+              f"{s['heldout_accuracy_after']:.3f} | {s['samples_per_s']:.1f} samples/s",
+              flush=True)
+    plot(name, results, args.docs)
+    all_results[name] = {v: [{k: x for k, x in s.items() if k != "curves"} for s in per]
+                         for v, per in results.items()}
+    avg = lambda v, key: float(np.mean([s[key] for s in results[v]]))
+    base = ABLATIONS[name][0][0]
+    if name == "clip":
+      headline["clip_entropy_last_third"] = {v: avg(v, "entropy_last_third") for v in results}
+    elif name == "adv_norm":
+      headline["adv_norm_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
+    elif name == "async":
+      headline["async_over_sync_samples_per_s"] = avg("async", "samples_per_s") / avg(
+          "sync", "samples_per_s")
+      headline["async_sync_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
+    elif name == "minibatch":
+      headline["minibatch_heldout_after"] = {v: avg(v, "heldout_accuracy_after") for v in results}
+    headline[f"{name}_baseline"] = base
+  with open(os.path.join(args.docs, "results.json"), "w") as f:
+    json.dump({"batches": args.batches, "seeds": seeds, "results": all_results}, f, indent=1)
+  print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+  main()
