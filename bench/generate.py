@@ -10,6 +10,10 @@ lengths. For each batch size B (slots for us, batch for transformers):
   hf:   the same requests in static batches of B; each batch runs until its longest member is
         done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
 Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
+With --group_size G > 1 (GRPO-style groups) each request asks for G samples of one prompt: ours
+prefills the prompt once and shares it across G slots; transformers gets batches of B/G prompts
+each repeated G times (what its num_return_sequences does before the prefill, which greedy
+decoding refuses), so it prefills G times.
 
 Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active slot-steps / all
 slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
@@ -28,14 +32,16 @@ import jax
 import numpy as np
 
 
-def run_ours(cfg, params, prompts, lengths, slots, n_updates):
+def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
   from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                max_prefill_length=p_len, max_decode_length=int(max(lengths)),
                prefill_buckets=(p_len,), sampling=SamplingConfig(greedy=True, max_new_tokens=8))
-  # Warm-up: compile prefill / insert / generate / set_active once.
+  # Warm-up: compile generate and every (bucket, prefill batch size) program once, then run a
+  # request through the loop.
+  eng.precompile(eng.load_params(params))
   warm = GeneratorLoop(eng, params)
   warm.submit(Request("w", prompts[0], max_new_tokens=2))
   warm.run_until_idle()
@@ -43,8 +49,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates):
 
   loop = GeneratorLoop(eng, params)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
-    loop.submit(Request(i, p, max_new_tokens=int(n)))
-  total = int(sum(lengths))
+    loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
+  total = int(sum(lengths)) * group_size
   queued_util = []
   call_s = []
 
@@ -78,7 +84,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates):
       "tokens_per_s": done / wall, "wall_s": wall, "generated_tokens": done, "steps": loop.steps,
       "slot_utilization": loop.metrics()["slot_utilization"],
       "slot_utilization_while_queued": a_q / (s_q * slots),
-      "decode_step_s": step_s, "versions_seen": loop.version,
+      "decode_step_s": step_s, "decode_s": loop.decode_time_s,
+      "prefill_insert_host_s": wall - loop.decode_time_s, "versions_seen": loop.version,
       "update_pause_s": max(loop.update_pauses_s, default=0.0),
       "update_pause_in_steps": max(loop.update_pauses_s, default=0.0) / step_s,
       "update_call_s": max(call_s, default=0.0),
@@ -86,20 +93,21 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates):
   }
 
 
-def run_hf(hf, prompts, lengths, batch):
+def run_hf(hf, prompts, lengths, batch, group_size=1):
   import torch
   t0 = time.perf_counter()
   slot_steps = 0
+  per = max(1, batch // group_size)  # prompts per static batch
   with torch.inference_mode():
-    for s in range(0, len(prompts), batch):
-      x = torch.tensor(prompts[s:s + batch], dtype=torch.long)
-      n = int(max(lengths[s:s + batch]))
+    for s in range(0, len(prompts), per):
+      x = torch.tensor(prompts[s:s + per], dtype=torch.long).repeat_interleave(group_size, 0)
+      n = int(max(lengths[s:s + per]))
       hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                   pad_token_id=0, use_cache=True)
       slot_steps += n * len(x)
   wall = time.perf_counter() - t0
-  return {"tokens_per_s": float(sum(lengths)) / wall, "wall_s": wall,
-          "slot_utilization": float(sum(lengths)) / slot_steps}
+  useful = float(sum(lengths)) * group_size
+  return {"tokens_per_s": useful / wall, "wall_s": wall, "slot_utilization": useful / slot_steps}
 
 
 def main():
@@ -109,6 +117,7 @@ def main():
   ap.add_argument("--prompt", type=int, default=128)
   ap.add_argument("--min_new", type=int, default=8)
   ap.add_argument("--n_updates", type=int, default=3)
+  ap.add_argument("--group_size", type=int, default=1)
   ap.add_argument("--skip_hf", action="store_true")
   args = ap.parse_args()
 
@@ -127,20 +136,20 @@ def main():
   runs = {}
   for b in [int(x) for x in args.batches.split(",")]:
     rs = np.random.RandomState(b)
-    n_req = int(round(args.requests_per_slot * b))
+    n_req = max(1, int(round(args.requests_per_slot * b / args.group_size)))
     prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt)).tolist()
     lengths = rs.randint(args.min_new, 5 * args.min_new + 1, n_req)
-    r = {"batch": b, "requests": n_req, "ours": run_ours(cfg, params, prompts, lengths, b,
-                                                        args.n_updates)}
+    r = {"batch": b, "requests": n_req, "group_size": args.group_size,
+         "ours": run_ours(cfg, params, prompts, lengths, b, args.n_updates, args.group_size)}
     if hf is not None:
-      r["hf"] = run_hf(hf, prompts, lengths, b)
+      r["hf"] = run_hf(hf, prompts, lengths, b, args.group_size)
       r["speedup_vs_hf"] = r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
     runs[b] = r
     print(json.dumps(r), flush=True)
 
   last = runs[max(runs)]
   result = {
-      "machine": f"cpu x{os.cpu_count()}", "jax_backend": jax.default_backend(),
+      "machine": f"cpu x{os.cpu_count()}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(),
       "model": "SmolLM2-135M-Instruct fp32", "prompt": args.prompt,
       "new_tokens_range": [args.min_new, 5 * args.min_new],
       "speedup_vs_hf": last.get("speedup_vs_hf"),

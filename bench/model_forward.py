@@ -73,7 +73,7 @@ def main():
   ours_tokens = np.asarray(greedy(params, tok_j))
 
   result = {
-      "machine": f"cpu x{threads}", "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
+      "machine": f"cpu x{threads}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
       "new_tokens": n, "forward_tokens_per_s": b * s / fwd_s, "decode_tokens_per_s": b * n / dec_s,
   }
   if not args.skip_hf:

@@ -114,13 +114,13 @@ def test_group_samples_share_one_prefill(params, mesh):
   eng = engine(mesh, sampling=SAMPLED)
   loop = GeneratorLoop(eng, params)
   calls = []
-  orig = eng.prefill
-  eng.prefill = lambda *a, **k: calls.append(1) or orig(*a, **k)
+  orig = eng.prefill_many
+  eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
   try:
     out = run(loop, [Request("g", prompts(1)[0], group_size=6, max_new_tokens=8)])
   finally:
-    del eng.prefill
-  assert len(calls) == 1 and len(out) == 6  # 6 samples, 4 slots, one prefill
+    del eng.prefill_many
+  assert calls == [1] and len(out) == 6  # 6 samples, 4 slots, one prompt prefilled once
   assert len({tuple(c.tokens) for c in out.values()}) > 1  # independent per-slot streams
 
 
@@ -289,3 +289,66 @@ def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params)
   assert loop.version == 1 and eng.compile_counts()["generate"] == 1
   with pytest.raises(queue.Empty):
     loop.get(timeout=0.1)
+
+
+def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mesh):
+  """prefill_many + insert_many (what the loop uses) give the same caches, first tokens,
+  log-probs and continuations as the JetStream-contract prefill / resample / insert."""
+  eng = engine(mesh, sampling=SAMPLED)
+  ps = prompts(4, seed=8)
+  padded = [eng.pad_prompt(p, truncate=False) for p in ps]
+  keys = [np.asarray(jax.random.PRNGKey(100 + i)) for i in range(4)]
+  # Contract path: prompt i into slot 3 - i, one prefill and one insert at a time.
+  one = eng.init_decode_state()
+  firsts_one = {}
+  for i, (pad, n, _) in enumerate(padded):
+    # Only prompts that share a bucket can be batched; pad them all to 16 for this check.
+    tokens16 = np.zeros(16, np.int32)
+    tokens16[:n] = pad[:n]
+    prefix = eng.prefill(eng.load_params(params), tokens16, n,
+                         rng=jax.random.fold_in(keys[i], 0))
+    if i == 3:  # sample index 1 of prompt 3: the group path (resample)
+      prefix = eng.resample(prefix, jax.random.fold_in(keys[i], 1))
+    firsts_one[3 - i] = (int(prefix.token), float(prefix.logprob))
+    one = eng.insert(prefix, one, 3 - i)
+  # Batched path: one prefill of 4 rows, one insert into the 4 slots.
+  p = eng.load_params(params)
+  tokens = np.zeros((4, 16), np.int32)
+  for i, (pad, n, _) in enumerate(padded):
+    tokens[i, :n] = pad[:n]
+  pre = eng.prefill_many(p, tokens, [n for _, n, _ in padded])
+  many, tok, lp = eng.insert_many(pre, eng.init_decode_state(), [3, 2, 1, 0], [0, 1, 2, 3],
+                                  np.stack(keys), [0, 0, 0, 1], np.ones(4, bool))
+  for j, slot in enumerate([3, 2, 1, 0]):
+    assert int(tok[j]) == firsts_one[slot][0]
+    np.testing.assert_allclose(float(lp[j]), firsts_one[slot][1], atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(many.cache.lengths), np.asarray(one.cache.lengths))
+  for step in range(3):
+    one, r1 = eng.generate(p, one)
+    many, r2 = eng.generate(p, many)
+    np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r2.tokens))
+    np.testing.assert_allclose(np.asarray(r1.logprobs), np.asarray(r2.logprobs), atol=1e-5)
+  with pytest.raises(ValueError, match="not one of"):
+    eng.prefill_many(p, tokens[:3], [3, 3, 3])
+  with pytest.raises(ValueError, match="distinct"):
+    eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool))
+
+
+def test_loop_prefills_waiting_requests_together(params, mesh):
+  eng = engine(mesh, sampling=SAMPLED)
+  calls = []
+  orig = eng.prefill_many
+  eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
+  ps = [p for p in prompts(12, seed=9) if len(p) <= 8][:3]  # one bucket
+  try:
+    out = run(GeneratorLoop(eng, params),
+              [Request(i, p, group_size=2 if i == 0 else 1, max_new_tokens=3)
+               for i, p in enumerate(ps)])
+  finally:
+    del eng.prefill_many
+  # 4 free slots: request 0 (2 samples) and requests 1 and 2 fill them; 3 prompts -> 2 + 1.
+  assert calls == [2, 1] and len(out) == 4
+  # Programs are per (bucket, prefill batch size), never per number of inserted samples.
+  bound = len(eng.prefill_batch_sizes) * len(eng.prefill_buckets)
+  assert eng.compile_counts()["insert_many"] <= bound
+  assert eng.compile_counts()["prefill_many"] <= bound

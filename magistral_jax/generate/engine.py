@@ -10,9 +10,18 @@ what RL needs: every token comes with its fp32 log-prob under the sampling polic
 says which distribution), per-slot PRNG streams, and `resample` so the G samples of a GRPO group
 share one prefill.
 
+Batched refill (what GeneratorLoop uses; the contract methods above stay available):
+  prefill_many(params, padded [N, bucket], true_lengths [N])  -> Prefixes (N prompt caches)
+  insert_many(prefixes, decode_state, slots, rows, keys, ...)  -> decode_state, first tokens
+prefill N prompts of one length bucket in one call, and copy them into any number of slots in one
+call (several slots may share a row: the G samples of a GRPO group), each slot drawing its first
+token from the row's last-position logits with its own PRNG stream.
+
 Compilation: `generate` is one jitted program with fixed shapes, fixed in/out shardings and the
 decode state donated, so new weights of the same shapes/shardings never recompile it. `prefill`
-and `insert` compile once per prefill length bucket.
+and `insert` compile once per prefill length bucket; `prefill_many` and `insert_many` once per
+(bucket, batch size) with batch sizes drawn from the bounded set `prefill_batch_sizes` (powers of
+two up to max_prefill_batch), so the number of programs stays small and fixed.
 
 Placement: the engine lives on its own mesh (any subset of devices) with its own rules (default
 GENERATOR_RULES: tensor parallel, full weights per tensor-parallel group); `load_params` reshards
@@ -59,6 +68,15 @@ class Prefix(NamedTuple):
   true_length: Array
 
 
+class Prefixes(NamedTuple):
+  """N prefilled prompts of one bucket (from prefill_many). cache: KVCache [L, N, bucket, K, Dh]
+  (lengths = true lengths); logits: [N, V] fp32 at each prompt's last position; true_length [N].
+  No token is drawn yet: insert_many draws one per slot, with that slot's stream."""
+  cache: T.KVCache
+  logits: Array
+  true_length: Array
+
+
 class DecodeState(NamedTuple):
   """All slots. cache: KVCache [L, B, S, K, Dh]; tokens [B]: the next input token of each slot
   (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
@@ -95,7 +113,7 @@ class Engine:
                max_concurrent_decodes: int, max_prefill_length: int, max_decode_length: int,
                sampling: S.SamplingConfig = S.SamplingConfig(),
                prefill_buckets: Sequence[int] | None = None, cache_dtype=None,
-               truncate_prompts: bool = False):
+               truncate_prompts: bool = False, max_prefill_batch: int | None = None):
     if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
@@ -115,6 +133,16 @@ class Engine:
       raise ValueError(f"prefill_buckets {buckets} must lie in [1, max_prefill_length="
                        f"{self._max_prefill}]")
     self.prefill_buckets = tuple(buckets)
+    # Batched prefill: up to max_prefill_batch prompts per call (default: min(slots, 8), which
+    # bounds the activation memory of one call to 8 prompts), in power-of-two batch sizes.
+    mpb = min(self._slots, 8) if max_prefill_batch is None else int(max_prefill_batch)
+    if mpb < 1:
+      raise ValueError(f"max_prefill_batch must be >= 1, got {mpb}")
+    sizes, n = [], 1
+    while n < mpb:
+      sizes.append(n)
+      n *= 2
+    self.prefill_batch_sizes = tuple(sizes + [mpb])
     # KV recompute (the ablation) re-prefills whole sequences, so it needs buckets up to S.
     self.recompute_buckets = self.prefill_buckets + tuple(
         b for b in default_buckets(self.cache_length, 2 * self._max_prefill)
@@ -143,6 +171,11 @@ class Engine:
     self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
     self._resample = jax.jit(self._resample_impl)
+    self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self._prefill_many = jax.jit(self._prefill_many_impl)
+    self._insert_many = jax.jit(self._insert_many_impl,
+                                out_shardings=(self.state_shardings, rep, rep),
+                                donate_argnums=(1,))
     self._set_active = jax.jit(lambda st, a: st._replace(active=a),
                                out_shardings=self.state_shardings, donate_argnums=(0,))
     self._all_finite = jax.jit(
@@ -168,7 +201,8 @@ class Engine:
   def compile_counts(self) -> dict[str, int]:
     """How many programs each jitted entry point has compiled (for no-recompile checks)."""
     return {name: getattr(self, f"_{name}")._cache_size()
-            for name in ("generate", "prefill", "insert", "resample", "set_active")}
+            for name in ("generate", "prefill", "insert", "resample", "set_active",
+                         "prefill_many", "insert_many")}
 
   # ---- params --------------------------------------------------------------------------------
   def check_params(self, params) -> None:
@@ -206,7 +240,20 @@ class Engine:
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
-    return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+    return self._init()
+
+  def precompile(self, params, buckets: Sequence[int] | None = None) -> None:
+    """Compiles prefill_many / insert_many for every (bucket, batch size), generate and
+    set_active, on a scratch decode state, so a timed or latency-sensitive run compiles nothing
+    later. `params` as returned by load_params."""
+    state = self.init_decode_state()
+    for b in buckets or self.prefill_buckets:
+      for n in self.prefill_batch_sizes:
+        pre = self.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32))
+        state, _, _ = self.insert_many(pre, state, [0], [0], np.zeros((1, 2), np.uint32), [0],
+                                       np.zeros((self._slots,), bool))
+    state, _ = self.generate(params, state)
+    jax.block_until_ready(self.set_active(state, np.zeros((self._slots,), bool)))
 
   # ---- prompts -------------------------------------------------------------------------------
   def bucket_for(self, n: int, buckets: Sequence[int] | None = None) -> int:
@@ -299,6 +346,103 @@ class Engine:
     prefix = self._prefill(params, jnp.asarray(padded), jnp.asarray(n, jnp.int32),
                            jnp.zeros((2,), jnp.uint32))
     return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
+
+  # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
+  def _prefill_many_impl(self, params, padded_tokens, true_lengths):
+    n, b = padded_tokens.shape
+    cache = T.init_cache(self.cfg, n, b, self.cache_dtype)
+    hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
+                             num_new=true_lengths)
+    last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
+    return Prefixes(cache, T.logits(params, self.cfg, last), true_lengths)
+
+  def split_batch(self, n: int) -> list[int]:
+    """Splits n prompts into calls of sizes from prefill_batch_sizes (largest first, no padding
+    rows; at most log2(max_prefill_batch) + n // max_prefill_batch calls)."""
+    out = []
+    for size in sorted(self.prefill_batch_sizes, reverse=True):
+      while n >= size:
+        out.append(size)
+        n -= size
+    return out
+
+  def prefill_many(self, params, padded_tokens, true_lengths) -> Prefixes:
+    """KV caches and last-position logits of N prompts padded to one bucket, in one call.
+    N must be one of prefill_batch_sizes (see split_batch) so compilations stay bounded."""
+    padded_tokens = np.asarray(padded_tokens, np.int32)
+    true_lengths = np.asarray(true_lengths, np.int32).reshape(-1)
+    if padded_tokens.ndim != 2 or padded_tokens.shape[0] != true_lengths.shape[0]:
+      raise ValueError(f"prefill_many wants padded_tokens [N, bucket] and true_lengths [N], got "
+                       f"{padded_tokens.shape} and {true_lengths.shape}")
+    n, b = padded_tokens.shape
+    if n not in self.prefill_batch_sizes:
+      raise ValueError(f"prefill_many batch of {n} prompts is not one of "
+                       f"{self.prefill_batch_sizes}; split it with split_batch")
+    if b not in self.recompute_buckets:
+      raise ValueError(f"prefill_many padded length {b} is not a bucket of {self.prefill_buckets}")
+    if true_lengths.min() < 1 or true_lengths.max() > b:
+      raise ValueError(f"true_lengths {true_lengths.tolist()} outside [1, {b}]")
+    return self._prefill_many(params, padded_tokens, true_lengths)
+
+  def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
+                        sample_index, count, active):
+    # Draw every entry's first token from its row's logits with its own stream (the key for
+    # sample i of a request is fold_in(request_key, i), as `resample` would have it).
+    slot_keys = jax.vmap(jax.random.fold_in)(keys, sample_index)
+    lg = prefixes.logits[rows]
+    true_len = prefixes.true_length[rows]
+    tok, lp = S.sample(lg, slot_keys, true_len, self.sampling)
+    b = prefixes.cache.k.shape[2]
+
+    def copy_one(i, kv):
+      # Entries past `count` are padding and never run; each real one copies one prompt cache
+      # [L, 1, bucket, K, Dh] into its slot in place (the state is donated).
+      k, v = kv
+      src = (0, rows[i], 0, 0, 0)
+      dst = (0, slots[i], 0, 0, 0)
+      shape = (k.shape[0], 1, b, k.shape[3], k.shape[4])
+      k = jax.lax.dynamic_update_slice(
+          k, jax.lax.dynamic_slice(prefixes.cache.k, src, shape).astype(k.dtype), dst)
+      v = jax.lax.dynamic_update_slice(
+          v, jax.lax.dynamic_slice(prefixes.cache.v, src, shape).astype(v.dtype), dst)
+      return k, v
+
+    k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
+    # Padding entries carry slot index = number of slots: out of range, so these writes drop.
+    put = lambda a, x: a.at[slots].set(x.astype(a.dtype), mode="drop")
+    cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
+    new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active)
+    return new, tok, lp
+
+  def insert_many(self, prefixes: Prefixes, decode_state: DecodeState, slots, rows, keys,
+                  sample_index, active) -> tuple[DecodeState, Array, Array]:
+    """Copies prefix rows `rows[j]` into slots `slots[j]` (several slots may share a row) in one
+    call, donating decode_state. Entry j's slot stream is fold_in(keys[j], sample_index[j]) and
+    its first token is drawn from the row's logits at position true_length with that stream.
+    `active` [slots] bool becomes the new activity mask (so frees and inserts are one call).
+    Returns (decode_state, first tokens [max_concurrent_decodes], their log-probs): entry j's
+    are at index j; entries past len(slots) are padding."""
+    m = len(slots)
+    if not 1 <= m <= self._slots:
+      raise ValueError(f"insert_many got {m} entries, want 1..{self._slots}")
+    slots = np.asarray(slots, np.int32)
+    rows = np.asarray(rows, np.int32)
+    n = prefixes.logits.shape[0]
+    if slots.min() < 0 or slots.max() >= self._slots or len(set(slots.tolist())) != m:
+      raise ValueError(f"insert_many slots {slots.tolist()} must be distinct, in [0, "
+                       f"{self._slots})")
+    if rows.shape != (m,) or rows.min() < 0 or rows.max() >= n:
+      raise ValueError(f"insert_many rows {rows.tolist()} must be {m} indices in [0, {n})")
+    # Pad to a fixed number of entries so one program serves any number of inserts.
+    pad = self._slots - m
+    slots = np.concatenate([slots, np.full((pad,), self._slots, np.int32)])
+    rows = np.concatenate([rows, np.zeros((pad,), np.int32)])
+    keys = np.concatenate([np.asarray(keys, np.uint32).reshape(m, 2),
+                           np.zeros((pad, 2), np.uint32)])
+    sample_index = np.concatenate([np.asarray(sample_index, np.int32).reshape(m),
+                                   np.zeros((pad,), np.int32)])
+    return self._insert_many(prefixes, decode_state, slots, rows, keys, sample_index,
+                             np.int32(m), np.asarray(active, bool))
 
   def _generate_impl(self, params, state: DecodeState):
     active = state.active

@@ -3,11 +3,14 @@
 One iteration (`step`):
   1. swap in pending weights, if any (a pointer swap at a decode-step boundary; the KV cache of
      in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set);
-  2. refill free slots: one prefill per request, its G group samples inserted into G slots
-     (samples that do not fit wait for the next free slots, reusing the same prefix);
-  3. one decode step for all slots, then host-side bookkeeping: append token, log-prob and the
-     policy version of each active slot; finish on EOS, a stop string or max tokens; stream
-     finished sequences out as `Completion`s.
+  2. refill free slots: the requests that the free slots need are prefilled together (one
+     `prefill_many` call per length bucket and batch size, one prefill per request however many
+     group samples it has), then all new samples go into their slots in one `insert_many` call;
+     samples that do not fit wait for the next free slots, reusing the same prefix;
+  3. one decode step for all slots and one device-to-host transfer of its results, then
+     vectorised bookkeeping in numpy: each active slot's token, log-prob and policy version go
+     into per-slot buffers; finish on EOS, a stop string or max tokens; stream finished
+     sequences out as `Completion`s.
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
 exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
@@ -27,7 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from magistral_jax.generate.engine import Engine, NonFiniteError, Prefix
+from magistral_jax.generate.engine import Engine, NonFiniteError, Prefixes
 from magistral_jax.generate.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,7 @@ class _Group:
   key: np.ndarray          # request PRNG key; sample i uses fold_in(key, i)
   max_new: int
   next_index: int = 0
-  prefix: Prefix | None = None
+  prefix: tuple[Prefixes, int] | None = None  # (prefill batch, row)
   prefix_version: int = 0
 
 
@@ -80,9 +83,6 @@ class _Group:
 class _Slot:
   group: _Group
   index: int
-  tokens: list
-  logprobs: list
-  versions: list
 
 
 class GeneratorLoop:
@@ -115,7 +115,17 @@ class GeneratorLoop:
     self.completions: queue.Queue[Completion] = queue.Queue()
     self._requests: queue.Queue[Request] = queue.Queue()
     self._groups: collections.deque[_Group] = collections.deque()
-    self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
+    n_slots = engine.max_concurrent_decodes
+    self._slots: list[_Slot | None] = [None] * n_slots
+    # Host mirror of each slot's completion so far (the step's bookkeeping is array ops), the
+    # host's activity mask and what the device's mask currently is.
+    self._tok_buf = np.zeros((n_slots, engine.max_decode_length), np.int32)
+    self._lp_buf = np.zeros((n_slots, engine.max_decode_length), np.float32)
+    self._ver_buf = np.zeros((n_slots, engine.max_decode_length), np.int64)
+    self._count = np.zeros((n_slots,), np.int64)
+    self._max_new = np.zeros((n_slots,), np.int64)
+    self._active = np.zeros((n_slots,), bool)
+    self._device_active = np.zeros((n_slots,), bool)
     self._pending: tuple[Any, int] | None = None
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -215,7 +225,7 @@ class GeneratorLoop:
 
   @property
   def num_active(self) -> int:
-    return sum(s is not None for s in self._slots)
+    return int(self._active.sum())
 
   def metrics(self) -> dict[str, float]:
     total = self.steps * self.engine.max_concurrent_decodes
@@ -248,26 +258,21 @@ class GeneratorLoop:
     """One loop iteration; returns False when there was nothing to decode."""
     self._apply_pending_update()
     self._fill_slots()
-    if self.num_active == 0:
+    if not self._active.any():
       return False
     t0 = time.perf_counter()
     self.state, res = self.engine.generate(self.params, self.state)
     res = jax.device_get(res)
     self.decode_time_s += time.perf_counter() - t0
     self.steps += 1
-    active = np.array([s is not None for s in self._slots])
-    self.active_slot_steps += int(active.sum())
-    bad = active & ~res.finite
+    idx = np.flatnonzero(self._active)
+    self.active_slot_steps += idx.size
+    bad = ~res.finite[idx]
     if bad.any():
-      raise NonFiniteError(f"non-finite logits in slots {np.flatnonzero(bad).tolist()} at policy "
+      raise NonFiniteError(f"non-finite logits in slots {idx[bad].tolist()} at policy "
                            f"version {self.version}; stopping instead of sampling garbage")
-    finished = []
-    for i in np.flatnonzero(active):
-      self.generated_tokens += 1
-      if self._append(i, int(res.tokens[i]), float(res.logprobs[i]), self.version):
-        finished.append(i)
-    if finished:
-      self._release()
+    self.generated_tokens += idx.size
+    self._record(idx, res.tokens[idx], res.logprobs[idx], np.full(idx.shape, self.version))
     return True
 
   def _apply_pending_update(self):
@@ -281,8 +286,9 @@ class GeneratorLoop:
     if self.recompute_kv_on_update:
       for i, s in enumerate(self._slots):
         if s is not None:  # everything in the cache: the prompt and all but the pending token
+          done = self._tok_buf[i, :self._count[i] - 1].tolist()
           self.state = self.engine.refresh_slot(self.params, self.state, i,
-                                                s.group.prompt + s.tokens[:-1])
+                                                s.group.prompt + done)
       for g in self._groups:
         g.prefix = None  # re-prefilled under the new weights when their turn comes
       jax.block_until_ready(self.state)
@@ -290,7 +296,7 @@ class GeneratorLoop:
     self.update_pause_steps.append(self.steps - since)
 
   def _next_sample(self):
-    """(group, sample index) for the next free slot, prefilling a new request when needed."""
+    """(group, sample index) for the next free slot, taking a new request when needed."""
     while self._groups and self._groups[0].next_index >= self._groups[0].request.group_size:
       self._groups.popleft()
     if not self._groups:
@@ -299,65 +305,107 @@ class GeneratorLoop:
       except queue.Empty:
         return None
     g = self._groups[0]
-    if g.prefix is None:
-      g.prefix = self.engine.prefill(self.params, g.padded, g.true_length,
-                                     rng=jax.random.fold_in(g.key, 0))
-      g.prefix_version = self.version
     i = g.next_index
     g.next_index += 1
     return g, i
 
+  def _prefill(self, groups: list[_Group]) -> None:
+    """Prefills the groups that have no prefix yet: one prefill_many call per bucket and batch
+    size (engine.split_batch), so every request is prefilled once, together with the others."""
+    by_bucket: dict[int, list[_Group]] = {}
+    for g in groups:
+      by_bucket.setdefault(len(g.padded), []).append(g)
+    for gs in by_bucket.values():
+      start = 0
+      for n in self.engine.split_batch(len(gs)):
+        chunk = gs[start:start + n]
+        start += n
+        prefixes = self.engine.prefill_many(
+            self.params, np.stack([g.padded for g in chunk]), [g.true_length for g in chunk])
+        for row, g in enumerate(chunk):
+          g.prefix, g.prefix_version = (prefixes, row), self.version
+
   def _fill_slots(self):
-    finished_at_once = False
-    for slot in range(len(self._slots)):
-      while self._slots[slot] is None:
+    while True:
+      plan = []  # (slot, group, sample index)
+      for slot in np.flatnonzero(~self._active):
         nxt = self._next_sample()
         if nxt is None:
           break
-        g, i = nxt
-        prefix = g.prefix if i == 0 else self.engine.resample(g.prefix,
-                                                              jax.random.fold_in(g.key, i))
-        self.state = self.engine.insert(prefix, self.state, slot)
-        self._slots[slot] = _Slot(g, i, [], [], [])
-        tok, lp = jax.device_get((prefix.token, prefix.logprob))
-        # A sample can finish on its first token; the slot is then refilled right away.
-        finished_at_once |= self._append(slot, int(tok), float(lp), g.prefix_version)
-      if self._slots[slot] is None:  # no work left
+        plan.append((int(slot), *nxt))
+      if not plan:
         break
-    if finished_at_once:
-      self._release()
+      need, seen = [], set()
+      for _, g, _ in plan:
+        if g.prefix is None and id(g) not in seen:
+          seen.add(id(g))
+          need.append(g)
+      self._prefill(need)
+      # One insert per prefill batch the plan draws from (usually one).
+      calls: dict[int, list] = {}
+      for entry in plan:
+        calls.setdefault(id(entry[1].prefix[0]), []).append(entry)
+      firsts = []
+      for entries in calls.values():
+        slots = [e[0] for e in entries]
+        for slot, g, i in entries:
+          self._slots[slot] = _Slot(g, i)
+          self._count[slot] = 0
+          self._max_new[slot] = g.max_new
+        self._active[slots] = True
+        self.state, tok, lp = self.engine.insert_many(
+            entries[0][1].prefix[0], self.state, slots, [e[1].prefix[1] for e in entries],
+            np.stack([e[1].key for e in entries]), [e[2] for e in entries], self._active)
+        self._device_active = self._active.copy()
+        firsts.append((entries, tok, lp))
+      firsts = jax.device_get(firsts)  # one transfer for all first tokens
+      finished = False
+      for entries, tok, lp in firsts:
+        m = len(entries)
+        finished |= self._record(np.array([e[0] for e in entries]), tok[:m], lp[:m],
+                                 np.array([e[1].prefix_version for e in entries]))
+      if not finished:  # a sample can finish on its first token: refill its slot right away
+        break
+    if not np.array_equal(self._device_active, self._active):
+      self.state = self.engine.set_active(self.state, self._active)
+      self._device_active = self._active.copy()
 
-  def _release(self):
-    """Makes the device's active mask match the host's slot table."""
-    active = np.array([s is not None for s in self._slots])
-    self.state = self.engine.set_active(self.state, active)
+  def _record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+              versions: np.ndarray) -> bool:
+    """Appends one token per listed slot; streams out the completions this finishes and frees
+    their slots. Returns whether any finished."""
+    c = self._count[slots]
+    self._tok_buf[slots, c] = tokens
+    self._lp_buf[slots, c] = logprobs
+    self._ver_buf[slots, c] = versions
+    self._count[slots] = c + 1
+    eos = (tokens == self.sampling.eos_id) if self.sampling.eos_id is not None \
+        else np.zeros(slots.shape, bool)
+    length = self._count[slots] >= self._max_new[slots]
+    stop = np.zeros(slots.shape, bool)
+    if self._max_stop:
+      for j in np.flatnonzero(~eos):
+        stop[j] = self._hit_stop(self._tok_buf[slots[j], :c[j] + 1])
+    done = eos | stop | length
+    for j in np.flatnonzero(done):
+      slot = int(slots[j])
+      reason = "eos" if eos[j] else "stop" if stop[j] else "length"
+      self._finish(slot, reason)
+    return bool(done.any())
 
-  def _append(self, slot: int, token: int, logprob: float, version: int) -> bool:
-    """Records one token; streams the completion out and frees the slot when it is finished."""
-    s = self._slots[slot]
-    s.tokens.append(token)
-    s.logprobs.append(logprob)
-    s.versions.append(version)
-    reason = None
-    if self.sampling.eos_id is not None and token == self.sampling.eos_id:
-      reason = "eos"
-    elif self._max_stop and self._hit_stop(s.tokens):
-      reason = "stop"
-    elif len(s.tokens) >= s.group.max_new:
-      reason = "length"
-    if reason is None:
-      return False
+  def _finish(self, slot: int, reason: str) -> None:
+    s, n = self._slots[slot], int(self._count[slot])
     self._slots[slot] = None
+    self._active[slot] = False
     g = s.group
-    c = Completion(g.request.id, s.index, list(g.prompt), s.tokens,
-                   np.asarray(s.logprobs, np.float32), np.asarray(s.versions, np.int64), reason,
+    c = Completion(g.request.id, s.index, list(g.prompt), self._tok_buf[slot, :n].tolist(),
+                   self._lp_buf[slot, :n].copy(), self._ver_buf[slot, :n].copy(), reason,
                    g.request.metadata, g.truncated)
     self.completions.put(c)
     if self.callback is not None:
       self.callback(c)
-    return True
 
   def _hit_stop(self, tokens) -> bool:
     # Only the tail can contain a stop string that the previous step did not already contain.
-    tail = self.detokenize(tokens[-(self._max_stop + 8):])
+    tail = self.detokenize(tokens[-(self._max_stop + 8):].tolist())
     return any(s in tail for s in self.sampling.stop_strings)

@@ -71,6 +71,18 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
   return out.astype(x.dtype)
 
 
+def _write_kv(cache: Array, new: Array, layer, write_index: Array) -> Array:
+  """cache[layer, b, write_index[b] + t] = new[b, t] for the stacked cache [L, B, S, K, Dh] and
+  new [B, T, K, Dh]. A scatter rather than a per-slot dynamic_update_slice: writes past S are
+  dropped (a DUS would clamp its start and overwrite earlier entries), and a scatter into a loop
+  carry is done in place."""
+  b, t = new.shape[:2]
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  cols = write_index[:, None] + jnp.arange(t)[None, :]
+  return cache.at[layer, rows, cols].set(new.astype(cache.dtype), mode="drop",
+                                         indices_are_sorted=True, unique_indices=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Modules
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +120,8 @@ class Attention(nn.Module):
   shard: ShardingCtx | None = None
 
   @nn.compact
-  def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None):
+  def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None,
+               layer=None):
     cfg, dt = self.cfg, self.cfg.jnp_dtype
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt = cfg.jnp_param_dtype
@@ -136,14 +149,17 @@ class Attention(nn.Module):
              (q_segment[:, :, None] == k_segment[:, None, :])
       new_cache = None
     else:
-      # Decode: write the T new keys/values at each slot's own offset, attend to the prefix.
+      # Decode: kv_cache is the whole stacked cache [L, B, S, K, Dh] (the scan carry). Only the
+      # T new keys/values of this layer are scattered in, at each slot's own offset, so XLA
+      # updates the (donated) cache in place instead of rewriting a layer slice per step; then
+      # this layer's slice is read back for attention over the prefix.
       ck, cv = kv_cache
-      upd = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
-      ck = upd(ck, kk.astype(ck.dtype), write_index)
-      cv = upd(cv, v.astype(cv.dtype), write_index)
+      ck = _write_kv(ck, kk, layer, write_index)
+      cv = _write_kv(cv, v, layer, write_index)
       new_cache = (ck, cv)
-      keys, values = ck.astype(dt), cv.astype(dt)
-      s = ck.shape[1]
+      keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
+      values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
+      s = ck.shape[2]
       k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
       mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
              (k_pos[:, None, :] < valid_len[:, None, None])
@@ -196,6 +212,25 @@ class DecoderLayer(nn.Module):
     return x, new_cache
 
 
+class DecodeLayer(nn.Module):
+  """The decode-mode scan body: same submodules (so the same params) as DecoderLayer, but the
+  carry holds the whole stacked KV cache next to the residual stream and xs is the layer index,
+  so each layer writes only its new entries into the cache (see Attention)."""
+  cfg: ModelConfig
+  shard: ShardingCtx | None = None
+
+  @nn.compact
+  def __call__(self, carry, layer, positions, write_index, valid_len):
+    x, ck, cv = carry
+    h, (ck, cv) = Attention(self.cfg, self.shard, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, None, (ck, cv), write_index,
+        valid_len, layer)
+    x = x + h
+    x = x + MLP(self.cfg, self.shard, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
+    return (x, ck, cv), None
+
+
 class Transformer(nn.Module):
   """Embedding -> L scanned decoder layers -> final RMSNorm. Returns hidden states; the output
   projection is applied by `logits` / `token_logprobs` so it can be chunked."""
@@ -217,8 +252,17 @@ class Transformer(nn.Module):
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
 
+    if cache is not None:
+      stack = nn.scan(
+          DecodeLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+          length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      (x, ck, cv), _ = stack(cfg, self.shard, name="layers")(
+          (x, *cache), jnp.arange(cfg.num_layers), positions, write_index, valid_len)
+      return RMSNorm(cfg, name="final_norm")(x), (ck, cv)
+
     layer = DecoderLayer
-    if cfg.remat != "none" and cache is None:
+    if cfg.remat != "none":
       policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
                 if cfg.remat == "dots" else None)
       layer = nn.remat(DecoderLayer, prevent_cse=False, policy=policy)
