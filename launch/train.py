@@ -161,7 +161,8 @@ def main(argv):
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.parallel import TRAINER_RULES, GENERATOR_RULES, make_mesh
   from magistral_jax.pipeline import PipelineConfig, RLPipeline
-  from magistral_jax.pipeline.build import make_generators, sft_warm_start, split_devices
+  from magistral_jax.pipeline.build import (make_generators, sft_optimizer_config,
+                                            sft_warm_start, split_devices)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer, learning_rate_schedule
@@ -216,7 +217,7 @@ def main(argv):
       if config.sft.num_steps > 0 and config.init.source == "random":
         from magistral_jax.data import synthetic
         log.info("cold-start SFT: %d steps", config.sft.num_steps)
-        sft_tx = make_optimizer(OptimizerConfig(learning_rate=config.sft.learning_rate))
+        sft_tx = make_optimizer(sft_optimizer_config(config))
         sft_state = init_state(model_cfg, sft_tx, jax.random.PRNGKey(config.seed), tmesh,
                                TRAINER_RULES, params=state.params)
         examples = ((p["problem"], synthetic.trace(p)) for p in synthetic.problems(
@@ -302,6 +303,13 @@ def main(argv):
                    wall_time_s=summary.get("wall_time_s", 0.0) + time.time() - t_start)
     json.dump(summary, open(summary_path, "w"), indent=1)
     log.info("summary: %s", json.dumps(summary))
+    before, after = summary.get("heldout_accuracy_before"), summary["heldout_accuracy_after"]
+    print(f"held-out pass@1 (k={config.eval.k}, {'greedy' if config.eval.greedy else 'T=%g' % config.eval.temperature}, "
+          f"{len(heldout)} problems): "
+          + (f"{before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)"
+             if before is not None else f"{after:.3f}")
+          + f" | format rate {summary['format_rate']:.3f} | wall time {summary['wall_time_s']:.0f}s"
+          f" | {summary_path}", flush=True)
   finally:
     ckpt.close()
     pool.close()

@@ -73,8 +73,10 @@ def default_config() -> mlc.ConfigDict:
   c.data = mlc.ConfigDict(dict(source="synthetic", data_dir="", min_steps=1, max_steps=3,
                                max_operand=20, allow_negative=True, heldout=64))
   # ---- cold-start SFT (Magistral Small; also the tiny warm start) ----
+  # lr schedule: linear warmup, then constant or cosine down to final_lr_frac at the last step.
   c.sft = mlc.ConfigDict(dict(num_steps=0, batch_size=16, learning_rate=3e-3, row_len=512,
-                              rows_per_micro=4, epochs=4))
+                              rows_per_micro=4, epochs=4, warmup_steps=0, schedule="constant",
+                              final_lr_frac=0.1))
   # ---- evaluation (SPEC §4: temperature 0.7, top-p 1.0 math / 0.95 code) ----
   c.eval = mlc.ConfigDict(dict(k=1, temperature=0.7, top_p=1.0, greedy=True,
                                max_new_tokens=256))

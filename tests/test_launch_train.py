@@ -32,7 +32,7 @@ def test_config_errors_are_clear_before_any_work():
   config_lib.validate(c, num_devices=8)
   bad = _load()
   bad.rl.n_mini = 24
-  with pytest.raises(ValueError, match="n_batch=32 is not a multiple of n_mini=24"):
+  with pytest.raises(ValueError, match="n_batch=64 is not a multiple of n_mini=24"):
     config_lib.validate(bad)
   bad = _load()
   bad.rl.group_size = 1

@@ -95,6 +95,21 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   return tok, model_cfg, params
 
 
+def sft_optimizer_config(config):
+  """The cold-start SFT optimizer of a run config (`sft` section): AdamW at sft.learning_rate,
+  sft.warmup_steps of linear warmup, then constant or cosine over the rest of sft.num_steps."""
+  from magistral_jax.train.optimizer import OptimizerConfig
+  sft = config.sft
+  if sft.get("schedule", "constant") == "cosine" and int(sft.num_steps) <= 0:
+    raise ValueError("sft.schedule='cosine' needs sft.num_steps > 0 (the decay length); "
+                     "epoch-based SFT (num_steps=0) takes schedule='constant'")
+  decay = max(1, int(sft.num_steps) - int(sft.get("warmup_steps", 0)))
+  return OptimizerConfig(learning_rate=sft.learning_rate,
+                         warmup_steps=int(sft.get("warmup_steps", 0)),
+                         schedule=sft.get("schedule", "constant"), decay_steps=decay,
+                         final_lr_frac=sft.get("final_lr_frac", 0.1))
+
+
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig, *,
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
