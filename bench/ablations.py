@@ -14,7 +14,7 @@ variant, its baseline being the paper's default in the same ablation:
              paper: little difference
   async      async (Magistral)  vs  sync (barrier per batch)
              paper: same reward per sample, more samples per second
-  minibatch  n_batch/n_mini = 1 (Magistral)  vs  2  vs  4  vs  8 optimizer steps per batch
+  minibatch  n_batch/n_mini = 1 (Magistral)  vs  2  vs  8 optimizer steps per batch
              paper: more than 2 minibatches per batch hurts
 
 Outputs: ROOT/<ablation>/<variant>-s<seed>/ (a train.py workdir each), docs/ablations/<ablation>.png
@@ -40,7 +40,7 @@ ABLATIONS = {
                  ("none", "adv_norm=none")],
     "async": [("async", "mode=async"), ("sync", "mode=sync")],
     "minibatch": [("1_mini", "n_mini_per_batch=1"), ("2_mini", "n_mini_per_batch=2"),
-                  ("4_mini", "n_mini_per_batch=4"), ("8_mini", "n_mini_per_batch=8")],
+                  ("8_mini", "n_mini_per_batch=8")],
 }
 
 
@@ -139,6 +139,8 @@ def main():
   ap.add_argument("--root", default=os.path.join(ROOT, "runs", "ablations"))
   ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "ablations"))
   ap.add_argument("--sft_steps", type=int, default=0, help="0 = configs/tiny.py's sft.num_steps")
+  ap.add_argument("--sft_params", default="",
+                  help="an existing cold-start params dir (launch/sft.py WORKDIR/params) to share")
   ap.add_argument("--heldout", type=int, default=64)
   args = ap.parse_args()
   which = [w for w in args.which.split(",") if w]
@@ -148,7 +150,8 @@ def main():
   seeds = [int(s) for s in args.seeds.split(",")]
   root = os.path.abspath(args.root)
   os.makedirs(args.docs, exist_ok=True)
-  sft = ensure_sft(root, args.sft_steps or None)
+  sft = os.path.dirname(os.path.abspath(args.sft_params)) if args.sft_params else ensure_sft(
+      root, args.sft_steps or None)
   all_results = {}
   headline = {}
   for name in which:
