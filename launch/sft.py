@@ -87,7 +87,7 @@ def main(argv):
   from magistral_jax import config as config_lib
   from magistral_jax.model.checkpoint import save_params_orbax
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
-  from magistral_jax.pipeline.build import split_devices
+  from magistral_jax.pipeline.build import sft_optimizer_config, split_devices
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
@@ -97,6 +97,19 @@ def main(argv):
   t_start = time.time()
   config_lib.validate(config, jax.device_count())
   synthetic = config.data.source == "synthetic"
+  # ---- GSM8K cold-start traces (configs/smollm2.py:sft): built on first use ----------------
+  # data.source "gsm8k_traces" = the shipped GSM8K set's worked solutions in the Magistral format,
+  # minus the held-out problems launch/train.py evaluates on (the first data.heldout of the same
+  # seeded epoch of data.source=gsm8k; a smaller RL data.heldout with the same seed is a subset).
+  from magistral_jax.data import gsm8k_traces
+  if gsm8k_traces.NAME in config.data.source.split(","):
+    config.data.data_dir = config.data.data_dir or os.path.join(
+        os.path.abspath(rl_launch._WORKDIR.value), "data")
+    heldout = rl_launch.heldout_problems(
+        config_lib.apply_overrides(config, {"data.source": "gsm8k"}))
+    log.info("GSM8K traces (held-out excluded: %d): %s", len(heldout),
+             gsm8k_traces.build_trace_dataset(config.data.data_dir, [p["id"] for p in heldout]))
+  # ---- end of the GSM8K traces block ------------------------------------------------------
   num_steps = int(config.sft.num_steps)
   if synthetic and num_steps <= 0:
     raise ValueError("sft.num_steps must be > 0 with data.source='synthetic' (an endless stream)")
@@ -114,7 +127,7 @@ def main(argv):
   system_prompt = rl_launch.system_prompt_for(config.system_prompt)
   tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
-  tx = make_optimizer(OptimizerConfig(learning_rate=config.sft.learning_rate))
+  tx = make_optimizer(sft_optimizer_config(config))
   state = init_state(model_cfg, tx, jax.random.PRNGKey(config.seed), mesh, TRAINER_RULES,
                      params=init_params)
   step_fn = make_sft_step(model_cfg, tx, mesh, TRAINER_RULES)

@@ -1,0 +1,134 @@
+"""The real-model path (configs/smollm2.py): GSM8K cold-start traces in the Magistral format, then
+RL on SmolLM2-135M-Instruct with the full Magistral reward.
+
+The trace tests are fast; the end-to-end test runs launch/sft.py (a few steps on the traces) and
+launch/train.py (one RL batch) on the real 135M model, so it is marked slow (it still runs in CI).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from magistral_jax.data import gsm8k_traces, jsonl, records
+from magistral_jax.rewards.reward import RewardConfig, compute_reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ROW = {"idx": 0, "question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast and "
+                              "bakes muffins with four. She sells the rest for $2 each. How much "
+                              "does she make every day?",
+       "answer": "18",
+       "solution": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
+                   "She makes 9 * 2 = $<<9*2=18>>18 every day at the farmer's market.\n#### 18"}
+
+
+def test_trace_drops_calculator_annotations_and_the_final_line():
+  t = gsm8k_traces.trace(ROW["solution"], ROW["answer"])
+  assert t == ("<think>\nJanet sells 16 - 3 - 4 = 9 duck eggs a day.\n"
+               "She makes 9 * 2 = $18 every day at the farmer's market.\n</think>\n\n"
+               "The answer is 18.\n\n\\boxed{18}")
+
+
+def test_shipped_traces_pass_the_format_gate_and_grade_correct():
+  """Every shipped GSM8K row becomes a trace; a sample of them gets the full reward from the
+  repo's own compute_reward: format 1, correct 1 (and the English-consistency bonus)."""
+  rows = [json.loads(l) for l in open(records.shipped_path("gsm8k_test"))]
+  cfg = RewardConfig(l_max=512, l_cache=128)
+  for r in rows[::53]:   # 25 rows spread over the file
+    t = gsm8k_traces.trace(r["solution"], r["answer"])
+    res = compute_reward({"kind": "math", "problem": r["question"], "answer": r["answer"]}, t,
+                         100, cfg)
+    assert res.error is None and res.parts["failed_condition"] is None, (t, res)
+    assert res.parts["format"] == cfg.format_reward and res.parts["correct"] == cfg.correct_reward
+    assert res.parts["language"] == cfg.language_bonus
+  # A wrong final answer keeps the format but loses correctness.
+  wrong = compute_reward({"kind": "math", "problem": ROW["question"], "answer": "17"},
+                         gsm8k_traces.trace(ROW["solution"], ROW["answer"]), 100, cfg)
+  assert wrong.parts["format"] == cfg.format_reward and wrong.parts["correct"] == 0.0
+
+
+def test_bad_rows_are_skipped_and_counted_and_held_out_ids_are_excluded(tmp_path):
+  src = tmp_path / "g.jsonl"
+  rows = [dict(ROW, idx=i) for i in range(5)]
+  rows[1] = dict(ROW, idx=1, solution="#### 18")                         # nothing to think
+  rows[2] = dict(ROW, idx=2, solution="a <think> b\n#### 18")            # would break the format
+  rows[3] = {k: v for k, v in ROW.items() if k != "solution"} | {"idx": 3}
+  src.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
+  out = tmp_path / "traces.jsonl"
+  rep = gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_test/4"], source_path=str(src))
+  assert rep["traces"] == 1 and rep["excluded"] == 1
+  assert rep["read"]["skipped"] == {"empty_solution": 1, "think_tag_in_solution": 1,
+                                    "missing_field:solution": 1, "malformed_json": 1}
+  (got,) = [json.loads(l) for l in open(out)]
+  assert got["id"] == "gsm8k_test/0" and got["prompt"] == ROW["question"]
+  with pytest.raises(ValueError, match="no GSM8K trace"):
+    gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_test/0", "gsm8k_test/4"],
+                              source_path=str(src))
+
+
+def test_sft_config_excludes_the_rl_heldout_problems(tmp_path):
+  """The traces launch/sft.py builds for configs/smollm2.py:sft leave out exactly the problems
+  launch/train.py evaluates on (any RL data.heldout up to the SFT's, same seed)."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  import smollm2
+  import train as rl_launch
+  from magistral_jax import config as config_lib
+  sft_cfg = smollm2.get_config("sft")
+  sft_cfg.data.data_dir = str(tmp_path / "data")
+  excluded = rl_launch.heldout_problems(config_lib.apply_overrides(sft_cfg, {"data.source": "gsm8k"}))
+  rep = gsm8k_traces.build_trace_dataset(sft_cfg.data.data_dir, [p["id"] for p in excluded])
+  assert rep["excluded"] == len(excluded) == smollm2.HELDOUT_EXCLUDED
+  assert rep["traces"] + rep["excluded"] == 1319
+  built = {r["id"] for r in jsonl.read_records(str(tmp_path / "data" / "gsm8k_traces.jsonl"),
+                                                "sft")}
+  for arg in ("", "ci"):
+    rl_cfg = smollm2.get_config(arg)
+    rl_cfg.data.data_dir = str(tmp_path / "data")
+    held = {p["id"] for p in rl_launch.heldout_problems(rl_cfg)}
+    assert len(held) == rl_cfg.data.heldout and not held & built
+  # Every variant is a valid run configuration (gpu: a 2-accelerator layout).
+  for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2)):
+    config_lib.validate(smollm2.get_config(arg), devices)
+  assert smollm2.get_config("ci,init=/x/params").init.to_dict() == {"source": "orbax",
+                                                                     "path": "/x/params"}
+  assert smollm2.get_config("init=gguf").init.source == "gguf"
+  with pytest.raises(ValueError, match="bad config argument"):
+    smollm2.get_config("sft,steps=3")
+
+
+def _launch(script, workdir, *flags):
+  # Generous timeout: on a shared 2-core host the two launches take several minutes each.
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launch", script), f"--workdir={workdir}",
+                      *flags], cwd=ROOT, capture_output=True, text=True, timeout=2400)
+  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_cold_start_sft_then_rl_on_the_real_model(tmp_path):
+  """configs/smollm2.py:sft,ci (8 SFT steps on the GSM8K traces) then :ci (one RL batch): the
+  SFT policy closes the Magistral format often enough that groups have non-zero advantages, so
+  the pipeline fills a batch and takes an optimizer step with a non-zero gradient."""
+  sft = tmp_path / "sft"
+  out = _launch("sft.py", sft, "--config=configs/smollm2.py:sft,ci")
+  assert "GSM8K traces (held-out excluded: 128)" in out
+  s = json.load(open(sft / "sft_summary.json"))
+  assert s["sft_steps"] == 8 and 0 < s["final_nll_per_token"] < 2.0
+
+  rl = tmp_path / "rl"
+  _launch("train.py", rl, f"--config=configs/smollm2.py:ci,init={sft / 'params'}")
+  summary = json.load(open(rl / "summary.json"))
+  assert {"heldout_accuracy_before", "heldout_accuracy_after", "format_rate",
+          "wall_time_s"} <= set(summary)
+  assert summary["batches"] == 1 and summary["optimizer_steps"] == 1
+  rows = [json.loads(l) for l in open(rl / "metrics.jsonl")]
+  steps = [r for r in rows if "reward" in r and "grad_norm" in r]
+  assert steps, rows
+  m = steps[0]
+  # Some samples passed the format gate (reward > 0) and the kept groups carried a gradient.
+  assert m["reward_max"] > 0 and m["reward_format"] > 0
+  assert m["grad_norm"] > 0 and m["update_applied"] == 1.0
+  assert m["filtered_group_frac"] < 1.0
