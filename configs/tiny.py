@@ -41,7 +41,7 @@ def get_config(arg=None):
                    generator_mesh={"tensor": -1})
   # The paper's evaluation: temperature 0.7, top-p 1.0, pass@1 averaged over k samples.
   c.eval.update(k=4, greedy=False, temperature=0.7, top_p=1.0, max_new_tokens=64)
-  c.checkpoint.update(every=10, keep=11)   # all of them: the PCA notebook reads every one
+  c.checkpoint.update(every=10, keep=14)   # all 14 (0, 10, .., 130): the PCA notebook reads them
   c.num_batches = 130
   _apply_arg(c, arg)
   return c
