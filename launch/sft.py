@@ -90,7 +90,7 @@ def main(argv):
   from magistral_jax.pipeline.build import sft_optimizer_config, split_devices
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
-  from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
+  from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, shard_batch
 

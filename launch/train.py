@@ -165,7 +165,7 @@ def main(argv):
                                             sft_warm_start, split_devices)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
-  from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer, learning_rate_schedule
+  from magistral_jax.train.optimizer import make_optimizer, learning_rate_schedule
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
   from magistral_jax.verify import VerifierPool
