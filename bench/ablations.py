@@ -54,13 +54,14 @@ def run(argv, log_path):
   return time.time() - t
 
 
-def ensure_sft(root: str, sft_steps: int | None) -> str:
+def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
   """The shared cold-start checkpoint (ROOT/sft/params), made once."""
   wd = os.path.join(root, "sft")
   if os.path.isdir(os.path.join(wd, "params")):
     return wd
   os.makedirs(wd, exist_ok=True)
-  arg = f":sft_steps={sft_steps}" if sft_steps else ""
+  arg = ",".join(a for a in (base_arg, f"sft_steps={sft_steps}" if sft_steps else "") if a)
+  arg = f":{arg}" if arg else ""
   print(f"cold-start SFT -> {wd}", flush=True)
   dt = run([sys.executable, "launch/sft.py", f"--config=configs/tiny.py{arg}", f"--workdir={wd}"],
            os.path.join(wd, "log.txt"))
@@ -142,6 +143,9 @@ def main():
   ap.add_argument("--sft_params", default="",
                   help="an existing cold-start params dir (launch/sft.py WORKDIR/params) to share")
   ap.add_argument("--heldout", type=int, default=64)
+  ap.add_argument("--base_arg", default="slip=0,n_mini_per_batch=1",
+                  help="configs/tiny.py arguments under every variant (and the shared cold start): "
+                       "the paper's setting, n_batch = n_mini, on clean cold-start traces")
   args = ap.parse_args()
   which = [w for w in args.which.split(",") if w]
   for w in which:
@@ -151,7 +155,7 @@ def main():
   root = os.path.abspath(args.root)
   os.makedirs(args.docs, exist_ok=True)
   sft = os.path.dirname(os.path.abspath(args.sft_params)) if args.sft_params else ensure_sft(
-      root, args.sft_steps or None)
+      root, args.sft_steps or None, args.base_arg)
   all_results = {}
   headline = {}
   for name in which:
@@ -163,7 +167,7 @@ def main():
             not in json.load(open(os.path.join(wd, "summary.json"))):
           os.makedirs(wd, exist_ok=True)
           print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
-          wall = run([sys.executable, "launch/train.py", f"--config=configs/tiny.py:{arg}",
+          wall = run([sys.executable, "launch/train.py", f"--config=configs/tiny.py:{args.base_arg},{arg}",
                       f"--workdir={wd}", "--config.init.source=orbax",
                       f"--config.init.path={os.path.join(sft, 'params')}",
                       f"--config.num_batches={args.batches}", f"--config.seed={seed}",

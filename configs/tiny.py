@@ -20,13 +20,18 @@ def get_config(arg=None):
   c.system_prompt = "tiny"   # a one-line prompt: the paper's is ~900 characters of char tokens
   # 1-3 steps of + and - on operands 0..9, never below zero: "Compute 7+2-5." -> 4.
   c.data.update(source="synthetic", min_steps=1, max_steps=3, max_operand=9,
-                allow_negative=False, heldout=128)
+                allow_negative=False, heldout=128, sft_slip_rate=0.3)
   # The cold start teaches the format and the arithmetic facts at a constant lr, stopped while
-  # its loss is still falling (held-out pass@1 ~0.7): what it half-knows, RL sharpens from the
-  # verifier's reward (BENCHMARKS.md "Tiny default run" has the tuning runs).
+  # its loss is still falling. Its demonstrator is imperfect: 30% of the traces make one
+  # arithmetic slip (an off-by-one step whose error carries to the boxed answer), as a cold start
+  # distilled from another model's traces would. The SFT policy imitates the slips (held-out
+  # pass@1 ~0.5); the verifier's reward is what teaches it to stop (BENCHMARKS.md "Tiny default
+  # run" has the tuning runs).
   c.sft.update(num_steps=800, batch_size=32, learning_rate=3e-3, row_len=256, rows_per_micro=4)
-  # 8 prompts x G=8 per batch, one optimizer step per batch (n_batch = n_mini, as the paper).
-  c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=64, n_mini=64, group_size=8,
+  # 8 prompts x G=8 per batch, two optimizer steps per batch (n_mini = n_batch / 2: the paper
+  # finds n_batch = n_mini best and more than 2 minibatches harmful; here 2 learned faster at the
+  # same generation cost, docs/ablations.md (d)).
+  c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=64, n_mini=32, group_size=8,
               microbatch_tokens=2048, microbatch_rows=4)
   # RL lr: 1e-3 undid the cold start (noisy gradient, 8 prompts a batch), 3e-4 barely moved,
   # 2e-4 gained +14..17 points.
@@ -41,8 +46,8 @@ def get_config(arg=None):
                    generator_mesh={"tensor": -1})
   # The paper's evaluation: temperature 0.7, top-p 1.0, pass@1 averaged over k samples.
   c.eval.update(k=4, greedy=False, temperature=0.7, top_p=1.0, max_new_tokens=64)
-  c.checkpoint.update(every=10, keep=14)   # all 14 (0, 10, .., 130): the PCA notebook reads them
-  c.num_batches = 130
+  c.checkpoint.update(every=10, keep=21)   # all 21 (0, 10, .., 200): the PCA notebook reads them
+  c.num_batches = 200
   _apply_arg(c, arg)
   return c
 
@@ -64,6 +69,8 @@ def _apply_arg(c, arg):
       c.pipeline.mode = value
     elif key == "batches":
       c.num_batches = int(value)
+    elif key == "slip":   # fraction of cold-start traces with one arithmetic slip
+      c.data.sft_slip_rate = float(value)
     elif key == "sft_steps":
       c.sft.num_steps = int(value)
     else:

@@ -35,10 +35,11 @@ log = logging.getLogger("sft")
 def synthetic_pairs(config, skip: int = 0):
   """(problem, worked trace) pairs of the synthetic task, from position `skip` on."""
   from magistral_jax.data import synthetic
-  it = synthetic.problems(config.seed, "sft", **synthetic.options(config.data))
-  for i, p in enumerate(it):
+  it = synthetic.sft_pairs(config.seed, config.data.get("sft_slip_rate", 0.0),
+                          **synthetic.options(config.data))
+  for i, pair in enumerate(it):
     if i >= skip:
-      yield p["problem"], synthetic.trace(p)
+      yield pair
 
 
 def collate_pairs(pairs, tok, system_prompt, row_len, rows_per_micro):

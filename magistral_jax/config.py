@@ -71,7 +71,8 @@ def default_config() -> mlc.ConfigDict:
                                   generator_mesh={"tensor": -1}))
   # ---- data ----
   c.data = mlc.ConfigDict(dict(source="synthetic", data_dir="", min_steps=1, max_steps=3,
-                               max_operand=20, allow_negative=True, heldout=64))
+                               max_operand=20, allow_negative=True, heldout=64,
+                               sft_slip_rate=0.0))
   # ---- cold-start SFT (Magistral Small; also the tiny warm start) ----
   # lr schedule: linear warmup, then constant or cosine down to final_lr_frac at the last step.
   c.sft = mlc.ConfigDict(dict(num_steps=0, batch_size=16, learning_rate=3e-3, row_len=512,
