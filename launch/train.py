@@ -196,6 +196,10 @@ def main(argv):
     step, state, meta = restored
     log.info("resumed from checkpoint %d (stage %d, batch %d, policy version %d)", step,
              meta["stage"], meta["batch_in_stage"], meta["version"])
+  # Wall time accumulates across resumes: each checkpoint records the run's time up to it (work
+  # after the last checkpoint of an interrupted process is redone, and counted once).
+  wall0 = float(meta.get("wall_time_s", 0.0))
+  elapsed = lambda: wall0 + time.time() - t_start
 
   pool = VerifierPool(config.verifier.num_workers, run.reward,
                       task_timeout_s=config.verifier.task_timeout_s,
@@ -235,6 +239,7 @@ def main(argv):
       summary.update(heldout_accuracy_before=res["pass@1"],
                      format_rate_before=res["format_rate"])
       json.dump(summary, open(summary_path, "w"), indent=1)
+      meta["wall_time_s"] = elapsed()
       ckpt.save(0, state, meta, force=True)
 
     stages = list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
@@ -274,6 +279,7 @@ def main(argv):
                     data=prompts.state() if hasattr(prompts, "state") else {})
         log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
+          meta["wall_time_s"] = elapsed()
           ckpt.save(opt_step, pipe.state, dict(meta))
 
       pipe = RLPipeline(
@@ -291,6 +297,7 @@ def main(argv):
         state = pipe.state
         ckpt.wait()
         if meta["opt_steps"] not in ckpt.steps():
+          meta["wall_time_s"] = elapsed()
           ckpt.save(meta["opt_steps"], state, dict(meta), force=True)
         ckpt.wait()
       meta.update(stage=si + 1, batch_in_stage=0)
@@ -300,7 +307,7 @@ def main(argv):
     summary.update(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],
                    response_length_mean_after=res["response_length_mean"],
                    batches=meta["batches"], optimizer_steps=meta["opt_steps"],
-                   wall_time_s=summary.get("wall_time_s", 0.0) + time.time() - t_start)
+                   wall_time_s=elapsed())
     json.dump(summary, open(summary_path, "w"), indent=1)
     log.info("summary: %s", json.dumps(summary))
     before, after = summary.get("heldout_accuracy_before"), summary["heldout_accuracy_after"]
