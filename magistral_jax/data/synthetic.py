@@ -20,6 +20,10 @@ from typing import Iterator
 TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{problem}"
 
 
+def _step(value: int, op: str, x: int) -> int:
+  return value + x if op == "+" else value - x
+
+
 def make_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 3,
                  max_operand: int = 20, allow_negative: bool = True) -> dict:
   """With allow_negative=False a subtraction never goes below zero (its operand is drawn from
@@ -31,7 +35,7 @@ def make_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 3,
   for _ in range(steps):
     op = rng.choice("+-")
     x = rng.randint(0, max_operand if allow_negative or op == "+" else min(value, max_operand))
-    new = value + x if op == "+" else value - x
+    new = _step(value, op, x)
     lines.append(f"{value}{op}{x}={new}")
     ops.append((op, x))
     expr += f"{op}{x}"
@@ -41,40 +45,42 @@ def make_problem(rng: random.Random, min_steps: int = 1, max_steps: int = 3,
           "start": start, "ops": ops}
 
 
+def _format_trace(lines: list[str], answer: str) -> str:
+  return "<think>\n" + "\n".join(lines) + "\n</think>\n\\boxed{" + answer + "}"
+
+
 def trace(problem: dict) -> str:
   """The worked completion for SFT: thoughts, then the boxed answer, in the paper's format."""
-  answer = problem.get("trace_answer", problem["answer"])
-  return "<think>\n" + "\n".join(problem["steps"]) + "\n</think>\n\\boxed{" + answer + "}"
+  return _format_trace(problem["steps"], problem["answer"])
 
 
-def with_slip(problem: dict, rng: random.Random) -> dict:
-  """A copy of `problem` whose worked trace makes one arithmetic slip: the result of one random
-  step is off by one (+1 where -1 would go below zero), and every later step and the boxed
-  answer follow from the wrong value, as a plausible but wrong demonstration would. The
-  reference `answer` of the problem itself is not part of the trace and is left untouched."""
+def slipped_trace(problem: dict, rng: random.Random) -> str:
+  """`problem`'s worked trace with one arithmetic slip: the result of one random step is off by
+  one (+1 where -1 would go below zero), and every later step and the boxed answer follow from
+  the wrong value, as a plausible but wrong demonstration would. The problem and its reference
+  answer are untouched."""
   k = rng.randrange(len(problem["ops"]))
-  out, value = [], problem["start"]
+  lines, value = [], problem["start"]
   for i, (op, x) in enumerate(problem["ops"]):
-    new = value + x if op == "+" else value - x
+    new = _step(value, op, x)
     if i == k:
       new = new + 1 if new == 0 or rng.random() < 0.5 else new - 1
-    out.append(f"{value}{op}{x}={new}")
+    lines.append(f"{value}{op}{x}={new}")
     value = new
-  return dict(problem, steps=out, trace_answer=str(value))
+  return _format_trace(lines, str(value))
 
 
 def sft_pairs(seed: int, slip_rate: float = 0.0, **kw) -> Iterator[tuple[str, str]]:
   """(problem, worked trace) pairs for the cold start, from the 'sft' stream. With slip_rate > 0
-  that fraction of the traces makes one arithmetic slip (`with_slip`): an imperfect
+  that fraction of the traces makes one arithmetic slip (`slipped_trace`): an imperfect
   demonstrator, as a cold start distilled from a stronger model's traces is. The RL reward (the
   real verifier on the reference answer) is what then teaches the policy to stop slipping."""
   if not 0.0 <= slip_rate <= 1.0:
     raise ValueError(f"data.sft_slip_rate must be in [0, 1], got {slip_rate}")
   slips = random.Random(f"slips:{seed}")
   for p in problems(seed, "sft", **kw):
-    if slip_rate and slips.random() < slip_rate:
-      p = with_slip(p, slips)
-    yield p["problem"], trace(p)
+    slip = slip_rate and slips.random() < slip_rate
+    yield p["problem"], slipped_trace(p, slips) if slip else trace(p)
 
 
 def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
