@@ -201,6 +201,10 @@ def main(argv):
   wall0 = float(meta.get("wall_time_s", 0.0))
   elapsed = lambda: wall0 + time.time() - t_start
 
+  def save_checkpoint(step, train_state, force=False):
+    meta["wall_time_s"] = elapsed()
+    ckpt.save(step, train_state, dict(meta), force=force)
+
   pool = VerifierPool(config.verifier.num_workers, run.reward,
                       task_timeout_s=config.verifier.task_timeout_s,
                       max_tasks_per_worker=config.verifier.max_tasks_per_worker)
@@ -239,8 +243,7 @@ def main(argv):
       summary.update(heldout_accuracy_before=res["pass@1"],
                      format_rate_before=res["format_rate"])
       json.dump(summary, open(summary_path, "w"), indent=1)
-      meta["wall_time_s"] = elapsed()
-      ckpt.save(0, state, meta, force=True)
+      save_checkpoint(0, state, force=True)
 
     stages = list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
                                       "overrides": {}}]
@@ -279,8 +282,7 @@ def main(argv):
                     data=prompts.state() if hasattr(prompts, "state") else {})
         log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
-          meta["wall_time_s"] = elapsed()
-          ckpt.save(opt_step, pipe.state, dict(meta))
+          save_checkpoint(opt_step, pipe.state)
 
       pipe = RLPipeline(
           model_cfg=model_cfg, grpo_cfg=srun.rl, train_step=step_fn, state=state,
@@ -297,8 +299,7 @@ def main(argv):
         state = pipe.state
         ckpt.wait()
         if meta["opt_steps"] not in ckpt.steps():
-          meta["wall_time_s"] = elapsed()
-          ckpt.save(meta["opt_steps"], state, dict(meta), force=True)
+          save_checkpoint(meta["opt_steps"], state, force=True)
         ckpt.wait()
       meta.update(stage=si + 1, batch_in_stage=0)
 
