@@ -54,16 +54,22 @@ def run(argv, log_path):
   return time.time() - t
 
 
+def tiny_config(*args: str) -> str:
+  """`--config=configs/tiny.py[:a,b]` from the non-empty comma-separated argument lists."""
+  joined = ",".join(a for a in args if a)
+  return "--config=configs/tiny.py" + (f":{joined}" if joined else "")
+
+
 def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
   """The shared cold-start checkpoint (ROOT/sft/params), made once."""
   wd = os.path.join(root, "sft")
   if os.path.isdir(os.path.join(wd, "params")):
     return wd
   os.makedirs(wd, exist_ok=True)
-  arg = ",".join(a for a in (base_arg, f"sft_steps={sft_steps}" if sft_steps else "") if a)
-  arg = f":{arg}" if arg else ""
   print(f"cold-start SFT -> {wd}", flush=True)
-  dt = run([sys.executable, "launch/sft.py", f"--config=configs/tiny.py{arg}", f"--workdir={wd}"],
+  dt = run([sys.executable, "launch/sft.py",
+            tiny_config(base_arg, f"sft_steps={sft_steps}" if sft_steps else ""),
+            f"--workdir={wd}"],
            os.path.join(wd, "log.txt"))
   print(f"  done in {dt:.0f}s", flush=True)
   return wd
@@ -167,7 +173,7 @@ def main():
             not in json.load(open(os.path.join(wd, "summary.json"))):
           os.makedirs(wd, exist_ok=True)
           print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
-          wall = run([sys.executable, "launch/train.py", f"--config=configs/tiny.py:{args.base_arg},{arg}",
+          wall = run([sys.executable, "launch/train.py", tiny_config(args.base_arg, arg),
                       f"--workdir={wd}", "--config.init.source=orbax",
                       f"--config.init.path={os.path.join(sft, 'params')}",
                       f"--config.num_batches={args.batches}", f"--config.seed={seed}",

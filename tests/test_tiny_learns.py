@@ -5,9 +5,9 @@ RL batches. Seeded; not a timing test.
 The full run (`make run`) is measured in BENCHMARKS.md ("Tiny default run"). Here the cold start
 is cut to 50 steps on clean traces (format closed on ~80% of samples, a few answers right), RL
 takes one optimizer step per batch, and its lr is raised to 1e-3, so that 20 batches move the
-policy well beyond the run-to-run noise of the async pipeline. Measured while choosing this form (2 cores, 76-130 s each), mean reward of the first 8
--> last 8 batches: 0.143 -> 0.182 and 0.147 -> 0.268 (seeds 0, 1); with 100 cold-start steps
-0.151 -> 0.257 and 0.203 -> 0.229. The earlier form (25 steps, lr 2e-4) rose by only 0.006-0.03
+policy well beyond the run-to-run noise of the async pipeline. Measured while choosing this form
+(2 cores, 76-130 s each), mean reward of the first 8 -> last 8 batches: 0.143 -> 0.182 and
+0.147 -> 0.268 (seeds 0, 1); with 100 cold-start steps 0.151 -> 0.257 and 0.203 -> 0.229. The earlier form (25 steps, lr 2e-4) rose by only 0.006-0.03
 and was flat in 1 of 4 runs.
 """
 import json
