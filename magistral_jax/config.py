@@ -33,7 +33,8 @@ def default_config() -> mlc.ConfigDict:
       max_position_embeddings=4096, architecture="LlamaForCausalLM",
       bos_token_id=mlc.FieldReference(1, field_type=int),
       eos_token_id=mlc.FieldReference(2, field_type=int),
-      param_dtype="float32", dtype="float32", remat="none", logits_chunk=256))
+      param_dtype="float32", dtype="float32", remat="none", logits_chunk=256,
+      logits_vocab_pieces=0))     # 0 = auto (4 on CPU, 1 on accelerators); see ModelConfig
   # Where the initial weights come from: random | gguf | hf | orbax (+ path). With gguf/hf the
   # checkpoint's own config.json/metadata replaces c.model's architecture fields.
   c.init = mlc.ConfigDict(dict(source="random", path=""))

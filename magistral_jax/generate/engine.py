@@ -78,7 +78,7 @@ class Prefixes(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  """All slots. cache: KVCache [L, B, S, K, Dh]; tokens [B]: the next input token of each slot
+  """All slots. cache: KVCache [L, B, K, S, Dh]; tokens [B]: the next input token of each slot
   (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
   cache: T.KVCache
   tokens: Array
@@ -392,15 +392,15 @@ class Engine:
     lg = prefixes.logits[rows]
     true_len = prefixes.true_length[rows]
     tok, lp = S.sample(lg, slot_keys, true_len, self.sampling)
-    b = prefixes.cache.k.shape[2]
+    b = prefixes.cache.k.shape[3]
 
     def copy_one(i, kv):
       # Entries past `count` are padding and never run; each real one copies one prompt cache
-      # [L, 1, bucket, K, Dh] into its slot in place (the state is donated).
+      # [L, 1, K, bucket, Dh] into its slot in place (the state is donated).
       k, v = kv
       src = (0, rows[i], 0, 0, 0)
       dst = (0, slots[i], 0, 0, 0)
-      shape = (k.shape[0], 1, b, k.shape[3], k.shape[4])
+      shape = (k.shape[0], 1, k.shape[2], b, k.shape[4])
       k = jax.lax.dynamic_update_slice(
           k, jax.lax.dynamic_slice(prefixes.cache.k, src, shape).astype(k.dtype), dst)
       v = jax.lax.dynamic_update_slice(

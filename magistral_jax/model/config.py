@@ -58,12 +58,18 @@ class ModelConfig:
   remat: str = "none"
   # Sequence chunk for the log-prob/entropy head so the [T, V] logits are never all live at once.
   logits_chunk: int = 256
+  # The head's vocab is split into this many pieces (one matmul + logsumexp each, combined
+  # exactly). 0 = auto: 4 on the CPU backend, where XLA runs the independent pieces on different
+  # cores and a single [T, V] logsumexp would run on one; 1 elsewhere.
+  logits_vocab_pieces: int = 0
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"remat must be none|full|dots, got {self.remat!r}")
+    if self.logits_vocab_pieces < 0:
+      raise ValueError(f"logits_vocab_pieces must be >= 0 (0 = auto), got {self.logits_vocab_pieces}")
 
   @property
   def jnp_dtype(self):

@@ -53,7 +53,7 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   """(tokenizer, ModelConfig, initial params or None) of a run config's policy.
 
   init.source: random (config.model), gguf, hf or orbax (architecture from the checkpoint; the
-  run's dtype/remat/logits_chunk kept). With load_weights=False only metadata is read (params
+  run's dtype/remat/logits_chunk/logits_vocab_pieces kept). With load_weights=False only metadata is read (params
   is None): enough to build engines or abstract params, e.g. for analysing a run's checkpoints.
   """
   import os
@@ -63,7 +63,8 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   src, path = config.init.source, config.init.path
   model_cfg = ModelConfig.from_config_dict(config.model)
   keep = dict(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat,
-              logits_chunk=model_cfg.logits_chunk)
+              logits_chunk=model_cfg.logits_chunk,
+              logits_vocab_pieces=model_cfg.logits_vocab_pieces)
   params, tok = None, None
   if src == "gguf":   # architecture and vocabulary come from the file's metadata
     if load_weights:
