@@ -144,7 +144,6 @@ class Attention(nn.Module):
 
     b, t = x.shape[:2]
     g = h // k
-    qg = q.reshape(b, t, k, g, dh)
     if kv_cache is None:
       # Packed training / scoring: causal within a row, never across segments.
       k_pos = positions
@@ -152,8 +151,7 @@ class Attention(nn.Module):
       mask = (idx[None, :, None] >= idx[None, None, :]) & \
              (q_segment[:, :, None] == q_segment[:, None, :])
       new_cache = None
-      qk, pv = "btkgd,bskd->bkgts", "bkgts,bskd->btkgd"
-      keys, values = kk, v
+      keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     else:
       # Decode: kv_cache is the whole stacked cache [L, B, K, S, Dh] (the scan carry). Only the
       # T new keys/values of this layer are scattered in, at each slot's own offset, so XLA
@@ -169,20 +167,19 @@ class Attention(nn.Module):
       k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
       mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
              (k_pos[:, None, :] < valid_len[:, None, None])
-      # P·V with the output in [b, k, g, t, d] order keeps it a plain batched matmul (contracting
-      # P's last dim and V's S dim); asking for btkgd directly lets XLA:CPU pick V^T·P, which
-      # has no fast kernel.
-      qk, pv = "btkgd,bksd->bkgts", "bkgts,bksd->bkgtd"
     if cfg.sliding_window is not None:
       mask &= (positions[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window
 
-    scores = jnp.einsum(qk, qg, keys).astype(jnp.float32) / math.sqrt(dh)
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum(pv, probs, values)
-    if kv_cache is not None:
-      out = out.transpose(0, 3, 1, 2, 4)
-    out = out.reshape(b, t, h, dh)
+    # Both products are plain batched matmuls over (b, k), with the G query heads that share a
+    # KV head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is
+    # ~2x faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.)
+    sk = keys.shape[2]
+    qg = q.reshape(b, t, k, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
+    scores = jnp.einsum("bkmd,bksd->bkms", qg, keys).astype(jnp.float32) / math.sqrt(dh)
+    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, k, g, t, sk), NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k, g * t, sk)
+    out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, k, g, t, dh)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
     out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
     y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
     return y, new_cache
