@@ -414,8 +414,10 @@ def token_logprobs(params, cfg: ModelConfig, hidden: Array, targets: Array,
     lp = target - lse
     if not with_entropy:
       return lp, jnp.zeros_like(lp)
-    # H = lse - Σ_v p_v · lg_v, summed piece by piece.
-    ent = lse - sum(jnp.sum(jnp.exp(lg - lse[..., None]) * lg, axis=-1) for lg in lgs)
+    # H = Σ_v p_v · (lse - lg_v), summed piece by piece: every term is >= 0, so a peaked
+    # distribution with large logits does not lose its entropy to lse - Σ p·lg cancellation.
+    ent = sum(jnp.sum(jnp.exp(lg - lse[..., None]) * (lse[..., None] - lg), axis=-1)
+              for lg in lgs)
     return lp, ent
 
   lp, ent = jax.lax.map(lambda xs: body(*xs), (h, y))
