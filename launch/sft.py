@@ -35,9 +35,7 @@ log = logging.getLogger("sft")
 def synthetic_pairs(config, skip: int = 0):
   """(problem, worked trace) pairs of the synthetic task, from position `skip` on."""
   from magistral_jax.data import synthetic
-  it = synthetic.sft_pairs(config.seed, config.data.get("sft_slip_rate", 0.0),
-                          **synthetic.options(config.data))
-  for i, pair in enumerate(it):
+  for i, pair in enumerate(synthetic.sft_pairs_for(config.data, config.seed)):
     if i >= skip:
       yield pair
 

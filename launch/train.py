@@ -228,8 +228,7 @@ def main(argv):
         sft_tx = make_optimizer(sft_optimizer_config(config))
         sft_state = init_state(model_cfg, sft_tx, jax.random.PRNGKey(config.seed), tmesh,
                                TRAINER_RULES, params=state.params)
-        examples = synthetic.sft_pairs(config.seed, config.data.get("sft_slip_rate", 0.0),
-                                       **synthetic.options(config.data))
+        examples = synthetic.sft_pairs_for(config.data, config.seed)
         sft_state, _ = sft_warm_start(
             sft_state, make_sft_step(model_cfg, sft_tx, tmesh, TRAINER_RULES), tok, examples,
             num_steps=config.sft.num_steps, batch_size=config.sft.batch_size,

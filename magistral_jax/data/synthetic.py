@@ -101,6 +101,11 @@ def options(data_cfg) -> dict:
               allow_negative=data_cfg.get("allow_negative", True))
 
 
+def sft_pairs_for(data_cfg, seed: int) -> Iterator[tuple[str, str]]:
+  """`sft_pairs` of a run config's `data` section (its problem options and sft_slip_rate)."""
+  return sft_pairs(seed, data_cfg.get("sft_slip_rate", 0.0), **options(data_cfg))
+
+
 def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:
   it = problems(seed, split, **kw)
   return [next(it) for _ in range(n)]

@@ -5,9 +5,10 @@ Which distribution the log-prob is under
 Every sampled token carries  log π_T(y | ·) = log_softmax(logits / T)[y]  in float32, where T is
 the sampling temperature and `logits` is `transformer.logits(params, cfg, hidden)`. This is the
 *untruncated* tempered policy: top-p / top-k only decide which token is drawn, they do not
-renormalise the log-prob. It is exactly what the trainer computes as π_θ with
+renormalise the log-prob. It is the quantity the trainer computes as π_θ with
 `transformer.token_logprobs(..., temperature=T)` (same logits formula, fp32, divide by T, subtract
-the logsumexp, no truncation), so the GRPO ratio π_θ / π_old compares like with like. With
+the logsumexp, no truncation; the trainer may sum its logsumexp over vocab pieces, which agrees to
+fp32 rounding), so the GRPO ratio π_θ / π_old compares like with like. With
 `greedy=True` the argmax is taken and the log-prob is still log π_T of that token.
 
 Sampling is per slot: each slot has its own PRNG key, and the key for a token is

@@ -252,7 +252,7 @@ class Transformer(nn.Module):
     emb = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                  nn.initializers.normal(1.0), cfg.jnp_param_dtype)
     if not cfg.tie_word_embeddings:
-      # Declared here so init creates it; used through output_embedding().
+      # Declared here so init creates it; used through _head_matmul().
       _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
              nn.initializers.normal(0.02), cfg.jnp_param_dtype)
     x = jnp.take(emb, tokens, axis=0).astype(cfg.jnp_dtype)
@@ -329,13 +329,6 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
 def param_shapes(cfg: ModelConfig) -> dict:
   """Tree of ShapeDtypeStructs for the params (no allocation)."""
   return _from_module_params(nn.meta.unbox(_abstract_boxed(cfg)))
-
-
-def output_embedding(params, cfg: ModelConfig) -> Array:
-  """[D, V] output projection: the lm_head, or the transposed input embedding when tied."""
-  if cfg.tie_word_embeddings:
-    return params["embed"]["embedding"].T
-  return params["lm_head"]["kernel"]
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, positions=None, segment_ids=None,

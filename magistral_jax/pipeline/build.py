@@ -53,8 +53,9 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   """(tokenizer, ModelConfig, initial params or None) of a run config's policy.
 
   init.source: random (config.model), gguf, hf or orbax (architecture from the checkpoint; the
-  run's dtype/remat/logits_chunk/logits_vocab_pieces kept). With load_weights=False only metadata is read (params
-  is None): enough to build engines or abstract params, e.g. for analysing a run's checkpoints.
+  run's dtype/remat/logits_chunk/logits_vocab_pieces kept). With load_weights=False only
+  metadata is read (params is None): enough to build engines or abstract params, e.g. for
+  analysing a run's checkpoints.
   """
   import os
   from magistral_jax.model import checkpoint as ckpt
