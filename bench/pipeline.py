@@ -15,13 +15,17 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    completions per second in steady state = n_batch * (B - 1) / (time between the ends of batch
    1 and batch B), read from an on_step callback. Sync generates exactly one batch per policy
    version and waits for the longest completion (and for top-ups when groups with zero advantage
-   are dropped); async keeps n_async = 2 * n_batch completions in flight. Each mode runs
+   are dropped); async keeps n_async = 2 * n_batch completions generating (the queue of generated,
+   untrained ones is bounded by max_queue = n_async and never fills here). Each mode runs
    `--repeats` times, the order alternating (sync, async, async, sync, ...); figures are medians
    and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
    step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction.
-2. Utilisation: the pipeline's own per-batch `generator_utilization` (slot utilisation x
-   fraction of wall time spent in decode steps, averaged over generators), mean over the measured
-   async batches (batch 1 excluded, as it includes the pipeline fill).
+2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
+   slots over slots, across decode steps) x share of wall time the generator loop was not waiting
+   for work, averaged over generators; mean over the measured async batches (batch 1 excluded, as
+   it includes the pipeline fill). Reported next to it, for both modes: the slot occupancy, the
+   share of wall time inside decode steps (`decode_frac`; the rest is prefill/insert and host
+   work), and the stricter occupancy x decode share (`decode_utilization`).
 3. Weight push: what RLPipeline._push does per generator, `jax.device_put(trainer params,
    engine.param_shardings, may_alias=False)` + block_until_ready, i.e. a reshard from the
    trainer's 4-device FSDP layout to a generator's 2-device tensor-parallel layout. Baseline:
@@ -182,6 +186,8 @@ def main():
         "groups_dropped_frac": pipe.counters["groups_dropped"] / max(1, pipe.counters["groups_scored"]),
         "generator_utilization": float(np.mean([h["generator_utilization"] for h in history[1:]])),
         "generator_utilization_per_batch": [round(h["generator_utilization"], 3) for h in history],
+        **{k: float(np.mean([h[f"generator_{k}"] for h in history[1:]]))
+           for k in ("slot_occupancy", "decode_frac", "decode_utilization")},
         "trainer_idle_frac": float(np.mean([h["trainer_idle_frac"] for h in history[1:]])),
         "train_time_s": float(np.mean([h["train_time_s"] for h in history[1:]])),
         "weight_push_s": float(np.mean([h["weight_push_s"] for h in history[1:]])),
@@ -218,6 +224,8 @@ def main():
       async_over_sync_per_repeat=[a["completions_per_s"] / s["completions_per_s"]
                                   for a, s in zip(runs["async"], runs["sync"])],
       generator_utilization=util["async"], sync_generator_utilization=util["sync"],
+      **{f"{m}_generator_{k}": float(np.median([x[k] for x in runs[m]]))
+         for m in ("async", "sync") for k in ("slot_occupancy", "decode_frac", "decode_utilization")},
       async_completions_per_s=rate["async"], sync_completions_per_s=rate["sync"],
       async_decode_step_ms=float(np.median([x["decode_step_ms"] for x in runs["async"]])),
       sync_decode_step_ms=float(np.median([x["decode_step_ms"] for x in runs["sync"]])),

@@ -287,6 +287,7 @@ def main(argv):
           model_cfg=model_cfg, grpo_cfg=srun.rl, train_step=step_fn, state=state,
           trainer_mesh=tmesh, generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
           cfg=PipelineConfig(mode=scfg.pipeline.mode, n_async=scfg.pipeline.n_async,
+                             max_queue=scfg.pipeline.max_queue,
                              seed=config.seed + si, sample_every=scfg.pipeline.sample_every,
                              batch_timeout_s=scfg.pipeline.batch_timeout_s),
           writer=writer, version=meta["version"], system_prompt=system_prompt, on_step=on_step)

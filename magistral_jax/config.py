@@ -66,7 +66,10 @@ def default_config() -> mlc.ConfigDict:
       num_tests=20, test_timeout_s=4.0, memory_mb=300, compile_timeout_s=10.0))
   c.verifier = mlc.ConfigDict(dict(num_workers=2, task_timeout_s=60.0, max_tasks_per_worker=500))
   # ---- pipeline and devices (SPEC §5) ----
-  c.pipeline = mlc.ConfigDict(dict(mode="async", n_async=0, sample_every=5, batch_timeout_s=1800.0))
+  # n_async: completions generated in parallel (0 = 2 * n_batch); max_queue: generated, not yet
+  # trained on, before the feeder stops submitting (0 = n_async). See pipeline/rl_pipeline.py.
+  c.pipeline = mlc.ConfigDict(dict(mode="async", n_async=0, max_queue=0, sample_every=5,
+                                   batch_timeout_s=1800.0))
   # Device layout: the first `trainer` devices train; then one slice per generator.
   c.devices = mlc.ConfigDict(dict(trainer=4, generators=[2, 2], trainer_mesh={"fsdp": -1},
                                   generator_mesh={"tensor": -1}))

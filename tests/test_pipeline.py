@@ -48,7 +48,7 @@ def setup():
   pool.close()
 
 
-def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None):
+def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0):
   rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
   state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
                      params=s["params"])
@@ -60,7 +60,8 @@ def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None):
   return RLPipeline(model_cfg=s["cfg"], grpo_cfg=GRPO, train_step=step, state=state,
                     trainer_mesh=s["tmesh"], generators=gens, pool=pool or s["pool"],
                     tokenizer=s["tok"], prompts=synthetic.problems(seed),
-                    cfg=PipelineConfig(mode=mode, n_async=n_async, batch_timeout_s=300, seed=seed),
+                    cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
+                                      batch_timeout_s=300, seed=seed),
                     writer=MetricsWriter(workdir) if workdir else None,
                     system_prompt=synthetic.TINY_SYSTEM_PROMPT)
 
@@ -72,11 +73,14 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
   # Off-policy: in async mode a batch holds tokens from several policy versions.
   assert max(h["versions_in_batch"] for h in history) > 1
   assert max(h["version_lag_max"] for h in history) >= 1
-  # The bounded queue: never more than n_async completions in flight.
-  assert 0 < pipe.max_inflight <= 32
+  # The bounds: never more than n_async completions generating, never more than
+  # n_async + max_queue (default max_queue = n_async) submitted and not yet trained on.
+  assert 0 < pipe.max_generating <= 32
+  assert 0 < pipe.max_inflight <= 64
   for key in ("reward", "reward_format", "reward_correct", "reward_length_penalty", "accuracy",
               "format_rate", "response_length_mean", "response_length_max", "entropy",
               "clip_low_frac", "clip_high_frac", "filtered_group_frac", "generator_utilization",
+              "generator_slot_occupancy", "generator_decode_utilization",
               "trainer_idle_s", "verifier_latency_s", "weight_push_s", "version_lag_mean"):
     assert all(key in h and np.isfinite(h[key]) for h in history), key
   # After a push, each generator holds the trainer's weights bitwise, on its own devices.
@@ -99,6 +103,32 @@ def test_sync_pipeline_trains_on_exactly_one_version(setup):
   for h in history:
     assert h["versions_in_batch"] == 1 and h["version_lag_max"] == 0
   assert pipe.max_inflight <= GRPO.n_batch + GRPO.n_batch  # top-ups only replace dropped groups
+
+
+def test_queue_bound_holds_when_the_trainer_is_slow(setup):
+  # A trainer much slower than generation: the queue of generated, untrained completions fills
+  # to max_queue and the feeder stops submitting, so generation never runs further ahead.
+  pipe = _pipeline(setup, "async", n_async=8, max_queue=16)
+  real = pipe.train_step
+
+  def slow_step(state, batch):
+    time.sleep(1.5)
+    return real(state, batch)
+  pipe.train_step = slow_step
+  seen = []
+  pipe.on_step = lambda *_: seen.append((pipe._generating, pipe._queued))
+  assert len(pipe.run(2)) == 2
+  assert pipe.max_generating <= 8
+  assert pipe.max_inflight <= 8 + 16
+  assert pipe.max_inflight > 16   # the queue did fill up while the trainer slept
+  assert all(g <= 8 and g + q <= 24 for g, q in seen)
+
+
+def test_pipeline_rejects_bounds_that_could_never_fill_a_batch(setup):
+  with pytest.raises(ValueError, match="max_queue=8 < n_batch=16"):
+    _pipeline(setup, "async", n_async=8, max_queue=8)
+  with pytest.raises(ValueError, match="n_async=2 < group_size=4"):
+    _pipeline(setup, "async", n_async=2)
 
 
 def test_generator_thread_failure_surfaces_without_hanging(setup):

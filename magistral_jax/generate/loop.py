@@ -139,6 +139,7 @@ class GeneratorLoop:
     self.active_slot_steps = 0
     self.generated_tokens = 0
     self.decode_time_s = 0.0
+    self.idle_time_s = 0.0      # blocked waiting for a request with no active slot
     self.update_pauses_s: list[float] = []
     self.update_pause_steps: list[int] = []  # decode steps between update_params and the swap
     self._pending_since_step = 0
@@ -248,10 +249,13 @@ class GeneratorLoop:
       log.error("generator loop failed: %s", self._error_tb)
 
   def _wait_for_work(self):
+    t0 = time.perf_counter()
     try:
       group = self._requests.get(timeout=self.idle_wait_s)
     except queue.Empty:
       return
+    finally:
+      self.idle_time_s += time.perf_counter() - t0
     self._groups.append(group)
 
   def step(self) -> bool:

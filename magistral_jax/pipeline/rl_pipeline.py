@@ -6,9 +6,16 @@
     permutation -> minibatches -> greedy-collated microbatches -> trainer (own slice) -> after each
     optimizer step: device-to-device reshard of the params onto every generator, version v+1.
 
-Async (the paper): generators never wait for the trainer. A budget of `n_async` completions
-(submitted to a generator but not yet consumed by the trainer) is the bounded blocking queue that
-limits how off-policy data gets; the feeder blocks on it, never the generators.
+Async (the paper): generators never wait for the trainer. Two bounds, both enforced by the feeder
+(never by the generators):
+- `n_async`, the paper's: completions generated in parallel, i.e. submitted to a generator and
+  not yet returned by it (running in a slot or queued for one). The feeder keeps it topped up.
+- `max_queue`: the bounded blocking queue between generators and trainer, i.e. completions that
+  are generated but not yet consumed (being scored, waiting for the rest of their group, or ready
+  for the next batch). A prompt is submitted only while generating + queued + G stays within
+  n_async + max_queue, so when the trainer falls behind, generation stops running further ahead
+  and off-policy lag stays bounded. When the trainer keeps up, the queue never fills and the
+  generators always have n_async completions to work on.
 
 Sync (for comparison and ablations): the same code path with a barrier. Exactly enough groups for
 one batch are generated under one policy version (topped up if groups are dropped), every
@@ -50,9 +57,13 @@ class PipelineError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
-  # Completions that may be in flight (submitted, not yet consumed by the trainer). SPEC §4:
-  # n_async / n_batch <= 2 for Medium. 0 means 2 * n_batch.
+  # Completions generated in parallel (submitted to a generator, not yet returned by it): the
+  # paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium). 0 means 2 * n_batch.
   n_async: int = 0
+  # The bounded queue between generators and trainer: generated completions not yet consumed
+  # (scoring, waiting for their group, or for a batch). No new prompt is submitted while
+  # generating + queued + G would exceed n_async + max_queue. 0 means n_async.
+  max_queue: int = 0
   seed: int = 0
   sample_every: int = 0      # log one decoded sample every N steps (0 = never)
   batch_timeout_s: float = 600.0   # a batch that does not fill in this time is an error, not a hang
@@ -114,10 +125,15 @@ class RLPipeline:
     if self.group_size < 2:
       raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {self.group_size}")
     self.n_async = cfg.n_async or 2 * grpo_cfg.n_batch
-    if cfg.mode == "async" and self.n_async < grpo_cfg.n_batch:
-      raise ValueError(f"n_async={self.n_async} < n_batch={grpo_cfg.n_batch}: a batch could never fill")
+    self.max_queue = cfg.max_queue or self.n_async
+    if cfg.mode == "async":
+      if self.n_async < self.group_size:
+        raise ValueError(f"n_async={self.n_async} < group_size={self.group_size}: no group could "
+                         "ever be submitted")
+      if self.max_queue < grpo_cfg.n_batch:
+        raise ValueError(f"max_queue={self.max_queue} < n_batch={grpo_cfg.n_batch}: a batch could "
+                         "never fill")
     self._rng = np.random.default_rng(cfg.seed if rng_seed is None else rng_seed)
-    self._budget = threading.Semaphore(self.n_async if cfg.mode == "async" else 0)
     self._scored: queue.Queue[Scored] = queue.Queue()
     self._generated: queue.Queue[tuple[int, GenCompletion]] = queue.Queue()
     self._groups: dict[int, _Group] = {}
@@ -127,8 +143,11 @@ class RLPipeline:
     self._threads: list[threading.Thread] = []
     self._errors: list[tuple[str, BaseException, str]] = []
     self._lock = threading.Lock()
-    self._inflight = 0          # completions submitted and not yet consumed or dropped
-    self.max_inflight = 0       # high-water mark of _inflight: must stay <= n_async
+    self._room = threading.Condition(self._lock)   # the feeder waits on it for n_async/queue room
+    self._generating = 0        # submitted to a generator, not yet returned: <= n_async
+    self._queued = 0            # returned by a generator, not yet consumed or dropped
+    self.max_generating = 0     # high-water marks: max_generating <= n_async and
+    self.max_inflight = 0       # max_inflight (generating + queued) <= n_async + max_queue
     self.last_pushed: list = [None] * len(generators)
     self._prompts_exhausted = False
     self.opt_steps = 0          # optimizer steps (one per minibatch)
@@ -147,7 +166,7 @@ class RLPipeline:
       return self
     self._started = True
     self._t0 = time.time()
-    self._gen_t0 = [(g.decode_time_s, g.steps, g.active_slot_steps) for g in self.generators]
+    self._gen_t0 = [self._gen_counters(g) for g in self.generators]
     for g in self.generators:
       g.start()
     threads = [("collector", self._collect)]
@@ -182,8 +201,8 @@ class RLPipeline:
   def close(self):
     """Stops threads and generators. Safe to call twice; never hangs on a dead component."""
     self._stop.set()
-    for _ in range(self.n_async + self.grpo_cfg.n_batch):
-      self._budget.release()   # unblock the feeder
+    with self._room:
+      self._room.notify_all()   # unblock the feeder
     for t in self._threads:
       t.join(timeout=10)
     for g in self.generators:
@@ -209,21 +228,26 @@ class RLPipeline:
       gid = self._next_gid
       self._next_gid += 1
       self._groups[gid] = _Group(gid, task, self.group_size)
-      self._inflight += self.group_size
-      self.max_inflight = max(self.max_inflight, self._inflight)
+      self._generating += self.group_size
+      self.max_generating = max(self.max_generating, self._generating)
+      self.max_inflight = max(self.max_inflight, self._generating + self._queued)
       i = int(np.argmin(self._gen_load))
       self._gen_load[i] += self.group_size
     self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, group_size=self.group_size,
                                       metadata=task, seed=int(self._rng.integers(2**31))))
     return True
 
+  def _has_room(self) -> bool:
+    g = self.group_size
+    return (self._generating + g <= self.n_async
+            and self._generating + self._queued + g <= self.n_async + self.max_queue)
+
   def _feed(self):
-    """Async mode: submits groups whenever the n_async budget has room for G more completions."""
+    """Async mode: submits a group whenever n_async and the queue bound have room for G more."""
     while not self._stop.is_set():
-      for _ in range(self.group_size):
-        while not self._budget.acquire(timeout=0.1):
-          if self._stop.is_set():
-            return
+      with self._room:
+        while not (self._stop.is_set() or self._has_room()):
+          self._room.wait(timeout=0.1)
       if self._stop.is_set() or not self._submit_group():
         return
 
@@ -234,8 +258,11 @@ class RLPipeline:
         i, c = self._generated.get(timeout=0.05)
       except queue.Empty:
         continue
-      with self._lock:
+      with self._room:
         self._gen_load[i] -= 1
+        self._generating -= 1
+        self._queued += 1
+        self._room.notify_all()
       response = self.tokenizer.decode(c.tokens)
       t_submit = time.time()
       try:
@@ -292,11 +319,10 @@ class RLPipeline:
     self._ready.append(g)
 
   def _release(self, n: int):
-    with self._lock:
-      self._inflight -= n
-    if self.cfg.mode == "async":
-      for _ in range(n):
-        self._budget.release()
+    """n queued completions were consumed by the trainer or dropped with their group."""
+    with self._room:
+      self._queued -= n
+      self._room.notify_all()
 
   # ---- the main loop -------------------------------------------------------------------------
   def _wait_for_batch(self) -> list[_Group]:
@@ -436,24 +462,39 @@ class RLPipeline:
       self.close()
     return history
 
+  @staticmethod
+  def _gen_counters(g: GeneratorLoop) -> tuple:
+    return g.decode_time_s, g.steps, g.active_slot_steps, g.idle_time_s
+
   def _system_metrics(self, wait_s: float, train_s: float) -> dict:
     now = time.time()
     wall = max(1e-9, now - getattr(self, "_last_t", self._t0))
     self._last_t = now
-    utils = []
+    util, occ, decode_frac = [], [], []
     for i, g in enumerate(self.generators):
-      d0, s0, a0 = self._gen_t0[i]
+      d0, s0, a0, i0 = self._gen_t0[i]
       steps = g.steps - s0
-      slot_util = (g.active_slot_steps - a0) / max(1, steps * g.engine.max_concurrent_decodes)
-      busy = min(1.0, (g.decode_time_s - d0) / wall)
-      utils.append(slot_util * busy)
-      self._gen_t0[i] = (g.decode_time_s, g.steps, g.active_slot_steps)
+      occ.append((g.active_slot_steps - a0) / max(1, steps * g.engine.max_concurrent_decodes))
+      working = max(0.0, 1.0 - (g.idle_time_s - i0) / wall)
+      util.append(occ[-1] * working)
+      decode_frac.append(min(1.0, (g.decode_time_s - d0) / wall))
+      self._gen_t0[i] = self._gen_counters(g)
     lat = list(self._verifier_latencies)
     return {
-        "generator_utilization": float(np.mean(utils)),
+        # Share of generator capacity holding live sequences: slot occupancy over decode steps x
+        # share of wall time the loop was not waiting for work (it was decoding, prefilling,
+        # inserting or doing its bookkeeping). Sync mode loses both while it waits for the
+        # longest completion and for the trainer.
+        "generator_utilization": float(np.mean(util)),
+        "generator_slot_occupancy": float(np.mean(occ)),
+        # Share of wall time inside decode steps (the rest is prefill/insert, host work, idle)
+        # and the stricter occupancy x decode share.
+        "generator_decode_frac": float(np.mean(decode_frac)),
+        "generator_decode_utilization": float(np.mean([o * d for o, d in zip(occ, decode_frac)])),
         "trainer_idle_s": wait_s, "trainer_idle_frac": wait_s / max(1e-9, wait_s + train_s),
         "train_time_s": train_s,
         "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
         "verifier_errors": float(self.counters["verifier_errors"]),
-        "inflight_completions": float(self._inflight),
+        "generating_completions": float(self._generating),
+        "queued_completions": float(self._queued),
     }
