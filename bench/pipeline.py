@@ -94,7 +94,7 @@ def bench_push(params_trainer, gen_shardings, reps: int) -> dict:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
-  ap.add_argument("--repeats", type=int, default=2,
+  ap.add_argument("--repeats", type=int, default=3,
                   help="sync/async runs per mode, order alternating; figures are medians")
   ap.add_argument("--sft_steps", type=int, default=250)
   ap.add_argument("--push_reps", type=int, default=8)

@@ -77,9 +77,29 @@ def test_pool_scores_correctly_and_keeps_serving_through_hostile_code(pool):
       assert g.parts["correct"] == 0.0
     else:
       assert g.reward == pytest.approx(want), g
+  # Recycling (4 tasks per worker here) hands a slot over once the successor is ready.
+  deadline = time.monotonic() + 60
+  while pool.metrics()["recycled"] < 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
   m = pool.metrics()
   assert m["completed"] >= len(items) and m["recycled"] >= 1
   assert m["latency_p95_s"] > 0 and m["throughput_per_s"] > 0
+
+
+def test_recycling_keeps_the_slot_serving_while_the_successor_starts():
+  # One worker, recycled every 2 tasks: the old worker keeps scoring while its successor
+  # imports and warms up, so no task waits for a worker to start (the slot is never empty).
+  with VerifierPool(1, CFG, task_timeout_s=30.0, max_tasks_per_worker=2) as p:
+    assert p.submit(MATH, _math(5)).result(timeout=60).reward == 1.0   # first worker ready
+    for i in range(12):
+      r = p.submit(MATH, _math(5 if i % 2 else 4)).result(timeout=60)
+      assert r.reward == pytest.approx(1.0 if i % 2 else 0.1)
+      assert p._workers[0].ready   # whoever holds the slot is a started, warm worker
+    deadline = time.monotonic() + 60
+    while p.metrics()["recycled"] < 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert p.metrics()["recycled"] >= 1
+    assert len(p.worker_pids()) <= 2   # at most the worker and one successor
 
 
 def test_timed_out_task_resolves_to_zero_and_the_pool_recovers(pool):

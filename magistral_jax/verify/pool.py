@@ -5,7 +5,10 @@ pipes, the worker sentinels and a wake-up pipe, and enforces each task's deadlin
   - timeout: the worker is SIGKILLed (its sandboxed programs die with it through PDEATHSIG and
     PID namespaces), the future gets reward 0 with an error, and a fresh worker takes the slot;
   - crash: same, with "worker died";
-  - recycling: after `max_tasks_per_worker` tasks a worker is retired and replaced.
+  - recycling: after `max_tasks_per_worker` tasks a successor is started in the background; the
+    old worker keeps taking tasks until the successor reports ready (a worker needs seconds to
+    import and warm the verifiers), then it is retired and the successor takes its slot, so a
+    recycle never leaves a slot empty.
 Submitting blocks when `max_queue` tasks are waiting (back-pressure). Futures always resolve to a
 RewardResult; nothing raises into the caller.
 
@@ -102,6 +105,7 @@ class VerifierPool:
     os.set_blocking(self._wake_w, False)
     os.set_blocking(self._wake_r, False)
     self._workers: list[_Worker] = [self._start_worker(s) for s in range(num_workers)]
+    self._successors: dict[int, _Worker] = {}   # slot -> worker starting up to replace it
     self._latencies: collections.deque = collections.deque(maxlen=2048)
     self._counts = collections.Counter()
     self._t0 = time.monotonic()
@@ -146,7 +150,8 @@ class VerifierPool:
         latency_p50_s=pct(0.5), latency_p95_s=pct(0.95), latency_max_s=lat[-1] if lat else 0.0)
 
   def worker_pids(self) -> list[int]:
-    return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+    return [w.proc.pid for w in [*self._workers, *list(self._successors.values())]
+            if w.proc.pid is not None]
 
   def close(self, timeout: float = 10.0):
     """Finishes queued work (up to `timeout`), then stops every worker. Idempotent."""
@@ -196,7 +201,7 @@ class VerifierPool:
     child.close()
     return _Worker(slot, proc, parent)
 
-  def _replace(self, w: _Worker, kill: bool):
+  def _stop_worker(self, w: _Worker, kill: bool):
     if kill:
       w.proc.kill()
     else:
@@ -210,8 +215,29 @@ class VerifierPool:
       w.proc.join(1.0)
     w.conn.close()
     w.retired = True
-    if not self._closed:
-      self._workers[w.slot] = self._start_worker(w.slot)
+
+  def _replace(self, w: _Worker, kill: bool):
+    """Retires w; its successor (if one is starting) or a new worker takes the slot."""
+    self._stop_worker(w, kill)
+    nxt = self._successors.pop(w.slot, None)
+    if self._closed:
+      if nxt is not None:
+        self._stop_worker(nxt, kill=True)
+      return
+    self._workers[w.slot] = nxt if nxt is not None else self._start_worker(w.slot)
+
+  def _maybe_recycle(self, w: _Worker):
+    """Called when w is idle: starts its successor once w has done its share of tasks, and hands
+    the slot over once the successor is ready."""
+    if w.tasks_done < self.max_tasks_per_worker or self._closed:
+      return
+    nxt = self._successors.get(w.slot)
+    if nxt is None:
+      self._successors[w.slot] = self._start_worker(w.slot)
+    elif nxt.ready:
+      with self._lock:
+        self._counts["recycled"] += 1
+      self._replace(w, kill=False)
 
   def _resolve(self, item: _Pending, res: RewardResult, counter: str | None = None):
     with self._lock:
@@ -259,7 +285,7 @@ class VerifierPool:
       deadlines = [w.deadline for w in self._workers if w.tid is not None]
       wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
       objs = {self._wake_r: None}
-      for w in self._workers:
+      for w in [*self._workers, *self._successors.values()]:
         if not w.retired:
           objs[w.conn] = w
           objs[w.proc.sentinel] = w
@@ -273,6 +299,9 @@ class VerifierPool:
             pass
           continue
         w = objs[obj]
+        if self._successors.get(w.slot) is w:
+          self._on_successor_event(w, obj)
+          continue
         if self._workers[w.slot] is not w or w.retired:
           continue   # already replaced during this round
         if obj is w.conn:
@@ -289,10 +318,7 @@ class VerifierPool:
             w.tid = None
             w.tasks_done += 1
             self._resolve(item, msg[2])
-            if w.tasks_done >= self.max_tasks_per_worker:
-              with self._lock:
-                self._counts["recycled"] += 1
-              self._replace(w, kill=False)
+            self._maybe_recycle(w)
         elif not w.proc.is_alive():
           self._on_crash(w, running)
       now = time.monotonic()
@@ -305,6 +331,28 @@ class VerifierPool:
           self._resolve(item, failed_result(f"verification timed out after {self.task_timeout_s}s"),
                         "timeouts")
           self._replace(w, kill=True)
+
+  def _on_successor_event(self, nxt: _Worker, obj):
+    """A message or exit of a successor that is still starting up."""
+    msg = None
+    if obj is nxt.conn:
+      try:
+        msg = nxt.conn.recv()
+      except (EOFError, OSError):
+        msg = None
+    if msg is not None and msg[0] == "ready":
+      nxt.ready = True
+      cur = self._workers[nxt.slot]
+      if cur.tid is None:   # the old worker is idle: hand over now (else after its task)
+        self._maybe_recycle(cur)
+      return
+    if msg is None and nxt.proc.is_alive() and obj is not nxt.conn:
+      return
+    # The successor died while starting: drop it; the next idle moment starts another.
+    log.warning("verifier successor for slot %d died while starting (exit code %s)", nxt.slot,
+                nxt.proc.exitcode)
+    del self._successors[nxt.slot]
+    self._stop_worker(nxt, kill=True)
 
   def _on_crash(self, w: _Worker, running: dict):
     if self._workers[w.slot] is not w or w.retired:
@@ -321,6 +369,9 @@ class VerifierPool:
     self._replace(w, kill=True)
 
   def _shutdown_workers(self):
+    for w in list(self._successors.values()):
+      self._stop_worker(w, kill=True)
+    self._successors.clear()
     for w in self._workers:
       if w.retired:
         continue
