@@ -150,8 +150,7 @@ class VerifierPool:
         latency_p50_s=pct(0.5), latency_p95_s=pct(0.95), latency_max_s=lat[-1] if lat else 0.0)
 
   def worker_pids(self) -> list[int]:
-    return [w.proc.pid for w in [*self._workers, *list(self._successors.values())]
-            if w.proc.pid is not None]
+    return [w.proc.pid for w in self._all_workers() if w.proc.pid is not None]
 
   def close(self, timeout: float = 10.0):
     """Finishes queued work (up to `timeout`), then stops every worker. Idempotent."""
@@ -192,6 +191,10 @@ class VerifierPool:
       os.write(self._wake_w, b"x")
     except (BlockingIOError, OSError):
       pass   # pipe full: the dispatcher is already due to wake
+
+  def _all_workers(self) -> list[_Worker]:
+    """The slot holders and the successors starting up to replace them."""
+    return [*self._workers, *self._successors.values()]
 
   def _start_worker(self, slot: int) -> _Worker:
     parent, child = self._ctx.Pipe(duplex=True)
@@ -285,7 +288,7 @@ class VerifierPool:
       deadlines = [w.deadline for w in self._workers if w.tid is not None]
       wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
       objs = {self._wake_r: None}
-      for w in [*self._workers, *self._successors.values()]:
+      for w in self._all_workers():
         if not w.retired:
           objs[w.conn] = w
           objs[w.proc.sentinel] = w
@@ -333,22 +336,20 @@ class VerifierPool:
           self._replace(w, kill=True)
 
   def _on_successor_event(self, nxt: _Worker, obj):
-    """A message or exit of a successor that is still starting up."""
-    msg = None
+    """A message or exit of a successor that is still starting up (it sends only "ready")."""
     if obj is nxt.conn:
       try:
         msg = nxt.conn.recv()
       except (EOFError, OSError):
         msg = None
-    if msg is not None and msg[0] == "ready":
-      nxt.ready = True
-      cur = self._workers[nxt.slot]
-      if cur.tid is None:   # the old worker is idle: hand over now (else after its task)
-        self._maybe_recycle(cur)
-      return
-    if msg is None and nxt.proc.is_alive() and obj is not nxt.conn:
-      return
-    # The successor died while starting: drop it; the next idle moment starts another.
+      if msg is not None and msg[0] == "ready":
+        nxt.ready = True
+        cur = self._workers[nxt.slot]
+        if cur.tid is None:   # the old worker is idle: hand over now (else after its task)
+          self._maybe_recycle(cur)
+        return
+    # Its pipe closed or its sentinel fired: the successor died while starting. Drop it; the old
+    # worker's next idle moment starts another.
     log.warning("verifier successor for slot %d died while starting (exit code %s)", nxt.slot,
                 nxt.proc.exitcode)
     del self._successors[nxt.slot]
