@@ -16,7 +16,7 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    1 and batch B), read from an on_step callback. Sync generates exactly one batch per policy
    version and waits for the longest completion (and for top-ups when groups with zero advantage
    are dropped); async keeps n_async = 2 * n_batch completions generating (the queue of generated,
-   untrained ones is bounded by max_queue = n_async and never fills here). Each mode runs
+   untrained ones is bounded by max_queue = n_async). Each mode runs
    `--repeats` times, the order alternating (sync, async, async, sync, ...); figures are medians
    and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
    step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction.
