@@ -155,7 +155,9 @@ class RLPipeline:
     self.counters = collections.Counter()
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
-    self._stats_window: list[_Group] = []
+    # Groups dropped since the last batch. A batch's reward metrics cover its own groups plus
+    # these, so every scored group is counted once, in the batch that consumes (or follows) it.
+    self._dropped_since_batch: list[_Group] = []
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, i=i: self._generated.put((i, c)))
@@ -310,8 +312,8 @@ class RLPipeline:
                                         self.grpo_cfg.length_only_groups, self.grpo_cfg.reward_atol)
     self.counters["groups_scored"] += 1
     g.dropped = not keep.all()
-    self._stats_window.append(g)
     if g.dropped:
+      self._dropped_since_batch.append(g)
       self.counters["groups_dropped"] += 1
       self.counters["groups_zero_advantage"] += stats["groups_zero_advantage"]
       self._release(g.size)
@@ -434,14 +436,16 @@ class RLPipeline:
           log.info("prompts exhausted after %d batches", self.batches)
           break
         wait_s = time.time() - t_wait
-        window, self._stats_window = self._stats_window, []
+        # Not "groups scored since the last batch": when generation runs ahead, a batch's groups
+        # may all have been scored before the previous batch, which left its metrics empty.
+        window, self._dropped_since_batch = self._dropped_since_batch + groups, []
         t_train = time.time()
         m = self.train_on_groups(groups)
         train_s = time.time() - t_train
         self._release(sum(g.size for g in groups))
         self.batches += 1
         m.update(self._batch_reward_metrics(window))
-        m["filtered_group_frac"] = float(np.mean([g.dropped for g in window])) if window else 0.0
+        m["filtered_group_frac"] = float(np.mean([g.dropped for g in window]))
         m.update(self._system_metrics(wait_s, train_s))
         m["batch"] = self.batches
         m["version"] = self.version
