@@ -10,10 +10,13 @@ baseline of `forward_speedup`, is its forward followed by log_softmax and a gath
 targets (how torch RL code turns logits into per-token log-probs). HF's logits-only forward is
 reported too (`hf_logits_tokens_per_s`, `forward_speedup_vs_hf_logits`), since it does less work.
 
-Decode = greedy generation with a KV cache after a 128-token prefill, on both sides. Ours is one
-jitted program: a prefill that projects only the last position onto the vocab (as the engine's
-prefill and HF generate do), then a scan of single-token steps. Each side is timed twice: with 64
-new tokens (T64) and with 1 (T1: the prefill, whose last-position logits give the first token).
+Decode = greedy generation with a KV cache after a 128-token prefill, on both sides. Ours holds its
+weights in the decode layout the generation engine uses (transformer.to_decode_layout: one array
+per layer, converted once before timing, as HF holds its own layout) and runs two jitted programs,
+as the engine does: a prefill that projects only the last position onto the vocab (as HF generate
+does), then a scan of single-token steps, compiled with the engine's CPU generate options.
+Each side is timed twice: with 64 new tokens (T64) and with 1 (T1: the prefill, whose
+last-position logits give the first token).
 - `decode_tokens_per_s` (and `decode_speedup`, the issue's figure) is end to end, prefill
   included: b * 64 / T64. The prefill is the same 8 x 128-token matmul work as the forward above,
   at kernel parity with torch on CPU, so this ratio is pulled towards the forward's.
@@ -59,6 +62,7 @@ def main():
 
   import torch
   import transformers
+  from magistral_jax.generate.engine import CPU_GENERATE_COMPILER_OPTIONS
   from magistral_jax.model import checkpoint as ckpt
   from magistral_jax.model import transformer as T
 
@@ -77,29 +81,31 @@ def main():
     return T.token_logprobs(p, cfg, h, jnp.roll(t, -1, axis=1))
   tok_j = jnp.asarray(tokens)
 
-  # --- ours: greedy decode with the KV cache, the whole loop in one jitted program ---
-  def make_greedy(new):
-    @jax.jit
-    def greedy(p, t):
-      cache = T.init_cache(cfg, b, s + n)
-      h, cache = T.decode(p, cfg, t, cache)
-      first = jnp.argmax(T.logits(p, cfg, h[:, -1]), -1)
-      def step(carry, _):
-        tok, cache = carry
-        lg, cache = T.decode_logits(p, cfg, tok[:, None], cache)
-        nxt = jnp.argmax(lg[:, -1], -1)
-        return (nxt, cache), tok
-      if new == 1:
-        return first[:, None]
-      # new - 1 KV-cache steps: the scan emits each step's input token, the carry holds the last.
-      (last, _), out = jax.lax.scan(step, (first, cache), None, length=new - 1)
-      return jnp.concatenate([out.T, last[:, None]], axis=1)
-    return greedy
-  greedy, greedy1 = make_greedy(n), make_greedy(1)
-  ours_tokens = np.asarray(greedy(params, tok_j))
+  # --- ours: greedy decode with the KV cache: a prefill program, then one program of n - 1 steps
+  dec_params = jax.block_until_ready(jax.jit(T.to_decode_layout)(params))
+
+  @jax.jit
+  def prefill(p, t):
+    cache = T.init_cache(cfg, b, s + n)
+    h, cache = T.decode(p, cfg, t, cache)
+    return jnp.argmax(T.logits(p, cfg, h[:, -1]), -1), cache
+
+  def steps(p, first, cache):
+    def step(carry, _):
+      tok, cache = carry
+      lg, cache = T.decode_logits(p, cfg, tok[:, None], cache)
+      return (jnp.argmax(lg[:, -1], -1), cache), tok
+    # n - 1 KV-cache steps: the scan emits each step's input token, the carry holds the last.
+    (last, _), out = jax.lax.scan(step, (first, cache), None, length=n - 1)
+    return jnp.concatenate([out.T, last[:, None]], axis=1)
+  opts = CPU_GENERATE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+  steps = jax.jit(steps, donate_argnums=2, compiler_options=opts)
+  greedy1 = lambda p, t: prefill(p, t)[0][:, None]
+  greedy = lambda p, t: steps(p, *prefill(p, t))
+  ours_tokens = np.asarray(greedy(dec_params, tok_j))
   fns = {"fwd": lambda: score(params, tok_j).block_until_ready(),
-         "dec": lambda: greedy(params, tok_j).block_until_ready(),
-         "pre": lambda: greedy1(params, tok_j).block_until_ready()}
+         "dec": lambda: greedy(dec_params, tok_j).block_until_ready(),
+         "pre": lambda: greedy1(dec_params, tok_j).block_until_ready()}
 
   if not args.skip_hf:
     hf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -35,6 +35,11 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    so every shard is a straight copy with no resharding. Push and copy alternate, median of
    `--push_reps`. Measured on the tiny model (overhead-dominated: ~0.1 MB) and on a
    SmolLM2-135M-shaped model with random weights (`--skip_big_push` to skip).
+   Also reported, not part of the headline: `load_s`, what the generator's update_params does
+   with the pushed weights before they can be swapped in (Engine.load_params: the finiteness
+   check and the split into the per-layer decode layout, one program on the generator's
+   devices, in the pushing thread; the loop keeps decoding meanwhile), and
+   `push_plus_load_over_copy_time`.
 
 Last line: one JSON object. Keys include async_over_sync_throughput, generator_utilization and
 push_over_copy_time (the 135M figure; the tiny one when --skip_big_push).
@@ -72,9 +77,10 @@ def _time_put(src, shardings) -> float:
   return dt
 
 
-def bench_push(params_trainer, gen_shardings, reps: int) -> dict:
+def bench_push(params_trainer, gen_shardings, reps: int, load=None) -> dict:
   """Median push time (trainer layout -> generator 0) vs a same-layout copy (generator 0 ->
-  generator 1) of the same bytes; see the module docstring."""
+  generator 1) of the same bytes; with `load` (Engine.load_params of generator 0), also the
+  median time it takes on the pushed params. See the module docstring."""
   sh0, sh1 = gen_shardings
   for a, b in zip(jax.tree.leaves(sh0), jax.tree.leaves(sh1)):
     if a.spec != b.spec or a.mesh.shape != b.mesh.shape:
@@ -82,13 +88,23 @@ def bench_push(params_trainer, gen_shardings, reps: int) -> dict:
   on_gen0 = jax.device_put(params_trainer, sh0, may_alias=False)
   jax.block_until_ready(on_gen0)
   _time_put(params_trainer, sh0), _time_put(on_gen0, sh1)   # warm-up (transfer setup)
-  push, copy = [], []
+  if load is not None:
+    jax.block_until_ready(load(on_gen0))   # warm-up (compiles the layout split)
+  push, copy, loads = [], [], []
   for _ in range(reps):
     push.append(_time_put(params_trainer, sh0))
     copy.append(_time_put(on_gen0, sh1))
+    if load is not None:
+      t = time.perf_counter()
+      jax.block_until_ready(load(on_gen0))
+      loads.append(time.perf_counter() - t)
   p, c = float(np.median(push)), float(np.median(copy))
-  return {"bytes": _tree_bytes(params_trainer), "push_s": p, "copy_s": c,
-          "push_over_copy_time": p / c, "push_s_all": push, "copy_s_all": copy}
+  out = {"bytes": _tree_bytes(params_trainer), "push_s": p, "copy_s": c,
+         "push_over_copy_time": p / c, "push_s_all": push, "copy_s_all": copy}
+  if loads:
+    out.update(load_s=float(np.median(loads)),
+               push_plus_load_over_copy_time=(p + float(np.median(loads))) / c)
+  return out
 
 
 def main():
@@ -243,7 +259,9 @@ def main():
   def push_for(model_cfg, trainer_params):
     shs = [param_shardings(T.param_logical_axes(model_cfg), make_mesh({"tensor": len(d)}, d),
                            GENERATOR_RULES, T.param_shapes(model_cfg)) for d in gdevs]
-    return bench_push(trainer_params, shs, args.push_reps)
+    eng = Engine(model_cfg, make_mesh({"tensor": len(gdevs[0])}, gdevs[0]),
+                 max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8)
+    return bench_push(trainer_params, shs, args.push_reps, load=eng.load_params)
 
   tiny_params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), tmesh,
                                                        TRAINER_RULES, T.param_shapes(cfg)))
@@ -251,7 +269,7 @@ def main():
   print("push tiny: " + json.dumps({k: v for k, v in tiny.items() if not k.endswith("_all")}),
         flush=True)
   out.update(push_over_copy_time_tiny=tiny["push_over_copy_time"], push_s_tiny=tiny["push_s"],
-             copy_s_tiny=tiny["copy_s"], push_bytes_tiny=tiny["bytes"],
+             copy_s_tiny=tiny["copy_s"], push_bytes_tiny=tiny["bytes"], load_s_tiny=tiny["load_s"],
              push_over_copy_time=tiny["push_over_copy_time"])
   if not args.skip_big_push:
     big = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -263,7 +281,8 @@ def main():
     print("push 135M: " + json.dumps({k: v for k, v in b.items() if not k.endswith("_all")}),
           flush=True)
     out.update(push_over_copy_time_135m=b["push_over_copy_time"], push_s_135m=b["push_s"],
-               copy_s_135m=b["copy_s"], push_bytes_135m=b["bytes"],
+               copy_s_135m=b["copy_s"], push_bytes_135m=b["bytes"], load_s_135m=b["load_s"],
+               push_plus_load_over_copy_time_135m=b["push_plus_load_over_copy_time"],
                push_over_copy_time=b["push_over_copy_time"])
   out["total_wall_s"] = time.time() - t_start
   out["devices"] = f"{jax.device_count()} x {jax.default_backend()}"

@@ -212,7 +212,7 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   # Weights corrupted behind the loop's back (bypassing validation): the decode step's logit
   # check stops the threaded loop, and the caller gets the error instead of garbage or a hang.
   loop = GeneratorLoop(engine(mesh), params)
-  loop.params = jax.device_put(nan, engine(mesh).param_shardings)
+  loop.params = jax.device_put(T.to_decode_layout(nan), engine(mesh).decode_param_shardings)
   loop.submit(Request("x", prompts(1)[0], max_new_tokens=6))
   loop.start()
   with pytest.raises(GeneratorError, match="non-finite logits") as e:
@@ -261,9 +261,9 @@ def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params)
   gen_mesh = make_mesh({"tensor": 2}, devs[6:8])
   eng = engine(gen_mesh)
   loop = GeneratorLoop(eng, params)
-  leaf = loop.params["layers"]["attn"]["q_proj"]["kernel"]
+  leaf = loop.params["layers"][0]["attn"]["q_proj"]["kernel"]  # decode layout: one per layer
   assert leaf.sharding.device_set == set(devs[6:8])
-  assert leaf.sharding.spec[2] == "tensor"  # heads split over the slice: tensor parallel
+  assert leaf.sharding.spec[1] == "tensor"  # heads split over the slice: tensor parallel
   stop = threading.Event()
   busy = jax.jit(lambda x: jnp.tanh(x @ x))
   x = jax.device_put(jnp.ones((256, 256)), devs[0])

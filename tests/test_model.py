@@ -79,22 +79,41 @@ def _tiny(**kw):
   return ModelConfig(**base)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 4])
-def test_decode_with_kv_cache_equals_full_forward(sliding_window):
+@pytest.mark.parametrize("sliding_window,layout", [(None, "stacked"), (4, "stacked"),
+                                                   (4, "decode")])
+def test_decode_with_kv_cache_equals_full_forward(sliding_window, layout):
   cfg = _tiny(sliding_window=sliding_window)
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, cfg.vocab_size)
   full = T.forward_logits(params, cfg, tokens)
+  dec_params = T.to_decode_layout(params) if layout == "decode" else params
   # Prefill 5 tokens at once, then one token at a time.
   cache = T.init_cache(cfg, 3, 16)
   step = jax.jit(lambda p, t, c: T.decode_logits(p, cfg, t, c))
-  lg, cache = step(params, tokens[:, :5], cache)
+  lg, cache = step(dec_params, tokens[:, :5], cache)
   outs = [lg]
   for i in range(5, 12):
-    lg, cache = step(params, tokens[:, i:i + 1], cache)
+    lg, cache = step(dec_params, tokens[:, i:i + 1], cache)
     outs.append(lg)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5)
   assert np.all(np.asarray(cache.lengths) == 12)
+
+
+def test_decode_layout_round_trip_and_same_decode():
+  """The decode layout holds the same arrays, one per layer: stacking them back is bit-exact, and
+  a decode step over either layout gives bitwise the same logits and KV cache."""
+  cfg = _tiny()
+  params = T.init_params(cfg, jax.random.PRNGKey(0))
+  dec = T.to_decode_layout(params)
+  assert T.is_decode_layout(dec) and len(dec["layers"]) == cfg.num_layers
+  assert dec["layers"][1]["mlp"]["up_proj"]["kernel"].shape == \
+      params["layers"]["mlp"]["up_proj"]["kernel"].shape[1:]
+  jax.tree.map(np.testing.assert_array_equal, T.to_stacked_layout(dec), params)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, cfg.vocab_size)
+  run = jax.jit(lambda p, t: T.decode_logits(p, cfg, t, T.init_cache(cfg, 2, 8)))
+  (a, ca), (b, cb) = run(params, tokens), run(dec, tokens)
+  np.testing.assert_array_equal(a, b)
+  jax.tree.map(np.testing.assert_array_equal, ca, cb)
 
 
 def test_decode_slots_with_different_lengths():

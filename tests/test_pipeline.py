@@ -11,6 +11,7 @@ import pytest
 
 from magistral_jax.data import synthetic
 from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import TRAINER_RULES, make_mesh
@@ -90,6 +91,11 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), pushed, trainer)
     leaf = jax.tree.leaves(pushed)[0]
     assert leaf.sharding.device_set == set(setup["gdevs"][i])
+    # What the generator decodes with (its engine's per-layer decode layout) is the same weights.
+    held = g._pending[0] if g._pending is not None else g.params
+    assert T.is_decode_layout(held)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+                 T.to_stacked_layout(held), trainer)
   # Metrics on disk: JSONL rows and TensorBoard event files.
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert len(rows) == 3 and "reward" in rows[0]
