@@ -169,11 +169,9 @@ class Engine:
     # decode_param_shardings: the layout the programs below take (see the module docstring).
     self.param_shardings = param_shardings(axes, mesh, self.rules, shapes)
     self._treedef = jax.tree.structure(shapes)
-    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
     self._decode_param_shapes = T.decode_layout_tree(shapes, cfg.num_layers)
     self.decode_param_shardings = param_shardings(
-        T.decode_layout_tree(axes, cfg.num_layers, is_leaf=is_axes), mesh, self.rules,
-        self._decode_param_shapes)
+        T.decode_layout_tree(axes, cfg.num_layers), mesh, self.rules, self._decode_param_shapes)
     self._decode_treedef = jax.tree.structure(self._decode_param_shapes)
     rep = NamedSharding(mesh, P())
     state_shapes = jax.eval_shape(self._init_state)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import ShardingCtx, constrain
+from magistral_jax.parallel.sharding import ShardingCtx, constrain, is_logical_axes
 
 Array = jax.Array
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
@@ -473,7 +473,7 @@ def to_stacked_layout(params) -> dict:
   return out
 
 
-def decode_layout_tree(stacked_tree, num_layers: int, is_leaf=None) -> dict:
+def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
   """Maps a stacked-layout tree of per-leaf metadata (logical axes, ShapeDtypeStructs) to the
   decode layout: each leaf loses its leading 'layers' entry, repeated for every layer."""
   def drop(x):
@@ -481,7 +481,7 @@ def decode_layout_tree(stacked_tree, num_layers: int, is_leaf=None) -> dict:
       return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
     return tuple(x)[1:]
   out = dict(stacked_tree)
-  per_layer = jax.tree.map(drop, stacked_tree["layers"], is_leaf=is_leaf)
+  per_layer = jax.tree.map(drop, stacked_tree["layers"], is_leaf=is_logical_axes)
   out["layers"] = tuple(per_layer for _ in range(num_layers))
   return out
 

@@ -103,7 +103,8 @@ def logical_sharding(logical_axes: Sequence[str | None], mesh: Mesh, rules=DEFAU
   return NamedSharding(mesh, logical_to_spec(logical_axes, rules, shape, mesh))
 
 
-def _is_axes(x) -> bool:
+def is_logical_axes(x) -> bool:
+  """A leaf of a logical-axes tree: a tuple of axis names (or None)."""
   return isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
 
 
@@ -113,9 +114,9 @@ def param_shardings(logical_axes_tree, mesh: Mesh, rules=DEFAULT_RULES, shapes_t
   non-divisible dimensions fall back to replication instead of failing."""
   if shapes_tree is None:
     return jax.tree.map(lambda ax: logical_sharding(ax, mesh, rules), logical_axes_tree,
-                        is_leaf=_is_axes)
+                        is_leaf=is_logical_axes)
   return jax.tree.map(lambda ax, x: logical_sharding(ax, mesh, rules, x.shape),
-                      logical_axes_tree, shapes_tree, is_leaf=_is_axes)
+                      logical_axes_tree, shapes_tree, is_leaf=is_logical_axes)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
