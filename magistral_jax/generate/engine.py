@@ -241,7 +241,7 @@ class Engine:
     else:
       raise ParamsMismatchError(
           f"params tree structure differs from the engine's: got {treedef}, expected "
-          f"{self._treedef}")
+          f"{self._treedef} (stacked) or its decode layout")
     bad = []
     for (path, x), ref in zip(jax.tree_util.tree_leaves_with_path(params),
                               jax.tree.leaves(ref_shapes)):

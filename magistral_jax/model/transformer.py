@@ -239,6 +239,12 @@ class DecodeLayer(nn.Module):
     return (x, ck, cv), None
 
 
+def _embed(embedding, tokens, cfg: ModelConfig, shard):
+  """Token embedding lookup in the compute dtype, laid out as an activation."""
+  x = jnp.take(embedding, tokens, axis=0).astype(cfg.jnp_dtype)
+  return constrain(shard, x, ("act_batch", "act_length", "act_embed"))
+
+
 class Transformer(nn.Module):
   """Embedding -> L scanned decoder layers -> final RMSNorm. Returns hidden states; the output
   projection is applied by `logits` / `token_logprobs` so it can be chunked."""
@@ -255,8 +261,7 @@ class Transformer(nn.Module):
       # Declared here so init creates it; used through _head_matmul().
       _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
              nn.initializers.normal(0.02), cfg.jnp_param_dtype)
-    x = jnp.take(emb, tokens, axis=0).astype(cfg.jnp_dtype)
-    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
+    x = _embed(emb, tokens, cfg, self.shard)
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
 
@@ -489,9 +494,7 @@ def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
 def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard):
   """Transformer.__call__ in decode mode over decode-layout params: the same embedding, layer
   module and final norm, with the layer loop unrolled over per-layer weights."""
-  x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(cfg.jnp_dtype)
-  x = constrain(shard, x, ("act_batch", "act_length", "act_embed"))
-  carry = (x, cache.k, cache.v)
+  carry = (_embed(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
   for l, layer_params in enumerate(params["layers"]):
     carry, _ = DecodeLayer(cfg, shard).apply({"params": layer_params}, carry, l, positions,
                                              cache.lengths, valid)
