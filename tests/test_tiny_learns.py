@@ -11,7 +11,9 @@ Why this form (measured 2026-11-22 on 2 cores; "diff" = mean reward of the last 
 the first 8; RL here sharpens arithmetic facts the cold start half knows, BENCHMARKS.md):
 - the default task (operands 0..9, 1-3 steps), 64 completions per batch: 50 cold-start steps leave
   the answers near chance (train accuracy 0.05-0.12) and RL has little to reinforce: diff
-  -0.005, -0.003, +0.045, and -0.015 in a CI run (150 cold-start steps: +0.067, +0.016);
+  -0.005, +0.045, +0.042, -0.003, -0.004 (the last two with the generate step's YNNPACK fusion
+  back on, so not caused by turning it off), and -0.015 in a CI run (150 cold-start steps: +0.067,
+  +0.016);
 - the narrowed task, 64 completions per batch: +0.110, +0.137, +0.008, +0.039, +0.024, +0.119
   (lr 1e-3 on 8 prompts a batch is noisy; one run lost its format at the end);
 - the narrowed task, 128 completions per batch (this test): +0.077 and +0.091 (train accuracy
