@@ -79,16 +79,17 @@ def _tiny(**kw):
   return ModelConfig(**base)
 
 
-@pytest.mark.parametrize("sliding_window,layout", [(None, "stacked"), (4, "stacked"),
-                                                   (4, "decode")])
-def test_decode_with_kv_cache_equals_full_forward(sliding_window, layout):
+@pytest.mark.parametrize("sliding_window,layout,per_layer", [
+    (None, "stacked", False), (4, "stacked", False), (4, "decode", False), (4, "decode", True),
+    (None, "stacked", True)])
+def test_decode_with_kv_cache_equals_full_forward(sliding_window, layout, per_layer):
   cfg = _tiny(sliding_window=sliding_window)
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 12), 0, cfg.vocab_size)
   full = T.forward_logits(params, cfg, tokens)
   dec_params = T.to_decode_layout(params) if layout == "decode" else params
   # Prefill 5 tokens at once, then one token at a time.
-  cache = T.init_cache(cfg, 3, 16)
+  cache = T.init_cache(cfg, 3, 16, per_layer=per_layer)
   step = jax.jit(lambda p, t, c: T.decode_logits(p, cfg, t, c))
   lg, cache = step(dec_params, tokens[:, :5], cache)
   outs = [lg]
@@ -97,11 +98,13 @@ def test_decode_with_kv_cache_equals_full_forward(sliding_window, layout):
     outs.append(lg)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), full, atol=2e-5)
   assert np.all(np.asarray(cache.lengths) == 12)
+  assert T.is_per_layer_cache(cache) == per_layer   # the cache comes back in the form it went in
 
 
 def test_decode_layout_round_trip_and_same_decode():
   """The decode layout holds the same arrays, one per layer: stacking them back is bit-exact, and
-  a decode step over either layout gives bitwise the same logits and KV cache."""
+  a decode step over either layout, with a stacked or a per-layer KV cache, gives bitwise the same
+  logits and KV cache."""
   cfg = _tiny()
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   dec = T.to_decode_layout(params)
@@ -114,6 +117,13 @@ def test_decode_layout_round_trip_and_same_decode():
   (a, ca), (b, cb) = run(params, tokens), run(dec, tokens)
   np.testing.assert_array_equal(a, b)
   jax.tree.map(np.testing.assert_array_equal, ca, cb)
+  run_pl = jax.jit(lambda p, t: T.decode_logits(p, cfg, t, T.init_cache(cfg, 2, 8,
+                                                                          per_layer=True)))
+  c, cc = run_pl(dec, tokens)
+  np.testing.assert_array_equal(a, c)
+  assert len(cc.k) == cfg.num_layers
+  np.testing.assert_array_equal(jnp.stack(cc.k), ca.k)
+  np.testing.assert_array_equal(jnp.stack(cc.v), ca.v)
 
 
 def test_decode_slots_with_different_lengths():

@@ -30,6 +30,10 @@ whatever it is given (e.g. the trainer's FSDP layout) onto that mesh.
 Weights layout: `load_params` returns the params in the model's decode layout
 (transformer.to_decode_layout: one array per layer, so a decode step reads each weight once
 instead of copying it out of the layer stack first); it accepts stacked or decode-layout params.
+Every KV cache the engine holds (decode state, prefixes) is per layer for the same reason
+(T.init_cache(per_layer=True): one [B, K, S, Dh] array per layer; a layer of a stacked cache is
+copied out of the stack every step on XLA:CPU, which made the step grow ~3x faster with the
+cache length than the attention itself does).
 On the CPU backend the generate step is compiled with CPU_GENERATE_COMPILER_OPTIONS.
 """
 from __future__ import annotations
@@ -46,7 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from magistral_jax.generate import sampling as S
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import GENERATOR_RULES, ShardingCtx, param_shardings
+from magistral_jax.parallel.sharding import (GENERATOR_RULES, ShardingCtx, is_logical_axes,
+                                             param_shardings)
 
 Array = jax.Array
 log = logging.getLogger(__name__)
@@ -69,7 +74,7 @@ class NonFiniteError(FloatingPointError):
 
 
 class Prefix(NamedTuple):
-  """One prefilled prompt. cache: KVCache with batch 1 and the bucket's length; logits: [V] fp32
+  """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length; logits: [V] fp32
   at the last prompt position (kept so group members can draw their own first token);
   token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
   tokens in the cache."""
@@ -82,7 +87,7 @@ class Prefix(NamedTuple):
 
 
 class Prefixes(NamedTuple):
-  """N prefilled prompts of one bucket (from prefill_many). cache: KVCache [L, N, bucket, K, Dh]
+  """N prefilled prompts of one bucket (from prefill_many). cache: per-layer KVCache, L x [N, K, bucket, Dh]
   (lengths = true lengths); logits: [N, V] fp32 at each prompt's last position; true_length [N].
   No token is drawn yet: insert_many draws one per slot, with that slot's stream."""
   cache: T.KVCache
@@ -91,7 +96,7 @@ class Prefixes(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  """All slots. cache: KVCache [L, B, K, S, Dh]; tokens [B]: the next input token of each slot
+  """All slots. cache: per-layer KVCache, L x [B, K, S, Dh]; tokens [B]: the next input token of each slot
   (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
   cache: T.KVCache
   tokens: Array
@@ -175,9 +180,9 @@ class Engine:
     self._decode_treedef = jax.tree.structure(self._decode_param_shapes)
     rep = NamedSharding(mesh, P())
     state_shapes = jax.eval_shape(self._init_state)
-    cax = T.cache_logical_axes()
-    cache_sh = T.KVCache(*(self.shard.sharding(ax, s.shape)
-                           for ax, s in zip(cax, state_shapes.cache)))
+    cax = T.cache_logical_axes(per_layer=cfg.num_layers)
+    cache_sh = jax.tree.map(lambda ax, s: self.shard.sharding(ax, s.shape), cax,
+                            state_shapes.cache, is_leaf=is_logical_axes)
     batch = self.shard.sharding(("cache_batch",), (self._slots,))
     self.state_shardings = DecodeState(cache_sh, batch, self.shard.sharding(
         ("cache_batch", None), (self._slots, 2)), batch)
@@ -271,7 +276,8 @@ class Engine:
 
   # ---- decode state --------------------------------------------------------------------------
   def _init_state(self) -> DecodeState:
-    cache = T.init_cache(self.cfg, self._slots, self.cache_length, self.cache_dtype)
+    cache = T.init_cache(self.cfg, self._slots, self.cache_length, self.cache_dtype,
+                         per_layer=True)
     return DecodeState(cache, jnp.zeros((self._slots,), jnp.int32),
                        jnp.zeros((self._slots, 2), jnp.uint32),
                        jnp.zeros((self._slots,), bool))
@@ -330,7 +336,7 @@ class Engine:
   # ---- prefill / insert / generate -----------------------------------------------------------
   def _prefill_impl(self, params, padded_tokens, true_length, key):
     b = padded_tokens.shape[0]
-    cache = T.init_cache(self.cfg, 1, b, self.cache_dtype)
+    cache = T.init_cache(self.cfg, 1, b, self.cache_dtype, per_layer=True)
     hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
                              num_new=true_length[None])
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
@@ -360,9 +366,10 @@ class Engine:
     return self._resample(prefix, jnp.asarray(rng, jnp.uint32))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
-    def put(big, small):
-      return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0, 0))
-    cache = T.KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v),
+    def put(big, small):   # one layer: [slots, K, S, Dh] <- [1, K, bucket, Dh] at the slot
+      return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (slot, 0, 0, 0))
+    cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
+                      tuple(map(put, state.cache.v, prefix.cache.v)),
                       state.cache.lengths.at[slot].set(prefix.true_length))
     if cache_only:
       return state._replace(cache=cache)
@@ -388,7 +395,7 @@ class Engine:
   # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
   def _prefill_many_impl(self, params, padded_tokens, true_lengths):
     n, b = padded_tokens.shape
-    cache = T.init_cache(self.cfg, n, b, self.cache_dtype)
+    cache = T.init_cache(self.cfg, n, b, self.cache_dtype, per_layer=True)
     hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
                              num_new=true_lengths)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -430,20 +437,16 @@ class Engine:
     lg = prefixes.logits[rows]
     true_len = prefixes.true_length[rows]
     tok, lp = S.sample(lg, slot_keys, true_len, self.sampling)
-    b = prefixes.cache.k.shape[3]
 
     def copy_one(i, kv):
       # Entries past `count` are padding and never run; each real one copies one prompt cache
-      # [L, 1, K, bucket, Dh] into its slot in place (the state is donated).
+      # (per layer [1, K, bucket, Dh]) into its slot in place (the state is donated).
+      def put(big, small):
+        shape = (1,) + small.shape[1:]
+        row = jax.lax.dynamic_slice(small, (rows[i], 0, 0, 0), shape).astype(big.dtype)
+        return jax.lax.dynamic_update_slice(big, row, (slots[i], 0, 0, 0))
       k, v = kv
-      src = (0, rows[i], 0, 0, 0)
-      dst = (0, slots[i], 0, 0, 0)
-      shape = (k.shape[0], 1, k.shape[2], b, k.shape[4])
-      k = jax.lax.dynamic_update_slice(
-          k, jax.lax.dynamic_slice(prefixes.cache.k, src, shape).astype(k.dtype), dst)
-      v = jax.lax.dynamic_update_slice(
-          v, jax.lax.dynamic_slice(prefixes.cache.v, src, shape).astype(v.dtype), dst)
-      return k, v
+      return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
 
     k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
     # Padding entries carry slot index = number of slots: out of range, so these writes drop.

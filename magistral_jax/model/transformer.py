@@ -74,16 +74,18 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 def _write_kv(cache: Array, new: Array, layer, write_index: Array) -> Array:
   """cache[layer, b, :, write_index[b] + t] = new[b, t] for the stacked cache [L, B, K, S, Dh]
+  (or cache[b, :, write_index[b] + t] for one layer's cache [B, K, S, Dh] when layer is None)
   and new [B, T, K, Dh]. A scatter rather than a per-slot dynamic_update_slice: writes past S are
   dropped (a DUS would clamp its start and overwrite earlier entries), and a scatter into a loop
-  carry is done in place."""
+  carry or a donated buffer is done in place."""
   b, t = new.shape[:2]
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
   cols = write_index[:, None] + jnp.arange(t)[None, :]
-  # The advanced indices (layer, rows, cols) are split by the K slice, so the indexed block is
+  # The advanced indices ([layer,] rows, cols) are split by the K slice, so the indexed block is
   # [B, T, K, Dh]: exactly `new`.
-  return cache.at[layer, rows, :, cols].set(new.astype(cache.dtype), mode="drop",
-                                         indices_are_sorted=True, unique_indices=True)
+  idx = (rows, slice(None), cols) if layer is None else (layer, rows, slice(None), cols)
+  return cache.at[idx].set(new.astype(cache.dtype), mode="drop", indices_are_sorted=True,
+                           unique_indices=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,17 +155,23 @@ class Attention(nn.Module):
       new_cache = None
       keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     else:
-      # Decode: kv_cache is the whole stacked cache [L, B, K, S, Dh] (the scan carry). Only the
-      # T new keys/values of this layer are scattered in, at each slot's own offset, so XLA
-      # updates the (donated) cache in place instead of rewriting a layer slice per step; then
-      # this layer's slice [B, K, S, Dh] is read back for attention over the prefix.
+      # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
+      # `layer` indexes it) or, with layer=None, this layer's own cache [B, K, S, Dh] (the
+      # per-layer cache of the decode layout). Only the T new keys/values are scattered in, at
+      # each slot's own offset, so XLA updates the (donated) cache in place; then this layer's
+      # [B, K, S, Dh] is read for attention over the prefix. From a stacked cache that read is
+      # a slice, which XLA:CPU materialises as a copy of the layer's whole cache every step; a
+      # per-layer cache is read where it lies.
       ck, cv = kv_cache
       ck = _write_kv(ck, kk, layer, write_index)
       cv = _write_kv(cv, v, layer, write_index)
       new_cache = (ck, cv)
-      keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
-      values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
-      s = ck.shape[3]
+      if layer is None:
+        keys, values = ck.astype(dt), cv.astype(dt)
+      else:
+        keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
+        values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
+      s = keys.shape[2]
       k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
       mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
              (k_pos[:, None, :] < valid_len[:, None, None])
@@ -230,9 +238,14 @@ class DecodeLayer(nn.Module):
   @nn.compact
   def __call__(self, carry, layer, positions, write_index, valid_len):
     x, ck, cv = carry
-    h, (ck, cv) = Attention(self.cfg, self.shard, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x), positions, None, (ck, cv), write_index,
-        valid_len, layer)
+    attn = Attention(self.cfg, self.shard, name="attn")
+    xn = RMSNorm(self.cfg, name="attn_norm")(x)
+    if isinstance(ck, tuple):   # per-layer cache (unrolled decode): `layer` is a Python int
+      h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len)
+      ck = ck[:layer] + (k_l,) + ck[layer + 1:]
+      cv = cv[:layer] + (v_l,) + cv[layer + 1:]
+    else:
+      h, (ck, cv) = attn(xn, positions, None, (ck, cv), write_index, valid_len, layer)
     x = x + h
     x = x + MLP(self.cfg, self.shard, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
     x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
@@ -426,21 +439,39 @@ def token_logprobs(params, cfg: ModelConfig, hidden: Array, targets: Array,
 
 
 class KVCache(NamedTuple):
-  """Per-slot KV cache. k, v: [L, B, K, S, Dh]; lengths: [B] tokens already in each slot."""
-  k: Array
-  v: Array
+  """Per-slot KV cache. k, v: stacked [L, B, K, S, Dh], or per layer (`init_cache(...,
+  per_layer=True)`): tuples of L arrays [B, K, S, Dh]; lengths: [B] tokens already in each slot.
+  `decode` accepts either with either param layout and returns the cache in the form it got.
+  The per-layer form is what the decode layout reads fastest (see Attention: a layer of a
+  stacked cache is copied out every step on XLA:CPU)."""
+  k: Any
+  v: Any
   lengths: Array
 
 
-def cache_logical_axes():
+def cache_logical_axes(per_layer: int | None = None):
+  """Logical axes of a KVCache's leaves; per_layer=L for the per-layer form with L layers."""
   kv = ("layers", "cache_batch", "act_kv_heads", "cache_length", "head_dim")
+  if per_layer:
+    kv = tuple(kv[1:] for _ in range(per_layer))
   return KVCache(kv, kv, ("cache_batch",))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
+               per_layer: bool = False) -> KVCache:
   dtype = jnp.dtype(dtype or cfg.dtype)
-  shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  if per_layer:
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+  else:
+    k = jnp.zeros((cfg.num_layers,) + shape, dtype)
+    v = jnp.zeros((cfg.num_layers,) + shape, dtype)
+  return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
+
+
+def is_per_layer_cache(cache: KVCache) -> bool:
+  return isinstance(cache.k, (tuple, list))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,11 +547,16 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   valid = cache.lengths + t
   if is_decode_layout(params):
+    if is_per_layer_cache(cache):
+      cache = cache._replace(k=tuple(cache.k), v=tuple(cache.v))
     x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard)
   else:
+    per_layer = is_per_layer_cache(cache)
+    ck, cv = (jnp.stack(cache.k), jnp.stack(cache.v)) if per_layer else (cache.k, cache.v)
     x, (k, v) = Transformer(cfg, shard).apply(
-        _to_module_params(params), tokens, positions, None, (cache.k, cache.v), cache.lengths,
-        valid)
+        _to_module_params(params), tokens, positions, None, (ck, cv), cache.lengths, valid)
+    if per_layer:
+      k, v = tuple(k), tuple(v)
   new_len = cache.lengths + (t if num_new is None else num_new)
   return x, KVCache(k, v, new_len.astype(jnp.int32))
 
