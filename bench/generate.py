@@ -10,6 +10,10 @@ lengths. For each batch size B (slots for us, batch for transformers):
   hf:   the same requests in static batches of B; each batch runs until its longest member is
         done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
 Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
+With --repeats R > 1 each side runs R times per batch size, alternating (ours, HF, HF, ours, ...)
+so that a drift of the host's speed (a shared CPU host drifts by 2x over minutes) hits both
+sides alike; the reported speedup is the median of the per-pair ratios, each pair being one run
+of ours and the HF run next to it, and every run's figures are kept under 'repeats'.
 With --group_size G > 1 (GRPO-style groups) each request asks for G samples of one prompt: ours
 prefills the prompt once and shares it across G slots; transformers gets batches of B/G prompts
 each repeated G times (what its num_return_sequences does before the prefill, which greedy
@@ -119,6 +123,8 @@ def main():
   ap.add_argument("--n_updates", type=int, default=3)
   ap.add_argument("--group_size", type=int, default=1)
   ap.add_argument("--skip_hf", action="store_true")
+  ap.add_argument("--repeats", type=int, default=1,
+                  help="runs per side and batch size, alternating ours/HF (see the docstring)")
   args = ap.parse_args()
 
   import torch
@@ -139,11 +145,26 @@ def main():
     n_req = max(1, int(round(args.requests_per_slot * b / args.group_size)))
     prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt)).tolist()
     lengths = rs.randint(args.min_new, 5 * args.min_new + 1, n_req)
+    ours_runs, hf_runs = [], []
+    for rep in range(args.repeats):
+      sides = ["ours", "hf"] if rep % 2 == 0 else ["hf", "ours"]
+      for side in sides:
+        if side == "ours":
+          ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
+                                    args.group_size))
+        elif hf is not None:
+          hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size))
+    def median_run(rs):   # the (lower) median run by tokens/s
+      return rs[int(np.argsort([x["tokens_per_s"] for x in rs])[(len(rs) - 1) // 2])]
     r = {"batch": b, "requests": n_req, "group_size": args.group_size,
-         "ours": run_ours(cfg, params, prompts, lengths, b, args.n_updates, args.group_size)}
-    if hf is not None:
-      r["hf"] = run_hf(hf, prompts, lengths, b, args.group_size)
-      r["speedup_vs_hf"] = r["ours"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
+         "ours": median_run(ours_runs)}
+    if hf_runs:
+      ratios = [o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours_runs, hf_runs)]
+      r["hf"] = median_run(hf_runs)
+      r["speedup_vs_hf"] = float(np.median(ratios))
+      r["speedup_vs_hf_per_repeat"] = ratios
+    if args.repeats > 1:
+      r["repeats"] = {"ours": ours_runs, "hf": hf_runs}
     runs[b] = r
     print(json.dumps(r), flush=True)
 
