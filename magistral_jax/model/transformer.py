@@ -3,7 +3,10 @@
 Layers are stacked with `nn.scan`, so every layer parameter has a leading 'layers' axis, the
 compiled program holds one layer body (fast compiles), and the KV cache is one [L, B, K, S, Dh]
 array per K and V (heads before positions, so a layer's slice is already in the batch-major
-layout the attention matmuls read: no transpose per decode step).
+layout the attention matmuls read: no transpose per decode step). For decoding there is also a
+per-layer form of both (`to_decode_layout`, `init_cache(per_layer=True)`): one array per layer,
+so a step reads weights and cache where they lie instead of XLA:CPU copying each layer's slice
+out of the stack; the generation engine uses it.
 
 Two call modes share the same weights:
   (a) `hidden_states` / `token_logprobs`: training and scoring over packed rows. `positions` drive
