@@ -73,9 +73,15 @@ class NonFiniteError(FloatingPointError):
   """NaN/Inf in params or in the logits of an active slot."""
 
 
+def _put_slot(layer_cache: Array, row: Array, slot) -> Array:
+  """One layer's cache [slots, K, S, Dh] with a prompt's cache row [1, K, bucket, Dh] written at
+  `slot` (positions 0..bucket-1); in place when the cache is donated."""
+  return jax.lax.dynamic_update_slice(layer_cache, row.astype(layer_cache.dtype), (slot, 0, 0, 0))
+
+
 class Prefix(NamedTuple):
-  """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length; logits: [V] fp32
-  at the last prompt position (kept so group members can draw their own first token);
+  """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length;
+  logits: [V] fp32 at the last prompt position (kept so group members can draw their own first token);
   token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
   tokens in the cache."""
   cache: T.KVCache
@@ -87,8 +93,8 @@ class Prefix(NamedTuple):
 
 
 class Prefixes(NamedTuple):
-  """N prefilled prompts of one bucket (from prefill_many). cache: per-layer KVCache, L x [N, K, bucket, Dh]
-  (lengths = true lengths); logits: [N, V] fp32 at each prompt's last position; true_length [N].
+  """N prefilled prompts of one bucket (from prefill_many). cache: per-layer KVCache,
+  L x [N, K, bucket, Dh] (lengths = true lengths); logits: [N, V] fp32 at each prompt's last position; true_length [N].
   No token is drawn yet: insert_many draws one per slot, with that slot's stream."""
   cache: T.KVCache
   logits: Array
@@ -96,8 +102,8 @@ class Prefixes(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  """All slots. cache: per-layer KVCache, L x [B, K, S, Dh]; tokens [B]: the next input token of each slot
-  (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
+  """All slots. cache: per-layer KVCache, L x [B, K, S, Dh]; tokens [B]: the next input token of
+  each slot (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
   cache: T.KVCache
   tokens: Array
   keys: Array
@@ -366,8 +372,7 @@ class Engine:
     return self._resample(prefix, jnp.asarray(rng, jnp.uint32))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
-    def put(big, small):   # one layer: [slots, K, S, Dh] <- [1, K, bucket, Dh] at the slot
-      return jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (slot, 0, 0, 0))
+    put = lambda big, row: _put_slot(big, row, slot)
     cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
                       tuple(map(put, state.cache.v, prefix.cache.v)),
                       state.cache.lengths.at[slot].set(prefix.true_length))
@@ -442,9 +447,8 @@ class Engine:
       # Entries past `count` are padding and never run; each real one copies one prompt cache
       # (per layer [1, K, bucket, Dh]) into its slot in place (the state is donated).
       def put(big, small):
-        shape = (1,) + small.shape[1:]
-        row = jax.lax.dynamic_slice(small, (rows[i], 0, 0, 0), shape).astype(big.dtype)
-        return jax.lax.dynamic_update_slice(big, row, (slots[i], 0, 0, 0))
+        row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
+        return _put_slot(big, row, slots[i])
       k, v = kv
       return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
 
