@@ -31,9 +31,9 @@ Weights layout: `load_params` returns the params in the model's decode layout
 (transformer.to_decode_layout: one array per layer, so a decode step reads each weight once
 instead of copying it out of the layer stack first); it accepts stacked or decode-layout params.
 Every KV cache the engine holds (decode state, prefixes) is per layer for the same reason
-(T.init_cache(per_layer=True): one [B, K, S, Dh] array per layer; a layer of a stacked cache is
-copied out of the stack every step on XLA:CPU, which made the step grow ~3x faster with the
-cache length than the attention itself does).
+(T.init_cache(per_layer=True): per layer, keys [B, K, Dh, S] and values [B, K, S, Dh]; a layer
+of a stacked cache is copied out of the stack every step on XLA:CPU, which made the step grow ~3x
+faster with the cache length than the attention itself does).
 On the CPU backend the generate step is compiled with CPU_GENERATE_COMPILER_OPTIONS.
 """
 from __future__ import annotations
@@ -74,15 +74,16 @@ class NonFiniteError(FloatingPointError):
 
 
 def _put_slot(layer_cache: Array, row: Array, slot) -> Array:
-  """One layer's cache [slots, K, S, Dh] with a prompt's cache row [1, K, bucket, Dh] written at
-  `slot` (positions 0..bucket-1); in place when the cache is donated."""
+  """One layer's keys [slots, K, Dh, S] or values [slots, K, S, Dh] with a prompt's cache row
+  ([1, K, Dh, bucket] or [1, K, bucket, Dh]) written at `slot` (positions 0..bucket-1); in place
+  when the cache is donated."""
   return jax.lax.dynamic_update_slice(layer_cache, row.astype(layer_cache.dtype), (slot, 0, 0, 0))
 
 
 class Prefix(NamedTuple):
   """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length;
-  logits: [V] fp32 at the last prompt position (kept so group members can draw their own first token);
-  token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
+  logits: [V] fp32 at the last prompt position (kept so group members can draw their own first
+  token); token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
   tokens in the cache."""
   cache: T.KVCache
   logits: Array
@@ -94,7 +95,8 @@ class Prefix(NamedTuple):
 
 class Prefixes(NamedTuple):
   """N prefilled prompts of one bucket (from prefill_many). cache: per-layer KVCache,
-  L x [N, K, bucket, Dh] (lengths = true lengths); logits: [N, V] fp32 at each prompt's last position; true_length [N].
+  L x [N, K, Dh, bucket] keys and [N, K, bucket, Dh] values (lengths = true lengths); logits:
+  [N, V] fp32 at each prompt's last position; true_length [N].
   No token is drawn yet: insert_many draws one per slot, with that slot's stream."""
   cache: T.KVCache
   logits: Array
@@ -102,8 +104,9 @@ class Prefixes(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-  """All slots. cache: per-layer KVCache, L x [B, K, S, Dh]; tokens [B]: the next input token of
-  each slot (sampled, not yet in the cache); keys [B, 2]: per-slot PRNG keys; active [B] bool."""
+  """All slots. cache: per-layer KVCache, L x [B, K, Dh, S] keys and [B, K, S, Dh] values;
+  tokens [B]: the next input token of each slot (sampled, not yet in the cache); keys [B, 2]:
+  per-slot PRNG keys; active [B] bool."""
   cache: T.KVCache
   tokens: Array
   keys: Array
