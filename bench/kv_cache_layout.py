@@ -2,8 +2,8 @@
 stacked [L, B, K, S, Dh] cache, on SmolLM2-135M (fp32, decode-layout weights).
 
 Both sides run the same jitted program text, `transformer.decode` + `logits` + argmax for one new
-token per slot, compiled with the engine's CPU generate options and the cache donated; only the
-cache's form differs (`init_cache(..., per_layer=False/True)`; the per-layer form also stores each
+token per slot, compiled with the engine's generate options for B slots, the cache donated; only
+the cache's form differs (`init_cache(..., per_layer=False/True)`; the per-layer form also stores each
 layer's keys transposed, [B, K, Dh, S], for the T = 1 score product). Every slot sits at position
 S // 2 (the step attends over the whole cache buffer either way; the mask hides the rest). For
 each cache length S, the two programs run in alternating rounds in one process (a shared host
@@ -44,7 +44,8 @@ def main():
     x, cache = T.decode(p, cfg, tok[:, None], cache)
     return jnp.argmax(T.logits(p, cfg, x[:, 0]), -1).astype(jnp.int32), cache
 
-  f = jax.jit(step, donate_argnums=(2,), compiler_options=E.CPU_GENERATE_COMPILER_OPTIONS)
+  opts = E.generate_compiler_options(jax.default_backend(), b)
+  f = jax.jit(step, donate_argnums=(2,), compiler_options=opts)
   results = {}
   for s in [int(x) for x in args.lengths.split(",")]:
     pos = lambda: jnp.full((b,), s // 2, jnp.int32)   # a fresh array: the cache is donated

@@ -14,7 +14,8 @@ Decode = greedy generation with a KV cache after a 128-token prefill, on both si
 weights in the decode layout the generation engine uses (transformer.to_decode_layout: one array
 per layer, converted once before timing, as HF holds its own layout) and runs two jitted programs,
 as the engine does: a prefill that projects only the last position onto the vocab (as HF generate
-does), then a scan of single-token steps, compiled with the engine's CPU generate options.
+does), then a scan of single-token steps, compiled with the engine's generate options for that
+batch.
 Each side is timed twice: with 64 new tokens (T64) and with 1 (T1: the prefill, whose
 last-position logits give the first token).
 - `decode_tokens_per_s` (and `decode_speedup`, the issue's figure) is end to end, prefill
@@ -62,7 +63,7 @@ def main():
 
   import torch
   import transformers
-  from magistral_jax.generate.engine import CPU_GENERATE_COMPILER_OPTIONS
+  from magistral_jax.generate.engine import generate_compiler_options
   from magistral_jax.model import checkpoint as ckpt
   from magistral_jax.model import transformer as T
 
@@ -98,7 +99,7 @@ def main():
     # n - 1 KV-cache steps: the scan emits each step's input token, the carry holds the last.
     (last, _), out = jax.lax.scan(step, (first, cache), None, length=n - 1)
     return jnp.concatenate([out.T, last[:, None]], axis=1)
-  opts = CPU_GENERATE_COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+  opts = generate_compiler_options(jax.default_backend(), b)
   steps = jax.jit(steps, donate_argnums=2, compiler_options=opts)
   greedy1 = lambda p, t: prefill(p, t)[0][:, None]
   greedy = lambda p, t: steps(p, *prefill(p, t))

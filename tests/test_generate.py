@@ -352,3 +352,15 @@ def test_loop_prefills_waiting_requests_together(params, mesh):
   bound = len(eng.prefill_batch_sizes) * len(eng.prefill_buckets)
   assert eng.compile_counts()["insert_many"] <= bound
   assert eng.compile_counts()["prefill_many"] <= bound
+
+
+def test_generate_compiler_options_by_slot_count():
+  """The CPU generate step drops YNNPACK below CPU_GENERATE_YNN_MIN_SLOTS slots (XLA's dot emitter
+  streams few-row weight products faster) and keeps the defaults from there on (YNNPACK's batched
+  attention products win); other platforms always keep the defaults."""
+  from magistral_jax.generate import engine as E
+  assert E.generate_compiler_options("cpu", 16) == E.CPU_GENERATE_COMPILER_OPTIONS
+  assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS - 1) is not None
+  assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS) is None
+  assert E.generate_compiler_options("cpu", 64) is None
+  assert E.generate_compiler_options("gpu", 16) is None

@@ -34,7 +34,8 @@ Every KV cache the engine holds (decode state, prefixes) is per layer for the sa
 (T.init_cache(per_layer=True): per layer, keys [B, K, Dh, S] and values [B, K, S, Dh]; a layer
 of a stacked cache is copied out of the stack every step on XLA:CPU, which made the step grow ~3x
 faster with the cache length than the attention itself does).
-On the CPU backend the generate step is compiled with CPU_GENERATE_COMPILER_OPTIONS.
+On the CPU backend the generate step's compiler options depend on the slot count
+(generate_compiler_options).
 """
 from __future__ import annotations
 
@@ -58,11 +59,23 @@ log = logging.getLogger(__name__)
 
 
 # The decode step's matmuls are [slots, D] x [D, F]: matrix-vector products that stream the
-# weights. On XLA:CPU the default YNNPACK dot fusion ran them slower than XLA's own dot emitter
-# (SmolLM2-135M step over per-layer weights, medians of interleaved rounds on a 2-core host:
-# batch 8 117 -> 99 ms, batch 16 208 -> 168 ms). Only the generate step gets this; prefill's
-# [N * bucket, D] matmuls keep the default.
+# weights. On XLA:CPU, with few slots, the default YNNPACK dot fusion ran them slower than XLA's
+# own dot emitter (SmolLM2-135M step over per-layer weights, medians of interleaved rounds on a
+# 2-core host: batch 8 117 -> 99 ms, batch 16 208 -> 168 ms). From 32 slots on, YNNPACK's
+# batched attention products win and the whole step is faster with it (interleaved rounds, per-
+# layer cache with transposed keys, S = 168 / 288: without / with YNNPACK 0.91 / 0.91 at batch 8,
+# 0.86 / 0.88 at 16, 1.06 / 1.04 at 32, 1.11 / 1.10 at 64). Only the generate step is affected;
+# prefill's [N * bucket, D] matmuls keep the default.
 CPU_GENERATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+CPU_GENERATE_YNN_MIN_SLOTS = 32
+
+
+def generate_compiler_options(platform: str, slots: int) -> dict | None:
+  """XLA compiler options for a generate step over `slots` slots on `platform`: YNNPACK off on
+  CPU below CPU_GENERATE_YNN_MIN_SLOTS slots, the defaults otherwise."""
+  if platform == "cpu" and slots < CPU_GENERATE_YNN_MIN_SLOTS:
+    return CPU_GENERATE_COMPILER_OPTIONS
+  return None
 
 
 class ParamsMismatchError(ValueError):
@@ -197,7 +210,7 @@ class Engine:
         ("cache_batch", None), (self._slots, 2)), batch)
     result_sh = ResultTokens(*([rep] * 5))
 
-    opts = CPU_GENERATE_COMPILER_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
+    opts = generate_compiler_options(mesh.devices.flat[0].platform, self._slots)
     self._generate = jax.jit(self._generate_impl,
                              in_shardings=(self.decode_param_shardings, self.state_shardings),
                              out_shardings=(self.state_shardings, result_sh),
