@@ -3,8 +3,8 @@ stacked [L, B, K, S, Dh] cache, on SmolLM2-135M (fp32, decode-layout weights).
 
 Both sides run the same jitted program text, `transformer.decode` + `logits` + argmax for one new
 token per slot, compiled with the engine's generate options for B slots, the cache donated; only
-the cache's form differs (`init_cache(..., per_layer=False/True)`; the per-layer form also stores each
-layer's keys transposed, [B, K, Dh, S], for the T = 1 score product). Every slot sits at position
+the cache's form differs (`init_cache(..., per_layer=False/True)`; the per-layer form also stores
+each layer's keys transposed, [B, K, Dh, S], for the T = 1 score product). Every slot sits at position
 S // 2 (the step attends over the whole cache buffer either way; the mask hides the rest). For
 each cache length S, the two programs run in alternating rounds in one process (a shared host
 drifts in speed over minutes) and the median round is reported.

@@ -461,7 +461,8 @@ class Engine:
 
     def copy_one(i, kv):
       # Entries past `count` are padding and never run; each real one copies one prompt cache
-      # (per layer [1, K, bucket, Dh]) into its slot in place (the state is donated).
+      # (per layer, keys [1, K, Dh, bucket] and values [1, K, bucket, Dh]) into its slot in
+      # place (the state is donated).
       def put(big, small):
         row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
         return _put_slot(big, row, slots[i])

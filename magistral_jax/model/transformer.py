@@ -163,6 +163,7 @@ class Attention(nn.Module):
              (q_segment[:, :, None] == q_segment[:, None, :])
       new_cache = None
       keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+      keys_t = False
     else:
       # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
       # `layer` indexes it) or, with layer=None, this layer's own cache (the per-layer cache of
@@ -172,7 +173,8 @@ class Attention(nn.Module):
       # prefix. From a stacked cache that read is a slice, which XLA:CPU materialises as a copy
       # of the layer's whole cache every step; a per-layer cache is read where it lies.
       ck, cv = kv_cache
-      ck = _write_kv(ck, kk, layer, write_index, positions_last=layer is None)
+      keys_t = layer is None   # a per-layer cache holds its keys transposed
+      ck = _write_kv(ck, kk, layer, write_index, positions_last=keys_t)
       cv = _write_kv(cv, v, layer, write_index)
       new_cache = (ck, cv)
       if layer is None:
@@ -193,7 +195,6 @@ class Attention(nn.Module):
     # keys [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x
     # [Dh, S] matmul per (b, k), which XLA:CPU runs ~1.6x faster at T = 1 than the [S, Dh]
     # form.
-    keys_t = layer is None and kv_cache is not None
     sk = values.shape[2]
     qg = q.reshape(b, t, k, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
     scores = jnp.einsum("bkmd,bkds->bkms" if keys_t else "bkmd,bksd->bkms", qg,
