@@ -11,15 +11,24 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
 1. Throughput, async vs sync. One RLPipeline per mode, built from the same SFT params, the same
    compiled train step and engines (fresh GeneratorLoops), the same prompt stream and seeds.
    A 1-batch warm-up pipeline runs first so every program is compiled before measuring (one
-   prefill bucket; one microbatch per minibatch, so one train-step shape). Figure: trained-on
-   completions per second in steady state = n_batch * (B - 1) / (time between the ends of batch
-   1 and batch B), read from an on_step callback. Sync generates exactly one batch per policy
+   prefill bucket; one microbatch per minibatch, so one train-step shape). Figure: completions
+   generated and scored per second in steady state = G * (groups scored by the end of batch B -
+   groups scored by the end of batch 1) / (time between those two ends), read from an on_step
+   callback. Every scored completion is either trained on or dropped with its zero-advantage group;
+   which of the two is a property of the policy, not of the pipeline. Reported next to it, and
+   the figure earlier sessions used: trained-on completions per second = n_batch * (B - 1) / the
+   same time, i.e. the figure above times (1 - drop rate). In sync mode the drop rate is the same
+   in every repeat (same seeds, same samples); in async mode it is not (thread timing decides
+   which samples each version draws, and the policy's updates follow), and it moved between 0.46
+   and 0.75 across repeats of one run, which alone swings trained-on completions/s by 2x. Sync
+   generates exactly one batch per policy
    version and waits for the longest completion (and for top-ups when groups with zero advantage
    are dropped); async keeps n_async = 2 * n_batch completions generating (the queue of generated,
    untrained ones is bounded by max_queue = n_async). Each mode runs
    `--repeats` times, the order alternating (sync, async, async, sync, ...); figures are medians
    and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
-   step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction.
+   step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction,
+   and the share of the host's CPU capacity that was busy (all processes, from /proc/stat).
 2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
    slots over slots, across decode steps) x share of wall time the generator loop was not waiting
    for work, averaged over generators; mean over the measured async batches (batch 1 excluded, as
@@ -41,8 +50,14 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    devices, in the pushing thread; the loop keeps decoding meanwhile), and
    `push_plus_load_over_copy_time`.
 
-Last line: one JSON object. Keys include async_over_sync_throughput, generator_utilization and
-push_over_copy_time (the 135M figure; the tiny one when --skip_big_push).
+Options: `--layout` (default 4,2,2: trainer devices, then each generator's) and `--gen_axis`
+(tensor, the default, or data: slots split over the generator's devices, weights replicated)
+change the throughput runs' placement; the push figures always use 4 -> 2 + 2.
+
+Last line: one JSON object. Keys include async_over_sync_throughput (generated-and-scored
+completions/s), async_over_sync_trained_throughput (trained-on completions/s),
+generator_utilization and push_over_copy_time (the 135M figure; the tiny one when
+--skip_big_push).
 """
 import os
 
@@ -62,6 +77,17 @@ import numpy as np
 MAX_STEPS = 8          # synthetic problems with 1..MAX_STEPS operations
 MAX_NEW = 112          # response cap (the longest SFT trace is ~95 tokens)
 MAX_PREFILL = 96       # prompts are 51..~80 tokens; one prefill bucket, so one compile
+
+
+def _host_cpu_jiffies() -> tuple[int, int]:
+  """(busy, total) CPU jiffies of the whole host, from /proc/stat ((0, 0) where there is none)."""
+  try:
+    with open("/proc/stat") as f:
+      vals = [int(v) for v in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return 0, 0
+  idle = vals[3] + (vals[4] if len(vals) > 4 else 0)   # idle + iowait
+  return sum(vals) - idle, sum(vals)
 
 
 def _tree_bytes(tree) -> int:
@@ -110,12 +136,19 @@ def bench_push(params_trainer, gen_shardings, reps: int, load=None) -> dict:
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
-  ap.add_argument("--repeats", type=int, default=3,
+  ap.add_argument("--repeats", type=int, default=5,
                   help="sync/async runs per mode, order alternating; figures are medians")
   ap.add_argument("--sft_steps", type=int, default=250)
   ap.add_argument("--push_reps", type=int, default=8)
   ap.add_argument("--skip_big_push", action="store_true")
   ap.add_argument("--seed", type=int, default=1)
+  ap.add_argument("--layout", default="4,2,2",
+                  help="devices of the trainer, then of each generator, for the throughput runs")
+  ap.add_argument("--trainer_axis", choices=("fsdp", "data"), default="fsdp",
+                  help="mesh axis of the trainer's slice: FSDP, or data parallel (replicated)")
+  ap.add_argument("--gen_axis", choices=("tensor", "data"), default="tensor",
+                  help="mesh axis of each generator's 2-device slice: tensor parallel, or data "
+                       "parallel over decode slots with replicated weights")
   args = ap.parse_args()
   if args.batches < 2:
     ap.error("--batches must be >= 2 (throughput is measured from the end of batch 1)")
@@ -147,8 +180,9 @@ def main():
   # 8 rows of 256 tokens: a minibatch of 8 completions (<= ~200 tokens each) always fits in one
   # microbatch, so the train step compiles once.
   grpo = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=8)
-  tdev, gdevs = split_devices(4, [2, 2])
-  tmesh = make_mesh({"fsdp": 4}, tdev)
+  layout = [int(x) for x in args.layout.split(",")]
+  tdev, gdevs = split_devices(layout[0], layout[1:])
+  tmesh = make_mesh({args.trainer_axis: len(tdev)}, tdev)
   problems = lambda seed: synthetic.problems(seed, min_steps=1, max_steps=MAX_STEPS)
 
   # ---- SFT warm start on 1..MAX_STEPS-step traces ------------------------------------------
@@ -167,7 +201,7 @@ def main():
         f"{sft_m.get('nll_per_token', float('nan')):.3f}", flush=True)
 
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
-  engines = [Engine(cfg, make_mesh({"tensor": len(d)}, d), GENERATOR_RULES,
+  engines = [Engine(cfg, make_mesh({args.gen_axis: len(d)}, d), GENERATOR_RULES,
                     max_concurrent_decodes=8, max_prefill_length=MAX_PREFILL,
                     max_decode_length=MAX_NEW, prefill_buckets=(MAX_PREFILL,), sampling=sampling)
              for d in gdevs]
@@ -184,20 +218,24 @@ def main():
                       prompts=problems(args.seed),
                       cfg=PipelineConfig(mode=mode, batch_timeout_s=300, seed=args.seed),
                       system_prompt=synthetic.TINY_SYSTEM_PROMPT,
-                      on_step=lambda _s, _p, _m: ends.append(time.time()))
+                      on_step=lambda _s, p, _m: ends.append((time.time(),
+                                                             p.counters["groups_scored"])))
     if lengths is not None:   # record every generated completion's length (dropped groups too)
       for g in gens:
         g.callback = (lambda c, f=g.callback: (lengths.append(len(c.tokens)), f(c)))
     t0 = time.time()
+    cpu0 = _host_cpu_jiffies()
     history = pipe.run(num_batches)
+    cpu1 = _host_cpu_jiffies()
     if len(history) != num_batches:
       raise RuntimeError(f"{mode}: only {len(history)}/{num_batches} batches ran")
     if num_batches < 2:
       return {}
-    steady = grpo.n_batch * (num_batches - 1) / (ends[-1] - ends[0])
+    (t_first, scored_first), (t_last, scored_last) = ends[0], ends[-1]
     return {
-        "completions_per_s": steady,
-        "completions_per_s_incl_fill": grpo.n_batch * num_batches / (ends[-1] - t0),
+        "completions_per_s": grpo.group_size * (scored_last - scored_first) / (t_last - t_first),
+        "trained_completions_per_s": grpo.n_batch * (num_batches - 1) / (t_last - t_first),
+        "trained_completions_per_s_incl_fill": grpo.n_batch * num_batches / (t_last - t0),
         "scored_completions": int(pipe.counters["groups_scored"] * grpo.group_size),
         "groups_dropped_frac": pipe.counters["groups_dropped"] / max(1, pipe.counters["groups_scored"]),
         "generator_utilization": float(np.mean([h["generator_utilization"] for h in history[1:]])),
@@ -210,6 +248,8 @@ def main():
         "version_lag_mean": float(np.mean([h["version_lag_mean"] for h in history[1:]])),
         "reward": float(np.mean([h.get("reward", 0.0) for h in history[1:]])),
         "wall_s": time.time() - t0,
+        # Share of the host's CPU capacity (all cores, all processes) busy during this run.
+        "host_cpu_busy_frac": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
         # Whole run (fill included): decode steps and their mean time, tokens per decode step.
         "decode_steps": int(sum(g.steps for g in gens)),
         "decode_step_ms": 1e3 * sum(g.decode_time_s for g in gens) / max(1, sum(g.steps for g in gens)),
@@ -234,15 +274,26 @@ def main():
     pool.close()
   L = np.asarray(lengths)
   rate = {m: float(np.median([x["completions_per_s"] for x in runs[m]])) for m in runs}
+  trained = {m: float(np.median([x["trained_completions_per_s"] for x in runs[m]])) for m in runs}
   util = {m: float(np.median([x["generator_utilization"] for x in runs[m]])) for m in runs}
   out.update(
       async_over_sync_throughput=rate["async"] / rate["sync"],
       async_over_sync_per_repeat=[a["completions_per_s"] / s["completions_per_s"]
                                   for a, s in zip(runs["async"], runs["sync"])],
+      async_over_sync_trained_throughput=trained["async"] / trained["sync"],
+      async_over_sync_trained_per_repeat=[
+          a["trained_completions_per_s"] / s["trained_completions_per_s"]
+          for a, s in zip(runs["async"], runs["sync"])],
+      groups_dropped_frac_per_repeat={m: [round(x["groups_dropped_frac"], 3) for x in runs[m]]
+                                      for m in runs},
+      host_cpu_busy_frac={m: float(np.median([x["host_cpu_busy_frac"] for x in runs[m]]))
+                          for m in runs},
       generator_utilization=util["async"], sync_generator_utilization=util["sync"],
       **{f"{m}_generator_{k}": float(np.median([x[k] for x in runs[m]]))
          for m in ("async", "sync") for k in ("slot_occupancy", "decode_frac", "decode_utilization")},
       async_completions_per_s=rate["async"], sync_completions_per_s=rate["sync"],
+      async_trained_completions_per_s=trained["async"],
+      sync_trained_completions_per_s=trained["sync"],
       async_decode_step_ms=float(np.median([x["decode_step_ms"] for x in runs["async"]])),
       sync_decode_step_ms=float(np.median([x["decode_step_ms"] for x in runs["sync"]])),
       async_tokens_per_decode_step=float(np.median([x["tokens_per_decode_step"] for x in runs["async"]])),
@@ -256,6 +307,9 @@ def main():
       batches_per_mode=args.batches, repeats=args.repeats, sft_s=sft_s, warmup_s=warm_s)
 
   # ---- weight push vs same-layout copy ------------------------------------------------------
+  # Always trainer FSDP-4 -> generator TP-2, whatever --layout the throughput runs used.
+  ptdev, gdevs = split_devices(4, [2, 2])
+  tmesh = make_mesh({"fsdp": 4}, ptdev)
   def push_for(model_cfg, trainer_params):
     shs = [param_shardings(T.param_logical_axes(model_cfg), make_mesh({"tensor": len(d)}, d),
                            GENERATOR_RULES, T.param_shapes(model_cfg)) for d in gdevs]
