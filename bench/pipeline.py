@@ -19,8 +19,8 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    the figure earlier sessions used: trained-on completions per second = n_batch * (B - 1) / the
    same time, i.e. the figure above times (1 - drop rate). In sync mode the drop rate is the same
    in every repeat (same seeds, same samples); in async mode it is not (thread timing decides
-   which samples each version draws, and the policy's updates follow), and it moved between 0.46
-   and 0.75 across repeats of one run, which alone swings trained-on completions/s by 2x. Sync
+   which samples each version draws, and the policy's updates follow), and it moved between 0.51
+   and 0.75 across the repeats of one run, which alone swings trained-on completions/s by 2x. Sync
    generates exactly one batch per policy
    version and waits for the longest completion (and for top-ups when groups with zero advantage
    are dropped); async keeps n_async = 2 * n_batch completions generating (the queue of generated,
@@ -50,9 +50,10 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    devices, in the pushing thread; the loop keeps decoding meanwhile), and
    `push_plus_load_over_copy_time`.
 
-Options: `--layout` (default 4,2,2: trainer devices, then each generator's) and `--gen_axis`
-(tensor, the default, or data: slots split over the generator's devices, weights replicated)
-change the throughput runs' placement; the push figures always use 4 -> 2 + 2.
+Options: `--layout` (default 4,2,2: trainer devices, then each generator's), `--trainer_axis`
+(fsdp, the default, or data) and `--gen_axis` (tensor, the default, or data: slots split over the
+generator's devices, weights replicated) change the throughput runs' placement; the push figures
+always use 4 -> 2 + 2.
 
 Last line: one JSON object. Keys include async_over_sync_throughput (generated-and-scored
 completions/s), async_over_sync_trained_throughput (trained-on completions/s),
@@ -180,7 +181,13 @@ def main():
   # 8 rows of 256 tokens: a minibatch of 8 completions (<= ~200 tokens each) always fits in one
   # microbatch, so the train step compiles once.
   grpo = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=8)
-  layout = [int(x) for x in args.layout.split(",")]
+  try:
+    layout = [int(x) for x in args.layout.split(",")]
+  except ValueError:
+    ap.error(f"--layout takes comma-separated device counts (trainer first), got {args.layout!r}")
+  if len(layout) < 2:
+    ap.error(f"--layout needs the trainer's device count and at least one generator's, got "
+             f"{args.layout!r}")
   tdev, gdevs = split_devices(layout[0], layout[1:])
   tmesh = make_mesh({args.trainer_axis: len(tdev)}, tdev)
   problems = lambda seed: synthetic.problems(seed, min_steps=1, max_steps=MAX_STEPS)
