@@ -20,13 +20,12 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    same time, i.e. the figure above times (1 - drop rate). In sync mode the drop rate is the same
    in every repeat (same seeds, same samples); in async mode it is not (thread timing decides
    which samples each version draws, and the policy's updates follow), and it moved between 0.51
-   and 0.75 across the repeats of one run, which alone swings trained-on completions/s by 2x. Sync
-   generates exactly one batch per policy
-   version and waits for the longest completion (and for top-ups when groups with zero advantage
-   are dropped); async keeps n_async = 2 * n_batch completions generating (the queue of generated,
-   untrained ones is bounded by max_queue = n_async). Each mode runs
-   `--repeats` times, the order alternating (sync, async, async, sync, ...); figures are medians
-   and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
+   and 0.75 across the repeats of one run, which alone swings trained-on completions/s by 2x.
+   Sync generates exactly one batch per policy version and waits for the longest completion (and
+   for top-ups when groups with zero advantage are dropped); async keeps n_async = 2 * n_batch
+   completions generating (the queue of generated, untrained ones is bounded by max_queue =
+   n_async). Each mode runs `--repeats` times, the order alternating (sync, async, async, sync,
+   ...); figures are medians and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
    step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction,
    and the share of the host's CPU capacity that was busy (all processes, from /proc/stat).
 2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
@@ -148,8 +147,8 @@ def main():
   ap.add_argument("--trainer_axis", choices=("fsdp", "data"), default="fsdp",
                   help="mesh axis of the trainer's slice: FSDP, or data parallel (replicated)")
   ap.add_argument("--gen_axis", choices=("tensor", "data"), default="tensor",
-                  help="mesh axis of each generator's 2-device slice: tensor parallel, or data "
-                       "parallel over decode slots with replicated weights")
+                  help="mesh axis of each generator's slice: tensor parallel, or data parallel "
+                       "over decode slots with replicated weights")
   args = ap.parse_args()
   if args.batches < 2:
     ap.error("--batches must be >= 2 (throughput is measured from the end of batch 1)")
@@ -181,14 +180,11 @@ def main():
   # 8 rows of 256 tokens: a minibatch of 8 completions (<= ~200 tokens each) always fits in one
   # microbatch, so the train step compiles once.
   grpo = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=8)
-  try:
+  try:   # split_devices checks the counts (a trainer, >= 1 generator, enough devices)
     layout = [int(x) for x in args.layout.split(",")]
-  except ValueError:
-    ap.error(f"--layout takes comma-separated device counts (trainer first), got {args.layout!r}")
-  if len(layout) < 2:
-    ap.error(f"--layout needs the trainer's device count and at least one generator's, got "
-             f"{args.layout!r}")
-  tdev, gdevs = split_devices(layout[0], layout[1:])
+    tdev, gdevs = split_devices(layout[0], layout[1:])
+  except ValueError as e:
+    ap.error(f"--layout {args.layout!r}: comma-separated device counts, trainer first: {e}")
   tmesh = make_mesh({args.trainer_axis: len(tdev)}, tdev)
   problems = lambda seed: synthetic.problems(seed, min_steps=1, max_steps=MAX_STEPS)
 
@@ -315,16 +311,16 @@ def main():
 
   # ---- weight push vs same-layout copy ------------------------------------------------------
   # Always trainer FSDP-4 -> generator TP-2, whatever --layout the throughput runs used.
-  ptdev, gdevs = split_devices(4, [2, 2])
-  tmesh = make_mesh({"fsdp": 4}, ptdev)
+  push_tdev, push_gdevs = split_devices(4, [2, 2])
+  push_tmesh = make_mesh({"fsdp": 4}, push_tdev)
   def push_for(model_cfg, trainer_params):
     shs = [param_shardings(T.param_logical_axes(model_cfg), make_mesh({"tensor": len(d)}, d),
-                           GENERATOR_RULES, T.param_shapes(model_cfg)) for d in gdevs]
-    eng = Engine(model_cfg, make_mesh({"tensor": len(gdevs[0])}, gdevs[0]),
+                           GENERATOR_RULES, T.param_shapes(model_cfg)) for d in push_gdevs]
+    eng = Engine(model_cfg, make_mesh({"tensor": len(push_gdevs[0])}, push_gdevs[0]),
                  max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8)
     return bench_push(trainer_params, shs, args.push_reps, load=eng.load_params)
 
-  tiny_params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), tmesh,
+  tiny_params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), push_tmesh,
                                                        TRAINER_RULES, T.param_shapes(cfg)))
   tiny = push_for(cfg, tiny_params)
   print("push tiny: " + json.dumps({k: v for k, v in tiny.items() if not k.endswith("_all")}),
@@ -335,7 +331,7 @@ def main():
   if not args.skip_big_push:
     big = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
-    tsh = param_shardings(T.param_logical_axes(big), tmesh, TRAINER_RULES, T.param_shapes(big))
+    tsh = param_shardings(T.param_logical_axes(big), push_tmesh, TRAINER_RULES, T.param_shapes(big))
     big_params = jax.jit(lambda r: T.init_params(big, r), out_shardings=tsh)(jax.random.PRNGKey(0))
     jax.block_until_ready(big_params)
     b = push_for(big, big_params)
