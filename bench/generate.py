@@ -23,7 +23,8 @@ Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active s
 slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
 the queue still held work; `update_pause_in_steps` = the longest time the loop was blocked by a
 weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
-the caller's thread and is reported separately as update_call_s).
+the caller's thread and is reported separately as update_call_s). `dot_library` / `generate_tuning`:
+which CPU dot library the engine's precompile picked for the generate step, and both step times.
 Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
 """
 import argparse
@@ -43,8 +44,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                max_prefill_length=p_len, max_decode_length=int(max(lengths)),
                prefill_buckets=(p_len,), sampling=SamplingConfig(greedy=True, max_new_tokens=8))
-  # Warm-up: compile generate and every (bucket, prefill batch size) program once, then run a
-  # request through the loop.
+  # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
+  # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   eng.precompile(eng.load_params(params))
   warm = GeneratorLoop(eng, params)
   warm.submit(Request("w", prompts[0], max_new_tokens=2))
@@ -94,6 +95,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
       "update_pause_in_steps": max(loop.update_pauses_s, default=0.0) / step_s,
       "update_call_s": max(call_s, default=0.0),
       "recompiled": eng.compile_counts() != compiled,
+      "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
   }
 
 

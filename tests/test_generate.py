@@ -355,12 +355,58 @@ def test_loop_prefills_waiting_requests_together(params, mesh):
 
 
 def test_generate_compiler_options_by_slot_count():
-  """The CPU generate step drops YNNPACK below CPU_GENERATE_YNN_MIN_SLOTS slots (XLA's dot emitter
-  streams few-row weight products faster) and keeps the defaults from there on (YNNPACK's batched
-  attention products win); other platforms always keep the defaults."""
+  """Untuned, the CPU generate step drops YNNPACK below CPU_GENERATE_YNN_MIN_SLOTS slots and keeps
+  the defaults from there on; a named library overrides the rule; other platforms always keep
+  the defaults; an unknown library is an error."""
   from magistral_jax.generate import engine as E
   assert E.generate_compiler_options("cpu", 16) == E.CPU_GENERATE_COMPILER_OPTIONS
   assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS - 1) is not None
   assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS) is None
   assert E.generate_compiler_options("cpu", 64) is None
+  assert E.generate_compiler_options("cpu", 16, "ynnpack") is None
+  assert E.generate_compiler_options("cpu", 64, "eigen") == E.CPU_GENERATE_COMPILER_OPTIONS
   assert E.generate_compiler_options("gpu", 16) is None
+  with pytest.raises(ValueError, match="dot library"):
+    E.generate_compiler_options("cpu", 16, "mkl")
+
+
+def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
+  """precompile times the generate step with YNNPACK and with Eigen and keeps the faster; the
+  two programs compute the same step (greedy tokens equal, log-probs to fp32 rounding), and
+  generating afterwards compiles nothing new. A fixed library is never tuned; a bad one is an
+  error."""
+  with pytest.raises(ValueError, match="cpu_dot_library"):
+    Engine(CFG, mesh, max_concurrent_decodes=2, max_prefill_length=8, max_decode_length=8,
+           cpu_dot_library="blas")
+  fixed = engine(mesh, slots=2, cpu_dot_library="ynnpack")
+  assert fixed.tune_generate(fixed.load_params(params)) is None
+  assert fixed.generate_library == "ynnpack" and fixed.generate_tuning is None
+
+  eng = engine(mesh, slots=2, cpu_dot_library="auto")
+  p = eng.load_params(params)
+  eng.precompile(p)
+  tuning = eng.generate_tuning
+  assert tuning["chosen"] == eng.generate_library in ("ynnpack", "eigen")
+  assert set(tuning["step_ms"]) == {"ynnpack", "eigen"}
+  assert all(t > 0 for t in tuning["step_ms"].values())
+  assert eng.compile_counts()["generate"] == 2
+  before = eng.compile_counts()
+  out = run(GeneratorLoop(eng, params), [Request(i, q, max_new_tokens=6)
+                                         for i, q in enumerate(prompts(3, seed=5))])
+  assert eng.compile_counts() == before and len(out) == 3
+
+  # The same decode steps through both programs.
+  padded, n, _ = eng.pad_prompt(prompts(1, seed=6)[0])
+  outs = {}
+  for lib in ("ynnpack", "eigen"):
+    pre = eng.prefill_many(p, padded[None], [n])
+    st, _, _ = eng.insert_many(pre, eng.init_decode_state(), [0], [0],
+                               np.zeros((1, 2), np.uint32), [0], np.array([True, False]))
+    toks, lps = [], []
+    for _ in range(5):
+      st, r = eng._generate_jit(lib)(p, st)
+      toks.append(int(r.tokens[0]))
+      lps.append(float(r.logprobs[0]))
+    outs[lib] = (toks, lps)
+  assert outs["ynnpack"][0] == outs["eigen"][0]
+  np.testing.assert_allclose(outs["ynnpack"][1], outs["eigen"][1], atol=1e-4)

@@ -34,13 +34,15 @@ Every KV cache the engine holds (decode state, prefixes) is per layer for the sa
 (T.init_cache(per_layer=True): per layer, keys [B, K, Dh, S] and values [B, K, S, Dh]; a layer
 of a stacked cache is copied out of the stack every step on XLA:CPU, which made the step grow ~3x
 faster with the cache length than the attention itself does).
-On the CPU backend the generate step's compiler options depend on the slot count
-(generate_compiler_options).
+On the CPU backend the generate step's dot library (YNNPACK or XLA's Eigen path) is picked by timing
+both (tune_generate, run by precompile) or, untuned, by the slot-count rule of
+generate_compiler_options.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -58,24 +60,41 @@ Array = jax.Array
 log = logging.getLogger(__name__)
 
 
-# The decode step's matmuls are [slots, D] x [D, F]: matrix-vector products that stream the
-# weights. On XLA:CPU, with few slots, the default YNNPACK dot fusion ran them slower than XLA's
-# own dot emitter (SmolLM2-135M step over per-layer weights, medians of interleaved rounds on a
-# 2-core host: batch 8 117 -> 99 ms, batch 16 208 -> 168 ms). From 32 slots on, YNNPACK's
-# batched attention products win and the whole step is faster with it (interleaved rounds, per-
-# layer cache with transposed keys, S = 168 / 288: without / with YNNPACK 0.91 / 0.91 at batch 8,
-# 0.86 / 0.88 at 16, 1.06 / 1.04 at 32, 1.11 / 1.10 at 64). Only the generate step is affected;
-# prefill's [N * bucket, D] matmuls keep the default.
+# The decode step's matmuls are [slots, D] x [D, F]: matrix-vector-like products that stream the
+# weights, plus small batched attention products over the KV cache. On XLA:CPU they run either
+# through YNNPACK (XLA's default dot fusion) or through XLA's own emitter / Eigen (YNNPACK turned
+# off). Which one is faster depends on the host CPU, not only on the shapes:
+# - one 2-core host (session 6/9 probes, medians of interleaved rounds): Eigen faster below 32
+#   slots (SmolLM2-135M step, batch 8 117 -> 99 ms, batch 16 208 -> 168 ms), YNNPACK from 32 on
+#   (1.04-1.11x at 32-64 slots);
+# - another 2-core host, with AVX-512 (2026-11-22, the same interleaved A/B of the engine's step):
+#   YNNPACK faster at every slot count (Eigen / YNNPACK step time 2.3x at 4 slots, 1.24x at 8,
+#   1.14x at 16, 1.3x at 32).
+# So the engine measures: with cpu_dot_library="auto" (the default), `tune_generate` (run by
+# `precompile`) compiles the step both ways and keeps the faster; until then, and with a fixed
+# choice, generate_compiler_options' slot-count rule applies. Only the generate step is
+# affected; prefill's [N * bucket, D] matmuls keep the defaults.
 CPU_GENERATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 CPU_GENERATE_YNN_MIN_SLOTS = 32
+CPU_DOT_LIBRARIES = ("ynnpack", "eigen")
 
 
-def generate_compiler_options(platform: str, slots: int) -> dict | None:
-  """XLA compiler options for a generate step over `slots` slots on `platform`: YNNPACK off on
-  CPU below CPU_GENERATE_YNN_MIN_SLOTS slots, the defaults otherwise."""
-  if platform == "cpu" and slots < CPU_GENERATE_YNN_MIN_SLOTS:
-    return CPU_GENERATE_COMPILER_OPTIONS
-  return None
+def default_dot_library(slots: int) -> str:
+  """The CPU dot library the generate step uses before (or without) tuning."""
+  return "ynnpack" if slots >= CPU_GENERATE_YNN_MIN_SLOTS else "eigen"
+
+
+def generate_compiler_options(platform: str, slots: int, library: str | None = None
+                              ) -> dict | None:
+  """XLA compiler options for a generate step over `slots` slots on `platform`. On CPU,
+  `library` ("ynnpack" or "eigen"; None = default_dot_library(slots)) picks the dot library;
+  other platforms keep the defaults."""
+  if platform != "cpu":
+    return None
+  library = library or default_dot_library(slots)
+  if library not in CPU_DOT_LIBRARIES:
+    raise ValueError(f"CPU dot library must be one of {CPU_DOT_LIBRARIES}, got {library!r}")
+  return CPU_GENERATE_COMPILER_OPTIONS if library == "eigen" else None
 
 
 class ParamsMismatchError(ValueError):
@@ -153,7 +172,8 @@ class Engine:
                max_concurrent_decodes: int, max_prefill_length: int, max_decode_length: int,
                sampling: S.SamplingConfig = S.SamplingConfig(),
                prefill_buckets: Sequence[int] | None = None, cache_dtype=None,
-               truncate_prompts: bool = False, max_prefill_batch: int | None = None):
+               truncate_prompts: bool = False, max_prefill_batch: int | None = None,
+               cpu_dot_library: str = "auto"):
     if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
@@ -210,11 +230,19 @@ class Engine:
         ("cache_batch", None), (self._slots, 2)), batch)
     result_sh = ResultTokens(*([rep] * 5))
 
-    opts = generate_compiler_options(mesh.devices.flat[0].platform, self._slots)
-    self._generate = jax.jit(self._generate_impl,
-                             in_shardings=(self.decode_param_shardings, self.state_shardings),
-                             out_shardings=(self.state_shardings, result_sh),
-                             donate_argnums=(1,), compiler_options=opts)
+    # The generate step: one jitted program per CPU dot library (see generate_compiler_options);
+    # `_generate` is the one in use.
+    self.platform = mesh.devices.flat[0].platform
+    if cpu_dot_library not in ("auto",) + CPU_DOT_LIBRARIES:
+      raise ValueError(f"cpu_dot_library must be 'auto' or one of {CPU_DOT_LIBRARIES}, got "
+                       f"{cpu_dot_library!r}")
+    self.cpu_dot_library = cpu_dot_library
+    self._result_sh = result_sh
+    self._generate_jits: dict[str | None, Any] = {}
+    self.generate_library = None if self.platform != "cpu" else (
+        default_dot_library(self._slots) if cpu_dot_library == "auto" else cpu_dot_library)
+    self._generate = self._generate_jit(self.generate_library)
+    self.generate_tuning: dict | None = None
     self._prefill = jax.jit(self._prefill_impl, out_shardings=None)
     self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
@@ -251,10 +279,53 @@ class Engine:
     return 1
 
   def compile_counts(self) -> dict[str, int]:
-    """How many programs each jitted entry point has compiled (for no-recompile checks)."""
-    return {name: getattr(self, f"_{name}")._cache_size()
-            for name in ("generate", "prefill", "insert", "resample", "set_active",
-                         "prefill_many", "insert_many")}
+    """How many programs each jitted entry point has compiled (for no-recompile checks);
+    "generate" counts the programs of every dot library compiled so far (two after tuning)."""
+    counts = {name: getattr(self, f"_{name}")._cache_size()
+              for name in ("prefill", "insert", "resample", "set_active", "prefill_many",
+                           "insert_many")}
+    counts["generate"] = sum(f._cache_size() for f in self._generate_jits.values())
+    return counts
+
+  def _generate_jit(self, library: str | None):
+    if library not in self._generate_jits:
+      self._generate_jits[library] = jax.jit(
+          self._generate_impl,
+          in_shardings=(self.decode_param_shardings, self.state_shardings),
+          out_shardings=(self.state_shardings, self._result_sh), donate_argnums=(1,),
+          compiler_options=generate_compiler_options(self.platform, self._slots, library))
+    return self._generate_jits[library]
+
+  def tune_generate(self, params, rounds: int = 3, steps: int = 2) -> dict | None:
+    """Times the generate step with each CPU dot library and keeps the faster one (CPU only,
+    and only with cpu_dot_library="auto"; returns None otherwise). Both programs run on a
+    scratch decode state with every slot active, alternating, `rounds` times `steps` steps each
+    after one warm-up step; the choice is the lower median. Returns and keeps (as
+    `generate_tuning`) {"chosen", "step_ms": {library: median ms}}. `params` as returned by
+    load_params."""
+    if self.platform != "cpu" or self.cpu_dot_library != "auto":
+      return None
+    jits = {lib: self._generate_jit(lib) for lib in CPU_DOT_LIBRARIES}
+    state = self.set_active(self.init_decode_state(), np.ones((self._slots,), bool))
+    times: dict[str, list[float]] = {lib: [] for lib in jits}
+    for lib, f in jits.items():  # compile and warm up
+      state, res = f(params, state)
+      jax.block_until_ready(res)
+    for r in range(rounds):
+      for lib in (CPU_DOT_LIBRARIES if r % 2 == 0 else CPU_DOT_LIBRARIES[::-1]):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+          state, res = jits[lib](params, state)
+        jax.block_until_ready(res)
+        times[lib].append((time.perf_counter() - t0) / steps * 1e3)
+    del state
+    med = {lib: float(np.median(t)) for lib, t in times.items()}
+    best = min(med, key=med.get)
+    self.generate_library, self._generate = best, jits[best]
+    self.generate_tuning = {"chosen": best, "step_ms": med}
+    log.info("generate step on CPU, %d slots: %s; %s chosen", self._slots,
+             ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()), best)
+    return self.generate_tuning
 
   # ---- params --------------------------------------------------------------------------------
   def check_params(self, params) -> None:
@@ -308,10 +379,13 @@ class Engine:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
     return self._init()
 
-  def precompile(self, params, buckets: Sequence[int] | None = None) -> None:
+  def precompile(self, params, buckets: Sequence[int] | None = None, tune: bool = True) -> None:
     """Compiles prefill_many / insert_many for every (bucket, batch size), generate and
     set_active, on a scratch decode state, so a timed or latency-sensitive run compiles nothing
-    later. `params` as returned by load_params."""
+    later; with `tune` (and cpu_dot_library="auto" on CPU) it first picks the generate step's
+    dot library by timing both (tune_generate). `params` as returned by load_params."""
+    if tune:
+      self.tune_generate(params)
     state = self.init_decode_state()
     for b in buckets or self.prefill_buckets:
       for n in self.prefill_batch_sizes:
