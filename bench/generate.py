@@ -5,7 +5,9 @@ prompts, per-request output lengths drawn uniformly from [min_new, 5 * min_new] 
 RL completions have), greedy with EOS ignored so both sides generate exactly the requested
 lengths. For each batch size B (slots for us, batch for transformers):
   ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
-        slots are refilled from the queue at the next step. Mid-run, new weights are pushed from
+        slots are refilled from the queue at the next step; once the queue is empty, the
+        remaining sequences run on B/2 or B/4 slots when they fit (drain compaction;
+        --no_compact turns it off). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version).
   hf:   the same requests in static batches of B; each batch runs until its longest member is
         done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
@@ -37,7 +39,7 @@ import jax
 import numpy as np
 
 
-def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
+def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True):
   from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
@@ -52,7 +54,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
   warm.run_until_idle()
   compiled = eng.compile_counts()
 
-  loop = GeneratorLoop(eng, params)
+  loop = GeneratorLoop(eng, params, compact_drain=compact)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size
@@ -96,6 +98,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1):
       "update_call_s": max(call_s, default=0.0),
       "recompiled": eng.compile_counts() != compiled,
       "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
+      "compact_steps": loop.compact_steps,
+      "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
   }
 
 
@@ -125,6 +129,8 @@ def main():
   ap.add_argument("--n_updates", type=int, default=3)
   ap.add_argument("--group_size", type=int, default=1)
   ap.add_argument("--skip_hf", action="store_true")
+  ap.add_argument("--no_compact", action="store_true",
+                  help="decode the drain on all B slots (GeneratorLoop compact_drain=False)")
   ap.add_argument("--repeats", type=int, default=1,
                   help="runs per side and batch size, alternating ours/HF (see the docstring)")
   args = ap.parse_args()
@@ -153,7 +159,7 @@ def main():
       for side in sides:
         if side == "ours":
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
-                                    args.group_size))
+                                    args.group_size, not args.no_compact))
         elif hf is not None:
           hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size))
     def median_run(rs):   # the (lower) median run by tokens/s

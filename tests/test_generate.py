@@ -382,15 +382,17 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
   assert fixed.tune_generate(fixed.load_params(params)) is None
   assert fixed.generate_library == "ynnpack" and fixed.generate_tuning is None
 
-  eng = engine(mesh, slots=2, cpu_dot_library="auto")
+  eng = engine(mesh, slots=4, cpu_dot_library="auto")
   p = eng.load_params(params)
   eng.precompile(p)
+  for n in eng.compact_sizes:  # the drain's engines are tuned too
+    assert eng.compact_engine(n).generate_tuning["chosen"] in ("ynnpack", "eigen")
   tuning = eng.generate_tuning
   assert tuning["chosen"] == eng.generate_library in ("ynnpack", "eigen")
   assert set(tuning["step_ms"]) == {"ynnpack", "eigen"}
   assert all(t > 0 for t in tuning["step_ms"].values())
   assert eng.compile_counts()["generate"] == 2
-  before = eng.compile_counts()
+  before = eng.compile_counts()   # compaction programs included: the drain compiles nothing
   out = run(GeneratorLoop(eng, params), [Request(i, q, max_new_tokens=6)
                                          for i, q in enumerate(prompts(3, seed=5))])
   assert eng.compile_counts() == before and len(out) == 3
@@ -401,7 +403,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
   for lib in ("ynnpack", "eigen"):
     pre = eng.prefill_many(p, padded[None], [n])
     st, _, _ = eng.insert_many(pre, eng.init_decode_state(), [0], [0],
-                               np.zeros((1, 2), np.uint32), [0], np.array([True, False]))
+                               np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
     toks, lps = [], []
     for _ in range(5):
       st, r = eng._generate_jit(lib)(p, st)
@@ -410,3 +412,69 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
     outs[lib] = (toks, lps)
   assert outs["ynnpack"][0] == outs["eigen"][0]
   np.testing.assert_allclose(outs["ynnpack"][1], outs["eigen"][1], atol=1e-4)
+
+def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
+  """Once nothing waits and few slots are active, the loop decodes them on a smaller engine
+  (8 slots -> 4 -> 2 here) and writes them back when new work arrives; every sample, greedy or
+  sampled, is the one the full-size step gives, and its log-probs agree."""
+  ps = prompts(9, seed=11)
+  reqs = lambda: [Request(i, p, max_new_tokens=3 + (5 * i) % 14, seed=i)
+                  for i, p in enumerate(ps)]
+  for sampling in (GREEDY, SAMPLED):
+    eng = engine(mesh, slots=8, sampling=sampling)
+    assert eng.compact_sizes == (4, 2)
+    full_loop = GeneratorLoop(eng, params, compact_drain=False)
+    full = run(full_loop, reqs())
+    loop = GeneratorLoop(eng, params)
+    got = run(loop, reqs()[:7])
+    assert loop.compact_steps > 0 and full_loop.compact_steps == 0
+    # Mid-drain (compacted), new requests arrive: the loop expands and refills.
+    rs = reqs()
+    loop.submit(rs[7])
+    while loop._compact is None:
+      loop.step()
+    loop.submit(rs[8])
+    got.update(run(loop, []))
+    assert got.keys() == full.keys()
+    for k in full:
+      assert got[k].tokens == full[k].tokens, (sampling, k)
+      np.testing.assert_allclose(got[k].logprobs, full[k].logprobs, atol=1e-5)
+
+
+def test_compact_and_expand_round_trip_and_reject_bad_slots(params, mesh):
+  eng = engine(mesh, slots=8)
+  p = eng.load_params(params)
+  loop = GeneratorLoop(eng, params, compact_drain=False)
+  for i, q in enumerate(prompts(5, seed=12)):
+    loop.submit(Request(i, q, max_new_tokens=10))
+  loop.step()
+  loop.step()
+  before = jax.device_get(loop.state)
+  slots = [4, 1, 3]
+  small = eng.compact(loop.state, slots)
+  assert small.tokens.shape == (4,) and jax.device_get(small.active).tolist() == [
+      bool(before.active[s]) for s in slots] + [False]
+  for a, b in zip(jax.tree.leaves(jax.device_get(small.cache.k)),
+                  jax.tree.leaves(before.cache.k)):
+    np.testing.assert_array_equal(a[:3], b[slots])
+  # One step on the small engine, then back: those slots advanced, the others are untouched.
+  small, _ = eng.compact_engine(4).generate(p, small)
+  state = eng.expand(loop.state, small, [4, -1, 3])
+  after = jax.device_get(state)
+  assert after.cache.lengths[4] == before.cache.lengths[4] + 1
+  assert after.cache.lengths[1] == before.cache.lengths[1]   # -1: not written back
+  assert after.cache.lengths[3] == before.cache.lengths[3] + 1
+  np.testing.assert_array_equal(after.cache.k[0][[0, 2, 5, 6, 7]],
+                                before.cache.k[0][[0, 2, 5, 6, 7]])
+  assert not after.cache.k[0][4].tolist() == before.cache.k[0][4].tolist()  # a new entry
+  with pytest.raises(ValueError, match="cannot compact"):
+    eng.compact(state, [0, 1, 2, 3, 4])
+  with pytest.raises(ValueError, match="cannot compact"):
+    eng.compact(state, [0, 1, 2], size=2)
+  with pytest.raises(ValueError, match="distinct"):
+    eng.compact(state, [1, 1])
+  with pytest.raises(ValueError, match="expand slots"):
+    eng.expand(state, eng.compact(state, [0]), [8])
+  with pytest.raises(ValueError, match="compact_sizes"):
+    Engine(CFG, mesh, max_concurrent_decodes=4, max_prefill_length=8, max_decode_length=8,
+           compact_sizes=(4,))

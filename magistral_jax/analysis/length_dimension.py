@@ -98,6 +98,9 @@ class GridScorer:
                          max_prefill_length=max_prefill_length,
                          max_decode_length=sampling.max_new_tokens, sampling=sampling)
     self.loop = GeneratorLoop(self.engine, params, version=0, seed=seed)
+    # Every program the grid can need (prefill buckets and batch sizes, the generate step and the
+    # drain's smaller steps) is compiled here, so the grid points only swap weights.
+    self.engine.precompile(self.loop.params)
     self._own_pool = pool is None
     self.pool = pool if pool is not None else VerifierPool(
         num_workers, reward_cfg, task_timeout_s=task_timeout_s)

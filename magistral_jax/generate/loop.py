@@ -7,7 +7,10 @@ One iteration (`step`):
      `prefill_many` call per length bucket and batch size, one prefill per request however many
      group samples it has), then all new samples go into their slots in one `insert_many` call;
      samples that do not fit wait for the next free slots, reusing the same prefix;
-  3. one decode step for all slots and one device-to-host transfer of its results, then
+  3. once no request is waiting and the active slots fit in one of the engine's compact_sizes
+     (the drain at the end of a batch), they move onto that smaller engine (Engine.compact),
+     whose step costs less, and move back when new work arrives (Engine.expand);
+  4. one decode step for all slots and one device-to-host transfer of its results, then
      vectorised bookkeeping in numpy: each active slot's token, log-prob and policy version go
      into per-slot buffers; finish on EOS, a stop string or max tokens; stream finished
      sequences out as `Completion`s.
@@ -92,8 +95,14 @@ class GeneratorLoop:
                detokenize: Callable[[Sequence[int]], str] | None = None,
                callback: Callable[[Completion], None] | None = None,
                recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
-               sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None):
+               sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None,
+               compact_drain: bool = True):
     self.engine = engine
+    # With compact_drain, once no request is waiting and the active slots fit in one of the
+    # engine's compact_sizes, they are gathered into that smaller engine's state and decoded
+    # there (Engine.compact); new work writes them back first (Engine.expand).
+    self.compact_drain = compact_drain
+    self._compact: tuple[np.ndarray, Any, Engine] | None = None  # (slots, small state, engine)
     # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side, so a loop may set its
     # own; what the compiled step uses (temperature, top-p, top-k, greedy) must match the engine.
     self.sampling = sampling or engine.sampling
@@ -138,6 +147,7 @@ class GeneratorLoop:
     self.steps = 0
     self.active_slot_steps = 0
     self.generated_tokens = 0
+    self.compact_steps = 0      # decode steps run on a compacted (smaller) state
     self.decode_time_s = 0.0
     self.idle_time_s = 0.0      # blocked waiting for a request with no active slot
     self.update_pauses_s: list[float] = []
@@ -263,10 +273,25 @@ class GeneratorLoop:
     self._apply_pending_update()
     self._fill_slots()
     if not self._active.any():
+      self._compact = None  # every compacted sequence has finished: nothing to write back
       return False
+    if self.compact_drain:
+      self._maybe_compact()
     t0 = time.perf_counter()
-    self.state, res = self.engine.generate(self.params, self.state)
-    res = jax.device_get(res)
+    if self._compact is None:
+      self.state, res = self.engine.generate(self.params, self.state)
+      res = jax.device_get(res)
+    else:
+      slots, small, eng = self._compact
+      small, r = eng.generate(self.params, small)
+      self._compact = (slots, small, eng)
+      r = jax.device_get(r)
+      # Back to full-size per-slot arrays: row i of the compacted step is slot slots[i].
+      n = self.engine.max_concurrent_decodes
+      res = type(r)(*(np.zeros((n,) + np.shape(a)[1:], np.asarray(a).dtype) for a in r))
+      for full, part in zip(res, r):
+        full[slots] = np.asarray(part)[:len(slots)]
+      self.compact_steps += 1
     self.decode_time_s += time.perf_counter() - t0
     self.steps += 1
     idx = np.flatnonzero(self._active)
@@ -279,6 +304,32 @@ class GeneratorLoop:
     self._record(idx, res.tokens[idx], res.logprobs[idx], np.full(idx.shape, self.version))
     return True
 
+  def _pending_work(self) -> bool:
+    """Whether a request or a group sample is waiting for a slot."""
+    return not self._requests.empty() or any(
+        g.next_index < g.request.group_size for g in self._groups)
+
+  def _maybe_compact(self) -> None:
+    """Moves the active slots onto a smaller engine when nothing is waiting and they fit."""
+    if self._pending_work():
+      return
+    slots = np.flatnonzero(self._active)
+    size = self.engine.compact_size(slots.size)
+    current = (self.engine.max_concurrent_decodes if self._compact is None
+               else self._compact[2].max_concurrent_decodes)
+    if size is None or size >= current:
+      return
+    if self._compact is not None:
+      self._expand()
+    self._compact = (slots, self.engine.compact(self.state, slots),
+                     self.engine.compact_engine(size))
+
+  def _expand(self) -> None:
+    """Writes the still-active compacted slots back into the full-size state."""
+    slots, small, _ = self._compact
+    self._compact = None
+    self.state = self.engine.expand(self.state, small, np.where(self._active[slots], slots, -1))
+
   def _apply_pending_update(self):
     with self._lock:
       pending, self._pending = self._pending, None
@@ -288,6 +339,8 @@ class GeneratorLoop:
     t0 = time.perf_counter()
     self.params, self.version = pending
     if self.recompute_kv_on_update:
+      if self._compact is not None:
+        self._expand()
       for i, s in enumerate(self._slots):
         if s is not None:  # everything in the cache: the prompt and all but the pending token
           done = self._tok_buf[i, :self._count[i] - 1].tolist()
@@ -339,6 +392,8 @@ class GeneratorLoop:
         plan.append((int(slot), *nxt))
       if not plan:
         break
+      if self._compact is not None:  # new work: the compacted slots go back first
+        self._expand()
       need, seen = [], set()
       for _, g, _ in plan:
         if g.prefix is None and id(g) not in seen:
