@@ -5,7 +5,8 @@ prompts, per-request output lengths drawn uniformly from [min_new, 5 * min_new] 
 RL completions have), greedy with EOS ignored so both sides generate exactly the requested
 lengths. For each batch size B (slots for us, batch for transformers):
   ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
-        slots are refilled from the queue at the next step; once the queue is empty, the
+        slots are refilled from the queue at the next step (a refill that needs a prefill takes
+        up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once the queue is empty, the
         remaining sequences run on B/2 or B/4 slots when they fit (drain compaction;
         --no_compact turns it off). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version).

@@ -478,3 +478,30 @@ def test_compact_and_expand_round_trip_and_reject_bad_slots(params, mesh):
   with pytest.raises(ValueError, match="compact_sizes"):
     Engine(CFG, mesh, max_concurrent_decodes=4, max_prefill_length=8, max_decode_length=8,
            compact_sizes=(4,))
+
+
+def test_prefill_ahead_batches_queued_prompts_with_the_same_samples(params, mesh):
+  """A free slot's prefill takes the next queued prompts along (up to prefill_ahead), so later
+  slots start from prefixes already computed; the samples are the ones one-at-a-time prefills
+  give."""
+  eng = engine(mesh, slots=4)
+  ps = [p[:8] for p in prompts(8, seed=13)]  # one bucket
+  reqs = lambda: [Request(i, p, max_new_tokens=2 + i % 3) for i, p in enumerate(ps)]
+  got = {}
+  for ahead in (0, None):
+    calls = []
+    orig = eng.prefill_many
+    eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
+    try:
+      loop = GeneratorLoop(eng, params, prefill_ahead=ahead)
+      got[ahead] = run(loop, reqs())
+    finally:
+      del eng.prefill_many
+    assert sum(calls) == 8, calls          # every prompt prefilled exactly once
+    if ahead is None:
+      assert loop.prefill_ahead == 4 and calls == [4, 4]
+    else:
+      assert max(calls[1:]) <= 2           # refills prefill only what the free slots need
+  for k in got[0]:
+    assert got[None][k].tokens == got[0][k].tokens
+    np.testing.assert_allclose(got[None][k].logprobs, got[0][k].logprobs, atol=1e-5)

@@ -5,7 +5,8 @@ One iteration (`step`):
      in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set);
   2. refill free slots: the requests that the free slots need are prefilled together (one
      `prefill_many` call per length bucket and batch size, one prefill per request however many
-     group samples it has), then all new samples go into their slots in one `insert_many` call;
+     group samples it has), topped up with the next queued requests up to `prefill_ahead`
+     prompts per refill; then all new samples go into their slots in one `insert_many` call;
      samples that do not fit wait for the next free slots, reusing the same prefix;
   3. once no request is waiting and the active slots fit in one of the engine's compact_sizes
      (the drain at the end of a batch), they move onto that smaller engine (Engine.compact),
@@ -96,8 +97,14 @@ class GeneratorLoop:
                callback: Callable[[Completion], None] | None = None,
                recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
                sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None,
-               compact_drain: bool = True):
+               compact_drain: bool = True, prefill_ahead: int | None = None):
     self.engine = engine
+    # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
+    # need first, then the next ones in the queue) are prefilled in the same call; the extra
+    # prefixes wait for the next free slots. A batched prefill costs less per prompt than one
+    # at a time. Default: the engine's largest prefill batch; 0 or 1: only what is needed now.
+    self.prefill_ahead = (engine.prefill_batch_sizes[-1] if prefill_ahead is None
+                          else int(prefill_ahead))
     # With compact_drain, once no request is waiting and the active slots fit in one of the
     # engine's compact_sizes, they are gathered into that smaller engine's state and decoded
     # there (Engine.compact); new work writes them back first (Engine.expand).
@@ -398,6 +405,20 @@ class GeneratorLoop:
       for _, g, _ in plan:
         if g.prefix is None and id(g) not in seen:
           seen.add(id(g))
+          need.append(g)
+      if need:  # prefill ahead: queued requests join this call (FIFO order is kept)
+        for g in self._groups:
+          if len(need) >= self.prefill_ahead:
+            break
+          if g.prefix is None and id(g) not in seen:
+            seen.add(id(g))
+            need.append(g)
+        while len(need) < self.prefill_ahead:
+          try:
+            g = self._requests.get_nowait()
+          except queue.Empty:
+            break
+          self._groups.append(g)
           need.append(g)
       self._prefill(need)
       # One insert per prefill batch the plan draws from (usually one).
