@@ -6,10 +6,11 @@ RL completions have), greedy with EOS ignored so both sides generate exactly the
 lengths. For each batch size B (slots for us, batch for transformers):
   ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
         slots are refilled from the queue at the next step (a refill that needs a prefill takes
-        up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once the queue is empty, the
-        remaining sequences run on B/2 or B/4 slots when they fit (drain compaction;
-        --no_compact turns it off). Mid-run, new weights are pushed from
-        another thread `n_updates` times (same values, new version).
+        up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once
+        the queue is empty, the remaining sequences run on B/2 or B/4 slots when they fit
+        (drain compaction; --no_compact turns it off). Mid-run, new weights are pushed from
+        another thread `n_updates` times (same values, new version). The engine's precompile
+        picks the generate step's CPU dot library by timing both (Engine.tune_generate).
   hf:   the same requests in static batches of B; each batch runs until its longest member is
         done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
 Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
