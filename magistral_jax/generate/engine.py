@@ -105,6 +105,12 @@ class NonFiniteError(FloatingPointError):
   """NaN/Inf in params or in the logits of an active slot."""
 
 
+def _put_rows(a: Array, idx: Array, x: Array) -> Array:
+  """a[idx[j]] = x[j] along axis 0; out-of-range indices (the padding convention: index = number
+  of slots) are dropped."""
+  return a.at[idx].set(x.astype(a.dtype), mode="drop")
+
+
 def _put_slot(layer_cache: Array, row: Array, slot) -> Array:
   """One layer's keys [slots, K, Dh, S] or values [slots, K, S, Dh] with a prompt's cache row
   ([1, K, Dh, bucket] or [1, K, bucket, Dh]) written at `slot` (positions 0..bucket-1); in place
@@ -307,10 +313,10 @@ class Engine:
                            "insert_many")}
     counts["generate"] = sum(f._cache_size() for f in self._generate_jits.values())
     # Compaction: the smaller engines' generate / set_active programs, gathers and the scatter.
+    children = [c.compile_counts() for c in self._children.values()]
     counts["compact"] = (self._scatter._cache_size()
                          + sum(f._cache_size() for f in self._gathers.values())
-                         + sum(c.compile_counts()["generate"] + c.compile_counts()["set_active"]
-                               for c in self._children.values()))
+                         + sum(c["generate"] + c["set_active"] for c in children))
     return counts
 
   def _generate_jit(self, library: str | None):
@@ -344,7 +350,6 @@ class Engine:
           state, res = jits[lib](params, state)
         jax.block_until_ready(res)
         times[lib].append((time.perf_counter() - t0) / steps * 1e3)
-    del state
     med = {lib: float(np.median(t)) for lib, t in times.items()}
     best = min(med, key=med.get)
     self.generate_library, self._generate = best, jits[best]
@@ -580,7 +585,7 @@ class Engine:
 
     k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
     # Padding entries carry slot index = number of slots: out of range, so these writes drop.
-    put = lambda a, x: a.at[slots].set(x.astype(a.dtype), mode="drop")
+    put = lambda a, x: _put_rows(a, slots, x)
     cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
     new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active)
     return new, tok, lp
@@ -599,9 +604,7 @@ class Engine:
     slots = np.asarray(slots, np.int32)
     rows = np.asarray(rows, np.int32)
     n = prefixes.logits.shape[0]
-    if slots.min() < 0 or slots.max() >= self._slots or len(set(slots.tolist())) != m:
-      raise ValueError(f"insert_many slots {slots.tolist()} must be distinct, in [0, "
-                       f"{self._slots})")
+    self._check_slots("insert_many", slots)
     if rows.shape != (m,) or rows.min() < 0 or rows.max() >= n:
       raise ValueError(f"insert_many rows {rows.tolist()} must be {m} indices in [0, {n})")
     # Pad to a fixed number of entries so one program serves any number of inserts.
@@ -644,6 +647,11 @@ class Engine:
   # `expand` writes them back. GeneratorLoop does both at step boundaries. Each sequence keeps
   # its cache, tokens, PRNG stream and length, so the tokens are the ones the full-size step
   # would have produced (to fp32 rounding of a different batch shape).
+  def _check_slots(self, what: str, slots: np.ndarray) -> None:
+    if slots.size and (slots.min() < 0 or slots.max() >= self._slots
+                       or len(set(slots.tolist())) != slots.size):
+      raise ValueError(f"{what} slots {slots.tolist()} must be distinct, in [0, {self._slots})")
+
   def compact_size(self, n_active: int) -> int | None:
     """The smallest compaction size that holds n_active slots (None: none is smaller than the
     engine's own slot count)."""
@@ -655,9 +663,8 @@ class Engine:
     if n not in self.compact_sizes:
       raise ValueError(f"{n} is not one of compact_sizes {self.compact_sizes}")
     if n not in self._children:
-      kw = dict(self._engine_kw)
-      rules = kw.pop("rules")
-      self._children[n] = Engine(self.cfg, self.mesh, rules, max_concurrent_decodes=n, **kw)
+      self._children[n] = Engine(self.cfg, self.mesh, max_concurrent_decodes=n,
+                                 **self._engine_kw)
     return self._children[n]
 
   def _gather_impl(self, state: DecodeState, idx, valid) -> DecodeState:
@@ -667,7 +674,7 @@ class Engine:
     return DecodeState(cache, take(state.tokens), take(state.keys), take(state.active) & valid)
 
   def _scatter_impl(self, state: DecodeState, small: DecodeState, idx) -> DecodeState:
-    put = lambda a, x: a.at[idx].set(x.astype(a.dtype), mode="drop")
+    put = lambda a, x: _put_rows(a, idx, x)
     cache = T.KVCache(tuple(map(put, state.cache.k, small.cache.k)),
                       tuple(map(put, state.cache.v, small.cache.v)),
                       put(state.cache.lengths, small.cache.lengths))
@@ -683,8 +690,7 @@ class Engine:
     if n is None or n not in self.compact_sizes or not 1 <= len(slots) <= n:
       raise ValueError(f"cannot compact {len(slots)} slots into one of {self.compact_sizes}"
                        + (f" (size {size} asked)" if size is not None else ""))
-    if slots.min() < 0 or slots.max() >= self._slots or len(set(slots.tolist())) != len(slots):
-      raise ValueError(f"compact slots {slots.tolist()} must be distinct, in [0, {self._slots})")
+    self._check_slots("compact", slots)
     if n not in self._gathers:
       self._gathers[n] = jax.jit(self._gather_impl,
                                  out_shardings=self.compact_engine(n).state_shardings)
@@ -698,11 +704,10 @@ class Engine:
     past len(slots) are not written. Returns the full-size state."""
     slots = np.asarray(slots, np.int32).reshape(-1)
     n = small.tokens.shape[0]
-    kept = slots[slots >= 0]
-    if len(slots) > n or (kept.size and kept.max() >= self._slots) or \
-        len(set(kept.tolist())) != kept.size or (slots < -1).any():
-      raise ValueError(f"expand slots {slots.tolist()} must be at most {n} distinct indices in "
-                       f"[0, {self._slots}) or -1")
+    if len(slots) > n:
+      raise ValueError(f"expand slots {slots.tolist()}: more than the {n} rows of the compacted "
+                       "state")
+    self._check_slots("expand", slots[slots != -1])
     idx = np.full((n,), self._slots, np.int32)   # out of range: the scatter drops these rows
     idx[:len(slots)] = np.where(slots >= 0, slots, self._slots)
     return self._scatter(decode_state, small, idx)
