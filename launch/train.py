@@ -268,7 +268,8 @@ def main(argv):
           max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
           max_prefill_length=scfg.engine.max_prefill_length,
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
-          recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si)
+          recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
+          tune=scfg.engine.get("tune", True))
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

@@ -256,6 +256,53 @@ def test_top_k_and_top_p_truncation():
                              rtol=1e-6)
 
 
+def _np_truncate(lg, top_k, top_p):
+  """NumPy reference of sampling._truncate's documented rule, by sorting (float64 masses).
+  Returns (kept [rows, V], near [rows, V]): near marks tokens whose preceding mass lies within
+  1e-6 of top_p, where float32 sums may round to the other side."""
+  lg = np.asarray(lg, np.float64)
+  out, near = lg.copy(), np.zeros(lg.shape, bool)
+  for r in range(lg.shape[0]):
+    row = out[r]
+    if 0 < top_k < row.size:
+      row[row < np.sort(row)[::-1][top_k - 1]] = -np.inf
+    if top_p < 1.0:
+      order = np.argsort(-row, kind="stable")
+      p = np.exp(row[order] - row[order][0])
+      p /= p.sum()
+      before = np.cumsum(p) - p
+      edge = row[order][before < top_p].min()
+      row[row < edge] = -np.inf
+      near[r, order] = np.abs(before - top_p) < 1e-6
+  return np.isfinite(out), near
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.1), (0, 0.5), (0, 0.95), (0, 0.999), (1, 1.0),
+                                         (7, 1.0), (50, 1.0), (50, 0.9), (7, 0.3), (700, 1.0),
+                                         (700, 0.8)])
+def test_truncation_by_bisection_matches_a_sorting_reference(top_k, top_p):
+  rs = np.random.RandomState(top_k * 1000 + int(top_p * 1000))
+  for rows in (6, 24):   # 24 rows: truncated in blocks of TRUNCATE_BLOCK_ROWS
+    lg = (rs.randn(rows, 3000) * rs.choice([0.5, 2.0, 6.0], (rows, 1))).astype(np.float32)
+    lg[0] = -lg[0] - 80.0   # all logits negative: the bisection crosses the sign of the keys
+    got = np.isfinite(np.asarray(jax.jit(S._truncate, static_argnums=(1, 2))(lg, top_k, top_p)))
+    want, near = _np_truncate(lg, top_k, top_p)
+    assert ((got == want) | near).all(), np.argwhere(got != want)[:5]
+    assert (got == want).mean() > 0.999
+    assert got.sum(-1).min() >= 1
+
+
+def test_truncation_keeps_ties_together(monkeypatch):
+  lg = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0, -jnp.inf]])
+  # top-k 2: the k-th largest value is 1.0, and every token at 1.0 stays (selection or bisection).
+  assert np.isfinite(np.asarray(S._truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
+  monkeypatch.setattr(S, "TOP_K_SELECT_MAX", 1)
+  assert np.isfinite(np.asarray(S._truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
+  # Nucleus: 2.0 alone holds e / (e + 3 + 1) = 0.40 < 0.5, so the tied 1.0s come in together.
+  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.5))).tolist() == [[True] * 4 + [False] * 2]
+  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.3))).tolist() == [[True] + [False] * 5]
+
+
 def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params):
   devs = jax.devices()
   gen_mesh = make_mesh({"tensor": 2}, devs[6:8])

@@ -69,6 +69,10 @@ def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0):
 
 def test_async_pipeline_end_to_end(setup, tmp_path):
   pipe = _pipeline(setup, "async", str(tmp_path), n_async=32)
+  # make_generators tuned each engine's CPU dot library, its drain engines' too (Engine.tune).
+  for gen in pipe.generators:
+    engines = [gen.engine] + [gen.engine.compact_engine(n) for n in gen.engine.compact_sizes]
+    assert all(e.generate_tuning["chosen"] == e.generate_library for e in engines)
   history = pipe.run(3)
   assert len(history) == 3 and pipe.opt_steps == 3 * GRPO.num_minibatches
   # Off-policy: in async mode a batch holds tokens from several policy versions.

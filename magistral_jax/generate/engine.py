@@ -358,6 +358,15 @@ class Engine:
              ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()), best)
     return self.generate_tuning
 
+  def tune(self, params) -> dict | None:
+    """tune_generate for this engine and for each of its compact (drain) engines; returns this
+    engine's tuning (None off CPU or with a fixed cpu_dot_library). Compiles both step programs
+    of each engine, and nothing else."""
+    out = self.tune_generate(params)
+    for n in self.compact_sizes:
+      self.compact_engine(n).tune_generate(params)
+    return out
+
   # ---- params --------------------------------------------------------------------------------
   def check_params(self, params) -> None:
     """Raises ParamsMismatchError unless `params` has the engine's tree structure and shapes
@@ -416,7 +425,7 @@ class Engine:
     later; with `tune` (and cpu_dot_library="auto" on CPU) it first picks the generate step's
     dot library by timing both (tune_generate). `params` as returned by load_params."""
     if tune:
-      self.tune_generate(params)
+      self.tune(params)
     state = self.init_decode_state()
     for b in buckets or self.prefill_buckets:
       for n in self.prefill_batch_sizes:
@@ -427,8 +436,6 @@ class Engine:
     state = self.set_active(state, np.zeros((self._slots,), bool))
     for n in self.compact_sizes:  # the drain's programs: gather, smaller step, scatter back
       child = self.compact_engine(n)
-      if tune:
-        child.tune_generate(params)
       small = self.compact(state, [0], n)
       small, _ = child.generate(params, small)
       small = child.set_active(small, np.zeros((n,), bool))

@@ -116,8 +116,10 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
                     detokenize=None, recompute_kv_on_update: bool = False, seed: int = 0,
-                    rules=GENERATOR_RULES) -> list[GeneratorLoop]:
-  """One engine + generator loop per device slice (tensor parallel over the slice by default)."""
+                    rules=GENERATOR_RULES, tune: bool = True) -> list[GeneratorLoop]:
+  """One engine + generator loop per device slice (tensor parallel over the slice by default).
+  With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
+  for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators)."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
@@ -125,8 +127,11 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
     engine = Engine(model_cfg, mesh, rules, max_concurrent_decodes=max_concurrent_decodes,
                     max_prefill_length=max_prefill_length, max_decode_length=max_decode_length,
                     sampling=sampling)
-    loops.append(GeneratorLoop(engine, params, version, detokenize=detokenize,
-                               recompute_kv_on_update=recompute_kv_on_update, seed=seed + i))
+    loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
+                         recompute_kv_on_update=recompute_kv_on_update, seed=seed + i)
+    if tune:
+      engine.tune(loop.params)
+    loops.append(loop)
   return loops
 
 
