@@ -1,19 +1,21 @@
-"""Benchmark: top-k / top-p truncation as the sampler does it (sampling._truncate) vs by sorting.
+"""Benchmark: the sampler's truncation and draw (sampling._truncate + sampling.draw) vs the
+previous sampler (a sort for top-k / top-p, Gumbel-max for the draw).
 
-The sampler draws each token from the tempered logits after top-k / top-p truncation. Finding
-the nucleus by sorting the vocabulary (`lax.top_k` with k = V, the previous implementation, kept
-here as the baseline `sort_truncate`) costs a full sort of every row per decode step; the engine
-now finds the nucleus edge by bisection over the logits' float32 order (at most 32 masked
-passes over [B, V], in blocks of rows), and the k-th largest logit by XLA's partial top-k for
-k <= 256 and by bisection above.
+The previous sampler found the nucleus by sorting the vocabulary (`lax.top_k` with k = V, kept
+here as `sort_truncate`) and drew with jax.random.categorical (Gumbel-max: V random numbers per
+row, `gumbel_draw`). The engine now finds the nucleus edge by bisection over the logits'
+float32 order (at most 32 masked passes over [B, V], in blocks of rows), the k-th largest logit
+by XLA's partial top-k for k <= 256 (by bisection above), and draws by inverse CDF from one
+uniform per row.
 
 Measured in one run, interleaved rounds, medians:
-  1. the truncation + draw alone (sampling.sample's work after the logits) on [B, V] fp32
-     logits with SmolLM2's V = 49152, for B in --batches and each (top_k, top_p) setting,
-     ours (`ours_ms`) vs the sort (`sort_ms`); the masks are checked to agree (`masks_equal`);
-  2. unless --skip_engine: the SmolLM2-135M engine's whole decode step (B slots, cache 288) with
-     top_p = 0.95 and with no truncation (top_p = 1), temperature 1, so the truncation's share of
-     a step shows (`engine_step_ms`).
+  1. truncation + draw alone on [B, V] fp32 logits (Gaussian, std 2.5) with SmolLM2's
+     V = 49152, for B in --batches and each (top_k, top_p) setting, ours (`ours_ms`) vs the
+     previous sampler (`sort_ms`); (0, 1.0) is the draw alone. The truncation masks are checked
+     to agree (`masks_equal`); `kept_mean` is the tokens left per row;
+  2. unless --skip_engine: the SmolLM2-135M engine's whole decode step (first batch size's
+     slots, cache 288): greedy, temperature 1, and temperature 1 with top_p = 0.95
+     (`engine_step_ms`), so sampling's share of a step shows.
 Last line: one JSON object.
 """
 import argparse
@@ -43,11 +45,16 @@ def sort_truncate(lg, top_k: int, top_p: float):
   return jnp.where(lg >= threshold, lg, -jnp.inf)
 
 
-def draw(truncate, top_k, top_p):
+def sampler(truncate, draw, top_k, top_p):
   def f(lg, keys):
     masked = truncate(lg, top_k, top_p)
-    return jax.vmap(jax.random.categorical)(keys, masked), jnp.isfinite(masked)
+    return draw(keys, masked), jnp.isfinite(masked)
   return jax.jit(f)
+
+
+def gumbel_draw(keys, lg):
+  """The baseline's draw: Gumbel-max over the whole row (jax.random.categorical)."""
+  return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
 
 def timed(fn, rounds, reps):
@@ -67,10 +74,12 @@ def engine_steps(batch: int, rounds: int):
   from magistral_jax.parallel.sharding import make_mesh
   cfg, params, _ = ckpt.load_gguf(ckpt.default_gguf_path(), with_tokenizer=False)
   runs = {}
-  for name, top_p in (("top_p_1.0", 1.0), ("top_p_0.95", 0.95)):
+  for name, samp in (("greedy", SamplingConfig(greedy=True)),
+                     ("top_p_1.0", SamplingConfig(temperature=1.0)),
+                     ("top_p_0.95", SamplingConfig(temperature=1.0, top_p=0.95))):
     eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=batch,
                  max_prefill_length=128, max_decode_length=160, prefill_buckets=(128,),
-                 sampling=SamplingConfig(temperature=1.0, top_p=top_p), cpu_dot_library="ynnpack")
+                 sampling=samp, cpu_dot_library="ynnpack")
     p = eng.load_params(params)
     st = eng.set_active(eng.init_decode_state(), np.ones(batch, bool))
     st, r = eng.generate(p, st)
@@ -96,7 +105,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--skip_engine", action="store_true")
   args = ap.parse_args()
-  settings = [(0, 0.95), (0, 0.7), (50, 1.0), (50, 0.95), (1000, 1.0)]
+  settings = [(0, 1.0), (0, 0.95), (0, 0.7), (50, 1.0), (50, 0.95), (1000, 1.0)]
   runs = []
   for b in [int(x) for x in args.batches.split(",")]:
     rs = np.random.RandomState(b)
@@ -104,7 +113,8 @@ def main():
     lg = jnp.asarray((rs.randn(b, args.vocab) * 2.5).astype(np.float32))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
     for top_k, top_p in settings:
-      fns = {"ours": draw(S._truncate, top_k, top_p), "sort": draw(sort_truncate, top_k, top_p)}
+      fns = {"ours": sampler(S._truncate, S.draw, top_k, top_p),
+             "sort": sampler(sort_truncate, gumbel_draw, top_k, top_p)}
       outs = {k: jax.block_until_ready(f(lg, keys)) for k, f in fns.items()}
       equal = bool((np.asarray(outs["ours"][1]) == np.asarray(outs["sort"][1])).all())
       t = {k: [] for k in fns}

@@ -292,6 +292,27 @@ def test_truncation_by_bisection_matches_a_sorting_reference(top_k, top_p):
     assert got.sum(-1).min() >= 1
 
 
+def test_draw_follows_the_distribution_and_never_draws_an_excluded_token():
+  v = 1000   # not a multiple of DRAW_BLOCK: the padding is never drawn either
+  lg = jnp.asarray(np.random.RandomState(0).randn(v).astype(np.float32) * 2.0)
+  lg = lg.at[::7].set(-jnp.inf)
+  n = 100_000
+  keys = jax.random.split(jax.random.PRNGKey(1), n)
+  toks = np.asarray(jax.jit(S.draw)(keys, jnp.broadcast_to(lg, (n, v))))
+  assert toks.min() >= 0 and toks.max() < v
+  p = np.asarray(jax.nn.softmax(lg))
+  counts = np.bincount(toks, minlength=v)
+  assert counts[::7].sum() == 0
+  # Pearson chi-square over the allowed tokens: mean ~1 per degree of freedom (dof ~857, so
+  # 1.2 is > 5 standard deviations away) for a correct sampler.
+  ok = p > 0
+  chi2 = ((counts[ok] - n * p[ok]) ** 2 / (n * p[ok])).sum() / (ok.sum() - 1)
+  assert 0.8 < chi2 < 1.2, chi2
+  # A one-hot row always draws its token; a row with all mass on the last token of the last block.
+  one = jnp.full((4, v), -jnp.inf).at[jnp.arange(4), jnp.array([0, 255, 256, v - 1])].set(0.0)
+  assert np.asarray(S.draw(keys[:4], one)).tolist() == [0, 255, 256, v - 1]
+
+
 def test_truncation_keeps_ties_together(monkeypatch):
   lg = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0, -jnp.inf]])
   # top-k 2: the k-th largest value is 1.0, and every token at 1.0 stays (selection or bisection).

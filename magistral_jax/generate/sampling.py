@@ -12,7 +12,7 @@ fp32 rounding), so the GRPO ratio π_θ / π_old compares like with like. With
 `greedy=True` the argmax is taken and the log-prob is still log π_T of that token.
 
 Sampling is per slot: each slot has its own PRNG key, and the key for a token is
-fold_in(slot_key, position). A sample is therefore the same whether it ran alone or batched with
+fold_in(slot_key, position); the token is drawn by inverse CDF from one uniform per row (`draw`). A sample is therefore the same whether it ran alone or batched with
 others, and whichever slot it landed in.
 """
 from __future__ import annotations
@@ -156,6 +156,35 @@ def _truncate_rows(lg: Array, top_k: int, top_p: float) -> Array:
   return lg
 
 
+DRAW_BLOCK = 256
+
+
+def draw(keys: Array, lg: Array) -> Array:
+  """One token per row of lg [B, V] (fp32 logits, -inf = excluded) from softmax(lg), by inverse
+  CDF with one uniform per row: u * total falls in one block of DRAW_BLOCK probabilities (found
+  from the cumulative block sums) and then on one token of that block (from the block's own
+  cumulative sums). An exact categorical draw up to the fp32 rounding of those partial sums, and
+  a token of probability 0 is never drawn. jax.random.categorical (Gumbel-max) draws V random
+  numbers per row instead: on a 2-core CPU at V = 49152 that was 11.5 ms at 16 rows and 77 ms at
+  64 rows, against 0.5 and 3.5 ms here. keys: [B] typed PRNG keys. Returns int32 [B]."""
+  b, v = lg.shape
+  nb = -(-v // DRAW_BLOCK)
+  p = jax.nn.softmax(lg, axis=-1)
+  if nb * DRAW_BLOCK != v:
+    p = jnp.pad(p, ((0, 0), (0, nb * DRAW_BLOCK - v)))
+  p = p.reshape(b, nb, DRAW_BLOCK)
+  cum_blocks = jnp.cumsum(p.sum(-1), axis=-1)                            # [B, nb], inclusive
+  target = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys) * cum_blocks[:, -1]
+  blk = jnp.minimum(jnp.sum(cum_blocks <= target[:, None], axis=-1), nb - 1)
+  before = jnp.take_along_axis(cum_blocks, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0]
+  before = jnp.where(blk > 0, before, 0.0)
+  inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]      # [B, DRAW_BLOCK]
+  idx = jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1)
+  # Rounding can put the target past the block's own sum: take its last nonzero token then.
+  last = DRAW_BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
+  return (blk * DRAW_BLOCK + jnp.minimum(idx, last)).astype(jnp.int32)
+
+
 def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig):
   """Draws one token per row. logits [B, V] (any float dtype), keys [B] typed PRNG keys,
   positions [B] (folded into the key). Returns (tokens [B] int32, logprobs [B] fp32)."""
@@ -165,6 +194,6 @@ def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig):
   else:
     masked = _truncate(lg, cfg.top_k, cfg.top_p)
     step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
-    tokens = jax.vmap(jax.random.categorical)(step_keys, masked)
+    tokens = draw(step_keys, masked)
   tokens = tokens.astype(jnp.int32)
   return tokens, token_logprob(logits, tokens, cfg.temperature)
