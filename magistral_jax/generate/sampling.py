@@ -112,12 +112,14 @@ def _truncate(lg: Array, top_k: int, top_p: float) -> Array:
   token is kept while the mass of the tokens strictly more likely than it is < top_p (so the
   most likely token always is, and tied tokens go together), with the probabilities
   renormalised over the top-k set when top_k is on (over the k selected values for
-  k <= TOP_K_SELECT_MAX, so a tie at the k-th value counts once per selected copy there). Without
-  a small top-k, the nucleus edge (and the k-th value for k > TOP_K_SELECT_MAX) is found by
-  bisection over the logits' values (_smallest_value_where), not by sorting the vocabulary: at V = 49152 and 16 rows a full sort cost more than the rest
-  of a SmolLM2 decode step on CPU. Only the mass
-  sums differ from a sort-based nucleus (a masked sum instead of a sorted cumsum), so a token
-  whose preceding mass lies within float32 rounding of top_p may fall on the other side."""
+  k <= TOP_K_SELECT_MAX, so a tie at the k-th value counts once per selected copy there).
+
+  Without a small top-k, the nucleus edge (and the k-th value for k > TOP_K_SELECT_MAX) is found
+  by bisection over the logits' values (_smallest_value_where), not by sorting the vocabulary:
+  at V = 49152 and 16 rows a full sort cost more than the rest of a SmolLM2 decode step on CPU.
+  Only the mass sums differ from a sort-based nucleus (a masked sum instead of a sorted cumsum),
+  so a token whose preceding mass lies within float32 rounding of top_p may fall on the other
+  side."""
   if top_k == 0 and top_p >= 1.0:
     return lg
   v = lg.shape[-1]
