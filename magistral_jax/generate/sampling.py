@@ -12,8 +12,9 @@ fp32 rounding), so the GRPO ratio π_θ / π_old compares like with like. With
 `greedy=True` the argmax is taken and the log-prob is still log π_T of that token.
 
 Sampling is per slot: each slot has its own PRNG key, and the key for a token is
-fold_in(slot_key, position); the token is drawn by inverse CDF from one uniform per row (`draw`). A sample is therefore the same whether it ran alone or batched with
-others, and whichever slot it landed in.
+fold_in(slot_key, position); the token is drawn by inverse CDF from one uniform per row
+(`draw`). A sample is therefore the same whether it ran alone or batched with others, and
+whichever slot it landed in.
 """
 from __future__ import annotations
 
