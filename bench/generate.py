@@ -2,8 +2,9 @@
 
 Workload: SmolLM2-135M-Instruct (GGUF weights dequantized to fp32, the same on both sides), 128-token
 prompts, per-request output lengths drawn uniformly from [min_new, 5 * min_new] (a 5x spread, as
-RL completions have), greedy with EOS ignored so both sides generate exactly the requested
-lengths. For each batch size B (slots for us, batch for transformers):
+RL completions have), greedy (or, with --temperature > 0, sampled at that temperature and
+--top_p on both sides: transformers with do_sample, top_k=0) with EOS ignored so both sides
+generate exactly the requested lengths. For each batch size B (slots for us, batch for transformers):
   ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
         slots are refilled from the queue at the next step (a refill that needs a prefill takes
         up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once
@@ -41,13 +42,21 @@ import jax
 import numpy as np
 
 
-def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True):
-  from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
+  from magistral_jax.generate import SamplingConfig
+  if temperature <= 0:
+    return SamplingConfig(greedy=True, max_new_tokens=max_new_tokens)
+  return SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+
+
+def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
+             temperature=0.0, top_p=1.0):
+  from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                max_prefill_length=p_len, max_decode_length=int(max(lengths)),
-               prefill_buckets=(p_len,), sampling=SamplingConfig(greedy=True, max_new_tokens=8))
+               prefill_buckets=(p_len,), sampling=sampling_config(temperature, top_p, 8))
   # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   eng.precompile(eng.load_params(params))
@@ -105,7 +114,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   }
 
 
-def run_hf(hf, prompts, lengths, batch, group_size=1):
+def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0):
   import torch
   t0 = time.perf_counter()
   slot_steps = 0
@@ -114,8 +123,11 @@ def run_hf(hf, prompts, lengths, batch, group_size=1):
     for s in range(0, len(prompts), per):
       x = torch.tensor(prompts[s:s + per], dtype=torch.long).repeat_interleave(group_size, 0)
       n = int(max(lengths[s:s + per]))
-      hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                  pad_token_id=0, use_cache=True)
+      # Sampled: the same temperature / top-p, and top_k=0 (transformers' default is 50).
+      how = (dict(do_sample=False) if temperature <= 0 else
+             dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0))
+      hf.generate(x, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                  use_cache=True, **how)
       slot_steps += n * len(x)
   wall = time.perf_counter() - t0
   useful = float(sum(lengths)) * group_size
@@ -130,6 +142,9 @@ def main():
   ap.add_argument("--min_new", type=int, default=8)
   ap.add_argument("--n_updates", type=int, default=3)
   ap.add_argument("--group_size", type=int, default=1)
+  ap.add_argument("--temperature", type=float, default=0.0,
+                  help="0 = greedy (default); > 0 samples on both sides (the RL setting is 1.0)")
+  ap.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--no_compact", action="store_true",
                   help="decode the drain on all B slots (GeneratorLoop compact_drain=False)")
@@ -161,9 +176,11 @@ def main():
       for side in sides:
         if side == "ours":
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
-                                    args.group_size, not args.no_compact))
+                                    args.group_size, not args.no_compact, args.temperature,
+                                    args.top_p))
         elif hf is not None:
-          hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size))
+          hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
+                                args.top_p))
     def median_run(rs):   # the (lower) median run by tokens/s
       return rs[int(np.argsort([x["tokens_per_s"] for x in rs])[(len(rs) - 1) // 2])]
     r = {"batch": b, "requests": n_req, "group_size": args.group_size,
@@ -183,6 +200,8 @@ def main():
       "machine": f"cpu x{os.cpu_count()}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(),
       "model": "SmolLM2-135M-Instruct fp32", "prompt": args.prompt,
       "new_tokens_range": [args.min_new, 5 * args.min_new],
+      "sampling": ("greedy" if args.temperature <= 0 else
+                   {"temperature": args.temperature, "top_p": args.top_p}),
       "speedup_vs_hf": last.get("speedup_vs_hf"),
       "slot_utilization": last["ours"]["slot_utilization"],
       "update_pause_in_steps": max(r["ours"]["update_pause_in_steps"] for r in runs.values()),

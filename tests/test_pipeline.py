@@ -49,7 +49,7 @@ def setup():
   pool.close()
 
 
-def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0):
+def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0, tune=False):
   rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
   state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
                      params=s["params"])
@@ -57,7 +57,7 @@ def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0):
   gens = make_generators(s["cfg"], s["params"], s["gdevs"],
                          SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=s["tok"].eos_id),
                          max_concurrent_decodes=8, max_prefill_length=64, max_decode_length=MAX_NEW,
-                         seed=seed)
+                         seed=seed, tune=tune)
   return RLPipeline(model_cfg=s["cfg"], grpo_cfg=GRPO, train_step=step, state=state,
                     trainer_mesh=s["tmesh"], generators=gens, pool=pool or s["pool"],
                     tokenizer=s["tok"], prompts=synthetic.problems(seed),
@@ -68,7 +68,7 @@ def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0):
 
 
 def test_async_pipeline_end_to_end(setup, tmp_path):
-  pipe = _pipeline(setup, "async", str(tmp_path), n_async=32)
+  pipe = _pipeline(setup, "async", str(tmp_path), n_async=32, tune=True)
   # make_generators tuned each engine's CPU dot library, its drain engines' too (Engine.tune).
   for gen in pipe.generators:
     engines = [gen.engine] + [gen.engine.compact_engine(n) for n in gen.engine.compact_sizes]
