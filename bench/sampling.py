@@ -57,15 +57,13 @@ def gumbel_draw(keys, lg):
   return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
 
-def timed(fn, rounds, reps):
-  out = []
-  for _ in range(rounds):
-    t = time.perf_counter()
-    for _ in range(reps):
-      r = fn()
-    jax.block_until_ready(r)
-    out.append((time.perf_counter() - t) / reps * 1e3)
-  return out
+def timed(fn, reps):
+  """Mean ms per call over `reps` back-to-back calls."""
+  t = time.perf_counter()
+  for _ in range(reps):
+    r = fn()
+  jax.block_until_ready(r)
+  return (time.perf_counter() - t) / reps * 1e3
 
 
 def engine_steps(batch: int, rounds: int):
@@ -120,7 +118,7 @@ def main():
       t = {k: [] for k in fns}
       for rnd in range(args.rounds):
         for k in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-          t[k] += timed(lambda: fns[k](lg, keys), 1, 3)
+          t[k].append(timed(lambda: fns[k](lg, keys), 3))
       med = {k: float(np.median(v)) for k, v in t.items()}
       r = {"batch": b, "top_k": top_k, "top_p": top_p, "ours_ms": med["ours"],
            "sort_ms": med["sort"], "speedup_vs_sort": med["sort"] / med["ours"],

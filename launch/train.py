@@ -269,7 +269,7 @@ def main(argv):
           max_prefill_length=scfg.engine.max_prefill_length,
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
-          tune=scfg.engine.get("tune", False))
+          tune=scfg.engine.tune)
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

@@ -133,7 +133,6 @@ def _truncate(lg: Array, top_k: int, top_p: float) -> Array:
   return _truncate_rows(lg, top_k, top_p)
 
 
-
 def _truncate_rows(lg: Array, top_k: int, top_p: float) -> Array:
   v = lg.shape[-1]
   if 0 < top_k <= min(TOP_K_SELECT_MAX, v - 1):
