@@ -507,6 +507,16 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     for k in full:
       assert got[k].tokens == full[k].tokens, (sampling, k)
       np.testing.assert_allclose(got[k].logprobs, full[k].logprobs, atol=1e-5)
+    # Utilisation: over all 8 slots every step, and over the slots each step computed (the
+    # compacted steps compute 4 or 2). Without compaction the two are the same.
+    m, fm = loop.metrics(), full_loop.metrics()
+    assert m["compact_steps"] == loop.compact_steps and fm["compact_steps"] == 0
+    assert full_loop.computed_slot_steps == 8 * full_loop.steps
+    assert fm["computed_slot_utilization"] == pytest.approx(fm["slot_utilization"])
+    assert 8 * (loop.steps - loop.compact_steps) < loop.computed_slot_steps < 8 * loop.steps
+    assert m["computed_slot_utilization"] == pytest.approx(
+        loop.active_slot_steps / loop.computed_slot_steps)
+    assert m["slot_utilization"] < m["computed_slot_utilization"] <= 1.0
 
 
 def test_compact_and_expand_round_trip_and_reject_bad_slots(params, mesh):

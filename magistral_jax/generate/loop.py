@@ -153,6 +153,9 @@ class GeneratorLoop:
     # Metrics.
     self.steps = 0
     self.active_slot_steps = 0
+    # Slots the decode steps computed: B per full step, the compact engine's size per compacted
+    # step. Active over computed is the share of decode work that advanced a sequence.
+    self.computed_slot_steps = 0
     self.generated_tokens = 0
     self.compact_steps = 0      # decode steps run on a compacted (smaller) state
     self.decode_time_s = 0.0
@@ -247,9 +250,15 @@ class GeneratorLoop:
 
   def metrics(self) -> dict[str, float]:
     total = self.steps * self.engine.max_concurrent_decodes
+    computed = self.computed_slot_steps
     return {
         "steps": self.steps, "generated_tokens": self.generated_tokens,
+        # Active slots over the engine's B slots in every step (compacted steps count all B).
         "slot_utilization": self.active_slot_steps / total if total else 0.0,
+        # Active slots over the slots each step actually computed (a compacted step computes
+        # only its smaller engine's slots).
+        "computed_slot_utilization": self.active_slot_steps / computed if computed else 0.0,
+        "compact_steps": self.compact_steps,
         "tokens_per_s": self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0,
         "version": self.version,
         "max_update_pause_s": max(self.update_pauses_s, default=0.0),
@@ -288,6 +297,7 @@ class GeneratorLoop:
     if self._compact is None:
       self.state, res = self.engine.generate(self.params, self.state)
       res = jax.device_get(res)
+      self.computed_slot_steps += self.engine.max_concurrent_decodes
     else:
       slots, small, eng = self._compact
       small, r = eng.generate(self.params, small)
@@ -299,6 +309,7 @@ class GeneratorLoop:
       for full, part in zip(res, r):
         full[slots] = np.asarray(part)[:len(slots)]
       self.compact_steps += 1
+      self.computed_slot_steps += eng.max_concurrent_decodes
     self.decode_time_s += time.perf_counter() - t0
     self.steps += 1
     idx = np.flatnonzero(self._active)
