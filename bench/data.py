@@ -32,11 +32,12 @@ from magistral_jax.data import jsonl  # noqa: E402
 from magistral_jax.data import loader  # noqa: E402
 from magistral_jax.data import records  # noqa: E402
 from magistral_jax.data import tfds_builders  # noqa: E402
+from magistral_jax.model.config import SMOLLM2_135M as SMOLLM2_135M_CONFIG  # noqa: E402
 
-# SmolLM2-135M(-Instruct) config.json shapes.
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-                    tie_word_embeddings=True, max_position_embeddings=8192)
+# SmolLM2-135M(-Instruct) config.json shapes, as overrides of the config's model section.
+SMOLLM2_135M = {k: getattr(SMOLLM2_135M_CONFIG, k) for k in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim", "rope_theta", "tie_word_embeddings", "max_position_embeddings")}
 
 
 def build_traces(data_dir: str) -> str:

@@ -160,7 +160,7 @@ def main():
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.model import transformer as T
   from magistral_jax.model.char_tokenizer import char_tokenizer
-  from magistral_jax.model.config import ModelConfig
+  from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
   from magistral_jax.parallel.sharding import GENERATOR_RULES, param_shardings
   from magistral_jax.pipeline import PipelineConfig, RLPipeline
@@ -329,8 +329,7 @@ def main():
              copy_s_tiny=tiny["copy_s"], push_bytes_tiny=tiny["bytes"], load_s_tiny=tiny["load_s"],
              push_over_copy_time=tiny["push_over_copy_time"])
   if not args.skip_big_push:
-    big = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+    big = SMOLLM2_135M
     tsh = param_shardings(T.param_logical_axes(big), push_tmesh, TRAINER_RULES, T.param_shapes(big))
     big_params = jax.jit(lambda r: T.init_params(big, r), out_shardings=tsh)(jax.random.PRNGKey(0))
     jax.block_until_ready(big_params)

@@ -30,16 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from magistral_jax.model.config import ModelConfig
+from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
 
-SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                           num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
-                           max_position_embeddings=8192, logits_chunk=256)
+SMOLLM2_135M = model_config.SMOLLM2_135M.replace(logits_chunk=256)
 
 
 def memory(compiled) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from magistral_jax.model import checkpoint as ck
+from magistral_jax.model import config as model_config
 from magistral_jax.model.config import UnsupportedArchitectureError
 from magistral_jax.model.tokenizer import chat_messages
 
@@ -193,6 +194,8 @@ def test_smollm2_gguf_tensors_equal_transformers_import(smollm2, smollm2_hf):
   assert cfg.rope_theta == hc.rope_parameters["rope_theta"] and cfg.rms_norm_eps == hc.rms_norm_eps
   assert cfg.tie_word_embeddings == hc.tie_word_embeddings is True
   assert (cfg.bos_token_id, cfg.eos_token_id) == (hc.bos_token_id, hc.eos_token_id)
+  # The random-init preset the benchmarks use has the file's shapes.
+  assert model_config.SMOLLM2_135M == cfg.replace(rms_norm_eps=model_config.SMOLLM2_135M.rms_norm_eps)
   ours = ck.params_to_hf(params, cfg)
   theirs = {k: v.numpy() for k, v in model.state_dict().items()}
   assert sorted(theirs) == sorted(list(ours) + ["lm_head.weight"])  # theirs: the tied alias

