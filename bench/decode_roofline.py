@@ -16,6 +16,7 @@ KV cache of every slot; at the roofline the step takes those bytes / the device'
     decode rate);
   * `loop`: `GeneratorLoop.step` (the step, the device-to-host transfer of the tokens and
     log-probs, and the loop's bookkeeping), which is what the RL pipeline gets.
+  The two alternate in `--rounds` blocks; medians are reported.
 - Per model: bytes a step must move (weights read + KV cache read + new KV written + the fp32
   logits written and read), the roofline step time at the measured and at the spec bandwidth,
   and `roofline_fraction` = roofline step time / engine step time (1.0 = bandwidth-bound at the
@@ -164,21 +165,26 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
     raise RuntimeError(f"{loop.num_active} of {args.batch} slots filled")
   for _ in range(args.warm_steps):
     loop.step()
-  t = time.perf_counter()
-  for _ in range(args.loop_steps):
-    loop.step()
-  loop_step_s = (time.perf_counter() - t) / args.loop_steps
-  if loop.num_active != args.batch:
-    raise RuntimeError("a slot finished during the timed steps")
-  state = loop.state
-  jax.block_until_ready(state)
-  t = time.perf_counter()
-  for _ in range(args.engine_steps):
-    state, res = eng.generate(dev_params, state)
-  jax.block_until_ready((state, res))
-  engine_step_s = (time.perf_counter() - t) / args.engine_steps
-  if not bool(np.all(jax.device_get(res.valid))):
-    raise RuntimeError("a slot went inactive during the engine timing")
+  # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
+  # then a block of engine steps on the loop's state, which then goes back to the loop (the loop
+  # does not record the engine-timed tokens; nothing finishes, so that loses nothing measured).
+  loop_ts, engine_ts = [], []
+  for _ in range(args.rounds):
+    t = time.perf_counter()
+    for _ in range(args.loop_steps // args.rounds):
+      loop.step()
+    loop_ts.append((time.perf_counter() - t) / (args.loop_steps // args.rounds))
+    state = loop.state
+    jax.block_until_ready(state)
+    t = time.perf_counter()
+    for _ in range(args.engine_steps // args.rounds):
+      state, res = eng.generate(dev_params, state)
+    jax.block_until_ready((state, res))
+    engine_ts.append((time.perf_counter() - t) / (args.engine_steps // args.rounds))
+    loop.state = state
+    if loop.num_active != args.batch or not bool(np.all(jax.device_get(res.valid))):
+      raise RuntimeError("a slot finished during the timed steps")
+  loop_step_s, engine_step_s = float(np.median(loop_ts)), float(np.median(engine_ts))
 
   tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, eng.cache_length, itemsize)
   bytes_ = tr["bytes_per_step"]
@@ -190,6 +196,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
       "fill_s": fill_s,
       "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
+      "engine_step_ms_per_round": [x * 1e3 for x in engine_ts],
+      "loop_step_ms_per_round": [x * 1e3 for x in loop_ts],
       "tokens_per_s": args.batch / engine_step_s,
       "loop_tokens_per_s": args.batch / loop_step_s,
       **tr,
@@ -216,6 +224,8 @@ def main():
   ap.add_argument("--warm_steps", type=int, default=4)
   ap.add_argument("--loop_steps", type=int, default=32)
   ap.add_argument("--engine_steps", type=int, default=32)
+  ap.add_argument("--rounds", type=int, default=4,
+                  help="interleaved rounds of loop and engine steps (medians are reported)")
   ap.add_argument("--bandwidth_mib", type=int, default=None,
                   help="array size for the bandwidth baseline (default: 2048 on accelerators, "
                        "512 on CPU)")
