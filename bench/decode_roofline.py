@@ -1,17 +1,18 @@
 """Benchmark: decode throughput at a full batch, against the memory-bandwidth roofline.
 
-The issue asks, on an accelerator, for tokens/s at batch 256 for SmolLM2-135M and for a 1B config,
-and for the fraction of the memory-bandwidth roofline reached. A decode step has to read every
-weight once (the tied head reads the whole embedding table) and, in our dense attention, the whole
-KV cache of every slot; at the roofline the step takes those bytes / the device's bandwidth. So:
+What it reports, on an accelerator or a CPU: tokens/s at a full batch (256 by default) for
+SmolLM2-135M and a 1B config, and the fraction of the memory-bandwidth roofline reached. A decode
+step has to read every weight once (the tied head reads the whole embedding table) and, in our
+dense attention, the whole KV cache of every slot; at the roofline the step takes those bytes /
+the device's bandwidth. So:
 
 - Baseline, measured in the same run on the same device: the device's streaming bandwidth, the
   faster of a jitted `jnp.sum` over an array much larger than the caches (read only) and an
-  in-place `x * c` (read and write). Where the device kind is in SPEC_GBPS (H100, H200, A100, TPU v4 / v5e / v5p) the
-  vendor's peak is reported too.
+  in-place `x * c` (read and write). Where the device kind is in SPEC_GBPS (H100, H200, A100,
+  TPU v4 / v5e / v5p) the vendor's peak is reported too.
 - Ours: an Engine with `--batch` slots on one device (or `--tensor N` devices), every slot busy
-  (`--batch` requests of a 128-token prompt prefilled and inserted by the GeneratorLoop, EOS
-  off so none finishes). Two timings:
+  (`--batch` requests of a `--prompt`-token prompt, 128 by default, prefilled and inserted by
+  the GeneratorLoop, EOS off so none finishes). Two timings:
   * `engine`: `Engine.generate` steps dispatched back to back, blocked on at the end (the device's
     decode rate);
   * `loop`: `GeneratorLoop.step` (the step, the device-to-host transfer of the tokens and

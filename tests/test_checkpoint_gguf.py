@@ -195,7 +195,8 @@ def test_smollm2_gguf_tensors_equal_transformers_import(smollm2, smollm2_hf):
   assert cfg.tie_word_embeddings == hc.tie_word_embeddings is True
   assert (cfg.bos_token_id, cfg.eos_token_id) == (hc.bos_token_id, hc.eos_token_id)
   # The random-init preset the benchmarks use has the file's shapes.
-  assert model_config.SMOLLM2_135M == cfg.replace(rms_norm_eps=model_config.SMOLLM2_135M.rms_norm_eps)
+  preset = model_config.SMOLLM2_135M
+  assert preset == cfg.replace(rms_norm_eps=preset.rms_norm_eps)  # the file holds it in float32
   ours = ck.params_to_hf(params, cfg)
   theirs = {k: v.numpy() for k, v in model.state_dict().items()}
   assert sorted(theirs) == sorted(list(ours) + ["lm_head.weight"])  # theirs: the tied alias
