@@ -115,15 +115,13 @@ def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
 def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: int,
                  itemsize: int) -> dict:
   """Bytes one decode step must move and the FLOPs it does (dense attention over the cache)."""
-  weights = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
-  weights += batch * cfg.hidden_size * itemsize                    # the embedding rows gathered
+  # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
+  matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
+  weights = matmul + batch * cfg.hidden_size * itemsize
   kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cache_len * cfg.head_dim * itemsize
   kv_write = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * itemsize
   logits = 2 * batch * cfg.vocab_size * 4                          # fp32, written and read back
-  matmul_params = params_bytes // itemsize
-  if not cfg.tie_word_embeddings:  # the input embedding is a gather, not a matmul
-    matmul_params -= embed_bytes // itemsize
-  flops = 2 * batch * matmul_params + \
+  flops = 2 * batch * (matmul // itemsize) + \
       4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
   return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
           "other_bytes": int(kv_write + logits),
@@ -149,8 +147,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   del params
   eng.precompile(dev_params, tune=eng.platform == "cpu")
   compile_s = time.perf_counter() - t
-  leaves = jax.tree.leaves(dev_params)
-  params_bytes = sum(x.nbytes for x in leaves)
+  params_bytes = sum(x.nbytes for x in jax.tree.leaves(dev_params))
   embed_bytes = dev_params["embed"]["embedding"].nbytes
   itemsize = jnp.dtype(dtype).itemsize
 

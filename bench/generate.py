@@ -27,8 +27,8 @@ decoding refuses), so it prefills G times.
 Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active slot-steps / all
 slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
 the queue still held work; `computed_slot_utilization` = active slot-steps over the slots the
-steps computed (a compacted drain step computes only B/2 or B/4 slots); `update_pause_in_steps` = the longest time the loop was blocked by a
-weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
+steps computed (a compacted drain step computes only B/2 or B/4 slots); `update_pause_in_steps`
+= the longest time the loop was blocked by a weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
 the caller's thread and is reported separately as update_call_s). `dot_library` / `generate_tuning`:
 which CPU dot library the engine's precompile picked for the generate step, and both step times.
 Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
@@ -98,11 +98,12 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   wall = time.perf_counter() - t0
   th.join()
   step_s = loop.decode_time_s / loop.steps
+  metrics = loop.metrics()
   s_q, a_q = queued_util[-1] if queued_util else (1, 0)
   return {
       "tokens_per_s": done / wall, "wall_s": wall, "generated_tokens": done, "steps": loop.steps,
-      "slot_utilization": loop.metrics()["slot_utilization"],
-      "computed_slot_utilization": loop.metrics()["computed_slot_utilization"],
+      "slot_utilization": metrics["slot_utilization"],
+      "computed_slot_utilization": metrics["computed_slot_utilization"],
       "slot_utilization_while_queued": a_q / (s_q * slots),
       "decode_step_s": step_s, "decode_s": loop.decode_time_s,
       "prefill_insert_host_s": wall - loop.decode_time_s, "versions_seen": loop.version,

@@ -295,9 +295,9 @@ class GeneratorLoop:
       self._maybe_compact()
     t0 = time.perf_counter()
     if self._compact is None:
-      self.state, res = self.engine.generate(self.params, self.state)
+      eng = self.engine
+      self.state, res = eng.generate(self.params, self.state)
       res = jax.device_get(res)
-      self.computed_slot_steps += self.engine.max_concurrent_decodes
     else:
       slots, small, eng = self._compact
       small, r = eng.generate(self.params, small)
@@ -309,7 +309,7 @@ class GeneratorLoop:
       for full, part in zip(res, r):
         full[slots] = np.asarray(part)[:len(slots)]
       self.compact_steps += 1
-      self.computed_slot_steps += eng.max_concurrent_decodes
+    self.computed_slot_steps += eng.max_concurrent_decodes
     self.decode_time_s += time.perf_counter() - t0
     self.steps += 1
     idx = np.flatnonzero(self._active)
