@@ -9,7 +9,9 @@ generate exactly the requested lengths. For each batch size B (slots for us, bat
         slots are refilled from the queue at the next step (a refill that needs a prefill takes
         up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once
         the queue is empty, the remaining sequences run on B/2 or B/4 slots when they fit
-        (drain compaction; --no_compact turns it off). Mid-run, new weights are pushed from
+        (drain compaction; --no_compact turns it off). With --attention_windows N > 1 each step
+        attends over the smallest of N windows of the KV cache that holds its active slots
+        (Engine.window_for; every window's step is precompiled). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version). The engine's precompile
         picks the generate step's CPU dot library by timing both (Engine.tune_generate).
   hf:   the same requests in static batches of B; each batch runs until its longest member is
@@ -51,13 +53,14 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 
 
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
-             temperature=0.0, top_p=1.0):
+             temperature=0.0, top_p=1.0, attention_windows=1):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                max_prefill_length=p_len, max_decode_length=int(max(lengths)),
-               prefill_buckets=(p_len,), sampling=sampling_config(temperature, top_p, 8))
+               prefill_buckets=(p_len,), sampling=sampling_config(temperature, top_p, 8),
+               attention_windows=attention_windows)
   # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   eng.precompile(eng.load_params(params))
@@ -113,6 +116,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "recompiled": eng.compile_counts() != compiled,
       "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
       "compact_steps": loop.compact_steps,
+      "attention_windows": list(eng.attention_windows),
+      "attention_window_fraction": metrics["attention_window_fraction"],
       "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
   }
 
@@ -151,6 +156,8 @@ def main():
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--no_compact", action="store_true",
                   help="decode the drain on all B slots (GeneratorLoop compact_drain=False)")
+  ap.add_argument("--attention_windows", type=int, default=1,
+                  help="windows over the KV cache for our decode step (Engine; 1 = dense)")
   ap.add_argument("--repeats", type=int, default=1,
                   help="runs per side and batch size, alternating ours/HF (see the docstring)")
   args = ap.parse_args()
@@ -180,7 +187,7 @@ def main():
         if side == "ours":
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
                                     args.group_size, not args.no_compact, args.temperature,
-                                    args.top_p))
+                                    args.top_p, args.attention_windows))
         elif hf is not None:
           hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
                                 args.top_p))

@@ -157,7 +157,8 @@ def main(argv):
         engines[top_p] = Engine(model_cfg, gen_mesh, GENERATOR_RULES,
                                 max_concurrent_decodes=config.engine.max_concurrent_decodes,
                                 max_prefill_length=config.engine.max_prefill_length,
-                                max_decode_length=config.eval.max_new_tokens, sampling=sampling)
+                                max_decode_length=config.eval.max_new_tokens, sampling=sampling,
+                                attention_windows=config.engine.attention_windows)
       t = time.time()
       res = evaluate(GeneratorLoop(engines[top_p], params, seed=config.seed), pool, tok, probs,
                      k=k, system_prompt=system_prompt, seed=config.seed)

@@ -214,7 +214,8 @@ def main(argv):
   eval_engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), gdevs[0]),
                        GENERATOR_RULES, max_concurrent_decodes=config.engine.max_concurrent_decodes,
                        max_prefill_length=config.engine.max_prefill_length,
-                       max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling)
+                       max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling,
+                       attention_windows=config.engine.attention_windows)
   eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed)
   heldout = heldout_problems(config)
   summary_path = os.path.join(workdir, "summary.json")
@@ -269,7 +270,7 @@ def main(argv):
           max_prefill_length=scfg.engine.max_prefill_length,
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
-          tune=scfg.engine.tune)
+          tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows)
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

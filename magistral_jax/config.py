@@ -61,8 +61,11 @@ def default_config() -> mlc.ConfigDict:
   # at start-up and keeps the faster (Engine.tune): worth it for a real model on CPU (1.1-2.3x
   # per step on the 2-core hosts measured), not for the tiny model, whose run it would mostly
   # spend compiling (two compilations per step program). A no-op on accelerators.
+  # attention_windows: n > 1 gives each decode step the smallest of n windows over the KV cache
+  # that holds its active slots, so it reads that much of the cache instead of all of it (one
+  # compiled step per window; Engine.window_for). 1 = dense attention over the whole cache.
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
-                                 recompute_kv_on_update=False, tune=False))
+                                 recompute_kv_on_update=False, tune=False, attention_windows=1))
   # ---- reward (SPEC §2) ----
   c.reward = mlc.ConfigDict(dict(
       l_max=40960, l_cache=8192,  # Small: l_max - l_cache = 32k; l_cache NOT STATED
@@ -143,6 +146,9 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
   if reward.l_cache <= 0 or reward.l_cache > reward.l_max:
     raise ValueError(f"reward: need 0 < l_cache <= l_max, got l_cache={reward.l_cache}, "
                      f"l_max={reward.l_max}")
+  if config.engine.attention_windows < 1:
+    raise ValueError(f"engine.attention_windows={config.engine.attention_windows}: the number "
+                     "of attention windows must be >= 1 (1 = dense attention)")
   if num_devices is not None:
     need = config.devices.trainer + sum(config.devices.generators)
     if need > num_devices:

@@ -474,7 +474,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
                                np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
     toks, lps = [], []
     for _ in range(5):
-      st, r = eng._generate_jit(lib)(p, st)
+      st, r = eng._generate_jit(lib)(p, st, eng.cache_length)
       toks.append(int(r.tokens[0]))
       lps.append(float(r.logprobs[0]))
     outs[lib] = (toks, lps)
@@ -583,3 +583,54 @@ def test_prefill_ahead_batches_queued_prompts_with_the_same_samples(params, mesh
   for k in got[0]:
     assert got[None][k].tokens == got[0][k].tokens
     np.testing.assert_allclose(got[None][k].logprobs, got[0][k].logprobs, atol=1e-5)
+
+
+def test_attention_windows_give_the_dense_samples_without_recompiling(params, mesh):
+  """With attention windows a step reads only the first W cache positions, W the smallest window
+  holding every active slot (prompt + tokens so far). Greedy or sampled, with drain compaction,
+  every sample and log-prob is the dense step's; each window is compiled once, by precompile."""
+  from magistral_jax.generate.engine import default_windows
+  assert default_windows(288, 3) == (96, 192, 288)
+  assert default_windows(32, 1) == (32,) and default_windows(32, 4) == (16, 32)
+  with pytest.raises(ValueError, match=">= 1"):
+    default_windows(32, 0)
+  with pytest.raises(ValueError, match="must lie in"):
+    Engine(CFG, mesh, max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=16,
+           attention_windows=(8, 40))
+  ps = prompts(9, seed=5)
+  reqs = lambda: [Request(i, p, max_new_tokens=2 + (5 * i) % 15, seed=i)
+                  for i, p in enumerate(ps)]
+  windows = (10, 14, 20, 26)
+  for sampling in (GREEDY, SAMPLED):
+    dense = run(GeneratorLoop(engine(mesh, slots=8, sampling=sampling), params), reqs())
+    eng = engine(mesh, slots=8, sampling=sampling, attention_windows=windows)
+    assert eng.attention_windows == windows + (32,)
+    assert eng.compact_engine(4).attention_windows == eng.attention_windows
+    eng.precompile(eng.load_params(params), tune=False)
+    compiled = eng.compile_counts()
+    assert compiled["generate"] == 5
+    loop = GeneratorLoop(eng, params)
+    got = run(loop, reqs())
+    assert eng.compile_counts() == compiled
+    assert got.keys() == dense.keys()
+    for k in dense:
+      assert got[k].tokens == dense[k].tokens, (sampling, k)
+      np.testing.assert_allclose(got[k].logprobs, dense[k].logprobs, atol=1e-5)
+    m = loop.metrics()
+    assert loop.compact_steps > 0 and 0.3 < m["attention_window_fraction"] < 1.0
+  assert eng.window_for(1) == 10 and eng.window_for(21) == 26 and eng.window_for(32) == 32
+  # The window does cut attention: a slot holding 13 prompt tokens, stepped with window 10
+  # (too small for it), gets other logits than with the whole cache or a window that fits.
+  lp = eng.load_params(params)
+  padded, n, _ = eng.pad_prompt((ps[0] + ps[1])[:15])
+  assert n > 10
+  pre = eng.prefill(lp, padded, n)
+  out = {w: eng.generate(lp, eng.insert(pre, eng.init_decode_state(), 0), w)[1]
+         for w in (10, eng.window_for(n + 1), 32)}
+  lps = {w: float(r.logprobs[0]) for w, r in out.items()}
+  assert lps[eng.window_for(n + 1)] == pytest.approx(lps[32], abs=1e-5)
+  assert abs(lps[10] - lps[32]) > 1e-4 or int(out[10].tokens[0]) != int(out[32].tokens[0])
+  with pytest.raises(ValueError, match="exceed the cache length"):
+    eng.window_for(33)
+  with pytest.raises(ValueError, match="not one of"):
+    eng.generate(eng.load_params(params), eng.init_decode_state(), 12)

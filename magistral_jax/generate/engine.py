@@ -18,7 +18,9 @@ call (several slots may share a row: the G samples of a GRPO group), each slot d
 token from the row's last-position logits with its own PRNG stream.
 
 Compilation: `generate` is one jitted program with fixed shapes, fixed in/out shardings and the
-decode state donated, so new weights of the same shapes/shardings never recompile it. `prefill`
+decode state donated, so new weights of the same shapes/shardings never recompile it (one program
+per attention window when `attention_windows` > 1: a step attends over the first W cache positions
+only, W the smallest window holding every active slot; `precompile` compiles them all). `prefill`
 and `insert` compile once per prefill length bucket; `prefill_many` and `insert_many` once per
 (bucket, batch size) with batch sizes drawn from the bounded set `prefill_batch_sizes` (powers of
 two up to max_prefill_batch), so the number of programs stays small and fixed.
@@ -161,6 +163,16 @@ class ResultTokens(NamedTuple):
   finite: Array
 
 
+def default_windows(cache_length: int, n: int, multiple: int = 16) -> tuple[int, ...]:
+  """n attention windows evenly spread over the cache (rounded up to `multiple` positions),
+  the last one the whole cache; n = 1: dense attention over the whole cache every step."""
+  if n < 1:
+    raise ValueError(f"the number of attention windows must be >= 1, got {n}")
+  ws = {min(cache_length, -(-cache_length * i // n // multiple) * multiple)
+        for i in range(1, n + 1)}
+  return tuple(sorted(ws | {cache_length}))
+
+
 def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
   """Powers of two from `smallest` up to max_prefill_length (always included)."""
   out, b = [], smallest
@@ -179,7 +191,8 @@ class Engine:
                sampling: S.SamplingConfig = S.SamplingConfig(),
                prefill_buckets: Sequence[int] | None = None, cache_dtype=None,
                truncate_prompts: bool = False, max_prefill_batch: int | None = None,
-               cpu_dot_library: str = "auto", compact_sizes: Sequence[int] | None = None):
+               cpu_dot_library: str = "auto", compact_sizes: Sequence[int] | None = None,
+               attention_windows: Sequence[int] | int | None = None):
     if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
@@ -199,6 +212,16 @@ class Engine:
       raise ValueError(f"prefill_buckets {buckets} must lie in [1, max_prefill_length="
                        f"{self._max_prefill}]")
     self.prefill_buckets = tuple(buckets)
+    # Attention windows (see `window_for`): a generate step attends over the first W cache
+    # positions, W the smallest window holding every active slot; one program per window.
+    if attention_windows is None or isinstance(attention_windows, (int, np.integer)):
+      windows = default_windows(self.cache_length, int(attention_windows or 1))
+    else:
+      windows = sorted({int(w) for w in attention_windows} | {self.cache_length})
+      if windows[0] < 1 or windows[-1] > self.cache_length:
+        raise ValueError(f"attention_windows {list(attention_windows)} must lie in [1, "
+                         f"cache length {self.cache_length}]")
+    self.attention_windows = tuple(windows)
     # Batched prefill: up to max_prefill_batch prompts per call (default: min(slots, 8), which
     # bounds the activation memory of one call to 8 prompts), in power-of-two batch sizes.
     mpb = min(self._slots, 8) if max_prefill_batch is None else int(max_prefill_batch)
@@ -256,7 +279,8 @@ class Engine:
                            max_decode_length=max_decode_length, sampling=sampling,
                            prefill_buckets=prefill_buckets, cache_dtype=cache_dtype,
                            truncate_prompts=truncate_prompts, max_prefill_batch=max_prefill_batch,
-                           cpu_dot_library=cpu_dot_library, compact_sizes=())
+                           cpu_dot_library=cpu_dot_library, compact_sizes=(),
+                           attention_windows=self.attention_windows)
     if compact_sizes is None:
       compact_sizes = [n for n in (self._slots // 2, self._slots // 4) if n >= 1]
     shards = self._slots // batch.shard_shape((self._slots,))[0]   # slot shards over the mesh
@@ -321,10 +345,12 @@ class Engine:
 
   def _generate_jit(self, library: str | None):
     if library not in self._generate_jits:
+      # The attention window (argument 2) is static: one program per window.
       self._generate_jits[library] = jax.jit(
           self._generate_impl,
           in_shardings=(self.decode_param_shardings, self.state_shardings),
           out_shardings=(self.state_shardings, self._result_sh), donate_argnums=(1,),
+          static_argnums=(2,),
           compiler_options=generate_compiler_options(self.platform, self._slots, library))
     return self._generate_jits[library]
 
@@ -340,14 +366,15 @@ class Engine:
     jits = {lib: self._generate_jit(lib) for lib in CPU_DOT_LIBRARIES}
     state = self.set_active(self.init_decode_state(), np.ones((self._slots,), bool))
     times: dict[str, list[float]] = {lib: [] for lib in jits}
+    w = self.cache_length   # timed at the full window
     for lib, f in jits.items():  # compile and warm up
-      state, res = f(params, state)
+      state, res = f(params, state, w)
       jax.block_until_ready(res)
     for r in range(rounds):
       for lib in (CPU_DOT_LIBRARIES if r % 2 == 0 else CPU_DOT_LIBRARIES[::-1]):
         t0 = time.perf_counter()
         for _ in range(steps):
-          state, res = jits[lib](params, state)
+          state, res = jits[lib](params, state, w)
         jax.block_until_ready(res)
         times[lib].append((time.perf_counter() - t0) / steps * 1e3)
     med = {lib: float(np.median(t)) for lib, t in times.items()}
@@ -432,12 +459,14 @@ class Engine:
         pre = self.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32))
         state, _, _ = self.insert_many(pre, state, [0], [0], np.zeros((1, 2), np.uint32), [0],
                                        np.zeros((self._slots,), bool))
-    state, _ = self.generate(params, state)
+    for w in self.attention_windows:
+      state, _ = self.generate(params, state, w)
     state = self.set_active(state, np.zeros((self._slots,), bool))
     for n in self.compact_sizes:  # the drain's programs: gather, smaller step, scatter back
       child = self.compact_engine(n)
       small = self.compact(state, [0], n)
-      small, _ = child.generate(params, small)
+      for w in child.attention_windows:
+        small, _ = child.generate(params, small, w)
       small = child.set_active(small, np.zeros((n,), bool))
       state = self.expand(state, small, [0])
     jax.block_until_ready(state)
@@ -625,10 +654,11 @@ class Engine:
     return self._insert_many(prefixes, decode_state, slots, rows, keys, sample_index,
                              np.int32(m), np.asarray(active, bool))
 
-  def _generate_impl(self, params, state: DecodeState):
+  def _generate_impl(self, params, state: DecodeState, window: int):
     active = state.active
     hidden, cache = T.decode(params, self.cfg, state.tokens[:, None], state.cache, self.shard,
-                             num_new=active.astype(jnp.int32))
+                             num_new=active.astype(jnp.int32),
+                             window=window if window < self.cache_length else None)
     lg = T.logits(params, self.cfg, hidden[:, 0])
     finite = jnp.all(jnp.isfinite(lg), axis=-1)
     # The sampled token will sit at position cache.lengths (the stream's key is folded with it).
@@ -637,9 +667,24 @@ class Engine:
     new_state = DecodeState(cache, tok, state.keys, active)
     return new_state, ResultTokens(tok, lp, active, cache.lengths, finite)
 
-  def generate(self, params, decode_state: DecodeState):
-    """One decode step for every slot (inactive slots compute but do not advance)."""
-    return self._generate(params, decode_state)
+  def generate(self, params, decode_state: DecodeState, window: int | None = None):
+    """One decode step for every slot (inactive slots compute but do not advance). `window`
+    (one of attention_windows; default: the whole cache) bounds the cache positions attended
+    to: every active slot's cache length must be below it (window_for gives the smallest such
+    window), or its token is computed from a truncated prefix."""
+    if window is None:
+      window = self.cache_length
+    elif window not in self.attention_windows:
+      raise ValueError(f"attention window {window} is not one of {self.attention_windows}")
+    return self._generate(params, decode_state, int(window))
+
+  def window_for(self, positions: int) -> int:
+    """The smallest attention window covering `positions` cache positions (the largest
+    active cache length + 1: the step writes the pending token at position length)."""
+    i = bisect.bisect_left(self.attention_windows, positions)
+    if i == len(self.attention_windows):
+      raise ValueError(f"{positions} positions exceed the cache length {self.cache_length}")
+    return self.attention_windows[i]
 
   def set_active(self, decode_state: DecodeState, active) -> DecodeState:
     """Frees (False) or keeps (True) slots; a freed slot stops advancing until re-inserted."""

@@ -140,6 +140,9 @@ class GeneratorLoop:
     self._ver_buf = np.zeros((n_slots, engine.max_decode_length), np.int64)
     self._count = np.zeros((n_slots,), np.int64)
     self._max_new = np.zeros((n_slots,), np.int64)
+    # Prompt tokens in each slot's cache: its cache length before a step is prompt + count - 1,
+    # so a step writes at positions below prompt + count (what picks the attention window).
+    self._prompt_len = np.zeros((n_slots,), np.int64)
     self._active = np.zeros((n_slots,), bool)
     self._device_active = np.zeros((n_slots,), bool)
     self._pending: tuple[Any, int] | None = None
@@ -158,6 +161,7 @@ class GeneratorLoop:
     self.computed_slot_steps = 0
     self.generated_tokens = 0
     self.compact_steps = 0      # decode steps run on a compacted (smaller) state
+    self.attended_positions = 0  # sum over steps of the attention window (cache positions read)
     self.decode_time_s = 0.0
     self.idle_time_s = 0.0      # blocked waiting for a request with no active slot
     self.update_pauses_s: list[float] = []
@@ -259,6 +263,9 @@ class GeneratorLoop:
         # only its smaller engine's slots).
         "computed_slot_utilization": self.active_slot_steps / computed if computed else 0.0,
         "compact_steps": self.compact_steps,
+        # The mean attention window per step, over the engine's cache length (1.0 = dense).
+        "attention_window_fraction": (self.attended_positions / self.steps
+                                      / self.engine.cache_length if self.steps else 0.0),
         "tokens_per_s": self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0,
         "version": self.version,
         "max_update_pause_s": max(self.update_pauses_s, default=0.0),
@@ -293,14 +300,17 @@ class GeneratorLoop:
       return False
     if self.compact_drain:
       self._maybe_compact()
+    act = np.flatnonzero(self._active)
+    window = self.engine.window_for(int((self._prompt_len[act] + self._count[act]).max()))
+    self.attended_positions += window
     t0 = time.perf_counter()
     if self._compact is None:
       eng = self.engine
-      self.state, res = eng.generate(self.params, self.state)
+      self.state, res = eng.generate(self.params, self.state, window)
       res = jax.device_get(res)
     else:
       slots, small, eng = self._compact
-      small, r = eng.generate(self.params, small)
+      small, r = eng.generate(self.params, small, window)
       self._compact = (slots, small, eng)
       r = jax.device_get(r)
       # Back to full-size per-slot arrays: row i of the compacted step is slot slots[i].
@@ -443,6 +453,7 @@ class GeneratorLoop:
           self._slots[slot] = _Slot(g, i)
           self._count[slot] = 0
           self._max_new[slot] = g.max_new
+          self._prompt_len[slot] = g.true_length
         self._active[slots] = True
         self.state, tok, lp = self.engine.insert_many(
             entries[0][1].prefix[0], self.state, slots, [e[1].prefix[1] for e in entries],

@@ -135,7 +135,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None,
-               layer=None):
+               layer=None, window=None):
     cfg, dt = self.cfg, self.cfg.jnp_dtype
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt = cfg.jnp_param_dtype
@@ -179,6 +179,10 @@ class Attention(nn.Module):
       new_cache = (ck, cv)
       if layer is None:
         keys, values = ck.astype(dt), cv.astype(dt)
+        if window is not None and window < values.shape[2]:
+          # Attend over the first `window` positions only (see `decode`): the caller keeps
+          # every slot's new positions below it, so the rest of the cache is masked anyway.
+          keys, values = keys[..., :window], values[:, :, :window]
       else:
         keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
         values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
@@ -251,12 +255,13 @@ class DecodeLayer(nn.Module):
   shard: ShardingCtx | None = None
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_index, valid_len):
+  def __call__(self, carry, layer, positions, write_index, valid_len, window=None):
     x, ck, cv = carry
     attn = Attention(self.cfg, self.shard, name="attn")
     xn = RMSNorm(self.cfg, name="attn_norm")(x)
     if isinstance(ck, tuple):   # per-layer cache (unrolled decode): `layer` is a Python int
-      h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len)
+      h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len,
+                           window=window)
       ck = ck[:layer] + (k_l,) + ck[layer + 1:]
       cv = cv[:layer] + (v_l,) + cv[layer + 1:]
     else:
@@ -559,19 +564,20 @@ def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
   return out
 
 
-def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard):
+def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window=None):
   """Transformer.__call__ in decode mode over decode-layout params: the same embedding, layer
   module and final norm, with the layer loop unrolled over per-layer weights."""
   carry = (_embed(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
   for l, layer_params in enumerate(params["layers"]):
     carry, _ = DecodeLayer(cfg, shard).apply({"params": layer_params}, carry, l, positions,
-                                             cache.lengths, valid)
+                                             cache.lengths, valid, window)
   x, k, v = carry
   return RMSNorm(cfg).apply({"params": params["final_norm"]}, x), (k, v)
 
 
 def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
-           shard: ShardingCtx | None = None, num_new: Array | None = None):
+           shard: ShardingCtx | None = None, num_new: Array | None = None,
+           window: int | None = None):
   """Appends `tokens` [B, T] to each slot at its own offset cache.lengths[b] and returns
   (hidden [B, T, D], new cache). Token t of slot b sits at position lengths[b] + t.
   `params` may be stacked or in the decode layout (to_decode_layout; the faster one to decode
@@ -579,15 +585,28 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
 
   `num_new` [B] (default T) says how many of the T tokens are real per slot: the new lengths are
   lengths + num_new, so padding written past a prompt's true length is overwritten later (this is
-  how a padded prefill sets a slot to its true length)."""
+  how a padded prefill sets a slot to its true length).
+
+  `window` (a static int, decode-layout params only) restricts attention to the first `window`
+  cache positions: a step then reads that much of every slot's cache instead of all of it. The
+  caller must keep lengths[b] + T <= window for every slot whose output it uses (others read a
+  truncated prefix, which is harmless when their output is dropped); the new keys and values are
+  written into the whole cache as usual. The generation engine picks the smallest of its
+  attention windows that holds its active slots (Engine.window_for)."""
   b, t = tokens.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   valid = cache.lengths + t
+  if window is not None and not 1 <= window:
+    raise ValueError(f"attention window must be >= 1, got {window}")
   if is_decode_layout(params):
     if is_per_layer_cache(cache):
       cache = cache._replace(k=tuple(cache.k), v=tuple(cache.v))
-    x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard)
+    else:
+      window = None   # a stacked cache is read whole (this path is for tests and tools)
+    x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window)
   else:
+    if window is not None:
+      raise ValueError("an attention window needs decode-layout params (to_decode_layout)")
     per_layer = is_per_layer_cache(cache)
     stacked = stack_cache(cache)
     x, (k, v) = Transformer(cfg, shard).apply(

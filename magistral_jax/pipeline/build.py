@@ -116,19 +116,21 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
                     detokenize=None, recompute_kv_on_update: bool = False, seed: int = 0,
-                    rules=GENERATOR_RULES, tune: bool = False) -> list[GeneratorLoop]:
+                    rules=GENERATOR_RULES, tune: bool = False,
+                    attention_windows: int = 1) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
   two compilations of each step at start-up, so it is off by default; without it the untuned
-  slot-count rule of engine.generate_compiler_options applies."""
+  slot-count rule of engine.generate_compiler_options applies. `attention_windows`: see
+  Engine (the number of windows over the KV cache; 1 = dense)."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
     mesh = make_mesh(shape, devs)
     engine = Engine(model_cfg, mesh, rules, max_concurrent_decodes=max_concurrent_decodes,
                     max_prefill_length=max_prefill_length, max_decode_length=max_decode_length,
-                    sampling=sampling)
+                    sampling=sampling, attention_windows=attention_windows)
     loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
                          recompute_kv_on_update=recompute_kv_on_update, seed=seed + i)
     if tune:
