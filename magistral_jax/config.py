@@ -63,7 +63,8 @@ def default_config() -> mlc.ConfigDict:
   # spend compiling (two compilations per step program). A no-op on accelerators.
   # attention_windows: n > 1 gives each decode step the smallest of n windows over the KV cache
   # that holds its active slots, so it reads that much of the cache instead of all of it (one
-  # compiled step per window; Engine.window_for). 1 = dense attention over the whole cache.
+  # compiled step per window, halving from the whole cache: S, S/2, ...; Engine.window_for).
+  # 1 = dense attention over the whole cache.
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
                                  recompute_kv_on_update=False, tune=False, attention_windows=1))
   # ---- reward (SPEC §2) ----
