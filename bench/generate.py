@@ -9,7 +9,9 @@ generate exactly the requested lengths. For each batch size B (slots for us, bat
         slots are refilled from the queue at the next step (a refill that needs a prefill takes
         up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once
         the queue is empty, the remaining sequences run on B/2 or B/4 slots when they fit
-        (drain compaction; --no_compact turns it off). With --attention_windows N > 1 each step
+        (drain compaction; --no_compact turns it off). A worker thread prefills queued prompts
+        while the loop decodes (GeneratorLoop background_prefill; --no_background_prefill
+        prefills in the loop thread between steps). With --attention_windows N > 1 each step
         attends over the smallest of N windows of the KV cache that holds its active slots
         (Engine.window_for; every window's step is precompiled). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version). The engine's precompile
@@ -53,7 +55,7 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 
 
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
-             temperature=0.0, top_p=1.0, attention_windows=1):
+             temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
@@ -69,7 +71,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   warm.run_until_idle()
   compiled = eng.compile_counts()
 
-  loop = GeneratorLoop(eng, params, compact_drain=compact)
+  loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size
@@ -93,7 +95,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   done = 0
   while not loop.idle():
     loop.step()
-    if not loop._requests.empty() or loop._groups:
+    if loop._pending_work():
       queued_util.append((loop.steps, loop.active_slot_steps))
   while not loop.completions.empty():
     c = loop.completions.get()
@@ -116,6 +118,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "recompiled": eng.compile_counts() != compiled,
       "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
       "compact_steps": loop.compact_steps,
+      "background_prefill": background_prefill, "prefill_wait_s": loop.prefill_wait_s,
+      "background_prefilled": loop.background_prefilled,
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
       "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
@@ -158,6 +162,9 @@ def main():
                   help="decode the drain on all B slots (GeneratorLoop compact_drain=False)")
   ap.add_argument("--attention_windows", type=int, default=1,
                   help="windows over the KV cache for our decode step (Engine; 1 = dense)")
+  ap.add_argument("--no_background_prefill", action="store_true",
+                  help="prefill in the loop thread, between decode steps (GeneratorLoop "
+                       "background_prefill=False)")
   ap.add_argument("--repeats", type=int, default=1,
                   help="runs per side and batch size, alternating ours/HF (see the docstring)")
   args = ap.parse_args()
@@ -187,7 +194,8 @@ def main():
         if side == "ours":
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
                                     args.group_size, not args.no_compact, args.temperature,
-                                    args.top_p, args.attention_windows))
+                                    args.top_p, args.attention_windows,
+                                    not args.no_background_prefill))
         elif hf is not None:
           hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
                                 args.top_p))

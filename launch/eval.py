@@ -160,7 +160,9 @@ def main(argv):
                                 max_decode_length=config.eval.max_new_tokens, sampling=sampling,
                                 attention_windows=config.engine.attention_windows)
       t = time.time()
-      res = evaluate(GeneratorLoop(engines[top_p], params, seed=config.seed), pool, tok, probs,
+      loop = GeneratorLoop(engines[top_p], params, seed=config.seed,
+                           background_prefill=config.engine.background_prefill)
+      res = evaluate(loop, pool, tok, probs,
                      k=k, system_prompt=system_prompt, seed=config.seed)
       res["kind"] = kind
       res["wall_time_s"] = time.time() - t

@@ -216,7 +216,8 @@ def main(argv):
                        max_prefill_length=config.engine.max_prefill_length,
                        max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling,
                        attention_windows=config.engine.attention_windows)
-  eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed)
+  eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed,
+                                           background_prefill=config.engine.background_prefill)
   heldout = heldout_problems(config)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
@@ -270,7 +271,8 @@ def main(argv):
           max_prefill_length=scfg.engine.max_prefill_length,
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
-          tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows)
+          tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
+          background_prefill=scfg.engine.background_prefill)
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

@@ -65,8 +65,12 @@ def default_config() -> mlc.ConfigDict:
   # that holds its active slots, so it reads that much of the cache instead of all of it (one
   # compiled step per window, halving from the whole cache: S, S/2, ...; Engine.window_for).
   # 1 = dense attention over the whole cache.
+  # background_prefill: a worker thread prefills queued prompts while the loop decodes
+  # (GeneratorLoop); on CPU the two overlap (1.2-1.5x more work per second, BENCHMARKS.md), on an
+  # accelerator they share the device queue. False prefills in the loop thread between steps.
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
-                                 recompute_kv_on_update=False, tune=False, attention_windows=1))
+                                 recompute_kv_on_update=False, tune=False, attention_windows=1,
+                                 background_prefill=True))
   # ---- reward (SPEC §2) ----
   c.reward = mlc.ConfigDict(dict(
       l_max=40960, l_cache=8192,  # Small: l_max - l_cache = 32k; l_cache NOT STATED

@@ -1,6 +1,7 @@
 """Generation engine and loop on a tiny random decoder (8 simulated CPU devices)."""
 import queue
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -635,3 +636,115 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
     eng.window_for(33)
   with pytest.raises(ValueError, match="not one of"):
     eng.generate(eng.load_params(params), eng.init_decode_state(), 12)
+
+
+def _by_thread(eng, calls):
+  """Wraps eng.prefill_many to record which thread called it (undo with `del eng.prefill_many`)."""
+  orig = eng.prefill_many
+  def wrapped(*a):
+    calls.append(threading.current_thread().name)
+    return orig(*a)
+  eng.prefill_many = wrapped
+
+
+def test_background_prefill_gives_the_same_samples(params, mesh):
+  # 30 requests (1-3 samples each, prompts in both buckets) through 4 slots: a worker thread
+  # prefills the queue while the loop decodes; every sample equals the loop-thread prefill's.
+  ps = prompts(30, seed=5)
+  reqs = lambda: [Request(i, p, group_size=1 + i % 3, max_new_tokens=2 + i % 12, seed=i)
+                  for i, p in enumerate(ps)]
+  for sampling in (GREEDY, SAMPLED):
+    eng = engine(mesh, sampling=sampling)
+    sync = run(GeneratorLoop(eng, params), reqs())
+    loop = GeneratorLoop(eng, params, background_prefill=True)
+    calls = []
+    _by_thread(eng, calls)
+    try:
+      bg = run(loop, reqs())
+      # The same through the threaded loop (start / get / stop).
+      threaded = GeneratorLoop(eng, params, background_prefill=True).start()
+      try:
+        for r in reqs():
+          threaded.submit(r)
+        got = [threaded.get(timeout=120) for _ in range(sum(1 + i % 3 for i in range(30)))]
+      finally:
+        threaded.stop()
+    finally:
+      del eng.prefill_many
+    assert bg.keys() == sync.keys() == {(c.request_id, c.sample_index) for c in got}
+    for c in got:
+      assert c.tokens == sync[c.request_id, c.sample_index].tokens
+    for k in sync:
+      assert bg[k].tokens == sync[k].tokens, (sampling, k)
+      np.testing.assert_allclose(bg[k].logprobs, sync[k].logprobs, atol=1e-5)
+      assert set(bg[k].versions.tolist()) == {0}
+    m = loop.metrics()
+    # The loop prefilled the first batch itself (nothing to decode yet), the worker the rest.
+    assert calls[0] == "MainThread" and "generator-prefill" in calls
+    assert 0 < m["background_prefilled"] < 30
+    assert m["slot_utilization"] > 0.8
+    for lp in (loop, threaded):  # the worker exits once the queue is empty
+      w = lp._worker
+      if w is not None:
+        w.join(10)
+      assert lp._worker is None
+
+
+def test_background_prefill_under_weight_updates(params, mesh):
+  # The worker prefills ahead under the weights current when it takes a request. Without
+  # recompute a prompt prefilled under v0 keeps that cache after the swap (its first token is
+  # tagged v0, as the paper keeps stale caches); with recompute it is prefilled again under v1.
+  eng = engine(mesh)
+  new = jax.tree.map(lambda x: x * 0.5, params)
+  ps = prompts(12, seed=6)
+  fresh = run(GeneratorLoop(eng, new), [Request(i, p, max_new_tokens=8) for i, p in enumerate(ps)])
+  for recompute in (False, True):
+    loop = GeneratorLoop(eng, params, background_prefill=True, recompute_kv_on_update=recompute)
+    for i, p in enumerate(ps):
+      loop.submit(Request(i, p, max_new_tokens=8))
+    for _ in range(3):
+      loop.step()
+    deadline = time.monotonic() + 30
+    while (loop._in_flight or not loop._ready) and time.monotonic() < deadline:
+      time.sleep(0.01)  # the worker's batch under v0 is ready
+    with loop._lock:
+      started = {s.group.request.id for s in loop._slots if s is not None}
+      waiting = {g.request.id for g in loop._ready} - started
+    assert len(started) == 4 and waiting
+    loop.update_params(new, 1)
+    out = {c.request_id: c for c in loop.run_until_idle()}
+    assert sorted(out) == list(range(12))
+    for i, c in out.items():
+      v = c.versions.tolist()
+      assert len(c.tokens) == 8 and v == sorted(v) and set(v) <= {0, 1}
+      if i in started:
+        assert v[:4] == [0] * 4 and v[4:] == [1] * 4
+      elif i in waiting and not recompute:  # prefilled under v0, decoded under v1
+        assert v == [0] + [1] * 7
+      else:  # prefilled (again, with recompute) and decoded under v1
+        assert v == [1] * 8 and c.tokens == fresh[i, 0].tokens, (recompute, i)
+
+
+def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
+  eng = engine(mesh)
+  loop = GeneratorLoop(eng, params, background_prefill=True)
+  orig = eng.prefill_many
+  def flaky(*a):
+    if threading.current_thread().name == "generator-prefill":
+      raise RuntimeError("prefill exploded")
+    return orig(*a)
+  eng.prefill_many = flaky
+  try:
+    for i, p in enumerate(prompts(12, seed=7)):
+      loop.submit(Request(i, p, max_new_tokens=6))
+    with pytest.raises(GeneratorError, match="background prefill failed(.|\n)*prefill exploded"):
+      loop.run_until_idle()
+  finally:
+    del eng.prefill_many
+  # Nothing is lost: the requests the worker held are kept, unprefilled, with the queued ones.
+  assert loop._ready and all(g.prefix is None for g in loop._ready)
+  ids = ({g.request.id for g in loop._ready} | {g.request.id for g in loop._groups}
+         | {g.request.id for g in loop._requests.queue}
+         | {s.group.request.id for s in loop._slots if s is not None}
+         | {c.request_id for c in loop.completions.queue})
+  assert ids == set(range(12))

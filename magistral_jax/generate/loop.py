@@ -7,7 +7,10 @@ One iteration (`step`):
      `prefill_many` call per length bucket and batch size, one prefill per request however many
      group samples it has), topped up with the next queued requests up to `prefill_ahead`
      prompts per refill; then all new samples go into their slots in one `insert_many` call;
-     samples that do not fit wait for the next free slots, reusing the same prefix;
+     samples that do not fit wait for the next free slots, reusing the same prefix. With
+     background_prefill a worker thread does the prefilling ahead, while the loop decodes (on a
+     CPU host the two overlap), and the loop inserts what is ready; it prefills itself only when
+     nothing is decoding and the worker is idle;
   3. once no request is waiting and the active slots fit in one of the engine's compact_sizes
      (the drain at the end of a batch), they move onto that smaller engine (Engine.compact),
      whose step costs less, and move back when new work arrives (Engine.expand);
@@ -97,8 +100,14 @@ class GeneratorLoop:
                callback: Callable[[Completion], None] | None = None,
                recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
                sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None,
-               compact_drain: bool = True, prefill_ahead: int | None = None):
+               compact_drain: bool = True, prefill_ahead: int | None = None,
+               background_prefill: bool = False):
     self.engine = engine
+    # With background_prefill, a worker thread prefills queued requests while the loop decodes
+    # (see _prefill_worker), keeping about `prefill_ahead` prefilled samples ready for the next
+    # free slots. The loop prefills itself only when nothing is decoding and the worker is idle
+    # (at the start, after an idle spell), at most one prefill batch at a time.
+    self.background_prefill = bool(background_prefill)
     # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
     # need first, then the next ones in the queue) are prefilled in the same call; the extra
     # prefixes wait for the next free slots. A batched prefill costs less per prompt than one
@@ -147,6 +156,15 @@ class GeneratorLoop:
     self._device_active = np.zeros((n_slots,), bool)
     self._pending: tuple[Any, int] | None = None
     self._lock = threading.Lock()
+    # Background prefill: the worker moves requests from _requests to _ready (prefilled) under
+    # _cv; _in_flight counts the requests it holds while prefilling them. _groups stays the loop
+    # thread's own; it takes the ready groups at the start of each refill.
+    self._cv = threading.Condition(self._lock)
+    self._ready: list[_Group] = []
+    self._in_flight = 0
+    self._worker: threading.Thread | None = None
+    self._worker_error: tuple[BaseException, str] | None = None
+    self._loop_backlog = 0  # prefilled samples waiting in _groups (written by the loop thread)
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -163,6 +181,8 @@ class GeneratorLoop:
     self.compact_steps = 0      # decode steps run on a compacted (smaller) state
     self.attended_positions = 0  # sum over steps of the attention window (cache positions read)
     self.decode_time_s = 0.0
+    self.prefill_wait_s = 0.0    # the loop blocked waiting for the background prefill worker
+    self.background_prefilled = 0  # requests the worker prefilled
     self.idle_time_s = 0.0      # blocked waiting for a request with no active slot
     self.update_pauses_s: list[float] = []
     self.update_pause_steps: list[int] = []  # decode steps between update_params and the swap
@@ -211,6 +231,9 @@ class GeneratorLoop:
     if self._thread is not None:
       self._thread.join(timeout)
       self._thread = None
+    worker = self._worker
+    if worker is not None:
+      worker.join(timeout)
 
   def check(self) -> None:
     """Re-raises an exception from the loop thread."""
@@ -232,8 +255,9 @@ class GeneratorLoop:
           raise queue.Empty("generator loop is not running and has no work left")
 
   def idle(self) -> bool:
-    return (self._requests.empty() and not self._groups
-            and all(s is None for s in self._slots))
+    with self._lock:  # the worker takes requests and counts them in flight under this lock
+      return (self._requests.empty() and not self._groups and not self._ready
+              and not self._in_flight and all(s is None for s in self._slots))
 
   def run_until_idle(self, max_steps: int | None = None) -> list[Completion]:
     """Steps in the calling thread until all submitted work is done; returns the completions."""
@@ -269,6 +293,8 @@ class GeneratorLoop:
         "tokens_per_s": self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0,
         "version": self.version,
         "max_update_pause_s": max(self.update_pauses_s, default=0.0),
+        "prefill_wait_s": self.prefill_wait_s,
+        "background_prefilled": self.background_prefilled,
     }
 
   # ---- the loop ------------------------------------------------------------------------------
@@ -334,8 +360,8 @@ class GeneratorLoop:
 
   def _pending_work(self) -> bool:
     """Whether a request or a group sample is waiting for a slot."""
-    return not self._requests.empty() or any(
-        g.next_index < g.request.group_size for g in self._groups)
+    return (not self._requests.empty() or bool(self._ready) or bool(self._in_flight)
+            or any(g.next_index < g.request.group_size for g in self._groups))
 
   def _maybe_compact(self) -> None:
     """Moves the active slots onto a smaller engine when nothing is waiting and they fit."""
@@ -362,10 +388,11 @@ class GeneratorLoop:
     with self._lock:
       pending, self._pending = self._pending, None
       since = self._pending_since_step
-    if pending is None:
-      return
-    t0 = time.perf_counter()
-    self.params, self.version = pending
+      if pending is None:
+        return
+      t0 = time.perf_counter()
+      # Under the lock: the prefill worker reads the (params, version) pair under it too.
+      self.params, self.version = pending
     if self.recompute_kv_on_update:
       if self._compact is not None:
         self._expand()
@@ -380,11 +407,14 @@ class GeneratorLoop:
     self.update_pauses_s.append(time.perf_counter() - t0)
     self.update_pause_steps.append(self.steps - since)
 
-  def _next_sample(self):
-    """(group, sample index) for the next free slot, taking a new request when needed."""
+  def _next_sample(self, take_request: bool = True):
+    """(group, sample index) for the next free slot, taking a new request when needed (and
+    `take_request`)."""
     while self._groups and self._groups[0].next_index >= self._groups[0].request.group_size:
       self._groups.popleft()
     if not self._groups:
+      if not take_request:
+        return None
       try:
         self._groups.append(self._requests.get_nowait())
       except queue.Empty:
@@ -394,9 +424,12 @@ class GeneratorLoop:
     g.next_index += 1
     return g, i
 
-  def _prefill(self, groups: list[_Group]) -> None:
+  def _prefill(self, groups: list[_Group], params=None, version: int | None = None) -> None:
     """Prefills the groups that have no prefix yet: one prefill_many call per bucket and batch
-    size (engine.split_batch), so every request is prefilled once, together with the others."""
+    size (engine.split_batch), so every request is prefilled once, together with the others.
+    Under the loop's current weights unless `params` / `version` are given (the worker)."""
+    if params is None:
+      params, version = self.params, self.version
     by_bucket: dict[int, list[_Group]] = {}
     for g in groups:
       by_bucket.setdefault(len(g.padded), []).append(g)
@@ -406,15 +439,112 @@ class GeneratorLoop:
         chunk = gs[start:start + n]
         start += n
         prefixes = self.engine.prefill_many(
-            self.params, np.stack([g.padded for g in chunk]), [g.true_length for g in chunk])
+            params, np.stack([g.padded for g in chunk]), [g.true_length for g in chunk])
         for row, g in enumerate(chunk):
-          g.prefix, g.prefix_version = (prefixes, row), self.version
+          g.prefix, g.prefix_version = (prefixes, row), version
+
+  # ---- background prefill ----------------------------------------------------------------------
+  # On a CPU host a prefill and decode steps running at the same time get more work done than the
+  # two one after the other (the decode step alone leaves part of the cores idle: SmolLM2-135M,
+  # 2 cores, 1.2-1.5x; BENCHMARKS.md). The worker takes requests from the queue in order, one
+  # prefill batch at a time, under the weights current when it takes them, and hands them over
+  # prefilled; it exits when the queue is empty (the loop starts a new one when work arrives).
+  def _prefill_worker(self):
+    batch = self.engine.prefill_batch_sizes[-1]
+    groups: list[_Group] = []
+    try:
+      while True:
+        with self._cv:
+          while True:
+            if self._stop.is_set():
+              self._worker = None
+              return
+            backlog = self._loop_backlog + sum(g.request.group_size for g in self._ready)
+            if backlog < max(1, self.prefill_ahead):
+              break
+            self._cv.wait(0.05)
+          groups = []
+          while len(groups) < batch:
+            try:
+              groups.append(self._requests.get_nowait())
+            except queue.Empty:
+              break
+          if not groups:
+            self._worker = None
+            return
+          self._in_flight = len(groups)
+          params, version = self.params, self.version
+        self._prefill(groups, params, version)
+        jax.block_until_ready([g.prefix[0] for g in groups])
+        with self._cv:
+          self._ready.extend(groups)
+          self._in_flight = 0
+          self.background_prefilled += len(groups)
+          groups = []
+          self._cv.notify_all()
+    except BaseException as e:  # re-raised in the loop thread; the requests are kept, unprefilled
+      with self._cv:
+        for g in groups:
+          g.prefix = None
+        self._ready.extend(groups)
+        self._worker_error = (e, traceback.format_exc())
+        self._in_flight = 0
+        self._worker = None
+        self._cv.notify_all()
+
+  def _raise_worker_error(self):
+    if self._worker_error is not None:
+      e, tb = self._worker_error
+      raise GeneratorError(f"background prefill failed:\n{tb}") from e
+
+  def _collect_prefilled(self):
+    """Takes the worker's prefilled groups into _groups (queue order). With nothing to decode and
+    nothing to insert, waits for the worker's batch in flight instead of spinning."""
+    with self._cv:
+      self._raise_worker_error()
+      if (not self._ready and self._worker is not None and not self._active.any()
+          and not any(g.next_index < g.request.group_size for g in self._groups)):
+        t0 = time.perf_counter()
+        self._loop_backlog = 0
+        self._cv.notify_all()
+        while (not self._ready and self._worker is not None and self._worker_error is None
+               and not self._stop.is_set()):
+          self._cv.wait(0.05)
+        self.prefill_wait_s += time.perf_counter() - t0
+        self._raise_worker_error()
+      self._groups.extend(self._ready)
+      self._ready.clear()
+      if self._worker is None and not self._active.any():
+        # Nothing decodes and no worker runs: the loop prefills the next batch itself.
+        batch = self.engine.prefill_batch_sizes[-1]
+        while sum(g.prefix is None for g in self._groups) < batch:
+          try:
+            self._groups.append(self._requests.get_nowait())
+          except queue.Empty:
+            break
+
+  def _after_fill_background(self):
+    with self._cv:
+      self._loop_backlog = sum(g.request.group_size - g.next_index for g in self._groups
+                               if g.prefix is not None)
+      if self._worker is None and not self._requests.empty() and not self._stop.is_set():
+        self._worker = threading.Thread(target=self._prefill_worker, name="generator-prefill",
+                                        daemon=True)
+        self._worker.start()
+      self._cv.notify_all()
+
+  def _stale(self, g: _Group) -> bool:
+    """Whether a group needs a (new) prefill before its next sample goes into a slot."""
+    return g.prefix is None or (self.recompute_kv_on_update and g.prefix_version != self.version)
 
   def _fill_slots(self):
+    bg = self.background_prefill
+    if bg:
+      self._collect_prefilled()
     while True:
       plan = []  # (slot, group, sample index)
       for slot in np.flatnonzero(~self._active):
-        nxt = self._next_sample()
+        nxt = self._next_sample(take_request=not bg)
         if nxt is None:
           break
         plan.append((int(slot), *nxt))
@@ -424,17 +554,17 @@ class GeneratorLoop:
         self._expand()
       need, seen = [], set()
       for _, g, _ in plan:
-        if g.prefix is None and id(g) not in seen:
+        if self._stale(g) and id(g) not in seen:
           seen.add(id(g))
           need.append(g)
       if need:  # prefill ahead: queued requests join this call (FIFO order is kept)
         for g in self._groups:
           if len(need) >= self.prefill_ahead:
             break
-          if g.prefix is None and id(g) not in seen:
+          if self._stale(g) and id(g) not in seen:
             seen.add(id(g))
             need.append(g)
-        while len(need) < self.prefill_ahead:
+        while not bg and len(need) < self.prefill_ahead:
           try:
             g = self._requests.get_nowait()
           except queue.Empty:
@@ -468,6 +598,8 @@ class GeneratorLoop:
                                  np.array([e[1].prefix_version for e in entries]))
       if not finished:  # a sample can finish on its first token: refill its slot right away
         break
+    if bg:
+      self._after_fill_background()
     if not np.array_equal(self._device_active, self._active):
       self.state = self.engine.set_active(self.state, self._active)
       self._device_active = self._active.copy()

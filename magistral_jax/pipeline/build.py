@@ -117,13 +117,15 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
                     detokenize=None, recompute_kv_on_update: bool = False, seed: int = 0,
                     rules=GENERATOR_RULES, tune: bool = False,
-                    attention_windows: int = 1) -> list[GeneratorLoop]:
+                    attention_windows: int = 1,
+                    background_prefill: bool = False) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
   two compilations of each step at start-up, so it is off by default; without it the untuned
   slot-count rule of engine.generate_compiler_options applies. `attention_windows`: see
-  Engine (the number of windows over the KV cache; 1 = dense)."""
+  Engine (the number of windows over the KV cache; 1 = dense). `background_prefill`: see
+  GeneratorLoop (a worker thread prefills queued prompts while the loop decodes)."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
@@ -132,7 +134,8 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     max_prefill_length=max_prefill_length, max_decode_length=max_decode_length,
                     sampling=sampling, attention_windows=attention_windows)
     loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
-                         recompute_kv_on_update=recompute_kv_on_update, seed=seed + i)
+                         recompute_kv_on_update=recompute_kv_on_update, seed=seed + i,
+                         background_prefill=background_prefill)
     if tune:
       engine.tune(loop.params)
     loops.append(loop)
