@@ -704,12 +704,15 @@ def test_background_prefill_under_weight_updates(params, mesh):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
       loop.step()
+    started = {s.group.request.id for s in loop._slots if s is not None}
+    def waiting():  # prefilled under v0 (by the loop or the worker), not yet in a slot
+      with loop._lock:
+        gs = list(loop._ready) + list(loop._groups)
+      return {g.request.id for g in gs if g.prefix is not None} - started
     deadline = time.monotonic() + 30
-    while (loop._in_flight or not loop._ready) and time.monotonic() < deadline:
-      time.sleep(0.01)  # the worker's batch under v0 is ready
-    with loop._lock:
-      started = {s.group.request.id for s in loop._slots if s is not None}
-      waiting = {g.request.id for g in loop._ready} - started
+    while (loop._in_flight or not waiting()) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    waiting = waiting()
     assert len(started) == 4 and waiting
     loop.update_params(new, 1)
     out = {c.request_id: c for c in loop.run_until_idle()}
