@@ -11,7 +11,9 @@ generate exactly the requested lengths. For each batch size B (slots for us, bat
         the queue is empty, the remaining sequences run on B/2 or B/4 slots when they fit
         (drain compaction; --no_compact turns it off). A worker thread prefills queued prompts
         while the loop decodes (GeneratorLoop background_prefill; --no_background_prefill
-        prefills in the loop thread between steps). With --attention_windows N > 1 each step
+        prefills in the loop thread between steps); when fewer than --loop_prefill_below of the
+        slots would decode (0.5 by default), the loop fills the free slots with its own prefill
+        before stepping. With --attention_windows N > 1 each step
         attends over the smallest of N windows of the KV cache that holds its active slots
         (Engine.window_for; every window's step is precompiled). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version). The engine's precompile
@@ -55,7 +57,8 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 
 
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
-             temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True):
+             temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True,
+             loop_prefill_below=0.5):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
@@ -71,7 +74,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   warm.run_until_idle()
   compiled = eng.compile_counts()
 
-  loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill)
+  loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill,
+                       loop_prefill_below=loop_prefill_below)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size
@@ -118,7 +122,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "recompiled": eng.compile_counts() != compiled,
       "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
       "compact_steps": loop.compact_steps,
-      "background_prefill": background_prefill, "prefill_wait_s": loop.prefill_wait_s,
+      "background_prefill": background_prefill, "loop_prefill_below": loop_prefill_below,
+      "prefill_wait_s": loop.prefill_wait_s,
       "background_prefilled": loop.background_prefilled,
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
@@ -165,6 +170,9 @@ def main():
   ap.add_argument("--no_background_prefill", action="store_true",
                   help="prefill in the loop thread, between decode steps (GeneratorLoop "
                        "background_prefill=False)")
+  ap.add_argument("--loop_prefill_below", type=float, default=0.5,
+                  help="with background prefill: below this fraction of the slots decoding, "
+                       "the loop prefills the free slots itself first (GeneratorLoop)")
   ap.add_argument("--repeats", type=int, default=1,
                   help="runs per side and batch size, alternating ours/HF (see the docstring)")
   args = ap.parse_args()
@@ -195,7 +203,7 @@ def main():
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
                                     args.group_size, not args.no_compact, args.temperature,
                                     args.top_p, args.attention_windows,
-                                    not args.no_background_prefill))
+                                    not args.no_background_prefill, args.loop_prefill_below))
         elif hf is not None:
           hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
                                 args.top_p))

@@ -161,7 +161,8 @@ def main(argv):
                                 attention_windows=config.engine.attention_windows)
       t = time.time()
       loop = GeneratorLoop(engines[top_p], params, seed=config.seed,
-                           background_prefill=config.engine.background_prefill)
+                           background_prefill=config.engine.background_prefill,
+                           loop_prefill_below=config.engine.loop_prefill_below)
       res = evaluate(loop, pool, tok, probs,
                      k=k, system_prompt=system_prompt, seed=config.seed)
       res["kind"] = kind

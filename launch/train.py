@@ -217,7 +217,8 @@ def main(argv):
                        max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling,
                        attention_windows=config.engine.attention_windows)
   eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed,
-                                           background_prefill=config.engine.background_prefill)
+                                           background_prefill=config.engine.background_prefill,
+                                           loop_prefill_below=config.engine.loop_prefill_below)
   heldout = heldout_problems(config)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
@@ -272,7 +273,8 @@ def main(argv):
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
           tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
-          background_prefill=scfg.engine.background_prefill)
+          background_prefill=scfg.engine.background_prefill,
+          loop_prefill_below=scfg.engine.loop_prefill_below)
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

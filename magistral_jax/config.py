@@ -68,9 +68,12 @@ def default_config() -> mlc.ConfigDict:
   # background_prefill: a worker thread prefills queued prompts while the loop decodes
   # (GeneratorLoop); on CPU the two overlap (1.2-1.5x more work per second, BENCHMARKS.md), on an
   # accelerator they share the device queue. False prefills in the loop thread between steps.
+  # loop_prefill_below: with background_prefill, when fewer than this fraction of the slots
+  # would decode, the loop fills every free slot with its own prefill before stepping
+  # (GeneratorLoop; keeps prefill-bound workloads from decoding near-empty batches).
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
                                  recompute_kv_on_update=False, tune=False, attention_windows=1,
-                                 background_prefill=True))
+                                 background_prefill=True, loop_prefill_below=0.5))
   # ---- reward (SPEC §2) ----
   c.reward = mlc.ConfigDict(dict(
       l_max=40960, l_cache=8192,  # Small: l_max - l_cache = 32k; l_cache NOT STATED
@@ -154,6 +157,9 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
   if config.engine.attention_windows < 1:
     raise ValueError(f"engine.attention_windows={config.engine.attention_windows}: the number "
                      "of attention windows must be >= 1 (1 = dense attention)")
+  if not 0.0 <= config.engine.loop_prefill_below <= 1.0:
+    raise ValueError(f"engine.loop_prefill_below={config.engine.loop_prefill_below}: a fraction "
+                     "of the slots, in [0, 1]")
   if num_devices is not None:
     need = config.devices.trainer + sum(config.devices.generators)
     if need > num_devices:

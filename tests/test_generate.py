@@ -656,13 +656,16 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
   for sampling in (GREEDY, SAMPLED):
     eng = engine(mesh, sampling=sampling)
     sync = run(GeneratorLoop(eng, params), reqs())
-    loop = GeneratorLoop(eng, params, background_prefill=True)
+    # loop_prefill_below=0: the worker alone keeps the slots fed (see the next test for the loop's
+    # own prefill when too few slots would decode).
+    loop = GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=0.0)
     calls = []
     _by_thread(eng, calls)
     try:
       bg = run(loop, reqs())
       # The same through the threaded loop (start / get / stop).
-      threaded = GeneratorLoop(eng, params, background_prefill=True).start()
+      threaded = GeneratorLoop(eng, params, background_prefill=True,
+                               loop_prefill_below=0.0).start()
       try:
         for r in reqs():
           threaded.submit(r)
@@ -688,6 +691,35 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
       if w is not None:
         w.join(10)
       assert lp._worker is None
+
+
+def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
+  # With background prefill, a step never runs with fewer than loop_prefill_below of the slots
+  # active while requests are queued: the loop fills the free slots with its own prefill instead
+  # of decoding a near-empty batch while the worker catches up. Samples are unchanged.
+  ps = prompts(24, seed=8)
+  reqs = lambda: [Request(i, p, max_new_tokens=1 + i % 7) for i, p in enumerate(ps)]
+  eng = engine(mesh)
+  sync = run(GeneratorLoop(eng, params), reqs())
+  with pytest.raises(ValueError, match="loop_prefill_below"):
+    GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=1.5)
+  for below, least in ((1.0, 4), (0.5, 2)):
+    loop = GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=below)
+    seen = []
+    orig = eng.generate
+    def counted(*a):
+      seen.append((int(loop._active.sum()), loop._requests.qsize()))
+      return orig(*a)
+    eng.generate = counted
+    try:
+      out = run(loop, reqs())
+    finally:
+      del eng.generate
+    assert out.keys() == sync.keys()
+    for k in sync:
+      assert out[k].tokens == sync[k].tokens, (below, k)
+    queued = [a for a, q in seen if q > 0]
+    assert queued and min(queued) >= least, (below, seen)
 
 
 def test_background_prefill_under_weight_updates(params, mesh):

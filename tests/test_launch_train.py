@@ -49,6 +49,10 @@ def test_config_errors_are_clear_before_any_work():
   bad.engine.attention_windows = 0
   with pytest.raises(ValueError, match="attention_windows=0"):
     config_lib.validate(bad)
+  bad = _load()
+  bad.engine.loop_prefill_below = 1.5
+  with pytest.raises(ValueError, match="loop_prefill_below=1.5"):
+    config_lib.validate(bad)
   with pytest.raises(ValueError, match="unknown config argument"):
     _load("adv_nrom=group")
   assert _load("adv_norm=group,mode=sync").rl.adv_norm == "group"

@@ -118,14 +118,16 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     detokenize=None, recompute_kv_on_update: bool = False, seed: int = 0,
                     rules=GENERATOR_RULES, tune: bool = False,
                     attention_windows: int = 1,
-                    background_prefill: bool = False) -> list[GeneratorLoop]:
+                    background_prefill: bool = False,
+                    loop_prefill_below: float = 0.5) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
   two compilations of each step at start-up, so it is off by default; without it the untuned
   slot-count rule of engine.generate_compiler_options applies. `attention_windows`: see
-  Engine (the number of windows over the KV cache; 1 = dense). `background_prefill`: see
-  GeneratorLoop (a worker thread prefills queued prompts while the loop decodes)."""
+  Engine (the number of windows over the KV cache; 1 = dense). `background_prefill`,
+  `loop_prefill_below`: see GeneratorLoop (a worker thread prefills queued prompts while the loop
+  decodes; the loop prefills itself when too few slots would decode)."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
@@ -135,7 +137,8 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     sampling=sampling, attention_windows=attention_windows)
     loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
                          recompute_kv_on_update=recompute_kv_on_update, seed=seed + i,
-                         background_prefill=background_prefill)
+                         background_prefill=background_prefill,
+                         loop_prefill_below=loop_prefill_below)
     if tune:
       engine.tune(loop.params)
     loops.append(loop)
