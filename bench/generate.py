@@ -37,6 +37,13 @@ steps computed (a compacted drain step computes only B/2 or B/4 slots); `update_
 = the longest time the loop was blocked by a weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
 the caller's thread and is reported separately as update_call_s). `dot_library` / `generate_tuning`:
 which CPU dot library the engine's precompile picked for the generate step, and both step times.
+Where the time goes: after each side's first run, its prompt prefill alone is timed on the same
+prompts (`prefill_only_s`: ours in the engine's largest prefill batch, transformers one forward
+per static batch with the last position's logits, as its `generate` does), giving
+`speedup_outside_prefill` (median over pairs of (HF wall - HF prefill) / (our wall - our prefill):
+decode, scheduling and host work, the part continuous batching changes; our background prefill
+overlaps decode steps, so its gain lands here) and `speedup_bound_if_decode_free` (HF's median
+wall / our prefill alone: no decoder with this prefill can beat it on this workload).
 Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
 """
 import argparse
@@ -58,7 +65,7 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
              temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True,
-             loop_prefill_below=0.5):
+             loop_prefill_below=0.5, time_prefill=False):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
@@ -106,6 +113,9 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
     done += len(c.tokens)
   wall = time.perf_counter() - t0
   th.join()
+  # Prefill alone, after the timed run on the same engine: every prompt once, in the engine's
+  # largest prefill batch (what the loop does when it has enough queued).
+  prefill_s = time_prefill_ours(eng, loop.params, prompts) if time_prefill else None
   step_s = loop.decode_time_s / loop.steps
   metrics = loop.metrics()
   s_q, a_q = queued_util[-1] if queued_util else (1, 0)
@@ -128,7 +138,33 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
       "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
+      "prefill_only_s": prefill_s,
   }
+
+
+def time_prefill_ours(eng, params, prompts) -> float:
+  n = eng.prefill_batch_sizes[-1]
+  p_len = len(prompts[0])
+  t = time.perf_counter()
+  for s in range(0, len(prompts), n):
+    chunk = np.asarray(prompts[s:s + n], np.int32)
+    for m in eng.split_batch(len(chunk)):
+      jax.block_until_ready(eng.prefill_many(params, chunk[:m], [p_len] * m))
+      chunk = chunk[m:]
+  return time.perf_counter() - t
+
+
+def time_prefill_hf(hf, prompts, batch, group_size=1) -> float:
+  """transformers' prefill alone: the first forward of each static batch as `generate` runs it
+  (KV cache on, logits of the last position only)."""
+  import torch
+  per = max(1, batch // group_size)
+  t = time.perf_counter()
+  with torch.inference_mode():
+    for s in range(0, len(prompts), per):
+      x = torch.tensor(prompts[s:s + per], dtype=torch.long).repeat_interleave(group_size, 0)
+      hf(x, use_cache=True, logits_to_keep=1)
+  return time.perf_counter() - t
 
 
 def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0):
@@ -203,10 +239,13 @@ def main():
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
                                     args.group_size, not args.no_compact, args.temperature,
                                     args.top_p, args.attention_windows,
-                                    not args.no_background_prefill, args.loop_prefill_below))
+                                    not args.no_background_prefill, args.loop_prefill_below,
+                                    time_prefill=rep == 0))
         elif hf is not None:
           hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
                                 args.top_p))
+          if rep == 0:
+            hf_prefill_s = time_prefill_hf(hf, prompts, b, args.group_size)
     def median_run(rs):   # the (lower) median run by tokens/s
       return rs[int(np.argsort([x["tokens_per_s"] for x in rs])[(len(rs) - 1) // 2])]
     r = {"batch": b, "requests": n_req, "group_size": args.group_size,
@@ -216,6 +255,17 @@ def main():
       r["hf"] = median_run(hf_runs)
       r["speedup_vs_hf"] = float(np.median(ratios))
       r["speedup_vs_hf_per_repeat"] = ratios
+      # Where the time goes: each side's prompt prefill alone (measured after its first run), and
+      # the speedup on the rest of the wall (decode, scheduling, host work), the part continuous
+      # batching changes. Prefill runs at about the same rate on both sides (the same matmuls),
+      # so hf wall / our prefill bounds the speedup of any decoder on this workload.
+      ours_p = ours_runs[0]["prefill_only_s"]
+      r["prefill_only_s"] = {"ours": ours_p, "hf": hf_prefill_s}
+      r["speedup_outside_prefill"] = float(np.median(
+          [(h["wall_s"] - hf_prefill_s) / max(o["wall_s"] - ours_p, 1e-9)
+           for o, h in zip(ours_runs, hf_runs)]))
+      r["speedup_bound_if_decode_free"] = float(np.median([h["wall_s"] for h in hf_runs])
+                                                / ours_p)
     if args.repeats > 1:
       r["repeats"] = {"ours": ours_runs, "hf": hf_runs}
     runs[b] = r
@@ -229,6 +279,8 @@ def main():
       "sampling": ("greedy" if args.temperature <= 0 else
                    {"temperature": args.temperature, "top_p": args.top_p}),
       "speedup_vs_hf": last.get("speedup_vs_hf"),
+      "speedup_outside_prefill": last.get("speedup_outside_prefill"),
+      "speedup_bound_if_decode_free": last.get("speedup_bound_if_decode_free"),
       "slot_utilization": last["ours"]["slot_utilization"],
       "update_pause_in_steps": max(r["ours"]["update_pause_in_steps"] for r in runs.values()),
       "runs": {str(k): v for k, v in runs.items()},
