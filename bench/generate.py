@@ -282,6 +282,8 @@ def main():
       "speedup_outside_prefill": last.get("speedup_outside_prefill"),
       "speedup_bound_if_decode_free": last.get("speedup_bound_if_decode_free"),
       "slot_utilization": last["ours"]["slot_utilization"],
+      "computed_slot_utilization": last["ours"]["computed_slot_utilization"],
+      "slot_utilization_while_queued": last["ours"]["slot_utilization_while_queued"],
       "update_pause_in_steps": max(r["ours"]["update_pause_in_steps"] for r in runs.values()),
       "runs": {str(k): v for k, v in runs.items()},
   }
