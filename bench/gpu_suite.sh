@@ -3,8 +3,10 @@
 # config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
 # the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [all|roofline|generate]     (device tool: run with this command)
-# `all` (the default) fits one 10-minute call; `roofline` and `generate` split it over two.
+#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache]   (device tool: run with this command)
+# `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
+# split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
+# sized for 4096 new tokens, dense against 4 attention windows (RL_CACHE_ARGS, RL_CACHE_TIMEOUT).
 # Logs go under $OUT (the device tool's output folder; ./gpu_out elsewhere). Prints the versions,
 # then each benchmark's exit code and its last JSON line. Override the arguments with
 # ROOFLINE_ARGS / GENERATE_ARGS, the time limits with ROOFLINE_TIMEOUT / GENERATE_TIMEOUT
@@ -15,7 +17,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 what=${1:-all}
-case $what in all|roofline|generate) ;; *) echo "usage: $0 [all|roofline|generate]" >&2; exit 2;; esac
+case $what in all|roofline|generate|rlcache) ;;
+  *) echo "usage: $0 [all|roofline|generate|rlcache]" >&2; exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/magistral_jax_xla_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}
@@ -35,11 +38,19 @@ run() {
   grep -v '^{' "$out/$name.log" | grep -iE "error|traceback" | tail -5
 }
 # Batch 256 decode for SmolLM2-135M and the Llama-3.2-1B shapes (bf16) against the roofline.
-if [ "$what" != generate ]; then
+if [ "$what" = all ] || [ "$what" = roofline ]; then
   run decode_roofline "${ROOFLINE_TIMEOUT:-230}" bench/decode_roofline.py ${ROOFLINE_ARGS:-}
 fi
 # Continuous batching against transformers generate on the same GPU, bf16, RL-shaped outputs.
-if [ "$what" != roofline ]; then
+if [ "$what" = all ] || [ "$what" = generate ]; then
   run generate "${GENERATE_TIMEOUT:-300}" bench/generate.py \
     ${GENERATE_ARGS:---batches 64,256 --dtype bfloat16 --min_new 32 --requests_per_slot 2 --repeats 2}
+fi
+# An RL-length cache (prompt + 4096) early in the completions: the dense step reads the whole
+# cache, the windowed one only the smallest of 4 halving windows that holds the slots.
+if [ "$what" = rlcache ]; then
+  for w in 1 4; do
+    run "rlcache_windows$w" "${RL_CACHE_TIMEOUT:-240}" bench/decode_roofline.py \
+      ${RL_CACHE_ARGS:---models smollm2 --max_new 4096} --attention_windows "$w"
+  done
 fi
