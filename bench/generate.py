@@ -224,10 +224,9 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
   import torch
   t0 = time.perf_counter()
   slot_steps = 0
-  per = max(1, batch // group_size)  # prompts per static batch
   with torch.inference_mode():
     for s, x in hf_batches(hf, prompts, batch, group_size):
-      n = int(max(lengths[s:s + per]))
+      n = int(max(lengths[s:s + len(x) // group_size]))   # the batch runs to its longest
       # Sampled: the same temperature / top-p, and top_k=0 (transformers' default is 50).
       how = (dict(do_sample=False) if temperature <= 0 else
              dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0))
