@@ -783,3 +783,105 @@ def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
          | {s.group.request.id for s in loop._slots if s is not None}
          | {c.request_id for c in loop.completions.queue})
   assert ids == set(range(12))
+
+
+SHARED = [7, 3, 99, 42, 5]   # a "system prompt" the shared-prefix tests' prompts start with
+
+
+def shared_prompts(n, seed=0):
+  rs = np.random.RandomState(seed)
+  return [SHARED + rs.randint(1, CFG.vocab_size, rs.randint(1, 12)).tolist() for _ in range(n)]
+
+
+def test_prefill_continuing_an_existing_prefix_equals_the_whole_prompt(params, mesh):
+  """JetStream's existing_prefix: a prompt prefilled as the continuation of a cached prefix gives
+  the whole prompt's cache, first token (the same slot stream), log-prob and continuation."""
+  eng = engine(mesh, sampling=SAMPLED)
+  p = eng.load_params(params)
+  pad_shared, n_shared, _ = eng.pad_prompt(SHARED)
+  prefix = eng.prefill(p, pad_shared, n_shared)
+  ps = shared_prompts(3, seed=20)
+  whole = eng.init_decode_state()
+  cont = eng.init_decode_state()
+  for i, prompt in enumerate(ps):
+    key = jax.random.PRNGKey(30 + i)
+    pad, n, _ = eng.pad_prompt(prompt)
+    a = eng.prefill(p, pad, n, rng=key)
+    rest, m, _ = eng.pad_prompt(prompt[n_shared:])
+    b = eng.prefill(p, rest, m, rng=key, existing_prefix=prefix)
+    assert int(b.true_length) == int(a.true_length) == len(prompt)
+    assert int(b.token) == int(a.token)
+    np.testing.assert_allclose(float(b.logprob), float(a.logprob), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), atol=1e-4)
+    for x, y in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):  # the real positions agree
+      ax = 3 if x.shape[-1] != CFG.head_dim else 2
+      np.testing.assert_allclose(np.take(np.asarray(x), range(len(prompt)), ax),
+                                 np.take(np.asarray(y), range(len(prompt)), ax), atol=1e-4)
+    whole = eng.insert(a, whole, i)
+    cont = eng.insert(b, cont, i)
+  for _ in range(4):
+    whole, r1 = eng.generate(p, whole)
+    cont, r2 = eng.generate(p, cont)
+    np.testing.assert_array_equal(np.asarray(r1.tokens), np.asarray(r2.tokens))
+    np.testing.assert_allclose(np.asarray(r1.logprobs), np.asarray(r2.logprobs), atol=1e-5)
+  # The batched form: the rows continue the one prefix.
+  rests = np.zeros((2, 16), np.int32)
+  for i, prompt in enumerate(ps[:2]):
+    rests[i, :len(prompt) - n_shared] = prompt[n_shared:]
+  many = eng.prefill_many(p, rests, [len(x) - n_shared for x in ps[:2]], existing_prefix=prefix)
+  full = np.zeros((2, 16), np.int32)
+  for i, prompt in enumerate(ps[:2]):
+    full[i, :len(prompt)] = prompt
+  ref = eng.prefill_many(p, full, [len(x) for x in ps[:2]])
+  np.testing.assert_array_equal(np.asarray(many.true_length), np.asarray(ref.true_length))
+  np.testing.assert_allclose(np.asarray(many.logits), np.asarray(ref.logits), atol=1e-4)
+  # Bad input: too long together, a batch of prefixes, not a prefix at all.
+  with pytest.raises(ValueError, match="exceeds max_prefill_length"):
+    eng.prefill(p, np.ones(16, np.int32), 12, existing_prefix=prefix)
+  with pytest.raises(ValueError, match="one prompt"):
+    eng.prefill_many(p, rests, [2, 2], existing_prefix=many)
+  with pytest.raises(TypeError, match="Prefix"):
+    eng.prefill(p, rest, 1, existing_prefix=prefix.cache)
+
+
+@pytest.mark.parametrize("sampling,background", [(GREEDY, False), (SAMPLED, True)])
+def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params, mesh, sampling,
+                                                                         background):
+  eng = engine(mesh, sampling=sampling)
+  ps = shared_prompts(6, seed=21)
+  ps += [[9] + SHARED + [1, 2], list(SHARED)]   # does not start with it; is only the prefix
+  reqs = lambda: [Request(i, x, group_size=2 if i % 3 == 0 else 1, max_new_tokens=3 + i % 5,
+                          seed=i) for i, x in enumerate(ps)]
+  ref = run(GeneratorLoop(eng, params, background_prefill=background), reqs())
+  loop = GeneratorLoop(eng, params, background_prefill=background, shared_prefix=SHARED)
+  out = run(loop, reqs())
+  assert out.keys() == ref.keys()
+  for k in ref:
+    assert out[k].tokens == ref[k].tokens, k
+    np.testing.assert_allclose(out[k].logprobs, ref[k].logprobs, atol=1e-5)
+    assert out[k].prompt_tokens == ps[k[0]]
+  m = loop.metrics()
+  assert m["shared_prefix_hits"] == 6   # the last two prompts are prefilled whole
+  assert m["shared_prefix_tokens_skipped"] == 6 * len(SHARED)
+
+
+def test_shared_prefix_follows_weight_updates(params, mesh):
+  # The prefix is prefilled again under new weights (in update_params' thread), so a prompt that
+  # starts after the swap continues the new weights' prefix, as a fresh loop on them would.
+  eng = engine(mesh)
+  new = jax.tree.map(lambda x: x * 0.5, params)
+  ps = shared_prompts(5, seed=22)
+  reqs = lambda: [Request(i, x, max_new_tokens=6) for i, x in enumerate(ps)]
+  fresh = run(GeneratorLoop(eng, new), reqs())
+  loop = GeneratorLoop(eng, params, shared_prefix=SHARED)
+  run(loop, reqs()[:2])    # generate under v0 first
+  compiled = eng.compile_counts()
+  loop.update_params(new, 1)
+  out = run(loop, reqs())
+  for k, c in out.items():
+    assert c.tokens == fresh[k].tokens and set(c.versions.tolist()) == {1}
+  assert eng.compile_counts() == compiled
+  with pytest.raises(ValueError, match="empty prompt"):
+    GeneratorLoop(eng, params, shared_prefix=[])
+  with pytest.raises(ValueError, match="no room"):
+    GeneratorLoop(eng, params, shared_prefix=list(range(1, 17)))

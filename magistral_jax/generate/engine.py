@@ -448,17 +448,26 @@ class Engine:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
     return self._init()
 
-  def precompile(self, params, buckets: Sequence[int] | None = None, tune: bool = True) -> None:
+  def precompile(self, params, buckets: Sequence[int] | None = None, tune: bool = True,
+                 existing_prefix: Prefix | None = None) -> None:
     """Compiles prefill_many / insert_many for every (bucket, batch size), generate and
     set_active, on a scratch decode state, so a timed or latency-sensitive run compiles nothing
     later; with `tune` (and cpu_dot_library="auto" on CPU) it first picks the generate step's
-    dot library by timing both (tune_generate). `params` as returned by load_params."""
+    dot library by timing both (tune_generate). `params` as returned by load_params. With
+    `existing_prefix` (a shared prefix the loop continues: GeneratorLoop shared_prefix) the
+    programs that continue it are compiled too, for every bucket the rest of a prompt fits."""
     if tune:
       self.tune(params)
     state = self.init_decode_state()
-    for b in buckets or self.prefill_buckets:
+    buckets = buckets or self.prefill_buckets
+    runs = [(b, None) for b in buckets]
+    if existing_prefix is not None:   # the buckets a rest of at most max_prefill - P tokens takes
+      room = self._max_prefill - int(np.asarray(existing_prefix.true_length))
+      runs += [(b, existing_prefix) for b in buckets if 0 < room and b <= self.bucket_for(room)]
+    for b, prefix in runs:
       for n in self.prefill_batch_sizes:
-        pre = self.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32))
+        pre = self.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32),
+                                prefix)
         state, _, _ = self.insert_many(pre, state, [0], [0], np.zeros((1, 2), np.uint32), [0],
                                        np.zeros((self._slots,), bool))
     for w in self.attention_windows:
@@ -508,27 +517,71 @@ class Engine:
     return padded, int(tokens.size), truncated
 
   # ---- prefill / insert / generate -----------------------------------------------------------
-  def _prefill_impl(self, params, padded_tokens, true_length, key):
+  def _start_cache(self, n: int, b: int, prefix_cache=None, prefix_length=None) -> T.KVCache:
+    """The per-layer cache a prefill of n prompts padded to b tokens writes into: empty, of
+    length b; or, continuing an existing prefix (one prompt's cache, positions [0, P) real of
+    its Pp), that prefix copied into every row, lengths P, and room for b more positions
+    (length min(Pp + b, cache_length): positions past it are padding, whose writes drop)."""
+    if prefix_cache is None:
+      return T.init_cache(self.cfg, n, b, self.cache_dtype, per_layer=True)
+    pp = prefix_cache.v[0].shape[2]
+    length = min(pp + b, self.cache_length)
+
+    def grow(x, axis):   # [1, ...] -> [n, ...], padded with zeros to `length` positions on axis
+      x = jnp.broadcast_to(x.astype(self.cache_dtype), (n,) + x.shape[1:])
+      return jnp.pad(x, [(0, length - pp) if a == axis else (0, 0) for a in range(x.ndim)])
+    return T.KVCache(tuple(grow(k, 3) for k in prefix_cache.k),
+                     tuple(grow(v, 2) for v in prefix_cache.v),
+                     jnp.broadcast_to(prefix_length.astype(jnp.int32), (n,)))
+
+  def _prefill_impl(self, params, padded_tokens, true_length, key, prefix_cache=None,
+                    prefix_length=None):
     b = padded_tokens.shape[0]
-    cache = T.init_cache(self.cfg, 1, b, self.cache_dtype, per_layer=True)
+    cache = self._start_cache(1, b, prefix_cache, prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
                              num_new=true_length[None])
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
     lg = T.logits(params, self.cfg, last)
-    tok, lp = S.sample(lg[None], key[None], true_length[None], self.sampling)
-    return Prefix(cache, lg, tok[0], lp[0], key, true_length)
+    # The whole prompt's length (prefix included) is the position folded into the slot stream,
+    # so a prompt continued from a cached prefix draws what its full prefill would.
+    full = cache.lengths[0]
+    tok, lp = S.sample(lg[None], key[None], full[None], self.sampling)
+    return Prefix(cache, lg, tok[0], lp[0], key, full)
+
+  def _check_existing_prefix(self, existing_prefix, longest: int):
+    """(cache, true length) of a prefix to continue, validated: one prompt's, and the prompt it
+    starts plus `longest` new tokens must fit max_prefill_length."""
+    if not isinstance(existing_prefix, (Prefix, Prefixes)):
+      raise TypeError(f"existing_prefix must be a Prefix from prefill(), got "
+                      f"{type(existing_prefix).__name__}")
+    cache = existing_prefix.cache
+    n_rows = cache.v[0].shape[0]
+    p = np.asarray(existing_prefix.true_length).reshape(-1)
+    if n_rows != 1 or p.size != 1:
+      raise ValueError(f"existing_prefix must hold one prompt's cache, got {n_rows} rows")
+    if len(cache.k) != self.cfg.num_layers or cache.v[0].shape[1:] != (
+        self.cfg.num_kv_heads, cache.v[0].shape[2], self.cfg.head_dim):
+      raise ValueError("existing_prefix's cache does not match this engine's model")
+    if int(p[0]) + longest > self._max_prefill:
+      raise ValueError(f"existing prefix of {int(p[0])} tokens + {longest} new tokens exceeds "
+                       f"max_prefill_length={self._max_prefill}")
+    return cache, jnp.asarray(p[0], jnp.int32)
 
   def prefill(self, params, padded_tokens, true_length, *, rng=None, existing_prefix=None
               ) -> Prefix:
     """KV cache of one prompt (padded to a bucket) and its first sampled token. `rng` (a
-    uint32[2] PRNG key) seeds the slot stream this prefix will carry into `insert`."""
-    if existing_prefix is not None:
-      raise NotImplementedError("prefix caching (existing_prefix) is not supported")
+    uint32[2] PRNG key) seeds the slot stream this prefix will carry into `insert`.
+    `existing_prefix` (a Prefix from an earlier prefill: JetStream's prefix caching) makes the
+    tokens a continuation of that prompt: they are written after its cache, attend to it, and
+    the returned Prefix holds the whole prompt (its true_length counts both parts)."""
     padded_tokens = jnp.asarray(padded_tokens, jnp.int32).reshape(-1)
     if not 1 <= int(true_length) <= padded_tokens.shape[0]:
       raise ValueError(f"true_length={int(true_length)} outside [1, {padded_tokens.shape[0]}]")
     key = jax.random.PRNGKey(0) if rng is None else jnp.asarray(rng, jnp.uint32)
-    return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key)
+    prefix = () if existing_prefix is None else self._check_existing_prefix(
+        existing_prefix, int(true_length))
+    return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key,
+                         *prefix)
 
   def _resample_impl(self, prefix: Prefix, key):
     tok, lp = S.sample(prefix.logits[None], key[None], prefix.true_length[None], self.sampling)
@@ -566,13 +619,14 @@ class Engine:
     return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
 
   # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
-  def _prefill_many_impl(self, params, padded_tokens, true_lengths):
+  def _prefill_many_impl(self, params, padded_tokens, true_lengths, prefix_cache=None,
+                         prefix_length=None):
     n, b = padded_tokens.shape
-    cache = T.init_cache(self.cfg, n, b, self.cache_dtype, per_layer=True)
+    cache = self._start_cache(n, b, prefix_cache, prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
                              num_new=true_lengths)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
-    return Prefixes(cache, T.logits(params, self.cfg, last), true_lengths)
+    return Prefixes(cache, T.logits(params, self.cfg, last), cache.lengths)
 
   def split_batch(self, n: int) -> list[int]:
     """Splits n prompts into calls of sizes from prefill_batch_sizes (largest first, no padding
@@ -584,9 +638,13 @@ class Engine:
         n -= size
     return out
 
-  def prefill_many(self, params, padded_tokens, true_lengths) -> Prefixes:
+  def prefill_many(self, params, padded_tokens, true_lengths, existing_prefix=None) -> Prefixes:
     """KV caches and last-position logits of N prompts padded to one bucket, in one call.
-    N must be one of prefill_batch_sizes (see split_batch) so compilations stay bounded."""
+    N must be one of prefill_batch_sizes (see split_batch) so compilations stay bounded.
+    With `existing_prefix` (a Prefix from `prefill`, e.g. a system prompt every request starts
+    with) the N rows are continuations of that one prompt: its cache is copied into every row
+    and only the new tokens go through the model (the rows' caches are min(Pp + bucket,
+    cache_length) long, Pp the prefix's bucket; true_length counts the prefix)."""
     padded_tokens = np.asarray(padded_tokens, np.int32)
     true_lengths = np.asarray(true_lengths, np.int32).reshape(-1)
     if padded_tokens.ndim != 2 or padded_tokens.shape[0] != true_lengths.shape[0]:
@@ -600,7 +658,9 @@ class Engine:
       raise ValueError(f"prefill_many padded length {b} is not a bucket of {self.prefill_buckets}")
     if true_lengths.min() < 1 or true_lengths.max() > b:
       raise ValueError(f"true_lengths {true_lengths.tolist()} outside [1, {b}]")
-    return self._prefill_many(params, padded_tokens, true_lengths)
+    prefix = () if existing_prefix is None else self._check_existing_prefix(
+        existing_prefix, int(true_lengths.max()))
+    return self._prefill_many(params, padded_tokens, true_lengths, *prefix)
 
   def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
                         sample_index, count, active):

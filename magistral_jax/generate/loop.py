@@ -8,6 +8,9 @@ One iteration (`step`):
      group samples it has), topped up with the next queued requests up to `prefill_ahead`
      prompts per refill; then all new samples go into their slots in one `insert_many` call;
      samples that do not fit wait for the next free slots, reusing the same prefix. With
+     `shared_prefix` (e.g. the system prompt every RL prompt starts with) that prefix is
+     prefilled once per weights version and a prompt starting with it is prefilled as its rest
+     only, continuing the cached prefix. With
      background_prefill a worker thread does the prefilling ahead, while the loop decodes (on a
      CPU host the two overlap), and the loop inserts what is ready; it prefills itself only when
      nothing is decoding and the worker is idle;
@@ -84,6 +87,7 @@ class _Group:
   next_index: int = 0
   prefix: tuple[Prefixes, int] | None = None  # (prefill batch, row)
   prefix_version: int = 0
+  rest: int = 0            # > 0: the prompt is the loop's shared prefix + `padded`[:rest]
 
 
 @dataclasses.dataclass
@@ -101,7 +105,8 @@ class GeneratorLoop:
                recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
                sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None,
                compact_drain: bool = True, prefill_ahead: int | None = None,
-               background_prefill: bool = False, loop_prefill_below: float = 0.5):
+               background_prefill: bool = False, loop_prefill_below: float = 0.5,
+               shared_prefix: Sequence[int] | None = None):
     self.engine = engine
     # With background_prefill, a worker thread prefills queued requests while the loop decodes
     # (see _prefill_worker), keeping about `prefill_ahead` prefilled samples ready for the next
@@ -148,6 +153,23 @@ class GeneratorLoop:
     self.idle_wait_s = idle_wait_s
     self.params = engine.load_params(params)
     self.version = int(version)
+    # Shared-prefix caching: with `shared_prefix` (token ids every prompt is expected to start
+    # with, e.g. the rendered system prompt of an RL run), that prefix is prefilled once per
+    # weights version (here, and in update_params' thread for new weights) and a prompt that
+    # starts with it and goes on is prefilled as its rest only, continuing the cached prefix
+    # (Engine.prefill_many existing_prefix). Other prompts are prefilled whole. The cache, the
+    # first token and the log-probs equal the whole prompt's prefill up to float rounding, and
+    # sampling draws the same stream (tests/test_generate.py).
+    self.shared_prefix: list[int] | None = None
+    self._shared = None   # the prefix's Prefix under self.params
+    if shared_prefix is not None:
+      padded, n, _ = engine.pad_prompt(shared_prefix, truncate=False)
+      if n >= engine.max_prefill_length:
+        raise ValueError(f"shared_prefix of {n} tokens leaves no room for a prompt's own tokens "
+                         f"under max_prefill_length={engine.max_prefill_length}")
+      self.shared_prefix = np.asarray(shared_prefix).reshape(-1).tolist()
+      self._shared_padded = padded
+      self._shared = self._prefill_shared(self.params)
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Completion] = queue.Queue()
     self._requests: queue.Queue[Request] = queue.Queue()
@@ -195,6 +217,8 @@ class GeneratorLoop:
     self.decode_time_s = 0.0
     self.prefill_wait_s = 0.0    # the loop blocked waiting for the background prefill worker
     self.background_prefilled = 0  # requests the worker prefilled
+    self.shared_prefix_hits = 0   # requests prefilled as a continuation of the shared prefix
+    self.shared_prefix_tokens_skipped = 0  # prompt tokens those prefills did not recompute
     self.idle_time_s = 0.0      # blocked waiting for a request with no active slot
     self.update_pauses_s: list[float] = []
     self.update_pause_steps: list[int] = []  # decode steps between update_params and the swap
@@ -219,15 +243,21 @@ class GeneratorLoop:
     prompt = list(np.asarray(request.prompt_tokens).reshape(-1)[-n:].tolist())
     seed = request.seed if request.seed is not None else int(self._rng.integers(2**31))
     key = np.asarray(jax.random.PRNGKey(seed))
-    self._requests.put(_Group(request, prompt, padded, n, truncated, key, mx))
+    rest = 0
+    p = len(self.shared_prefix or ())
+    if p and n > p and prompt[:p] == self.shared_prefix:
+      rest = n - p
+      padded, _, _ = self.engine.pad_prompt(prompt[p:])
+    self._requests.put(_Group(request, prompt, padded, n, truncated, key, mx, rest=rest))
 
   def update_params(self, params, version: int) -> None:
     """Thread-safe. Validates (tree, shapes, finiteness) and moves the new weights onto the
     engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
     Bad params raise here and the loop keeps generating with the old ones."""
     params = self.engine.load_params(params)
+    shared = self._prefill_shared(params) if self.shared_prefix else None
     with self._lock:
-      self._pending = (params, int(version))
+      self._pending = (params, int(version), shared)
       self._pending_since_step = self.steps
 
   def start(self) -> "GeneratorLoop":
@@ -307,6 +337,8 @@ class GeneratorLoop:
         "max_update_pause_s": max(self.update_pauses_s, default=0.0),
         "prefill_wait_s": self.prefill_wait_s,
         "background_prefilled": self.background_prefilled,
+        "shared_prefix_hits": self.shared_prefix_hits,
+        "shared_prefix_tokens_skipped": self.shared_prefix_tokens_skipped,
     }
 
   # ---- the loop ------------------------------------------------------------------------------
@@ -403,8 +435,8 @@ class GeneratorLoop:
       if pending is None:
         return
       t0 = time.perf_counter()
-      # Under the lock: the prefill worker reads the (params, version) pair under it too.
-      self.params, self.version = pending
+      # Under the lock: the prefill worker reads (params, version, shared prefix) under it too.
+      self.params, self.version, self._shared = pending
     if self.recompute_kv_on_update:
       if self._compact is not None:
         self._expand()
@@ -436,24 +468,41 @@ class GeneratorLoop:
     g.next_index += 1
     return g, i
 
-  def _prefill(self, groups: list[_Group], params=None, version: int | None = None) -> None:
+  def _prefill_shared(self, params):
+    """The shared prefix's Prefix under `params` (computed before it is needed: in __init__ and
+    in update_params' thread, so the swap stays a pointer swap)."""
+    return jax.block_until_ready(self.engine.prefill(
+        params, self._shared_padded, len(self.shared_prefix)))
+
+  def _prefill(self, groups: list[_Group], params=None, version: int | None = None,
+               shared=None) -> None:
     """Prefills the groups that have no prefix yet: one prefill_many call per bucket and batch
-    size (engine.split_batch), so every request is prefilled once, together with the others.
-    Under the loop's current weights unless `params` / `version` are given (the worker)."""
+    size (engine.split_batch), so every request is prefilled once, together with the others
+    (those that start with the shared prefix as its continuation, apart from the rest).
+    Under the loop's current weights unless `params` / `version` / `shared` are given (the
+    worker's snapshot)."""
     if params is None:
-      params, version = self.params, self.version
-    by_bucket: dict[int, list[_Group]] = {}
+      params, version, shared = self.params, self.version, self._shared
+    by_bucket: dict[tuple[bool, int], list[_Group]] = {}
     for g in groups:
-      by_bucket.setdefault(len(g.padded), []).append(g)
-    for gs in by_bucket.values():
+      by_bucket.setdefault((g.rest > 0, len(g.padded)), []).append(g)
+    for (cont, _), gs in by_bucket.items():
       start = 0
       for n in self.engine.split_batch(len(gs)):
         chunk = gs[start:start + n]
         start += n
-        prefixes = self.engine.prefill_many(
-            params, np.stack([g.padded for g in chunk]), [g.true_length for g in chunk])
+        tokens = np.stack([g.padded for g in chunk])
+        if cont:
+          prefixes = self.engine.prefill_many(params, tokens, [g.rest for g in chunk],
+                                              existing_prefix=shared)
+        else:
+          prefixes = self.engine.prefill_many(params, tokens, [g.true_length for g in chunk])
         for row, g in enumerate(chunk):
           g.prefix, g.prefix_version = (prefixes, row), version
+        if cont:
+          with self._lock:   # the worker and the loop thread both prefill
+            self.shared_prefix_hits += n
+            self.shared_prefix_tokens_skipped += n * len(self.shared_prefix)
 
   # ---- background prefill ----------------------------------------------------------------------
   # On a CPU host a prefill and decode steps running at the same time get more work done than the
@@ -485,8 +534,8 @@ class GeneratorLoop:
             self._worker = None
             return
           self._in_flight = len(groups)
-          params, version = self.params, self.version
-        self._prefill(groups, params, version)
+          params, version, shared = self.params, self.version, self._shared
+        self._prefill(groups, params, version, shared)
         jax.block_until_ready([g.prefix[0] for g in groups])
         with self._cv:
           self._ready.extend(groups)
