@@ -29,6 +29,13 @@ With --group_size G > 1 (GRPO-style groups) each request asks for G samples of o
 prefills the prompt once and shares it across G slots; transformers gets batches of B/G prompts
 each repeated G times (what its num_return_sequences does before the prefill, which greedy
 decoding refuses), so it prefills G times.
+With --shared_prefix N the first N prompt tokens are the same for every request (the shape of RL
+prompts, which all start with the run's system prompt: Magistral's is ~170 of a math prompt's
+~180-250 tokens). Ours prefills that prefix once (GeneratorLoop shared_prefix, before the clock
+and again in the pushing thread for each weight push) and each prompt's rest after it. Two
+transformers sides run: plain `generate` on the whole prompts (`speedup_vs_hf`), and `generate`
+from a copy of a DynamicCache of the prefix repeated to the batch, made once before the clock
+(its documented prefix reuse; `speedup_vs_hf_prefix_cache`, the stronger baseline).
 
 Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active slot-steps / all
 slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
@@ -72,24 +79,30 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
              temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True,
-             loop_prefill_below=0.5, time_prefill=False):
+             loop_prefill_below=0.5, time_prefill=False, shared_prefix=0):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
+  # With a shared prefix the rests of the prompts (p_len - shared_prefix tokens) get a bucket.
+  buckets = (p_len,) if not shared_prefix else (p_len - shared_prefix, p_len)
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                max_prefill_length=p_len, max_decode_length=int(max(lengths)),
-               prefill_buckets=(p_len,), sampling=sampling_config(temperature, top_p, 8),
+               prefill_buckets=buckets, sampling=sampling_config(temperature, top_p, 8),
                attention_windows=attention_windows)
+  shared = list(prompts[0][:shared_prefix]) if shared_prefix else None
   # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
-  eng.precompile(eng.load_params(params))
-  warm = GeneratorLoop(eng, params)
+  warm = GeneratorLoop(eng, params, shared_prefix=shared)
+  eng.precompile(warm.params, existing_prefix=warm._shared)
   warm.submit(Request("w", prompts[0], max_new_tokens=2))
   warm.run_until_idle()
   compiled = eng.compile_counts()
 
+  # The shared prefix is prefilled here, before the clock starts (transformers' prefix cache is
+  # made before its clock too), and again for each weight push, in the pushing thread, while
+  # the loop runs.
   loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill,
-                       loop_prefill_below=loop_prefill_below)
+                       loop_prefill_below=loop_prefill_below, shared_prefix=shared)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size
@@ -122,7 +135,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   th.join()
   # Prefill alone, after the timed run on the same engine: every prompt once, in the engine's
   # largest prefill batch (what the loop does when it has enough queued).
-  prefill_s = time_prefill_ours(eng, loop.params, prompts) if time_prefill else None
+  prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop._shared, shared_prefix)
+               if time_prefill else None)
   step_s = loop.decode_time_s / loop.steps
   metrics = loop.metrics()
   s_q, a_q = queued_util[-1] if queued_util else (1, 0)
@@ -144,20 +158,23 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "background_prefilled": loop.background_prefilled,
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
+      "shared_prefix_hits": metrics["shared_prefix_hits"],
       "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
       "prefill_only_s": prefill_s,
   }
 
 
-def time_prefill_ours(eng, params, prompts) -> float:
+def time_prefill_ours(eng, params, prompts, shared=None, shared_prefix=0) -> float:
   """Our prefill alone: every prompt once, in the calls the loop makes for a long queue
-  (Engine.split_batch: the largest prefill batch first)."""
-  tokens = np.asarray(prompts, np.int32)
+  (Engine.split_batch: the largest prefill batch first); with a shared prefix, each prompt's
+  rest continuing the prefix's cache `shared` (made beforehand, as in the loop)."""
+  tokens = np.asarray(prompts, np.int32)[:, shared_prefix:]
+  kw = {"existing_prefix": shared} if shared_prefix else {}
   t = time.perf_counter()
   start = 0
   for m in eng.split_batch(len(tokens)):
     jax.block_until_ready(eng.prefill_many(params, tokens[start:start + m],
-                                           [tokens.shape[1]] * m))
+                                           [tokens.shape[1]] * m, **kw))
     start += m
   return time.perf_counter() - t
 
@@ -172,16 +189,41 @@ def hf_batches(hf, prompts, batch, group_size=1):
                           device=hf.device).repeat_interleave(group_size, 0)
 
 
-def time_prefill_hf(hf, prompts, batch, group_size=1) -> float:
+def time_prefill_hf(hf, prompts, batch, group_size=1, prefix_cache=None) -> float:
   """transformers' prefill alone: the first forward of each static batch as `generate` runs it
-  (KV cache on, logits of the last position only)."""
+  (KV cache on, logits of the last position only); with `prefix_cache` (hf_prefix_cache) the
+  forward of the prompts' rests over a copy of that cache, repeated to the batch."""
   import torch
   t = time.perf_counter()
   with torch.inference_mode():
     for _, x in hf_batches(hf, prompts, batch, group_size):
-      hf(x, use_cache=True, logits_to_keep=1)
+      if prefix_cache is None:
+        hf(x, use_cache=True, logits_to_keep=1)
+      else:
+        n = prefix_cache.get_seq_length()
+        hf(x[:, n:], past_key_values=_batch_cache(prefix_cache, len(x)), use_cache=True,
+           logits_to_keep=1)
     _sync(hf)
   return time.perf_counter() - t
+
+
+def hf_prefix_cache(hf, prefix):
+  """transformers' prefix reuse (its documented way to share a prompt prefix across `generate`
+  calls): one forward of the prefix into a DynamicCache, copied and repeated to each batch."""
+  import torch
+  from transformers import DynamicCache
+  cache = DynamicCache()
+  with torch.inference_mode():
+    hf(torch.tensor([prefix], dtype=torch.long, device=hf.device), past_key_values=cache,
+       use_cache=True, logits_to_keep=1)
+  return cache
+
+
+def _batch_cache(prefix_cache, n):
+  import copy
+  cache = copy.deepcopy(prefix_cache)
+  cache.batch_repeat_interleave(n)
+  return cache
 
 
 def load_weights(model: str, weights: str, dtype: str):
@@ -220,7 +262,11 @@ def _sync(hf):
     torch.cuda.synchronize()
 
 
-def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0):
+def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0,
+           prefix_cache=None):
+  """transformers `generate` in static batches; with `prefix_cache` (hf_prefix_cache, made
+  before the clock starts) each batch starts from a copy of it, so only the rests are
+  prefilled."""
   import torch
   t0 = time.perf_counter()
   slot_steps = 0
@@ -230,6 +276,8 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
       # Sampled: the same temperature / top-p, and top_k=0 (transformers' default is 50).
       how = (dict(do_sample=False) if temperature <= 0 else
              dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0))
+      if prefix_cache is not None:
+        how["past_key_values"] = _batch_cache(prefix_cache, len(x))
       hf.generate(x, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
                   use_cache=True, **how)
       slot_steps += n * len(x)
@@ -251,6 +299,10 @@ def main():
                   help="0 = greedy (default); > 0 samples on both sides (the RL setting is 1.0)")
   ap.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
   ap.add_argument("--skip_hf", action="store_true")
+  ap.add_argument("--shared_prefix", type=int, default=0,
+                  help="the first N prompt tokens are the same for every request (a system "
+                       "prompt): ours prefills them once (GeneratorLoop shared_prefix); "
+                       "transformers runs plain and, as a third side, with its prefix cache")
   ap.add_argument("--no_compact", action="store_true",
                   help="decode the drain on all B slots (GeneratorLoop compact_drain=False)")
   ap.add_argument("--attention_windows", type=int, default=1,
@@ -288,23 +340,34 @@ def main():
   for b in [int(x) for x in args.batches.split(",")]:
     rs = np.random.RandomState(b)
     n_req = max(1, int(round(args.requests_per_slot * b / args.group_size)))
-    prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt)).tolist()
+    prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt))
+    if args.shared_prefix:
+      if not 0 < args.shared_prefix < args.prompt:
+        raise SystemExit(f"--shared_prefix {args.shared_prefix} must lie in [1, --prompt)")
+      prompts[:, :args.shared_prefix] = rs.randint(0, cfg.vocab_size, args.shared_prefix)
+    prompts = prompts.tolist()
     lengths = rs.randint(args.min_new, 5 * args.min_new + 1, n_req)
-    ours_runs, hf_runs = [], []
+    ours_runs, hf_runs, hfpc_runs = [], [], []
+    hf_sides = ["hf"] + (["hfpc"] if args.shared_prefix else [])
+    pc = (hf_prefix_cache(hf, prompts[0][:args.shared_prefix])
+          if args.shared_prefix and hf is not None else None)
     for rep in range(args.repeats):
-      sides = ["ours", "hf"] if rep % 2 == 0 else ["hf", "ours"]
+      sides = ["ours"] + hf_sides if rep % 2 == 0 else hf_sides[::-1] + ["ours"]
       for side in sides:
         if side == "ours":
           ours_runs.append(run_ours(cfg, params, prompts, lengths, b, args.n_updates,
                                     args.group_size, not args.no_compact, args.temperature,
                                     args.top_p, args.attention_windows,
                                     not args.no_background_prefill, args.loop_prefill_below,
-                                    time_prefill=rep == 0))
+                                    time_prefill=rep == 0, shared_prefix=args.shared_prefix))
         elif hf is not None:
-          hf_runs.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
-                                args.top_p))
-          if rep == 0:
+          runs_, cache = (hf_runs, None) if side == "hf" else (hfpc_runs, pc)
+          runs_.append(run_hf(hf, prompts, lengths, b, args.group_size, args.temperature,
+                              args.top_p, prefix_cache=cache))
+          if rep == 0 and side == "hf":
             hf_prefill_s = time_prefill_hf(hf, prompts, b, args.group_size)
+          if rep == 0 and side == "hfpc":
+            hfpc_prefill_s = time_prefill_hf(hf, prompts, b, args.group_size, pc)
     def median_run(rs):   # the (lower) median run by tokens/s
       return rs[int(np.argsort([x["tokens_per_s"] for x in rs])[(len(rs) - 1) // 2])]
     r = {"batch": b, "requests": n_req, "group_size": args.group_size,
@@ -325,8 +388,14 @@ def main():
            for o, h in zip(ours_runs, hf_runs)]))
       r["speedup_bound_if_decode_free"] = float(np.median([h["wall_s"] for h in hf_runs])
                                                 / ours_p)
+    if hfpc_runs:   # against transformers with its prefix cache (the stronger baseline here)
+      ratios = [o["tokens_per_s"] / h["tokens_per_s"] for o, h in zip(ours_runs, hfpc_runs)]
+      r["hf_prefix_cache"] = median_run(hfpc_runs)
+      r["speedup_vs_hf_prefix_cache"] = float(np.median(ratios))
+      r["speedup_vs_hf_prefix_cache_per_repeat"] = ratios
+      r["prefill_only_s"]["hf_prefix_cache"] = hfpc_prefill_s
     if args.repeats > 1:
-      r["repeats"] = {"ours": ours_runs, "hf": hf_runs}
+      r["repeats"] = {"ours": ours_runs, "hf": hf_runs, "hf_prefix_cache": hfpc_runs}
     runs[b] = r
     print(json.dumps(r), flush=True)
 
@@ -339,6 +408,8 @@ def main():
       "sampling": ("greedy" if args.temperature <= 0 else
                    {"temperature": args.temperature, "top_p": args.top_p}),
       "speedup_vs_hf": last.get("speedup_vs_hf"),
+      "shared_prefix": args.shared_prefix,
+      "speedup_vs_hf_prefix_cache": last.get("speedup_vs_hf_prefix_cache"),
       "speedup_outside_prefill": last.get("speedup_outside_prefill"),
       "speedup_bound_if_decode_free": last.get("speedup_bound_if_decode_free"),
       "slot_utilization": last["ours"]["slot_utilization"],

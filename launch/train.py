@@ -162,7 +162,7 @@ def main(argv):
   from magistral_jax.parallel import TRAINER_RULES, GENERATOR_RULES, make_mesh
   from magistral_jax.pipeline import PipelineConfig, RLPipeline
   from magistral_jax.pipeline.build import (make_generators, sft_optimizer_config,
-                                            sft_warm_start, split_devices)
+                                            sft_warm_start, shared_prefix_for, split_devices)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer, learning_rate_schedule
@@ -179,6 +179,9 @@ def main(argv):
   writer = MetricsWriter(workdir)
   tok, model_cfg, init_params = build_tokenizer_and_model(config)
   system_prompt = system_prompt_for(config.system_prompt)
+  shared_prefix = shared_prefix_for(config.engine, tok, system_prompt)
+  log.info("shared prompt prefix: %s", f"{len(shared_prefix)} tokens, prefilled once per weights "
+           "version" if shared_prefix else "off")
   tdev, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
   tmesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
@@ -218,7 +221,8 @@ def main(argv):
                        attention_windows=config.engine.attention_windows)
   eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed,
                                            background_prefill=config.engine.background_prefill,
-                                           loop_prefill_below=config.engine.loop_prefill_below)
+                                           loop_prefill_below=config.engine.loop_prefill_below,
+                                           shared_prefix=shared_prefix)
   heldout = heldout_problems(config)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
@@ -274,7 +278,8 @@ def main(argv):
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
           tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
           background_prefill=scfg.engine.background_prefill,
-          loop_prefill_below=scfg.engine.loop_prefill_below)
+          loop_prefill_below=scfg.engine.loop_prefill_below,
+          shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt))
       if config.data.source == "synthetic":
         prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
       else:

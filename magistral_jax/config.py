@@ -71,9 +71,15 @@ def default_config() -> mlc.ConfigDict:
   # loop_prefill_below: with background_prefill, when fewer than this fraction of the slots
   # would decode, the loop fills every free slot with its own prefill before stepping
   # (GeneratorLoop; keeps prefill-bound workloads from decoding near-empty batches).
+  # shared_prefix_cache: the token prefix every prompt of the run starts with (the rendered system
+  # prompt and chat-template head; pipeline.build.shared_prompt_prefix) is prefilled once per
+  # weights version and each prompt is prefilled as its own rest only (GeneratorLoop
+  # shared_prefix; the same samples up to float rounding). Used when that prefix has at least
+  # pipeline.build.SHARED_PREFIX_MIN_TOKENS tokens.
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
                                  recompute_kv_on_update=False, tune=False, attention_windows=1,
-                                 background_prefill=True, loop_prefill_below=0.5))
+                                 background_prefill=True, loop_prefill_below=0.5,
+                                 shared_prefix_cache=True))
   # ---- reward (SPEC §2) ----
   c.reward = mlc.ConfigDict(dict(
       l_max=40960, l_cache=8192,  # Small: l_max - l_cache = 32k; l_cache NOT STATED

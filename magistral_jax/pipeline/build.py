@@ -112,6 +112,36 @@ def sft_optimizer_config(config):
                          final_lr_frac=sft.get("final_lr_frac", 0.1))
 
 
+# A shared prompt prefix shorter than this is not worth its own prefill programs.
+SHARED_PREFIX_MIN_TOKENS = 16
+_PREFIX_PROBES = ("0", "x + y = ?", "Why?", "\n# Title", "Le problème", "```python", " x",
+                  "  (a)")
+
+
+def shared_prompt_prefix(tokenizer, system_prompt: str | None) -> list[int]:
+  """The token ids every chat prompt of a run starts with: the longest common prefix of the
+  chat template rendered around a few unlike probe problems (the template's head and the
+  system prompt; a boundary token that a problem's first characters could merge into is left
+  out because the probes disagree on it). GeneratorLoop checks each prompt against it anyway."""
+  rendered = [tokenizer.apply_chat_template(p, system_prompt) for p in _PREFIX_PROBES]
+  n = 0
+  while all(len(r) > n + 1 for r in rendered) and len({r[n] for r in rendered}) == 1:
+    n += 1
+  return list(rendered[0][:n])
+
+
+def shared_prefix_for(engine_cfg, tokenizer, system_prompt: str | None) -> list[int] | None:
+  """What a run's generators get as `shared_prefix` (config engine.shared_prefix_cache): the
+  prompts' common prefix when it has SHARED_PREFIX_MIN_TOKENS tokens or more and leaves room
+  under engine.max_prefill_length, else None (every prompt prefilled whole)."""
+  if not engine_cfg.get("shared_prefix_cache", False):
+    return None
+  prefix = shared_prompt_prefix(tokenizer, system_prompt)
+  if not SHARED_PREFIX_MIN_TOKENS <= len(prefix) < int(engine_cfg.max_prefill_length):
+    return None
+  return prefix
+
+
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig, *,
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
@@ -119,7 +149,8 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     rules=GENERATOR_RULES, tune: bool = False,
                     attention_windows: int = 1,
                     background_prefill: bool = False,
-                    loop_prefill_below: float = 0.5) -> list[GeneratorLoop]:
+                    loop_prefill_below: float = 0.5,
+                    shared_prefix=None) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
@@ -127,7 +158,9 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
   slot-count rule of engine.generate_compiler_options applies. `attention_windows`: see
   Engine (the number of windows over the KV cache; 1 = dense). `background_prefill`,
   `loop_prefill_below`: see GeneratorLoop (a worker thread prefills queued prompts while the loop
-  decodes; the loop prefills itself when too few slots would decode)."""
+  decodes; the loop prefills itself when too few slots would decode). `shared_prefix`: token ids
+  most prompts start with, prefilled once per weights version (GeneratorLoop; see
+  shared_prefix_for)."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
@@ -138,7 +171,7 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
     loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
                          recompute_kv_on_update=recompute_kv_on_update, seed=seed + i,
                          background_prefill=background_prefill,
-                         loop_prefill_below=loop_prefill_below)
+                         loop_prefill_below=loop_prefill_below, shared_prefix=shared_prefix)
     if tune:
       engine.tune(loop.params)
     loops.append(loop)
