@@ -31,8 +31,8 @@ each repeated G times (what its num_return_sequences does before the prefill, wh
 decoding refuses), so it prefills G times.
 With --shared_prefix N the first N prompt tokens are the same for every request (the shape of RL
 prompts, which all start with the run's system prompt: Magistral's is ~170 of a math prompt's
-~180-250 tokens). Ours prefills that prefix once (GeneratorLoop shared_prefix, before the clock
-and again in the pushing thread for each weight push) and each prompt's rest after it. Two
+~180-250 tokens). Ours prefills that prefix once (GeneratorLoop shared_prefix, before the clock,
+and again after each weight push when a prompt first needs it) and each prompt's rest after it. Two
 transformers sides run: plain `generate` on the whole prompts (`speedup_vs_hf`), and `generate`
 from a copy of a DynamicCache of the prefix repeated to the batch, made once before the clock
 (its documented prefix reuse; `speedup_vs_hf_prefix_cache`, the stronger baseline).
@@ -93,14 +93,14 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   warm = GeneratorLoop(eng, params, shared_prefix=shared)
-  eng.precompile(warm.params, existing_prefix=warm._shared)
+  eng.precompile(warm.params, existing_prefix=warm.shared_prefix_cache())
   warm.submit(Request("w", prompts[0], max_new_tokens=2))
   warm.run_until_idle()
   compiled = eng.compile_counts()
 
   # The shared prefix is prefilled here, before the clock starts (transformers' prefix cache is
-  # made before its clock too), and again for each weight push, in the pushing thread, while
-  # the loop runs.
+  # made before its clock too), and again after each weight push by the first prefill that
+  # needs it, while the loop runs.
   loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill,
                        loop_prefill_below=loop_prefill_below, shared_prefix=shared)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
@@ -135,7 +135,8 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   th.join()
   # Prefill alone, after the timed run on the same engine: every prompt once, in the engine's
   # largest prefill batch (what the loop does when it has enough queued).
-  prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop._shared, shared_prefix)
+  prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop.shared_prefix_cache(),
+                                 shared_prefix)
                if time_prefill else None)
   step_s = loop.decode_time_s / loop.steps
   metrics = loop.metrics()
@@ -159,6 +160,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
       "shared_prefix_hits": metrics["shared_prefix_hits"],
+      "shared_prefix_prefills": metrics["shared_prefix_prefills"],
       "compact_tuning": {n: eng.compact_engine(n).generate_tuning for n in eng.compact_sizes},
       "prefill_only_s": prefill_s,
   }

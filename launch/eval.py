@@ -121,7 +121,7 @@ def main(argv):
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.parallel import GENERATOR_RULES, make_mesh
-  from magistral_jax.pipeline.build import split_devices
+  from magistral_jax.pipeline.build import shared_prefix_for, split_devices
   from magistral_jax.verify import VerifierPool
 
   run = config_lib.validate(config, jax.device_count())
@@ -162,7 +162,8 @@ def main(argv):
       t = time.time()
       loop = GeneratorLoop(engines[top_p], params, seed=config.seed,
                            background_prefill=config.engine.background_prefill,
-                           loop_prefill_below=config.engine.loop_prefill_below)
+                           loop_prefill_below=config.engine.loop_prefill_below,
+                           shared_prefix=shared_prefix_for(config.engine, tok, system_prompt))
       res = evaluate(loop, pool, tok, probs,
                      k=k, system_prompt=system_prompt, seed=config.seed)
       res["kind"] = kind

@@ -127,7 +127,9 @@ def test_group_samples_share_one_prefill(params, mesh):
 
 def test_weight_update_mid_generation_tags_versions_without_recompiling(params, mesh):
   eng = engine(mesh)
-  loop = GeneratorLoop(eng, params, version=3)
+  # compact_drain off: the one request decodes on the full engine (whose step it counts), not
+  # on a compacted one, whatever ran before this test.
+  loop = GeneratorLoop(eng, params, version=3, compact_drain=False)
   p = prompts(1, seed=3)[0]
   loop.submit(Request("x", p, max_new_tokens=12))
   for _ in range(4):
@@ -866,8 +868,9 @@ def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params,
 
 
 def test_shared_prefix_follows_weight_updates(params, mesh):
-  # The prefix is prefilled again under new weights (in update_params' thread), so a prompt that
-  # starts after the swap continues the new weights' prefix, as a fresh loop on them would.
+  # The prefix is prefilled again under new weights (by the first prefill after the swap that
+  # needs it), so a prompt that starts after the swap continues the new weights' prefix, as a
+  # fresh loop on them would.
   eng = engine(mesh)
   new = jax.tree.map(lambda x: x * 0.5, params)
   ps = shared_prompts(5, seed=22)
@@ -881,6 +884,7 @@ def test_shared_prefix_follows_weight_updates(params, mesh):
   for k, c in out.items():
     assert c.tokens == fresh[k].tokens and set(c.versions.tolist()) == {1}
   assert eng.compile_counts() == compiled
+  assert loop.metrics()["shared_prefix_prefills"] == 2   # once per weights version used
   with pytest.raises(ValueError, match="empty prompt"):
     GeneratorLoop(eng, params, shared_prefix=[])
   with pytest.raises(ValueError, match="no room"):

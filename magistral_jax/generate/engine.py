@@ -4,7 +4,9 @@ JetStream splits serving into
   prefill(params, padded_tokens, true_length) -> prefix   (KV cache of one prompt + first token)
   insert(prefix, decode_state, slot)          -> decode_state
   generate(params, decode_state)              -> (decode_state, result tokens)
-over a fixed number of decode slots (`max_concurrent_decodes`). We keep that contract (so the
+over a fixed number of decode slots (`max_concurrent_decodes`); `prefill(..., existing_prefix=
+prefix)` continues a cached prefix (JetStream's prefix caching: GeneratorLoop's shared_prefix
+prefills an RL run's system prompt once per weights version). We keep that contract (so the
 optional adapter in jetstream_adapter.py can hand this engine to the real orchestrator) and add
 what RL needs: every token comes with its fp32 log-prob under the sampling policy (sampling.py
 says which distribution), per-slot PRNG streams, and `resample` so the G samples of a GRPO group

@@ -155,13 +155,14 @@ class GeneratorLoop:
     self.version = int(version)
     # Shared-prefix caching: with `shared_prefix` (token ids every prompt is expected to start
     # with, e.g. the rendered system prompt of an RL run), that prefix is prefilled once per
-    # weights version (here, and in update_params' thread for new weights) and a prompt that
-    # starts with it and goes on is prefilled as its rest only, continuing the cached prefix
-    # (Engine.prefill_many existing_prefix). Other prompts are prefilled whole. The cache, the
-    # first token and the log-probs equal the whole prompt's prefill up to float rounding, and
-    # sampling draws the same stream (tests/test_generate.py).
+    # weights version (here for the first weights; after a swap, by the first prefill that
+    # needs it) and a prompt that starts with it and goes on is prefilled as its rest only,
+    # continuing the cached prefix (Engine.prefill_many existing_prefix). Other prompts are
+    # prefilled whole. The cache, the first token and the log-probs equal the whole prompt's
+    # prefill up to float rounding, and sampling draws the same stream (tests/test_generate.py).
     self.shared_prefix: list[int] | None = None
-    self._shared = None   # the prefix's Prefix under self.params
+    self._shared = None   # (version, the prefix's Prefix under that version's weights)
+    self.shared_prefix_prefills = 0   # times the prefix itself was prefilled
     if shared_prefix is not None:
       padded, n, _ = engine.pad_prompt(shared_prefix, truncate=False)
       if n >= engine.max_prefill_length:
@@ -169,7 +170,6 @@ class GeneratorLoop:
                          f"under max_prefill_length={engine.max_prefill_length}")
       self.shared_prefix = np.asarray(shared_prefix).reshape(-1).tolist()
       self._shared_padded = padded
-      self._shared = self._prefill_shared(self.params)
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Completion] = queue.Queue()
     self._requests: queue.Queue[Request] = queue.Queue()
@@ -223,6 +223,8 @@ class GeneratorLoop:
     self.update_pauses_s: list[float] = []
     self.update_pause_steps: list[int] = []  # decode steps between update_params and the swap
     self._pending_since_step = 0
+    if self.shared_prefix:   # the first weights' prefix, before any request needs it
+      self._shared_for(self.params, self.version)
 
   # ---- public API ----------------------------------------------------------------------------
   def submit(self, request: Request) -> None:
@@ -255,9 +257,8 @@ class GeneratorLoop:
     engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
     Bad params raise here and the loop keeps generating with the old ones."""
     params = self.engine.load_params(params)
-    shared = self._prefill_shared(params) if self.shared_prefix else None
     with self._lock:
-      self._pending = (params, int(version), shared)
+      self._pending = (params, int(version))
       self._pending_since_step = self.steps
 
   def start(self) -> "GeneratorLoop":
@@ -338,6 +339,7 @@ class GeneratorLoop:
         "prefill_wait_s": self.prefill_wait_s,
         "background_prefilled": self.background_prefilled,
         "shared_prefix_hits": self.shared_prefix_hits,
+        "shared_prefix_prefills": self.shared_prefix_prefills,
         "shared_prefix_tokens_skipped": self.shared_prefix_tokens_skipped,
     }
 
@@ -435,8 +437,8 @@ class GeneratorLoop:
       if pending is None:
         return
       t0 = time.perf_counter()
-      # Under the lock: the prefill worker reads (params, version, shared prefix) under it too.
-      self.params, self.version, self._shared = pending
+      # Under the lock: the prefill worker reads the (params, version) pair under it too.
+      self.params, self.version = pending
     if self.recompute_kv_on_update:
       if self._compact is not None:
         self._expand()
@@ -468,21 +470,33 @@ class GeneratorLoop:
     g.next_index += 1
     return g, i
 
-  def _prefill_shared(self, params):
-    """The shared prefix's Prefix under `params` (computed before it is needed: in __init__ and
-    in update_params' thread, so the swap stays a pointer swap)."""
-    return jax.block_until_ready(self.engine.prefill(
-        params, self._shared_padded, len(self.shared_prefix)))
+  def shared_prefix_cache(self):
+    """The shared prefix's Prefix under the current weights (None without a shared_prefix): what
+    Engine.precompile(existing_prefix=...) takes to compile the programs that continue it."""
+    return self._shared_for(self.params, self.version) if self.shared_prefix else None
 
-  def _prefill(self, groups: list[_Group], params=None, version: int | None = None,
-               shared=None) -> None:
+  def _shared_for(self, params, version: int):
+    """The shared prefix's Prefix under weights `version` (`params`): the cached one, or
+    prefilled now (in the thread that needs it: the loop's or the prefill worker's, never in
+    the swap) and cached while `version` is current."""
+    with self._lock:
+      if self._shared is not None and self._shared[0] == version:
+        return self._shared[1]
+    prefix = jax.block_until_ready(self.engine.prefill(
+        params, self._shared_padded, len(self.shared_prefix)))
+    with self._lock:
+      self.shared_prefix_prefills += 1
+      if version == self.version:
+        self._shared = (version, prefix)
+    return prefix
+
+  def _prefill(self, groups: list[_Group], params=None, version: int | None = None) -> None:
     """Prefills the groups that have no prefix yet: one prefill_many call per bucket and batch
     size (engine.split_batch), so every request is prefilled once, together with the others
     (those that start with the shared prefix as its continuation, apart from the rest).
-    Under the loop's current weights unless `params` / `version` / `shared` are given (the
-    worker's snapshot)."""
+    Under the loop's current weights unless `params` / `version` are given (the worker)."""
     if params is None:
-      params, version, shared = self.params, self.version, self._shared
+      params, version = self.params, self.version
     by_bucket: dict[tuple[bool, int], list[_Group]] = {}
     for g in groups:
       by_bucket.setdefault((g.rest > 0, len(g.padded)), []).append(g)
@@ -494,7 +508,7 @@ class GeneratorLoop:
         tokens = np.stack([g.padded for g in chunk])
         if cont:
           prefixes = self.engine.prefill_many(params, tokens, [g.rest for g in chunk],
-                                              existing_prefix=shared)
+                                              existing_prefix=self._shared_for(params, version))
         else:
           prefixes = self.engine.prefill_many(params, tokens, [g.true_length for g in chunk])
         for row, g in enumerate(chunk):
@@ -534,8 +548,8 @@ class GeneratorLoop:
             self._worker = None
             return
           self._in_flight = len(groups)
-          params, version, shared = self.params, self.version, self._shared
-        self._prefill(groups, params, version, shared)
+          params, version = self.params, self.version
+        self._prefill(groups, params, version)
         jax.block_until_ready([g.prefix[0] for g in groups])
         with self._cv:
           self._ready.extend(groups)
