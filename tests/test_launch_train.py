@@ -77,6 +77,10 @@ def test_tiny_run_writes_summary_metrics_checkpoints_and_resumes(tmp_path):
   assert summary["batches"] == 2
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert any("reward" in r for r in rows)
+  # The tiny system prompt (35 of its ~50-token prompts) is prefilled once per weights version
+  # and every training prompt continues it (engine.shared_prefix_cache, on by default).
+  assert "shared prompt prefix: 35 tokens" in r.stdout + r.stderr
+  assert max(r.get("generator_shared_prefix_hits", 0) for r in rows) > 0
   assert os.listdir(tmp_path / "tb")
   steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
   assert steps and steps[-1] == summary["optimizer_steps"] == 4   # 2 optimizer steps per batch

@@ -499,6 +499,9 @@ class RLPipeline:
         "train_time_s": train_s,
         "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
         "verifier_errors": float(self.counters["verifier_errors"]),
+        # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
+        # shared_prefix), over the run so far, all generators.
+        "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),
         "generating_completions": float(self._generating),
         "queued_completions": float(self._queued),
     }
