@@ -77,8 +77,11 @@ def _from_config(holder, name: str, value):
   return holder.value if value is None or flags.FLAGS[name].present else value
 
 
-def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_len=1024):
-  """A GeneratorLoop on all local devices (tensor parallel) for a GGUF model, and its tokenizer."""
+def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_len=1024,
+               system_prompt=None):
+  """A GeneratorLoop on all local devices (tensor parallel) for a GGUF model, and its tokenizer.
+  With `system_prompt` (what every prompt it gets is rendered with) the prompts' common prefix
+  is prefilled once (GeneratorLoop shared_prefix)."""
   import jax
   from magistral_jax.generate import Engine, GeneratorLoop, SamplingConfig
   from magistral_jax.model import checkpoint
@@ -90,7 +93,12 @@ def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_le
                   sampling=SamplingConfig(temperature=temperature, greedy=greedy,
                                           max_new_tokens=max_new_tokens, eos_id=tok.eos_id),
                   truncate_prompts=True)
-  return GeneratorLoop(engine, params), tok
+  shared = None
+  if system_prompt is not None:
+    from magistral_jax.generate.loop import useful_shared_prefix
+    from magistral_jax.pipeline.build import shared_prompt_prefix
+    shared = useful_shared_prefix(shared_prompt_prefix(tok, system_prompt), prompt_len)
+  return GeneratorLoop(engine, params, shared_prefix=shared), tok
 
 
 def main(argv):
@@ -129,7 +137,10 @@ def main(argv):
                                         consensus_fraction=_CONSENSUS.value), _STAGE2_MODEL.value))
     kw["difficulty_stages"] = []
     for stage, path in stages:
-      loop, tok = _generator(path, temperature, max_new, slots)
+      # generator_sample_fn renders every problem with the paper's system prompt.
+      from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
+      loop, tok = _generator(path, temperature, max_new, slots,
+                             system_prompt=MAGISTRAL_SYSTEM_PROMPT)
       kw["difficulty_stages"].append((stage, df.generator_sample_fn(loop, tok, max_new_tokens=max_new)))
   if "translate" in fl:
     loop, tok = _generator(_TRANSLATE_MODEL.value, 1.0, max_new, slots, greedy=True)

@@ -75,7 +75,7 @@ def default_config() -> mlc.ConfigDict:
   # prompt and chat-template head; pipeline.build.shared_prompt_prefix) is prefilled once per
   # weights version and each prompt is prefilled as its own rest only (GeneratorLoop
   # shared_prefix; the same samples up to float rounding). Used when that prefix has at least
-  # pipeline.build.SHARED_PREFIX_MIN_TOKENS tokens.
+  # generate.loop.SHARED_PREFIX_MIN_TOKENS tokens.
   c.engine = mlc.ConfigDict(dict(max_concurrent_decodes=16, max_prefill_length=256,
                                  recompute_kv_on_update=False, tune=False, attention_windows=1,
                                  background_prefill=True, loop_prefill_below=0.5,

@@ -862,9 +862,24 @@ def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params,
     assert out[k].tokens == ref[k].tokens, k
     np.testing.assert_allclose(out[k].logprobs, ref[k].logprobs, atol=1e-5)
     assert out[k].prompt_tokens == ps[k[0]]
+    if sampling is SAMPLED:   # still π_old as the trainer recomputes it over the whole sequence
+      _, lp = score(params, ps[k[0]] + out[k].tokens)
+      np.testing.assert_allclose(out[k].logprobs, lp[len(ps[k[0]]) - 1:], rtol=0, atol=2e-5)
   m = loop.metrics()
   assert m["shared_prefix_hits"] == 6   # the last two prompts are prefilled whole
   assert m["shared_prefix_tokens_skipped"] == 6 * len(SHARED)
+
+
+def test_common_prefix_and_when_it_is_worth_caching():
+  from magistral_jax.generate.loop import (SHARED_PREFIX_MIN_TOKENS, common_prefix,
+                                           useful_shared_prefix)
+  assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
+  assert common_prefix([[1, 2], [1, 2, 3]]) == [1, 2] and common_prefix([[4, 5]]) == [4, 5]
+  assert common_prefix([]) == [] and common_prefix([[1], [2]]) == []
+  long = list(range(SHARED_PREFIX_MIN_TOKENS))
+  assert useful_shared_prefix(long, 64) == long
+  assert useful_shared_prefix(long[:-1], 64) is None             # too short to pay
+  assert useful_shared_prefix(long, SHARED_PREFIX_MIN_TOKENS) is None   # no room left
 
 
 def test_shared_prefix_follows_weight_updates(params, mesh):

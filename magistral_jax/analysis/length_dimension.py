@@ -77,7 +77,7 @@ class GridScorer:
                pool=None):
     import jax
     from magistral_jax.generate.engine import Engine
-    from magistral_jax.generate.loop import GeneratorLoop
+    from magistral_jax.generate.loop import GeneratorLoop, common_prefix, useful_shared_prefix
     from magistral_jax.parallel import GENERATOR_RULES, make_mesh
     from magistral_jax.verify import VerifierPool
     if not problems:
@@ -97,10 +97,15 @@ class GridScorer:
                          max_concurrent_decodes=max_concurrent_decodes,
                          max_prefill_length=max_prefill_length,
                          max_decode_length=sampling.max_new_tokens, sampling=sampling)
-    self.loop = GeneratorLoop(self.engine, params, version=0, seed=seed)
-    # Every program the grid can need (prefill buckets and batch sizes, the generate step and the
-    # drain's smaller steps) is compiled here, so the grid points only swap weights.
-    self.engine.precompile(self.loop.params)
+    # The prompts' common prefix (the system prompt) is prefilled once per grid point and each
+    # prompt's own tokens after it (GeneratorLoop shared_prefix).
+    self.loop = GeneratorLoop(self.engine, params, version=0, seed=seed,
+                              shared_prefix=useful_shared_prefix(common_prefix(self.prompts),
+                                                                 max_prefill_length))
+    # Every program the grid can need (prefill buckets and batch sizes, those continuing the
+    # shared prefix, the generate step and the drain's smaller steps) is compiled here, so the
+    # grid points only swap weights.
+    self.engine.precompile(self.loop.params, existing_prefix=self.loop.shared_prefix_cache())
     self._own_pool = pool is None
     self.pool = pool if pool is not None else VerifierPool(
         num_workers, reward_cfg, task_timeout_s=task_timeout_s)

@@ -46,6 +46,29 @@ from magistral_jax.generate.sampling import SamplingConfig
 log = logging.getLogger(__name__)
 
 
+# A shared prompt prefix shorter than this is not worth its own prefill programs.
+SHARED_PREFIX_MIN_TOKENS = 16
+
+
+def common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
+  """The longest token prefix all `prompts` start with."""
+  prompts = [list(p) for p in prompts]
+  if not prompts:
+    return []
+  n = min(len(p) for p in prompts)
+  for i in range(n):
+    if any(p[i] != prompts[0][i] for p in prompts[1:]):
+      return prompts[0][:i]
+  return prompts[0][:n]
+
+
+def useful_shared_prefix(prefix: Sequence[int], max_prefill_length: int) -> list[int] | None:
+  """`prefix` as a GeneratorLoop shared_prefix when caching it pays: at least
+  SHARED_PREFIX_MIN_TOKENS tokens, and room left for a prompt's own tokens; else None."""
+  prefix = list(prefix)
+  return prefix if SHARED_PREFIX_MIN_TOKENS <= len(prefix) < max_prefill_length else None
+
+
 class GeneratorError(RuntimeError):
   """The loop thread died; the original exception is the __cause__."""
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from magistral_jax.generate.engine import Engine
-from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.loop import GeneratorLoop, common_prefix, useful_shared_prefix
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import GENERATOR_RULES, make_mesh
@@ -112,34 +112,26 @@ def sft_optimizer_config(config):
                          final_lr_frac=sft.get("final_lr_frac", 0.1))
 
 
-# A shared prompt prefix shorter than this is not worth its own prefill programs.
-SHARED_PREFIX_MIN_TOKENS = 16
 _PREFIX_PROBES = ("0", "x + y = ?", "Why?", "\n# Title", "Le problème", "```python", " x",
                   "  (a)")
 
 
 def shared_prompt_prefix(tokenizer, system_prompt: str | None) -> list[int]:
-  """The token ids every chat prompt of a run starts with: the longest common prefix of the
-  chat template rendered around a few unlike probe problems (the template's head and the
-  system prompt; a boundary token that a problem's first characters could merge into is left
-  out because the probes disagree on it). GeneratorLoop checks each prompt against it anyway."""
-  rendered = [tokenizer.apply_chat_template(p, system_prompt) for p in _PREFIX_PROBES]
-  n = 0
-  while all(len(r) > n + 1 for r in rendered) and len({r[n] for r in rendered}) == 1:
-    n += 1
-  return list(rendered[0][:n])
+  """The token ids every chat prompt of a run starts with: the common prefix of the chat
+  template rendered around a few unlike probe problems (the template's head and the system
+  prompt; a boundary token that a problem's first characters could merge into is left out
+  because the probes disagree on it). GeneratorLoop checks each prompt against it anyway."""
+  return common_prefix([tokenizer.apply_chat_template(p, system_prompt) for p in _PREFIX_PROBES])
 
 
 def shared_prefix_for(engine_cfg, tokenizer, system_prompt: str | None) -> list[int] | None:
   """What a run's generators get as `shared_prefix` (config engine.shared_prefix_cache): the
-  prompts' common prefix when it has SHARED_PREFIX_MIN_TOKENS tokens or more and leaves room
-  under engine.max_prefill_length, else None (every prompt prefilled whole)."""
+  prompts' common prefix when it is worth caching (generate.loop.useful_shared_prefix: at least
+  SHARED_PREFIX_MIN_TOKENS tokens, room left under engine.max_prefill_length), else None."""
   if not engine_cfg.get("shared_prefix_cache", False):
     return None
-  prefix = shared_prompt_prefix(tokenizer, system_prompt)
-  if not SHARED_PREFIX_MIN_TOKENS <= len(prefix) < int(engine_cfg.max_prefill_length):
-    return None
-  return prefix
+  return useful_shared_prefix(shared_prompt_prefix(tokenizer, system_prompt),
+                              int(engine_cfg.max_prefill_length))
 
 
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig, *,
