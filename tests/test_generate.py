@@ -150,11 +150,15 @@ def test_weight_update_mid_generation_tags_versions_without_recompiling(params, 
   assert old_only.tokens[:5] == c.tokens[:5] and old_only.tokens != c.tokens
 
 
-def test_recompute_kv_on_update_equals_fresh_prefill_under_new_weights(params, mesh):
+@pytest.mark.parametrize("shared", [False, True])
+def test_recompute_kv_on_update_equals_fresh_prefill_under_new_weights(params, mesh, shared):
   eng = engine(mesh)
   new = jax.tree.map(lambda x: x * 0.5, params)
   p = prompts(1, seed=4)[0]
-  loop = GeneratorLoop(eng, params, recompute_kv_on_update=True)
+  if shared:   # a prompt continuing the loop's shared prefix (SHARED, defined below)
+    p = SHARED + p[:6]
+  loop = GeneratorLoop(eng, params, recompute_kv_on_update=True,
+                       shared_prefix=SHARED if shared else None)
   loop.submit(Request("x", p, max_new_tokens=10))
   for _ in range(3):
     loop.step()
