@@ -135,8 +135,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   th.join()
   # Prefill alone, after the timed run on the same engine: every prompt once, in the engine's
   # largest prefill batch (what the loop does when it has enough queued).
-  prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop.shared_prefix_cache(),
-                                 shared_prefix)
+  prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop.shared_prefix_cache())
                if time_prefill else None)
   step_s = loop.decode_time_s / loop.steps
   metrics = loop.metrics()
@@ -166,12 +165,13 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   }
 
 
-def time_prefill_ours(eng, params, prompts, shared=None, shared_prefix=0) -> float:
+def time_prefill_ours(eng, params, prompts, shared=None) -> float:
   """Our prefill alone: every prompt once, in the calls the loop makes for a long queue
-  (Engine.split_batch: the largest prefill batch first); with a shared prefix, each prompt's
-  rest continuing the prefix's cache `shared` (made beforehand, as in the loop)."""
-  tokens = np.asarray(prompts, np.int32)[:, shared_prefix:]
-  kw = {"existing_prefix": shared} if shared_prefix else {}
+  (Engine.split_batch: the largest prefill batch first); with `shared` (the shared prefix's
+  Prefix, made beforehand, as in the loop), each prompt's rest continuing it."""
+  n_shared = 0 if shared is None else int(np.asarray(shared.true_length))
+  tokens = np.asarray(prompts, np.int32)[:, n_shared:]
+  kw = {} if shared is None else {"existing_prefix": shared}
   t = time.perf_counter()
   start = 0
   for m in eng.split_batch(len(tokens)):
