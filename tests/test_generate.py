@@ -188,6 +188,9 @@ def test_bad_weight_updates_are_rejected_and_generation_continues(params, mesh):
   nan["final_norm"]["scale"] = nan["final_norm"]["scale"].at[0].set(jnp.nan)
   with pytest.raises(NonFiniteError):
     loop.update_params(nan, 1)
+  # A version that does not move forward: tokens (and the shared prefix's cache) are keyed by it.
+  with pytest.raises(ValueError, match="version 0 must be greater than .* latest version 0"):
+    loop.update_params(params, 0)
   c = loop.run_until_idle()[0]
   assert c.versions.tolist() == [0] * 6 and len(c.tokens) == 6
   ref = run(GeneratorLoop(engine(mesh), params), [Request("y", p, max_new_tokens=6)])["y", 0]
@@ -204,6 +207,8 @@ def test_bad_prompts_are_rejected_or_truncated(params, mesh):
     loop.submit(Request("oov", [1, CFG.vocab_size]))
   with pytest.raises(ValueError, match="max_new_tokens"):
     loop.submit(Request("mx", [1, 2], max_new_tokens=17))
+  with pytest.raises(ValueError, match="max_new_tokens=0 outside"):  # not "the default"
+    loop.submit(Request("zero", [1, 2], max_new_tokens=0))
   assert loop.idle()  # nothing half-queued
   tloop = GeneratorLoop(engine(mesh), params, truncate_prompts=True)
   c = run(tloop, [Request("long", list(range(1, 21)), max_new_tokens=2)])["long", 0]
@@ -218,14 +223,60 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
     GeneratorLoop(engine(mesh), nan)
   # Weights corrupted behind the loop's back (bypassing validation): the decode step's logit
   # check stops the threaded loop, and the caller gets the error instead of garbage or a hang.
+  bad = jax.device_put(T.to_decode_layout(nan), engine(mesh).decode_param_shardings)
   loop = GeneratorLoop(engine(mesh), params)
-  loop.params = jax.device_put(T.to_decode_layout(nan), engine(mesh).decode_param_shardings)
-  loop.submit(Request("x", prompts(1)[0], max_new_tokens=6))
+  ps = prompts(6, seed=11)
+  for i, p in enumerate(ps[:4]):
+    loop.submit(Request(i, p, max_new_tokens=6))
+  loop.step()   # the 4 slots hold samples; the next requests wait for a slot
+  loop.params = bad
+  for i, p in enumerate(ps[4:], 4):
+    loop.submit(Request(i, p, max_new_tokens=6))
   loop.start()
-  with pytest.raises(GeneratorError, match="non-finite logits") as e:
+  with pytest.raises(GeneratorError, match="non-finite logits in slots") as e:
     loop.get(timeout=60)
   assert isinstance(e.value.__cause__, NonFiniteError)
   loop.stop()
+  # A sample that would finish on its first token: that token's logits are checked too (the
+  # prompt's last position), so no completion with a NaN log-prob reaches the trainer.
+  first = GeneratorLoop(engine(mesh), params)
+  first.params = bad
+  first.submit(Request("one", prompts(1)[0], max_new_tokens=1))
+  with pytest.raises(NonFiniteError, match=r"prompt logits for requests \['one'\]"):
+    first.step()
+  assert first.completions.empty()
+  # With the background prefill worker: when the loop thread dies the worker stops with it.
+  # (prefill_ahead=2: a live worker would keep waiting for the dead loop to take its backlog.)
+  bg = GeneratorLoop(engine(mesh), params, background_prefill=True, prefill_ahead=2)
+  bg.params = bad
+  for i, p in enumerate(prompts(24, seed=12)):
+    bg.submit(Request(i, p, max_new_tokens=6))
+  bg.start()
+  with pytest.raises(GeneratorError, match="non-finite"):
+    bg.get(timeout=60)
+  deadline = time.monotonic() + 30
+  while bg._worker is not None and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert bg._worker is None, "the prefill worker outlived the loop thread"
+  bg.stop(timeout=30)
+
+
+def test_stop_waits_for_a_step_and_never_drops_a_running_thread(params, mesh):
+  release = threading.Event()
+  loop = GeneratorLoop(engine(mesh), params, callback=lambda c: release.wait(30))
+  loop.submit(Request("x", prompts(1)[0], max_new_tokens=2))
+  loop.start()
+  deadline = time.monotonic() + 60
+  while loop.generated_tokens < 1 and time.monotonic() < deadline:  # inside the callback soon
+    time.sleep(0.01)
+  time.sleep(0.2)
+  with pytest.raises(TimeoutError, match="still running"):
+    loop.stop(timeout=0.1)
+  with pytest.raises(RuntimeError, match="already started"):  # not a second thread on its state
+    loop.start()
+  release.set()
+  loop.stop(timeout=30)
+  assert loop.completions.get_nowait().request_id == "x"
 
 
 def test_stop_on_eos_and_stop_strings(params, mesh):

@@ -256,7 +256,8 @@ class GeneratorLoop:
     if request.group_size < 1:
       raise ValueError(f"request {request.id!r}: group_size must be >= 1, got "
                        f"{request.group_size}")
-    mx = request.max_new_tokens or self.sampling.max_new_tokens
+    mx = (self.sampling.max_new_tokens if request.max_new_tokens is None
+          else request.max_new_tokens)
     if not 1 <= mx <= self.engine.max_decode_length:
       raise ValueError(f"request {request.id!r}: max_new_tokens={mx} outside [1, "
                        f"max_decode_length={self.engine.max_decode_length}]")
@@ -279,9 +280,21 @@ class GeneratorLoop:
     """Thread-safe. Validates (tree, shapes, finiteness) and moves the new weights onto the
     engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
     Bad params raise here and the loop keeps generating with the old ones."""
+    version = int(version)
+    with self._lock:
+      latest = self.version if self._pending is None else max(self.version, self._pending[1])
+    if version <= latest:
+      # Tokens carry the version they were sampled under, and the shared prefix's cache (and
+      # the recompute ablation's staleness test) is keyed by it: two weights under one number
+      # would be indistinguishable downstream.
+      raise ValueError(f"update_params: version {version} must be greater than the loop's "
+                       f"latest version {latest}")
     params = self.engine.load_params(params)
     with self._lock:
-      self._pending = (params, int(version))
+      if self._pending is not None and self._pending[1] >= version:
+        raise ValueError(f"update_params: version {version} must be greater than the loop's "
+                         f"latest version {self._pending[1]} (pushed concurrently)")
+      self._pending = (params, version)
       self._pending_since_step = self.steps
 
   def start(self) -> "GeneratorLoop":
@@ -293,13 +306,22 @@ class GeneratorLoop:
     return self
 
   def stop(self, timeout: float | None = 30.0) -> None:
+    """Stops the loop thread (and the prefill worker) at the next step boundary. Raises
+    TimeoutError, keeping the thread, when it is still running after `timeout` seconds (e.g.
+    inside a long step): the loop must not be started again over state it still uses."""
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join(timeout)
-      self._thread = None
-    worker = self._worker
-    if worker is not None:
-      worker.join(timeout)
+    with self._cv:
+      self._cv.notify_all()
+    for name in ("_thread", "_worker"):
+      thread = getattr(self, name)
+      if thread is None:
+        continue
+      thread.join(timeout)
+      if thread.is_alive():
+        raise TimeoutError(f"generator {thread.name} thread still running {timeout} s after "
+                           "stop(); call stop() again to wait longer")
+      if name == "_thread":
+        self._thread = None
 
   def check(self) -> None:
     """Re-raises an exception from the loop thread."""
@@ -375,6 +397,9 @@ class GeneratorLoop:
     except BaseException as e:  # surfaced to the caller by check()/get()
       self._error, self._error_tb = e, traceback.format_exc()
       log.error("generator loop failed: %s", self._error_tb)
+      self._stop.set()   # the prefill worker stops too: nothing would take what it prefills
+      with self._cv:
+        self._cv.notify_all()
 
   def _wait_for_work(self):
     t0 = time.perf_counter()
@@ -712,6 +737,14 @@ class GeneratorLoop:
       finished = False
       for entries, tok, lp in firsts:
         m = len(entries)
+        # The first token's log-prob is NaN when its prompt's last logits hold a NaN or an Inf
+        # (the decode step checks the later tokens' logits): stop rather than stream garbage.
+        bad = ~np.isfinite(lp[:m])
+        if bad.any():
+          ids = [entries[j][1].request.id for j in np.flatnonzero(bad)]
+          raise NonFiniteError(f"non-finite prompt logits for requests {ids} at policy version "
+                               f"{entries[0][1].prefix_version}; stopping instead of sampling "
+                               "garbage")
         finished |= self._record(np.array([e[0] for e in entries]), tok[:m], lp[:m],
                                  np.array([e[1].prefix_version for e in entries]))
       if not finished:  # a sample can finish on its first token: refill its slot right away

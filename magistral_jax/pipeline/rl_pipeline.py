@@ -208,7 +208,10 @@ class RLPipeline:
     for t in self._threads:
       t.join(timeout=10)
     for g in self.generators:
-      g.stop(timeout=30)
+      try:
+        g.stop(timeout=30)
+      except TimeoutError as e:   # a generator stuck in a step: the others still stop
+        log.warning("closing the pipeline: %s", e)
 
   def _next_task(self):
     with self._lock:
