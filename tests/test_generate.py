@@ -371,6 +371,24 @@ def test_draw_follows_the_distribution_and_never_draws_an_excluded_token():
   assert np.asarray(S.draw(keys[:4], one)).tolist() == [0, 255, 256, v - 1]
 
 
+@pytest.mark.parametrize("v", [300, 4096, 5000])   # one block, whole blocks, a padded last block
+def test_blocked_argmax_equals_jnp_argmax(v):
+  rs = np.random.RandomState(v)
+  rows = [rs.randn(v).astype(np.float32) for _ in range(4)]
+  tie = np.zeros(v, np.float32)
+  tie[[v // 3, 2 * v // 3, v - 1]] = 5.0          # ties in different blocks: the first wins
+  nan = rs.randn(v).astype(np.float32)
+  nan[[v - 2, v // 2]] = np.nan                     # some index in range
+  edge = np.full(v, -np.inf, np.float32)
+  edge[v - 1] = 1.0                                 # the very last token
+  lg = jnp.asarray(np.stack(rows + [tie, nan, edge, np.full(v, -np.inf, np.float32)]))
+  want = np.asarray(jnp.argmax(lg, axis=-1))
+  got = np.asarray(jax.jit(S.argmax)(lg))
+  assert got.dtype == np.int32 and 0 <= got[5] < v
+  assert np.delete(got, 5).tolist() == np.delete(want, 5).tolist()
+  assert want[4] == v // 3 and want[6] == v - 1 and want[7] == 0
+
+
 def test_truncation_keeps_ties_together(monkeypatch):
   lg = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0, -jnp.inf]])
   # top-k 2: the k-th largest value is 1.0, and every token at 1.0 stays (selection or bisection).

@@ -158,6 +158,31 @@ def _truncate_rows(lg: Array, top_k: int, top_p: float) -> Array:
   return lg
 
 
+ARGMAX_BLOCK = 1024
+
+
+def argmax(lg: Array) -> Array:
+  """jnp.argmax(lg, -1) for lg [B, V] (the first index of the row's largest value), as two small
+  reductions: the largest value of each block of ARGMAX_BLOCK
+  logits, the first block holding the row's largest, then the argmax inside that block. XLA:CPU
+  lowers a flat argmax over V to a (value, index) pair reduction that ran at 7.0 ms for
+  [64, 49152] fp32 on a 2-core host, against 0.3 ms for this (4 % of a SmolLM2-135M greedy decode
+  step at 64 slots). Blocks past V are padded with -inf, which the flat argmax of a row that is
+  all -inf also never picks over index 0. A row holding a NaN gets some index in [0, V), not
+  necessarily jnp.argmax's (XLA:CPU's block max may skip the NaN); its log-prob is NaN, which
+  the decode step's and the loop's finiteness checks stop on. Returns int32 [B]."""
+  b, v = lg.shape
+  if v <= ARGMAX_BLOCK:
+    return jnp.argmax(lg, axis=-1).astype(jnp.int32)
+  nb = -(-v // ARGMAX_BLOCK)
+  if nb * ARGMAX_BLOCK != v:
+    lg = jnp.pad(lg, ((0, 0), (0, nb * ARGMAX_BLOCK - v)), constant_values=-jnp.inf)
+  blocks = lg.reshape(b, nb, ARGMAX_BLOCK)
+  blk = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]
+  return jnp.minimum(blk * ARGMAX_BLOCK + jnp.argmax(inner, axis=-1), v - 1).astype(jnp.int32)
+
+
 DRAW_BLOCK = 256
 
 
@@ -192,7 +217,7 @@ def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig):
   positions [B] (folded into the key). Returns (tokens [B] int32, logprobs [B] fp32)."""
   lg = logits.astype(jnp.float32) / cfg.temperature
   if cfg.greedy:
-    tokens = jnp.argmax(lg, axis=-1)
+    tokens = argmax(lg)
   else:
     masked = _truncate(lg, cfg.top_k, cfg.top_p)
     step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
