@@ -23,10 +23,11 @@ import logging
 import os
 from typing import Callable, Iterable, Mapping, Sequence
 
+from magistral_jax.data.format_filter import DropReport
+
 log = logging.getLogger(__name__)
 
 RunFn = Callable[[Mapping, Mapping, Sequence[Mapping]], Sequence]
-MAX_IDS_PER_REASON = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +72,11 @@ def vote_on_tests(tests: Sequence[Mapping], outputs: Sequence[Sequence], config:
 
 
 @dataclasses.dataclass
-class CodeFilterReport:
-  seen: int = 0
-  kept: int = 0
-  dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+class CodeFilterReport(DropReport):
   tests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  dropped_ids: dict = dataclasses.field(default_factory=dict)
-
-  def drop(self, rec_id, reason):
-    self.dropped[reason] += 1
-    ids = self.dropped_ids.setdefault(reason, [])
-    if len(ids) < MAX_IDS_PER_REASON:
-      ids.append(rec_id)
 
   def to_json(self) -> dict:
-    return {"seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped),
-            "tests": dict(self.tests), "dropped_ids": self.dropped_ids}
+    return {**super().to_json(), "tests": dict(self.tests)}
 
 
 def code_filter(recs: Iterable[Mapping], run_fn: RunFn, config: CodeFilterConfig = CodeFilterConfig(),

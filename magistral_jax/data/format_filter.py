@@ -212,12 +212,28 @@ def worker_check(rec):
 
 
 @dataclasses.dataclass
-class FilterReport:
+class DropReport:
+  """What a filter stage kept and dropped: counts per reason and the first MAX_IDS_PER_REASON
+  record ids of each (the format and code filters' reports extend it)."""
   seen: int = 0
   kept: int = 0
   dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  rewritten: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   dropped_ids: dict = dataclasses.field(default_factory=dict)
+
+  def drop(self, rec_id, reason: str):
+    self.dropped[reason] += 1
+    ids = self.dropped_ids.setdefault(reason, [])
+    if len(ids) < MAX_IDS_PER_REASON:
+      ids.append(rec_id)
+
+  def to_json(self) -> dict:
+    return {"seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped),
+            "dropped_ids": self.dropped_ids}
+
+
+@dataclasses.dataclass
+class FilterReport(DropReport):
+  rewritten: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def add(self, rec_id: str, reason: str | None, kept: dict | None):
     self.seen += 1
@@ -226,14 +242,10 @@ class FilterReport:
       if kept.get("rewritten"):
         self.rewritten[kept["rewritten"]] += 1
       return
-    self.dropped[reason] += 1
-    ids = self.dropped_ids.setdefault(reason, [])
-    if len(ids) < MAX_IDS_PER_REASON:
-      ids.append(rec_id)
+    self.drop(rec_id, reason)
 
   def to_json(self) -> dict:
-    return {"seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped),
-            "rewritten": dict(self.rewritten), "dropped_ids": self.dropped_ids}
+    return {**super().to_json(), "rewritten": dict(self.rewritten)}
 
 
 def format_filter(recs: Iterable[Mapping[str, str]], config: FormatFilterConfig = FormatFilterConfig(),
