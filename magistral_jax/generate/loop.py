@@ -281,19 +281,15 @@ class GeneratorLoop:
     engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
     Bad params raise here and the loop keeps generating with the old ones."""
     version = int(version)
-    with self._lock:
-      latest = self.version if self._pending is None else max(self.version, self._pending[1])
-    if version <= latest:
-      # Tokens carry the version they were sampled under, and the shared prefix's cache (and
-      # the recompute ablation's staleness test) is keyed by it: two weights under one number
-      # would be indistinguishable downstream.
-      raise ValueError(f"update_params: version {version} must be greater than the loop's "
-                       f"latest version {latest}")
     params = self.engine.load_params(params)
     with self._lock:
-      if self._pending is not None and self._pending[1] >= version:
+      latest = self.version if self._pending is None else max(self.version, self._pending[1])
+      if version <= latest:
+        # Tokens carry the version they were sampled under, and the shared prefix's cache (and
+        # the recompute ablation's staleness test) is keyed by it: two weights under one number
+        # would be indistinguishable downstream.
         raise ValueError(f"update_params: version {version} must be greater than the loop's "
-                         f"latest version {self._pending[1]} (pushed concurrently)")
+                         f"latest version {latest}")
       self._pending = (params, version)
       self._pending_since_step = self.steps
 
@@ -309,19 +305,20 @@ class GeneratorLoop:
     """Stops the loop thread (and the prefill worker) at the next step boundary. Raises
     TimeoutError, keeping the thread, when it is still running after `timeout` seconds (e.g.
     inside a long step): the loop must not be started again over state it still uses."""
+    self._signal_stop()
+    for thread in (self._thread, self._worker):
+      if thread is not None:
+        thread.join(timeout)
+        if thread.is_alive():
+          raise TimeoutError(f"generator {thread.name} thread still running {timeout} s after "
+                             "stop(); call stop() again to wait longer")
+    self._thread = None
+
+  def _signal_stop(self) -> None:
+    """Tells the loop thread and the prefill worker to stop (the worker may be waiting)."""
     self._stop.set()
     with self._cv:
       self._cv.notify_all()
-    for name in ("_thread", "_worker"):
-      thread = getattr(self, name)
-      if thread is None:
-        continue
-      thread.join(timeout)
-      if thread.is_alive():
-        raise TimeoutError(f"generator {thread.name} thread still running {timeout} s after "
-                           "stop(); call stop() again to wait longer")
-      if name == "_thread":
-        self._thread = None
 
   def check(self) -> None:
     """Re-raises an exception from the loop thread."""
@@ -397,9 +394,7 @@ class GeneratorLoop:
     except BaseException as e:  # surfaced to the caller by check()/get()
       self._error, self._error_tb = e, traceback.format_exc()
       log.error("generator loop failed: %s", self._error_tb)
-      self._stop.set()   # the prefill worker stops too: nothing would take what it prefills
-      with self._cv:
-        self._cv.notify_all()
+      self._signal_stop()   # the prefill worker too: nothing would take what it prefills
 
   def _wait_for_work(self):
     t0 = time.perf_counter()
