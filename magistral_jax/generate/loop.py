@@ -732,8 +732,9 @@ class GeneratorLoop:
       finished = False
       for entries, tok, lp in firsts:
         m = len(entries)
-        # The first token's log-prob is NaN when its prompt's last logits hold a NaN or an Inf
-        # (the decode step checks the later tokens' logits): stop rather than stream garbage.
+        # The first token's log-prob is NaN when its prompt's last logits hold a NaN or a +Inf
+        # (the decode step checks every logit of the later tokens, -Inf included): stop rather
+        # than stream garbage.
         bad = ~np.isfinite(lp[:m])
         if bad.any():
           ids = [entries[j][1].request.id for j in np.flatnonzero(bad)]
