@@ -1,9 +1,9 @@
 r"""RL training: `python launch/train.py --config=configs/tiny.py --workdir=runs/tiny`.
 
-Reads top to bottom like the algorithm: devices and meshes, tokenizer and policy, (cold-start SFT),
-held-out evaluation, then for each stage the async RL pipeline (generators on their own device
-slices, verifier pool, trainer, weight pushes after every optimizer step), checkpoints, and a final
-evaluation. Any config field can be overridden: `--config.rl.eps_high=0.3`. A run resumes from the
+Reads top to bottom like the run: devices and meshes, tokenizer and policy, (cold-start SFT),
+held-out evaluation, then for each stage the RL loop (magistral_jax/train/rl_loop.py: batches of
+scored groups from the Rollouts -> minibatches -> optimizer steps -> weight pushes to the
+generators), checkpoints, and a final evaluation. Any config field can be overridden: `--config.rl.eps_high=0.3`. A run resumes from the
 latest checkpoint in --workdir automatically.
 
 Multi-host (TPU pods, GPU clusters): add `--distributed` to call `jax.distributed.initialize()`
@@ -14,115 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 
-# On a CPU host the device layout (trainer + generator slices) needs several devices; this flag
-# only affects the host platform, so it is harmless on GPU/TPU hosts. Must precede importing jax.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+from magistral_jax import cli  # noqa: F401  (before jax: the CPU device count)
 
-from absl import app, flags
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run configuration file.")
-_WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Checkpoints, metrics and summary.json.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
+from absl import app
 
 log = logging.getLogger("train")
-
-
-class SyntheticPrompts:
-  """The synthetic-arithmetic prompt stream with a resumable position."""
-
-  def __init__(self, seed: int, data_cfg, consumed: int = 0):
-    from magistral_jax.data import synthetic
-    self._it = synthetic.problems(seed, "train", **synthetic.options(data_cfg))
-    self.consumed = 0
-    for _ in range(consumed):
-      next(self)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    self.consumed += 1
-    return next(self._it)
-
-  def state(self) -> dict:
-    return {"consumed": self.consumed}
-
-
-def system_prompt_for(name: str):
-  from magistral_jax.pipeline.build import system_prompt_for as f
-  return f(name)
-
-
-def build_tokenizer_and_model(config):
-  """(tokenizer, ModelConfig, initial params or None for random init)."""
-  from magistral_jax.pipeline.build import build_tokenizer_and_model as f
-  return f(config)
-
-
-def heldout_problems(config):
-  from magistral_jax.data import synthetic
-  n = config.data.heldout
-  if config.data.source == "synthetic":
-    return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
-  return load_problem_set(config, "heldout")[:n]
-
-
-# Short names for the public sets shipped in magistral_jax/data/sources (records.SHIPPED).
-SHIPPED_ALIASES = {"gsm8k": "gsm8k_test", "mbpp": "mbpp_sample20"}
-
-
-def problem_loader(config, num_epochs):
-  """A seeded ProblemLoader over data.source (comma-separated dataset names; shipped sets are
-  built into data.data_dir, default WORKDIR/data, on first use)."""
-  from magistral_jax.data import records
-  from magistral_jax.data.loader import ProblemLoader
-  from magistral_jax.data.tfds_builders import build_shipped
-  names = [SHIPPED_ALIASES.get(n, n) for n in config.data.source.split(",") if n]
-  data_dir = config.data.data_dir or os.path.join(_WORKDIR.value, "data")
-  shipped = [n for n in names if n in records.SHIPPED]
-  if shipped:
-    build_shipped(data_dir, shipped)
-  return ProblemLoader(data_dir, names, seed=config.seed, shuffle=True, num_epochs=num_epochs)
-
-
-def load_problem_set(config, split):
-  """The held-out problems: the first data.heldout of one seeded shuffled epoch."""
-  if split != "heldout":
-    raise ValueError(f"load_problem_set: split {split!r}; training problems come from "
-                     "TrainProblems")
-  return problem_loader(config, 1).take(config.data.heldout)
-
-
-class TrainProblems:
-  """RL prompts from problem datasets: seeded shuffled epochs without end, minus the held-out
-  problems; `state()` is the loader's position, saved in the checkpoint meta ("data")."""
-
-  def __init__(self, config, heldout_ids, state=None):
-    self.loader = problem_loader(config, None)
-    if state:
-      self.loader.restore(state)
-    self.heldout = set(heldout_ids)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    # An epoch is a permutation, so a run of held-out ids is at most two epochs' worth.
-    for _ in range(2 * len(self.heldout) + 1):
-      p = next(self.loader)
-      if p["id"] not in self.heldout:
-        return p
-    raise ValueError(f"every problem of data.source={list(self.loader._fingerprint['datasets'])} "
-                     f"is held out (data.heldout={len(self.heldout)}); lower data.heldout")
-
-  def state(self) -> dict:
-    return self.loader.state()
 
 
 def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, params, tag):
@@ -137,42 +35,31 @@ def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, pa
   return res
 
 
-def start_run():
-  """Shared start of every launcher: logging to stdout (quiet libraries), optional
-  jax.distributed initialisation, and the parsed --config."""
-  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-  if _DISTRIBUTED.value:
-    import jax
-    jax.distributed.initialize()
-  return _CONFIG.value
-
-
 def main(argv):
   del argv
-  config = start_run()
+  config = cli.start_run()
   import jax
-  import numpy as np
   from magistral_jax import config as config_lib
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.parallel import TRAINER_RULES, GENERATOR_RULES, make_mesh
-  from magistral_jax.pipeline import PipelineConfig, RLPipeline
-  from magistral_jax.pipeline.build import (make_generators, sft_optimizer_config,
-                                            sft_warm_start, shared_prefix_for, split_devices)
+  from magistral_jax.data.prompts import heldout_problems, train_prompts
+  from magistral_jax.pipeline import PipelineConfig, Rollouts
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, make_generators,
+                                            sft_optimizer_config, sft_warm_start,
+                                            shared_prefix_for, split_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer, learning_rate_schedule
+  from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
   from magistral_jax.verify import VerifierPool
 
   t_start = time.time()
   run = config_lib.validate(config, jax.device_count())   # every config error, before any work
-  workdir = os.path.abspath(_WORKDIR.value)
+  workdir = cli.workdir()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json(indent=1))
@@ -223,7 +110,7 @@ def main(argv):
                                            background_prefill=config.engine.background_prefill,
                                            loop_prefill_below=config.engine.loop_prefill_below,
                                            shared_prefix=shared_prefix)
-  heldout = heldout_problems(config)
+  heldout = heldout_problems(config, workdir)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
 
@@ -280,34 +167,27 @@ def main(argv):
           background_prefill=scfg.engine.background_prefill,
           loop_prefill_below=scfg.engine.loop_prefill_below,
           shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt))
-      if config.data.source == "synthetic":
-        prompts = SyntheticPrompts(config.seed, config.data, meta["data"].get("consumed", 0))
-      else:
-        prompts = TrainProblems(config, [p["id"] for p in heldout],
-                                meta["data"] if "iterator" in meta["data"] else None)
+      prompts = train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
+      rollouts = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
+                          grpo_cfg=srun.rl, system_prompt=system_prompt,
+                          cfg=PipelineConfig(seed=config.seed + si, **scfg.pipeline.to_dict()))
+      trainer = Trainer(step_fn, state, tmesh, version=meta["version"],
+                        opt_steps=meta["opt_steps"], batches=meta["batches"])
 
-      def on_step(opt_step, pipe, m, si=si):
+      def on_batch(trainer, m, si=si):
         meta.update(stage=si, batch_in_stage=meta["batch_in_stage"] + 1,
-                    batches=meta["batches"] + 1, version=pipe.version, opt_steps=opt_step,
-                    data=prompts.state() if hasattr(prompts, "state") else {})
+                    batches=trainer.batches, version=trainer.version,
+                    opt_steps=trainer.opt_steps, data=prompts.state())
         log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
-          save_checkpoint(opt_step, pipe.state)
+          save_checkpoint(trainer.opt_steps, trainer.state)
 
-      pipe = RLPipeline(
-          model_cfg=model_cfg, grpo_cfg=srun.rl, train_step=step_fn, state=state,
-          trainer_mesh=tmesh, generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
-          cfg=PipelineConfig(mode=scfg.pipeline.mode, n_async=scfg.pipeline.n_async,
-                             max_queue=scfg.pipeline.max_queue,
-                             seed=config.seed + si, sample_every=scfg.pipeline.sample_every,
-                             batch_timeout_s=scfg.pipeline.batch_timeout_s),
-          writer=writer, version=meta["version"], system_prompt=system_prompt, on_step=on_step)
-      pipe.opt_steps = meta["opt_steps"]
-      pipe.batches = meta["batches"]
       try:
-        pipe.run(n_batches)
+        with rollouts:
+          train(trainer, rollouts, srun.rl, n_batches, seed=config.seed + si, writer=writer,
+                sample_every=scfg.pipeline.sample_every, on_batch=on_batch)
       finally:
-        state = pipe.state
+        state = trainer.state
         ckpt.wait()
         if meta["opt_steps"] not in ckpt.steps():
           save_checkpoint(meta["opt_steps"], state, force=True)

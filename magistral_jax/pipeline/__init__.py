@@ -1,2 +1,6 @@
-"""The async RL loop: generators on their own slices, verifier pool, trainer, weight pushes."""
-from magistral_jax.pipeline.rl_pipeline import PipelineConfig, PipelineError, RLPipeline
+"""The generation side of the RL run: generators, verifier pool and group scoring (Rollouts), and
+the assembly of a run's parts (build)."""
+from magistral_jax.pipeline.rollouts import (PipelineConfig, PipelineError, RolloutBatch,
+                                             Rollouts)
+
+__all__ = ["PipelineConfig", "PipelineError", "RolloutBatch", "Rollouts"]

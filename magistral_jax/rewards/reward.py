@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Any
+from typing import Any, Sequence
 
 from magistral_jax.rewards import code_check, format as fmt, language, math_check, sandbox
 from magistral_jax.rewards.length import length_penalty
 
 DEFAULT_LANGUAGES = ("en", "fr", "es", "it", "de", "zh", "ru")
+PARTS = ("format", "correct", "language", "length_penalty")
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  l_max: int = 40960              # Small: l_max - l_cache = 32k (SPEC §2)
+  # The soft overlong penalty (SPEC §2, rewards/length.py): 0 up to l_max - l_cache tokens, then
+  # linear down to -length_penalty_max at l_max. Small: l_max - l_cache = 32k.
+  l_max: int = 40960
   l_cache: int = 8192             # NOT STATED in the paper
   language_bonus: float = 0.1
-  languages: tuple[str, ...] = DEFAULT_LANGUAGES
+  languages: tuple[str, ...] = DEFAULT_LANGUAGES   # the bonus is paid in these (empty: any)
   format_reward: float = 0.1
   correct_reward: float = 0.9
   length_penalty_max: float = 0.1
@@ -32,6 +35,13 @@ class RewardConfig:
   compile_timeout_s: float = 10.0
   math_timeout_s: int = 5         # math-verify's own (SIGALRM) timeout, per parse and per verify
   python: str | None = None       # interpreter for sandboxed Python; None: a system python3
+
+  def __post_init__(self):
+    object.__setattr__(self, "languages", tuple(self.languages))
+    try:   # the penalty's own check of the length budget, before any completion is scored
+      length_penalty(0, self.l_max, self.l_cache, self.length_penalty_max)
+    except ValueError as e:
+      raise ValueError(f"RewardConfig: {e}") from None
 
 
 @dataclasses.dataclass
@@ -43,8 +53,22 @@ class RewardResult:
 
 
 def empty_parts(failed_condition: str | None = None) -> dict:
-  return dict(format=0.0, correct=0.0, language=0.0, length_penalty=0.0,
-              failed_condition=failed_condition)
+  return dict(dict.fromkeys(PARTS, 0.0), failed_condition=failed_condition)
+
+
+def reward_metrics(results: Sequence[RewardResult]) -> dict:
+  """Means over completions: the reward and each of its parts, accuracy (the answer was correct)
+  and format rate (the format check passed); and the largest reward."""
+  if not results:
+    return {}
+  part = lambda p: [r.parts.get(p) or 0.0 for r in results]
+  rewards = [r.reward for r in results]
+  out = {"reward": float(sum(rewards) / len(rewards)), "reward_max": float(max(rewards))}
+  for p in PARTS:
+    out[f"reward_{p}"] = float(sum(part(p)) / len(results))
+  out["accuracy"] = float(sum(v > 0 for v in part("correct")) / len(results))
+  out["format_rate"] = float(sum(v > 0 for v in part("format")) / len(results))
+  return out
 
 
 def failed_result(error: str, failed_condition: str | None = None) -> RewardResult:

@@ -1,106 +1,98 @@
-"""Group-relative advantages, zero-advantage group filtering and advantage normalisation (SPEC §1).
+"""A group's advantages and whether it is trained on (SPEC §1), decided once, when it is scored.
 
-    Â_i = r_i − mean_{j ∈ group(i)} r_j                      (no division by the group std)
-    minibatch:  Â_norm = (Â − mean_mb(Â)) / std_mb(Â)        (statistics over the minibatch's sequences)
-    group:      Â_norm = Â / std_group(r)                    (classic GRPO; ablation)
-    none:       Â_norm = Â
+    Â_i = r_i − mean_{j ∈ group} r_j        (no division by the group std)
 
-Pure NumPy: inputs are per-completion arrays, outputs are arrays plus plain-dict counts.
+A group whose rewards are all equal has Â = 0 everywhere: it carries no signal and is dropped.
+Minibatch normalisation of Â happens later, over a minibatch (rl/minibatch.py).
+
+Pure NumPy over one group's arrays.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
 
+from magistral_jax.rl.collate import Completion
+from magistral_jax.rl.config import GRPOConfig
 
-def _group_index(group_ids) -> tuple[np.ndarray, np.ndarray]:
-  """Maps arbitrary group ids to 0..n_groups-1. Returns (unique ids, inverse index)."""
-  group_ids = np.asarray(group_ids)
-  if group_ids.ndim != 1:
-    raise ValueError(f"group_ids must be 1-D, got shape {group_ids.shape}")
-  return np.unique(group_ids, return_inverse=True)
+if TYPE_CHECKING:   # the verifiers' modules are not needed to do arithmetic on their results
+  from magistral_jax.rewards.reward import RewardResult
+
+ZERO_ADVANTAGE = "zero_advantage"
+LENGTH_ONLY = "length_only"
 
 
-def _check(rewards, group_ids):
+def _check(rewards) -> np.ndarray:
   rewards = np.asarray(rewards, np.float64)
-  if rewards.shape != np.shape(group_ids):
-    raise ValueError(f"rewards shape {rewards.shape} != group_ids shape {np.shape(group_ids)}")
+  if rewards.ndim != 1 or rewards.size == 0:
+    raise ValueError(f"a group's rewards must be a non-empty 1-D array, got shape {rewards.shape}")
   if not np.all(np.isfinite(rewards)):
     bad = np.flatnonzero(~np.isfinite(rewards))
     raise ValueError(f"non-finite rewards at completion indices {bad[:10].tolist()}")
   return rewards
 
 
-def group_mean(x, group_ids) -> np.ndarray:
-  """Per-element mean of x over its group."""
-  _, inv = _group_index(group_ids)
-  x = np.asarray(x, np.float64)
-  sums = np.bincount(inv, weights=x)
-  counts = np.bincount(inv)
-  return (sums / counts)[inv]
+def group_advantages(rewards) -> np.ndarray:
+  """Â_i = r_i − mean(r) over one group's rewards."""
+  rewards = _check(rewards)
+  return rewards - rewards.mean()
 
 
-def group_std(x, group_ids) -> np.ndarray:
-  """Per-element population std of x over its group."""
-  x = np.asarray(x, np.float64)
-  centred = x - group_mean(x, group_ids)
-  return np.sqrt(group_mean(centred ** 2, group_ids))
+def drop_reason(rewards, length_penalty=None, length_only_groups: str = "keep",
+                atol: float = 1e-6) -> str | None:
+  """Why a group is not trained on, or None if it is.
 
-
-def group_advantages(rewards, group_ids) -> np.ndarray:
-  """Â_i = r_i − mean(r_group(i))."""
-  rewards = _check(rewards, group_ids)
-  return rewards - group_mean(rewards, group_ids)
-
-
-def filter_groups(rewards, group_ids, length_penalty=None, length_only_groups: str = "keep",
-                  atol: float = 1e-6) -> tuple[np.ndarray, dict]:
-  """Which completions to keep: groups whose rewards are all equal carry zero advantage and are dropped.
-
-  `length_penalty` (per completion, the continuous DAPO overlong term already included in
-  `rewards`) lets us see groups whose rewards differ *only* through that term: with
-  length_only_groups='drop' they are dropped too, with 'keep' they stay (see GRPOConfig).
-  Returns (keep mask over completions, counts for logging).
+  ZERO_ADVANTAGE: all rewards equal (within atol). LENGTH_ONLY: the rewards differ only through
+  the continuous overlong penalty (`length_penalty`, already included in `rewards`); such a group
+  is dropped only with length_only_groups='drop' (GRPOConfig).
   """
-  rewards = _check(rewards, group_ids)
+  rewards = _check(rewards)
   if length_only_groups not in ("keep", "drop"):
     raise ValueError(f"length_only_groups must be keep|drop, got {length_only_groups!r}")
-  uniq, inv = _group_index(group_ids)
-  n_groups = len(uniq)
-
-  def spread(x):
-    lo = np.full(n_groups, np.inf)
-    hi = np.full(n_groups, -np.inf)
-    np.minimum.at(lo, inv, x)
-    np.maximum.at(hi, inv, x)
-    return hi - lo
-
-  zero = spread(rewards) <= atol
-  length_only = np.zeros(n_groups, bool)
-  if length_penalty is not None:
+  spread = lambda x: float(x.max() - x.min())
+  if spread(rewards) <= atol:
+    return ZERO_ADVANTAGE
+  if length_only_groups == "drop" and length_penalty is not None:
     length_penalty = np.asarray(length_penalty, np.float64)
     if length_penalty.shape != rewards.shape:
-      raise ValueError(f"length_penalty shape {length_penalty.shape} != rewards shape {rewards.shape}")
-    length_only = ~zero & (spread(rewards - length_penalty) <= atol)
-  drop = zero | (length_only if length_only_groups == "drop" else False)
-  keep = ~drop[inv]
-  stats = {
-      "groups": int(n_groups),
-      "groups_zero_advantage": int(zero.sum()),
-      "groups_length_only": int(length_only.sum()),
-      "groups_dropped": int(drop.sum()),
-      "completions_dropped": int((~keep).sum()),
-  }
-  return keep, stats
+      raise ValueError(f"length_penalty shape {length_penalty.shape} != rewards shape "
+                       f"{rewards.shape}")
+    if spread(rewards - length_penalty) <= atol:
+      return LENGTH_ONLY
+  return None
 
 
-def normalize_advantages(advantages, group_ids, mode: str = "minibatch", eps: float = 1e-6) -> np.ndarray:
-  """Normalises group-centred advantages over one minibatch (call once per minibatch)."""
-  adv = np.asarray(advantages, np.float64)
-  if mode == "minibatch":
-    return (adv - adv.mean()) / (adv.std() + eps)
-  if mode == "group":
-    # std of Â within a group is the std of r within it (Â is r shifted by the group mean).
-    return adv / (group_std(adv, group_ids) + eps)
-  if mode == "none":
-    return adv
-  raise ValueError(f"adv_norm must be minibatch|group|none, got {mode!r}")
+@dataclasses.dataclass
+class ScoredGroup:
+  """One prompt's G completions after verification: each Completion carries its group-centred Â.
+
+  `dropped` says why the group is not trained on (ZERO_ADVANTAGE, LENGTH_ONLY) or is None.
+  `results` are the verifier's RewardResults (for metrics); `info` is whatever the caller carries
+  along with the group (the pipeline: the generator's samples).
+  """
+  group_id: int
+  completions: list[Completion]
+  results: list["RewardResult"]
+  dropped: str | None = None
+  info: Any = None
+
+  @property
+  def rewards(self) -> np.ndarray:
+    return np.asarray([r.reward for r in self.results])
+
+
+def score_group(group_id: int, completions: Sequence[Completion], results: Sequence["RewardResult"],
+                cfg: GRPOConfig, info: Any = None) -> ScoredGroup:
+  """Scores one finished group: Â = r − mean(r) on each completion, and the drop decision."""
+  if len(completions) != len(results):
+    raise ValueError(f"group {group_id}: {len(completions)} completions but {len(results)} "
+                     "reward results")
+  rewards = [r.reward for r in results]
+  length_penalty = [r.parts.get("length_penalty") or 0.0 for r in results]
+  adv = group_advantages(rewards)
+  dropped = drop_reason(rewards, length_penalty, cfg.length_only_groups, cfg.reward_atol)
+  scored = [dataclasses.replace(c, advantage=float(a), group_id=group_id)
+            for c, a in zip(completions, adv)]
+  return ScoredGroup(group_id, scored, list(results), dropped, info)

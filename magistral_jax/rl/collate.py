@@ -1,11 +1,10 @@
-"""From scored completions to packed, fixed-shape microbatches (SPEC §5).
+"""Greedy collation: completions packed into fixed-shape microbatches (SPEC §5).
 
-A batch of n_batch completions is split into n_batch/n_mini minibatches (whole groups each; one
-optimizer step per minibatch). Advantages are normalised inside each minibatch, every loss
-normaliser is computed over the whole minibatch (one weight per token), and the minibatch is cut
-into microbatches of a fixed token budget by greedy collation: sort by length, longest first, and
-put each sequence in the first row with room (first fit). A microbatch is `microbatch_rows` rows of
-`row_len` tokens; many short sequences share a row, kept apart by segment ids.
+A minibatch is cut into microbatches of a fixed token budget by greedy collation: sort by length,
+longest first, and put each sequence in the first row with room (first fit). A microbatch is
+`microbatch_rows` rows of `row_len` tokens; many short sequences share a row, kept apart by
+segment ids. Every loss normaliser is computed over the whole minibatch (one weight per token), so
+a microbatch's loss is its exact share of the minibatch's.
 
 Everything here is NumPy: the output feeds the jitted train step directly.
 """
@@ -16,8 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-from magistral_jax.rl import advantages as adv_lib
-from magistral_jax.rl.config import GRPOConfig
 
 # The arrays of a packed microbatch stack, each [n_micro, rows, row_len].
 FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs",
@@ -29,7 +26,7 @@ class Completion:
   """One sampled completion as the generator and verifiers return it.
 
   old_logprobs: π_old of each completion token (one per token). advantage: the group-centred
-  Â = r − mean(r_group) before minibatch normalisation (collate_minibatch normalises it).
+  Â = r − mean(r_group) before minibatch normalisation (rl/minibatch.py normalises it).
   """
   prompt_tokens: np.ndarray
   completion_tokens: np.ndarray
@@ -181,58 +178,4 @@ def unpack_tokens(values: np.ndarray, completions: Sequence[Completion], placeme
   for c, (m, r, s) in zip(completions, placement):
     p = len(c.prompt_tokens)
     out.append(values[m, r, s + p - 1: s + c.num_tokens])
-  return out
-
-
-# ---- minibatches -------------------------------------------------------------------------------
-
-def split_minibatches(group_ids, n_mini: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
-  """Splits a batch into minibatches of n_mini completions made of whole groups (shuffled by rng)."""
-  group_ids = np.asarray(group_ids)
-  uniq = np.unique(group_ids)
-  if rng is not None:
-    uniq = rng.permutation(uniq)
-  members = [np.flatnonzero(group_ids == g) for g in uniq]
-  minibatches, cur = [], []
-  for m in members:
-    cur.extend(m.tolist())
-    if len(cur) == n_mini:
-      minibatches.append(np.asarray(cur))
-      cur = []
-    elif len(cur) > n_mini:
-      raise ValueError(f"group {uniq[len(minibatches)]} straddles a minibatch boundary: n_mini={n_mini} "
-                       "must be a multiple of the group size")
-  if cur:
-    raise ValueError(f"{len(group_ids)} completions do not split into minibatches of n_mini={n_mini}")
-  return minibatches
-
-
-def collate_minibatch(completions: Sequence[Completion], cfg: GRPOConfig, min_microbatches: int = 0):
-  """One minibatch -> (microbatch arrays, placement, stats): advantages normalised per cfg.adv_norm,
-  weights per cfg.loss_agg, greedy collation into cfg.microbatch_rows × cfg.row_len microbatches."""
-  group_ids = np.asarray([c.group_id for c in completions])
-  adv = adv_lib.normalize_advantages([c.advantage for c in completions], group_ids,
-                                     cfg.adv_norm, cfg.adv_eps)
-  lengths = np.asarray([len(c.completion_tokens) for c in completions])
-  weights = aggregation_weights(lengths, group_ids, cfg.loss_agg)
-  arrays, placement = pack(completions, adv, weights, cfg.row_len, cfg.microbatch_rows,
-                           min_microbatches=min_microbatches)
-  slots = arrays["tokens"].size
-  real = int(sum(c.num_tokens for c in completions))
-  stats = {"microbatches": arrays["tokens"].shape[0], "sequences": len(completions),
-           "completion_tokens": int(lengths.sum()), "padding_frac": 1.0 - real / slots}
-  return arrays, placement, stats
-
-
-def make_minibatches(completions: Sequence[Completion], cfg: GRPOConfig,
-                     rng: np.random.Generator | None = None, min_microbatches: int = 0):
-  """A full batch -> list of (microbatch arrays, placement, stats, completion indices), one per
-  optimizer step. Completions carry group-centred advantages (see rl/advantages.py)."""
-  if len(completions) != cfg.n_batch:
-    raise ValueError(f"batch has {len(completions)} completions, GRPOConfig.n_batch={cfg.n_batch}")
-  out = []
-  for idx in split_minibatches([c.group_id for c in completions], cfg.n_mini, rng):
-    mb = [completions[i] for i in idx]
-    arrays, placement, stats = collate_minibatch(mb, cfg, min_microbatches)
-    out.append((arrays, placement, stats, idx))
   return out

@@ -22,7 +22,6 @@ from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import (DEFAULT_RULES, ShardingCtx, logical_sharding,
                                              param_shardings, replicated)
-from magistral_jax.rl.collate import make_minibatches
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.loss import combine_metrics, empty_metrics, grpo_loss, summarize_metrics
 
@@ -200,16 +199,3 @@ def make_grpo_step(model_cfg: ModelConfig, grpo_cfg: GRPOConfig, tx, mesh=None, 
   loss_fn = grpo_loss_fn(model_cfg, grpo_cfg, mesh, rules, temperature, compute_entropy)
   return make_train_step(model_cfg, tx, loss_fn, mesh, rules, summarize_metrics,
                          with_ref=bool(grpo_cfg.kl_coef), donate=donate, lr_schedule=lr_schedule)
-
-
-def train_on_batch(step, state: TrainState, completions, grpo_cfg: GRPOConfig, mesh=None,
-                   rules=DEFAULT_RULES, rng=None, ref_params=None, min_microbatches: int = 0):
-  """One batch of n_batch scored completions (group-centred advantages) -> n_batch/n_mini
-  optimizer steps, one per minibatch. Returns (state, one metrics dict per step); the step metrics
-  stay on device (no sync here), the collation stats are plain numbers."""
-  history = []
-  for arrays, _, stats, _ in make_minibatches(completions, grpo_cfg, rng, min_microbatches):
-    batch = shard_batch(arrays, mesh, rules)
-    state, metrics = step(state, batch) if ref_params is None else step(state, batch, ref_params)
-    history.append({**metrics, **stats})
-  return state, history

@@ -1,0 +1,40 @@
+"""What every launcher shares: the --config / --workdir / --distributed flags and the start of a
+run (logging, jax.distributed, the parsed config).
+
+Import this module before jax: on a CPU host it asks for 8 simulated devices (the trainer and
+generator slices of the default layout), a flag that only the host platform reads, so it is
+harmless on GPU/TPU hosts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run configuration file.")
+WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Checkpoints, metrics and summary.json.")
+DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
+
+
+def workdir() -> str:
+  return os.path.abspath(WORKDIR.value)
+
+
+def start_run():
+  """Logging to stdout (libraries quieted), optional jax.distributed initialisation, and the
+  parsed --config."""
+  logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                      format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+  for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  if DISTRIBUTED.value:
+    import jax
+    jax.distributed.initialize()
+  return CONFIG.value

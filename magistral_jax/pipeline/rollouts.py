@@ -1,0 +1,447 @@
+"""Rollouts: the generation side of SPEC §5, which yields scored groups and takes weight pushes.
+
+    prompts -> feeder thread -> generators (own device slices, continuous batching, KV kept
+    across weight updates) -> collector thread -> verifier pool (CPU processes) -> a group is
+    scored when its last completion is (rl.advantages.score_group: Â = r − mean(r); dropped when
+    it carries no signal) -> `next_batch()` hands n_batch completions of kept groups to the trainer
+    -> `push(params, version)`: the trainer's params resharded device-to-device onto every
+    generator after each optimizer step.
+
+The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues.
+
+Async (the paper): generators never wait for the trainer. Two bounds, both enforced by the feeder
+(never by the generators):
+- `n_async`, the paper's: completions generated in parallel, i.e. submitted to a generator and
+  not yet returned by it (running in a slot or queued for one). The feeder keeps it topped up.
+- `max_queue`: completions generated but not yet consumed (being scored, waiting for the rest of
+  their group, ready for a batch, or in the batch being trained on). A prompt is submitted only
+  while generating + queued + G stays within n_async + max_queue, so when the trainer falls
+  behind, generation stops running further ahead and off-policy lag stays bounded.
+
+Sync (for comparison and ablations): the same code path with a barrier. Exactly enough groups for
+one batch are generated under one policy version (topped up if groups are dropped), every
+generation finishes, then the trainer runs and pushes, then generation resumes. Tokens in a batch
+therefore all carry one version.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+
+from magistral_jax.generate.loop import GeneratorLoop, Request, Sample
+from magistral_jax.rewards.reward import RewardResult, failed_result, reward_metrics
+from magistral_jax.rl.advantages import ScoredGroup, score_group
+from magistral_jax.rl.collate import Completion
+from magistral_jax.rl.config import GRPOConfig
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+  """A component (generator thread, feeder, collector) failed; the cause carries the traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
+  # Completions generated in parallel (submitted to a generator, not yet returned by it): the
+  # paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium). 0 means 2 * n_batch.
+  n_async: int = 0
+  # Generated completions not yet consumed (scoring, waiting for their group, for a batch, or being
+  # trained on). No new prompt is submitted while generating + queued + G would exceed
+  # n_async + max_queue. 0 means n_async.
+  max_queue: int = 0
+  seed: int = 0
+  sample_every: int = 0      # log one decoded sample every N batches (0 = never)
+  batch_timeout_s: float = 600.0   # a batch that does not fill in this time is an error, not a hang
+
+  def __post_init__(self):
+    if self.mode not in ("async", "sync"):
+      raise ValueError(f"pipeline.mode must be async|sync, got {self.mode!r}")
+    if min(self.n_async, self.max_queue, self.sample_every) < 0 or self.batch_timeout_s <= 0:
+      raise ValueError(f"pipeline: n_async, max_queue, sample_every must be >= 0 and "
+                       f"batch_timeout_s > 0, got {self}")
+
+  def bounds(self, grpo: GRPOConfig) -> tuple[int, int]:
+    """(n_async, max_queue) with the 0 defaults resolved; errors for bounds that could never
+    fill a batch."""
+    n_async = self.n_async or 2 * grpo.n_batch
+    max_queue = self.max_queue or n_async
+    if self.mode == "async":
+      if n_async < grpo.group_size:
+        raise ValueError(f"n_async={n_async} < group_size={grpo.group_size}: no group could "
+                         "ever be submitted")
+      if max_queue < grpo.n_batch:
+        raise ValueError(f"max_queue={max_queue} < n_batch={grpo.n_batch}: a batch could "
+                         "never fill")
+    return n_async, max_queue
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+  """n_batch completions for the trainer: kept groups in group-id order, plus the groups dropped
+  since the previous batch (for metrics: every scored group is counted once), and how long the
+  trainer waited for it."""
+  groups: list[ScoredGroup]
+  dropped: list[ScoredGroup]
+  wait_s: float
+
+
+class _Pending:
+  """A submitted prompt whose G samples are coming back from the verifiers."""
+
+  def __init__(self, gid: int, size: int):
+    self.gid, self.size = gid, size
+    self.scored: list[tuple[Sample, RewardResult]] = []
+
+
+class Rollouts:
+  """Generators + verifier pool + group scoring. See the module docstring.
+
+  Args:
+    generators: one GeneratorLoop per generator slice (engine on its own mesh).
+    pool: a VerifierPool (or anything with submit(task, response, tokens, seed) -> Future).
+    tokenizer: builds prompts (apply_chat_template) and detokenizes responses.
+    prompts: iterator of task dicts ({"id", "kind", "problem", "answer", ...}).
+    grpo_cfg: group size, n_batch and the group-drop rule. cfg: the pipeline's bounds and mode.
+    system_prompt: the prompt template ({problem} placeholder); None = the bare problem.
+  """
+
+  def __init__(self, *, generators: Sequence[GeneratorLoop], pool, tokenizer,
+               prompts: Iterator[dict], grpo_cfg: GRPOConfig,
+               cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None):
+    if not generators:
+      raise ValueError("Rollouts needs at least one generator")
+    self.grpo_cfg, self.cfg = grpo_cfg, cfg
+    self.group_size = grpo_cfg.group_size
+    self.n_async, self.max_queue = cfg.bounds(grpo_cfg)
+    self.generators = list(generators)
+    self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
+    self.system_prompt = system_prompt
+    self._rng = np.random.default_rng(cfg.seed)
+    self._scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
+    self._generated: queue.Queue[tuple[int, Sample]] = queue.Queue()
+    self._pending: dict[int, _Pending] = {}
+    self._ready: collections.deque[ScoredGroup] = collections.deque()
+    self._dropped: list[ScoredGroup] = []   # since the last batch
+    self._next_gid = 0
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self._errors: list[tuple[str, BaseException, str]] = []
+    self._lock = threading.Lock()
+    self._room = threading.Condition(self._lock)   # the feeder waits on it for n_async/queue room
+    self._generating = 0        # submitted to a generator, not yet returned: <= n_async
+    self._queued = 0            # returned by a generator, not yet consumed or dropped
+    self.max_generating = 0     # high-water marks: max_generating <= n_async and
+    self.max_inflight = 0       # max_inflight (generating + queued) <= n_async + max_queue
+    self._prompts_exhausted = False
+    self.counters = collections.Counter()
+    self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
+    self._started = False
+    self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
+    for i, g in enumerate(self.generators):
+      g.callback = (lambda c, i=i: self._generated.put((i, c)))
+
+  # ---- what the trainer calls ----------------------------------------------------------------
+  def start(self) -> "Rollouts":
+    if self._started:
+      return self
+    self._started = True
+    self._last_metrics_t = time.time()
+    self._gen_t0 = [self._gen_counters(g) for g in self.generators]
+    for g in self.generators:
+      g.start()
+    threads = [("collector", self._collect)]
+    if self.cfg.mode == "async":
+      threads.append(("feeder", self._feed))
+    for name, target in threads:
+      t = threading.Thread(target=self._guard(name, target), name=f"pipeline-{name}", daemon=True)
+      t.start()
+      self._threads.append(t)
+    return self
+
+  def next_batch(self) -> RolloutBatch | None:
+    """Blocks until n_batch/G kept groups are ready; None once the prompts are exhausted."""
+    self.start()
+    t0 = time.time()
+    try:
+      groups = self._wait_for_groups(self.grpo_cfg.n_batch // self.group_size)
+    except StopIteration:
+      return None
+    dropped, self._dropped = self._dropped, []
+    return RolloutBatch(sorted(groups, key=lambda g: g.group_id), dropped, time.time() - t0)
+
+  def push(self, params, version: int) -> float:
+    """Device-to-device reshard of the trainer's params onto every generator, which continue
+    their in-flight sequences on them as policy `version`. Returns the seconds it took."""
+    t = time.time()
+    for g in self.generators:
+      # may_alias=False: the trainer donates its state next step, so never share its buffers.
+      new = jax.device_put(params, g.engine.param_shardings, may_alias=False)
+      jax.block_until_ready(new)
+      g.update_params(new, version)
+    return time.time() - t
+
+  def done(self, batch: RolloutBatch) -> None:
+    """The trainer has consumed `batch`: its completions leave the max_queue bound."""
+    self._release(sum(len(g.completions) for g in batch.groups))
+
+  def check(self):
+    """Raises PipelineError if any generator or pipeline thread died (with its traceback)."""
+    for g in self.generators:
+      try:
+        g.check()
+      except Exception as e:
+        raise PipelineError(f"generator failed: {e}") from e
+    if self._errors:
+      name, e, tb = self._errors[0]
+      raise PipelineError(f"pipeline {name} thread failed:\n{tb}") from e
+
+  def close(self):
+    """Stops threads and generators. Safe to call twice; never hangs on a dead component."""
+    self._stop.set()
+    with self._room:
+      self._room.notify_all()   # unblock the feeder
+    for t in self._threads:
+      t.join(timeout=10)
+    for g in self.generators:
+      try:
+        g.stop(timeout=30)
+      except TimeoutError as e:   # a generator stuck in a step: the others still stop
+        log.warning("closing the pipeline: %s", e)
+
+  def __enter__(self) -> "Rollouts":
+    return self.start()
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # ---- threads -------------------------------------------------------------------------------
+  def _guard(self, name, fn):
+    def run():
+      try:
+        fn()
+      except BaseException as e:
+        self._errors.append((name, e, traceback.format_exc()))
+        log.error("pipeline %s failed: %s", name, traceback.format_exc())
+    return run
+
+  def _next_task(self):
+    with self._lock:
+      if self._prompts_exhausted:
+        return None
+      try:
+        return next(self.prompts)
+      except StopIteration:
+        self._prompts_exhausted = True
+        return None
+
+  def _submit_group(self) -> bool:
+    """Submits the next prompt as a group of G samples to the least-loaded generator."""
+    task = self._next_task()
+    if task is None:
+      return False
+    prompt = self.tokenizer.apply_chat_template(task["problem"], self.system_prompt)
+    with self._lock:
+      gid = self._next_gid
+      self._next_gid += 1
+      self._pending[gid] = _Pending(gid, self.group_size)
+      self._generating += self.group_size
+      self.max_generating = max(self.max_generating, self._generating)
+      self.max_inflight = max(self.max_inflight, self._generating + self._queued)
+      i = int(np.argmin(self._gen_load))
+      self._gen_load[i] += self.group_size
+    self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, group_size=self.group_size,
+                                      metadata=task, seed=int(self._rng.integers(2**31))))
+    return True
+
+  def _has_room(self) -> bool:
+    g = self.group_size
+    return (self._generating + g <= self.n_async
+            and self._generating + self._queued + g <= self.n_async + self.max_queue)
+
+  def _feed(self):
+    """Async mode: submits a group whenever n_async and the queue bound have room for G more."""
+    while not self._stop.is_set():
+      with self._room:
+        while not (self._stop.is_set() or self._has_room()):
+          self._room.wait(timeout=0.1)
+      if self._stop.is_set() or not self._submit_group():
+        return
+
+  def _collect(self):
+    """Generated samples -> verifier pool; a future's result lands in the scored queue."""
+    while not self._stop.is_set():
+      try:
+        i, s = self._generated.get(timeout=0.05)
+      except queue.Empty:
+        continue
+      with self._room:
+        self._gen_load[i] -= 1
+        self._generating -= 1
+        self._queued += 1
+        self._room.notify_all()
+      response = self.tokenizer.decode(s.tokens)
+      t_submit = time.time()
+      try:
+        fut = self.pool.submit(s.metadata, response, len(s.tokens), int(s.request_id))
+      except Exception as e:   # a closed or broken pool: score 0, keep the run going
+        self._scored.put((s, failed_result(f"verifier submit failed: {e}")))
+        continue
+
+      def done(f, s=s, t=t_submit):
+        try:
+          res = f.result()
+        except Exception as e:  # the pool resolves failures itself; this is a last resort
+          res = failed_result(f"verifier failed: {type(e).__name__}: {e}")
+        self._verifier_latencies.append(time.time() - t)
+        self._scored.put((s, res))
+      fut.add_done_callback(done)
+
+  # ---- group assembly ------------------------------------------------------------------------
+  def _drain_scored(self, timeout: float) -> int:
+    """Moves scored samples into their groups; a group is scored once its last sample is."""
+    n = 0
+    deadline = time.time() + timeout
+    while True:
+      try:
+        s, res = self._scored.get(timeout=max(0.0, deadline - time.time()) if n == 0 else 0.0)
+      except queue.Empty:
+        return n
+      n += 1
+      if res.error:
+        self.counters["verifier_errors"] += 1
+        log.warning("verifier error for group %s sample %s: %s", s.request_id, s.sample_index,
+                    res.error[:300])
+      p = self._pending[int(s.request_id)]
+      p.scored.append((s, res))
+      if len(p.scored) == p.size:
+        del self._pending[p.gid]
+        self._finish(p)
+
+  def _finish(self, p: _Pending):
+    # Arrival order depends on thread timing; sample order does not.
+    p.scored.sort(key=lambda m: m[0].sample_index)
+    samples = [s for s, _ in p.scored]
+    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs) for s in samples]
+    group = score_group(p.gid, completions, [r for _, r in p.scored], self.grpo_cfg, info=samples)
+    self.counters["groups_scored"] += 1
+    if group.dropped:
+      self._dropped.append(group)
+      self.counters["groups_dropped"] += 1
+      self.counters[f"groups_{group.dropped}"] += 1
+      self._release(p.size)
+    else:
+      self._ready.append(group)
+
+  def _release(self, n: int):
+    """n queued completions were consumed by the trainer or dropped with their group."""
+    with self._room:
+      self._queued -= n
+      self._room.notify_all()
+
+  def _wait_for_groups(self, need: int) -> list[ScoredGroup]:
+    t0 = time.time()
+
+    def tick():
+      self.check()
+      self._drain_scored(0.05)
+      if time.time() - t0 > self.cfg.batch_timeout_s:
+        raise PipelineError(
+            f"batch did not fill in {self.cfg.batch_timeout_s}s ({len(self._ready)}/{need} groups "
+            f"ready; scored {self.counters['groups_scored']} groups, dropped "
+            f"{self.counters['groups_dropped']} with no signal, "
+            f"{self.counters['verifier_errors']} verifier errors)")
+
+    if self.cfg.mode == "sync":
+      # Barrier: generate exactly the missing groups under the current version, wait for every
+      # one of them to be scored, top up if some were dropped.
+      while len(self._ready) < need:
+        for _ in range(need - len(self._ready)):
+          if not self._submit_group():
+            break
+        if not self._pending and self._prompts_exhausted:
+          raise StopIteration
+        while self._pending:
+          tick()
+    else:
+      while len(self._ready) < need:
+        tick()
+        if (self._prompts_exhausted and not self._pending and self._scored.empty()
+            and len(self._ready) < need):
+          raise StopIteration
+    return [self._ready.popleft() for _ in range(need)]
+
+  # ---- metrics -------------------------------------------------------------------------------
+  def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
+    """The batch's reward and rollout metrics, and the generators' and verifiers' since the last
+    call. `trained_version`: the policy version of the batch's first optimizer step."""
+    window = batch.groups + batch.dropped
+    samples = [s for g in window for s in g.info]
+    out = reward_metrics([r for g in window for r in g.results])
+    out["filtered_group_frac"] = float(np.mean([bool(g.dropped) for g in window]))
+    lens = np.asarray([len(s.tokens) for s in samples])
+    out.update(response_length_mean=float(lens.mean()), response_length_max=float(lens.max()))
+    # Off-policy accounting: lag of every trained token behind the version that trains on it.
+    versions = np.concatenate([np.asarray(s.versions) for g in batch.groups for s in g.info])
+    lag = trained_version - versions
+    out.update(version_lag_max=float(lag.max()), version_lag_mean=float(lag.mean()),
+               versions_in_batch=float(len(np.unique(versions))))
+    out.update(self._system_metrics())
+    return out
+
+  def sample_text(self, batch: RolloutBatch) -> str:
+    """The first completion of the batch, decoded, with its task and reward."""
+    g = batch.groups[0]
+    s, res = g.info[0], g.results[0]
+    task = s.metadata or {}
+    return (f"problem: {task.get('problem', '?')}\nreference: {task.get('answer', '?')}\n"
+            f"reward={res.reward:.3f} policy versions {min(s.versions, default=-1)}"
+            f"..{max(s.versions, default=-1)}\n" + self.tokenizer.decode(s.tokens))
+
+  @staticmethod
+  def _gen_counters(g: GeneratorLoop) -> tuple:
+    return g.decode_time_s, g.steps, g.active_slot_steps, g.idle_time_s
+
+  def _system_metrics(self) -> dict:
+    now = time.time()
+    wall = max(1e-9, now - self._last_metrics_t)
+    self._last_metrics_t = now
+    util, occ, decode_frac = [], [], []
+    for i, g in enumerate(self.generators):
+      d0, s0, a0, i0 = self._gen_t0[i]
+      steps = g.steps - s0
+      occ.append((g.active_slot_steps - a0) / max(1, steps * g.engine.max_concurrent_decodes))
+      working = max(0.0, 1.0 - (g.idle_time_s - i0) / wall)
+      util.append(occ[-1] * working)
+      decode_frac.append(min(1.0, (g.decode_time_s - d0) / wall))
+      self._gen_t0[i] = self._gen_counters(g)
+    lat = list(self._verifier_latencies)
+    return {
+        # Share of generator capacity holding live sequences: slot occupancy over decode steps x
+        # share of wall time the loop was not waiting for work (it was decoding, prefilling,
+        # inserting or doing its bookkeeping). Sync mode loses both while it waits for the
+        # longest completion and for the trainer.
+        "generator_utilization": float(np.mean(util)),
+        "generator_slot_occupancy": float(np.mean(occ)),
+        # Share of wall time inside decode steps (the rest is prefill/insert, host work, idle)
+        # and the stricter occupancy x decode share.
+        "generator_decode_frac": float(np.mean(decode_frac)),
+        "generator_decode_utilization": float(np.mean([o * d for o, d in zip(occ, decode_frac)])),
+        "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
+        "verifier_errors": float(self.counters["verifier_errors"]),
+        # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
+        # shared_prefix), over the run so far, all generators.
+        "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),
+        "generating_completions": float(self._generating),
+        "queued_completions": float(self._queued),
+    }

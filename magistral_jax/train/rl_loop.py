@@ -1,0 +1,83 @@
+"""The RL loop, as the paper's algorithm reads (SPEC §1, §5).
+
+    repeat:
+      take a batch of n_batch completions: G per prompt, each scored by the verifiers, with
+        Â = r − mean(r) over its group; groups with no signal already dropped   (Rollouts)
+      split it into n_batch/n_mini minibatches of whole groups by a fixed permutation; normalise
+        Â over each; pack it into microbatches by greedy collation            (rl.make_minibatches)
+      for each minibatch: one optimizer step on the GRPO loss                  (Trainer.step)
+                          then push θ to the generators, which continue their in-flight
+                          sequences, KV cache and all, on the new weights      (Rollouts.push)
+
+Generation never waits for this loop in async mode: the Rollouts threads keep generating with the
+weights of the last push while the trainer steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from magistral_jax.pipeline.rollouts import Rollouts
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import Minibatch, make_minibatches
+from magistral_jax.train.step import TrainState, shard_batch
+
+
+@dataclasses.dataclass
+class Trainer:
+  """The optimizer side: the sharded TrainState, its jitted GRPO step (train.step.make_grpo_step),
+  and the counters a resume needs. `version` is the policy version of `state.params`."""
+  step_fn: Callable[[TrainState, dict], tuple[TrainState, dict]]
+  state: TrainState
+  mesh: Any = None
+  version: int = 0
+  opt_steps: int = 0
+  batches: int = 0
+
+  def step(self, minibatch: Minibatch) -> dict:
+    """One optimizer step on one minibatch; returns its metrics (on the host)."""
+    self.state, metrics = self.step_fn(self.state, shard_batch(minibatch.arrays, self.mesh))
+    self.opt_steps += 1
+    self.version += 1
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def train(trainer: Trainer, rollouts: Rollouts, cfg: GRPOConfig, num_batches: int, *,
+          seed: int = 0, writer=None, sample_every: int = 0,
+          on_batch: Callable[[Trainer, dict], None] | None = None) -> list[dict]:
+  """Runs `num_batches` batches (n_batch/n_mini optimizer steps each), or fewer if the prompts run
+  out. Returns the per-batch metrics; `on_batch(trainer, metrics)` runs after each batch (progress,
+  checkpoints)."""
+  history = []
+  for _ in range(num_batches):
+    batch = rollouts.next_batch()
+    if batch is None:
+      break
+    t_train, trained_version = time.time(), trainer.version
+    permutation = np.random.default_rng([seed, trainer.batches])
+    steps, push_s = [], 0.0
+    for mb in make_minibatches(batch.groups, cfg, permutation):
+      steps.append(dict(trainer.step(mb), padding_frac=mb.stats["padding_frac"],
+                        microbatches=mb.stats["microbatches"]))
+      push_s += rollouts.push(trainer.state.params, trainer.version)
+    rollouts.done(batch)
+    trainer.batches += 1
+    train_s = time.time() - t_train
+
+    m = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
+    m.update(rollouts.metrics(batch, trained_version))
+    m.update(weight_push_s=push_s / len(steps), train_time_s=train_s, trainer_idle_s=batch.wait_s,
+             trainer_idle_frac=batch.wait_s / max(1e-9, batch.wait_s + train_s),
+             batch=trainer.batches, version=trainer.version)
+    history.append(m)
+    if writer is not None:
+      writer.write(trainer.opt_steps, m)
+      if sample_every and trainer.batches % sample_every == 0:
+        writer.write_text(trainer.opt_steps, "sample", rollouts.sample_text(batch))
+    if on_batch is not None:
+      on_batch(trainer, m)
+  return history
