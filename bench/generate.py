@@ -245,15 +245,15 @@ def load_hf(cfg, params, gguf_path, dtype: str, device: str):
   import tempfile
   import torch
   import transformers
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.hf_checkpoint import save_hf_safetensors
   tdt = getattr(torch, dtype)
   if gguf_path is not None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), torch_dtype=tdt)
   else:
     with tempfile.TemporaryDirectory() as d:
-      ckpt.save_hf_safetensors(jax.tree.map(lambda x: np.asarray(x, np.float32), params),
-                               cfg.replace(dtype="float32", param_dtype="float32"), d)
+      save_hf_safetensors(jax.tree.map(lambda x: np.asarray(x, np.float32), params),
+                          cfg.replace(dtype="float32", param_dtype="float32"), d)
       hf = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=tdt)
   return hf.to(device).eval()
 

@@ -34,9 +34,10 @@ def main():
   args = ap.parse_args()
 
   from magistral_jax.generate import engine as E
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model import transformer as T
-  cfg, params, _ = ckpt.load_gguf(ckpt.default_gguf_path(), with_tokenizer=False)
+  cfg, params, _ = load_gguf(default_gguf_path(), with_tokenizer=False)
   p = jax.jit(T.to_decode_layout)(params)
   b = args.batch
 

@@ -64,13 +64,14 @@ def main():
   import torch
   import transformers
   from magistral_jax.generate.engine import generate_compiler_options
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model import transformer as T
 
   threads = os.cpu_count()
   torch.set_num_threads(threads)
-  path = ckpt.default_gguf_path()
-  cfg, params, _ = ckpt.load_gguf(path, with_tokenizer=False)
+  path = default_gguf_path()
+  cfg, params, _ = load_gguf(path, with_tokenizer=False)
   params = jax.block_until_ready(jax.device_put(params))  # numpy leaves would be copied per call
   b, s, n = args.batch, args.prompt, args.new_tokens
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s)).astype(np.int32)

@@ -68,9 +68,10 @@ def timed(fn, reps):
 
 def engine_steps(batch: int, rounds: int):
   from magistral_jax.generate import Engine, SamplingConfig
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.parallel.sharding import make_mesh
-  cfg, params, _ = ckpt.load_gguf(ckpt.default_gguf_path(), with_tokenizer=False)
+  cfg, params, _ = load_gguf(default_gguf_path(), with_tokenizer=False)
   runs = {}
   for name, samp in (("greedy", SamplingConfig(greedy=True)),
                      ("top_p_1.0", SamplingConfig(temperature=1.0)),

@@ -23,7 +23,7 @@ here), `init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model), `
 `sft_steps=N`, `heldout=N`.
 """
 from magistral_jax.config import default_config
-from magistral_jax.model.checkpoint import default_gguf_path
+from magistral_jax.model.gguf_file import default_gguf_path
 
 SFT_WORKDIR_PARAMS = "runs/smollm2_sft/params"
 HELDOUT_EXCLUDED = 128

@@ -19,7 +19,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from magistral_jax.model import checkpoint as ckpt  # noqa: E402
+from magistral_jax.model.config import ModelConfig  # noqa: E402
+from magistral_jax.model.gguf_checkpoint import load_gguf  # noqa: E402
+from magistral_jax.model.hf_checkpoint import load_hf_safetensors, save_hf_safetensors  # noqa: E402
+from magistral_jax.model.orbax_params import (  # noqa: E402
+    read_orbax_config, restore_params_orbax, save_params_orbax, to_numpy_tree)
 
 DIRECTIONS = ("hf_to_orbax", "orbax_to_hf", "gguf_to_hf", "gguf_to_orbax")
 ORBAX_PARAMS = "params"
@@ -57,7 +61,7 @@ def _save_tokenizer(tokenizer, output: str) -> None:
 
 
 def convert(direction: str, input: str | None, output: str, dtype: str | None = None,
-            max_shard_bytes: int | None = None) -> ckpt.ModelConfig:
+            max_shard_bytes: int | None = None) -> ModelConfig:
   """Runs one conversion; returns the model config. Nothing is written if the input is bad."""
   if direction not in DIRECTIONS:
     raise ValueError(f"unknown direction {direction!r}; choose one of {DIRECTIONS}")
@@ -65,26 +69,26 @@ def convert(direction: str, input: str | None, output: str, dtype: str | None = 
     raise ValueError(f"--input is required for {direction}")
   tokenizer = None
   if direction == "hf_to_orbax":
-    cfg, params = ckpt.load_hf_safetensors(input, dtype=dtype)
+    cfg, params = load_hf_safetensors(input, dtype=dtype)
   elif direction == "orbax_to_hf":
-    cfg = ckpt.read_orbax_config(_orbax_params_dir(input))
-    params = ckpt.to_numpy_tree(ckpt.restore_params_orbax(_orbax_params_dir(input)))
+    cfg = read_orbax_config(_orbax_params_dir(input))
+    params = to_numpy_tree(restore_params_orbax(_orbax_params_dir(input)))
     if dtype is not None:
       import jax
       import numpy as np
       params = jax.tree.map(lambda x: x.astype(np.dtype(dtype)), params)
       cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
   else:
-    cfg, params, tokenizer = ckpt.load_gguf(input, dtype=dtype)
+    cfg, params, tokenizer = load_gguf(input, dtype=dtype)
 
   os.makedirs(output, exist_ok=True)
   if direction.endswith("_hf"):
-    files = ckpt.save_hf_safetensors(params, cfg, output, max_shard_bytes=max_shard_bytes)
+    files = save_hf_safetensors(params, cfg, output, max_shard_bytes=max_shard_bytes)
     if tokenizer is not None:
       _save_tokenizer(tokenizer, output)
     logging.info("wrote %d safetensors file(s) to %s", len(files), output)
   else:
-    ckpt.save_params_orbax(os.path.join(output, ORBAX_PARAMS), params, cfg)
+    save_params_orbax(os.path.join(output, ORBAX_PARAMS), params, cfg)
     if tokenizer is not None:
       _save_tokenizer(tokenizer, output)
     logging.info("wrote orbax checkpoint %s/%s (+ config.json)", output, ORBAX_PARAMS)

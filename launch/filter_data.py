@@ -84,9 +84,9 @@ def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_le
   is prefilled once (GeneratorLoop shared_prefix)."""
   import jax
   from magistral_jax.generate import Engine, GeneratorLoop, SamplingConfig
-  from magistral_jax.model import checkpoint
+  from magistral_jax.model.gguf_checkpoint import load_gguf
   from magistral_jax.parallel.sharding import make_mesh
-  cfg, params, tok = checkpoint.load_gguf(path)
+  cfg, params, tok = load_gguf(path)
   tp = max(d for d in (1, 2, 4, 8) if len(jax.devices()) % d == 0 and cfg.num_kv_heads % d == 0)
   engine = Engine(cfg, make_mesh({"tensor": tp}, jax.devices()[:tp]), max_concurrent_decodes=slots,
                   max_prefill_length=prompt_len, max_decode_length=max_new_tokens,

@@ -52,11 +52,12 @@ def greedy_answer(params, cfg, prompt_ids, max_new_tokens, eos_id):
 
 def main(argv):
   del argv
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
   t0 = time.time()
-  print(f"[main] loading SmolLM2-135M-Instruct from {ckpt.default_gguf_path()}", flush=True)
-  cfg, params, tok = ckpt.load_gguf()
+  print(f"[main] loading SmolLM2-135M-Instruct from {default_gguf_path()}", flush=True)
+  cfg, params, tok = load_gguf()
   print(f"[main] loaded {cfg.num_params() / 1e6:.1f}M params in {time.time() - t0:.1f}s", flush=True)
   prompt = tok.apply_chat_template(_PROBLEM.value,
                                    MAGISTRAL_SYSTEM_PROMPT if _SYSTEM.value else None)

@@ -84,7 +84,7 @@ def main(argv):
   import jax
   import numpy as np
   from magistral_jax import config as config_lib
-  from magistral_jax.model.checkpoint import save_params_orbax
+  from magistral_jax.model.orbax_params import save_params_orbax
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
   from magistral_jax.pipeline.build import sft_optimizer_config, split_devices
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like

@@ -13,8 +13,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from magistral_jax.model import checkpoint as ck
 from magistral_jax.model.config import ModelConfig, UnsupportedArchitectureError
+from magistral_jax.model.gguf_checkpoint import unpermute_gguf_qk
+from magistral_jax.model.hf_checkpoint import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE,
+                                               load_hf_safetensors, save_hf_safetensors)
+from magistral_jax.model.hf_layout import CheckpointError
+from magistral_jax.model.orbax_params import (read_orbax_config, restore_params_orbax,
+                                              save_params_orbax)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,12 +67,12 @@ def _read_all(path):
 def test_hf_round_trip_is_bit_exact(tmp_path, dtype, sharded):
   src = _save_hf(_hf_model(dtype=dtype), tmp_path / "src", sharded=sharded)
   if sharded:
-    assert os.path.exists(src / ck.SAFETENSORS_INDEX)
-  cfg, params = ck.load_hf_safetensors(str(src))
+    assert os.path.exists(src / SAFETENSORS_INDEX)
+  cfg, params = load_hf_safetensors(str(src))
   assert cfg.architecture == "MistralForCausalLM" and cfg.param_dtype == dtype
   assert params["layers"]["attn"]["q_proj"]["kernel"].shape == (2, 32, 4, 8)
   assert params["layers"]["attn"]["o_proj"]["kernel"].shape == (2, 4, 8, 32)
-  files = ck.save_hf_safetensors(params, cfg, str(tmp_path / "out"),
+  files = save_hf_safetensors(params, cfg, str(tmp_path / "out"),
                                  max_shard_bytes=30_000 if sharded else None)
   assert (len(files) > 1) == sharded
   a, b = _read_all(src), _read_all(tmp_path / "out")
@@ -80,8 +85,8 @@ def test_hf_round_trip_is_bit_exact(tmp_path, dtype, sharded):
 
 def test_export_loads_in_transformers_with_equal_weights(tmp_path):
   model = _hf_model(dtype="bfloat16")
-  cfg, params = ck.load_hf_safetensors(str(_save_hf(model, tmp_path / "src")))
-  ck.save_hf_safetensors(params, cfg, str(tmp_path / "out"), max_shard_bytes=30_000)
+  cfg, params = load_hf_safetensors(str(_save_hf(model, tmp_path / "src")))
+  save_hf_safetensors(params, cfg, str(tmp_path / "out"), max_shard_bytes=30_000)
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
                                                            dtype=torch.bfloat16)
   assert type(back).__name__ == "MistralForCausalLM"
@@ -95,7 +100,7 @@ def test_export_loads_in_transformers_with_equal_weights(tmp_path):
 def test_kernels_compute_what_the_hf_projections_compute(tmp_path):
   """Not just a reversible shuffle: x @ our kernel equals the torch Linear's output."""
   model = _hf_model()
-  cfg, params = ck.load_hf_safetensors(str(_save_hf(model, tmp_path / "src")))
+  cfg, params = load_hf_safetensors(str(_save_hf(model, tmp_path / "src")))
   layer = model.model.layers[1]
   x = np.random.default_rng(0).standard_normal((3, cfg.hidden_size)).astype(np.float32)
   lp = jax.tree.map(lambda a: a[1], params["layers"])
@@ -122,9 +127,9 @@ def test_kernels_compute_what_the_hf_projections_compute(tmp_path):
 def test_tied_embeddings_have_no_lm_head(tmp_path):
   src = _save_hf(_hf_model(kind="llama", tie=True), tmp_path / "src")
   assert "lm_head.weight" not in _read_all(src)
-  cfg, params = ck.load_hf_safetensors(str(src))
+  cfg, params = load_hf_safetensors(str(src))
   assert cfg.tie_word_embeddings and "lm_head" not in params
-  ck.save_hf_safetensors(params, cfg, str(tmp_path / "out"))
+  save_hf_safetensors(params, cfg, str(tmp_path / "out"))
   a, b = _read_all(src), _read_all(tmp_path / "out")
   assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
   with open(tmp_path / "out" / "config.json") as f:
@@ -134,15 +139,15 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
 def test_tied_checkpoint_with_an_explicit_lm_head_must_match_the_embedding(tmp_path):
   src = str(_save_hf(_hf_model(kind="llama", tie=True), tmp_path / "src"))
   _rewrite(src, lambda t: dict(t, **{"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
-  cfg, params = ck.load_hf_safetensors(src)
+  cfg, params = load_hf_safetensors(src)
   assert "lm_head" not in params
   _rewrite(src, lambda t: dict(t, **{"lm_head.weight": t["lm_head.weight"] + 1}))
-  with pytest.raises(ck.CheckpointError, match="lm_head.weight differs"):
-    ck.load_hf_safetensors(src)
+  with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+    load_hf_safetensors(src)
 
 
 def test_dtype_argument_casts_every_leaf(tmp_path):
-  cfg, params = ck.load_hf_safetensors(str(_save_hf(_hf_model(), tmp_path / "src")), dtype="bfloat16")
+  cfg, params = load_hf_safetensors(str(_save_hf(_hf_model(), tmp_path / "src")), dtype="bfloat16")
   assert cfg.param_dtype == "bfloat16"
   assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"bfloat16"}
 
@@ -150,7 +155,7 @@ def test_dtype_argument_casts_every_leaf(tmp_path):
 # ---- bad input ----------------------------------------------------------------------------------
 def _rewrite(src, edit):
   """Rewrites the single model.safetensors of `src` through `edit(tensors) -> tensors`."""
-  file = os.path.join(src, ck.SAFETENSORS_SINGLE)
+  file = os.path.join(src, SAFETENSORS_SINGLE)
   tensors = edit(_read_all(src))
   save_file(tensors, file, metadata={"format": "pt"})
 
@@ -163,29 +168,29 @@ def hf_dir(tmp_path):
 def test_missing_tensor_is_named(hf_dir):
   name = "model.layers.1.mlp.down_proj.weight"
   _rewrite(hf_dir, lambda t: {k: v for k, v in t.items() if k != name})
-  with pytest.raises(ck.CheckpointError, match=r"missing tensor\(s\): " + name.replace(".", r"\.")):
-    ck.load_hf_safetensors(hf_dir)
+  with pytest.raises(CheckpointError, match=r"missing tensor\(s\): " + name.replace(".", r"\.")):
+    load_hf_safetensors(hf_dir)
 
 
 def test_extra_tensor_is_named(hf_dir):
   extra = "model.layers.0.self_attn.q_proj.bias"
   _rewrite(hf_dir, lambda t: dict(t, **{extra: np.zeros(32, np.float32)}))
-  with pytest.raises(ck.CheckpointError, match=extra.replace(".", r"\.")):
-    ck.load_hf_safetensors(hf_dir)
+  with pytest.raises(CheckpointError, match=extra.replace(".", r"\.")):
+    load_hf_safetensors(hf_dir)
 
 
 def test_wrong_shape_names_tensor_and_both_shapes(hf_dir):
   name = "model.layers.0.mlp.up_proj.weight"
   _rewrite(hf_dir, lambda t: dict(t, **{name: np.zeros((40, 32), np.float32)}))
-  with pytest.raises(ck.CheckpointError) as e:
-    ck.load_hf_safetensors(hf_dir)
+  with pytest.raises(CheckpointError) as e:
+    load_hf_safetensors(hf_dir)
   assert name in str(e.value) and "(40, 32)" in str(e.value) and "(48, 32)" in str(e.value)
 
 
 def test_config_mismatch_reports_every_problem(hf_dir):
   cfg = ModelConfig.from_hf_config(hf_dir).replace(num_layers=3, intermediate_size=64)
-  with pytest.raises(ck.CheckpointError) as e:
-    ck.load_hf_safetensors(hf_dir, cfg=cfg)
+  with pytest.raises(CheckpointError) as e:
+    load_hf_safetensors(hf_dir, cfg=cfg)
   msg = str(e.value)
   assert "model.layers.2.self_attn.q_proj.weight" in msg  # missing layer
   assert "(48, 32)" in msg and "(64, 32)" in msg          # mis-shaped MLP
@@ -199,32 +204,32 @@ def test_unsupported_architecture_is_named(hf_dir):
   with open(path, "w") as f:
     json.dump(conf, f)
   with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel"):
-    ck.load_hf_safetensors(hf_dir)
+    load_hf_safetensors(hf_dir)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_corrupt_safetensors_names_the_file(hf_dir, damage):
-  file = os.path.join(hf_dir, ck.SAFETENSORS_SINGLE)
+  file = os.path.join(hf_dir, SAFETENSORS_SINGLE)
   data = open(file, "rb").read()
   with open(file, "wb") as f:
     f.write(data[: len(data) // 2] if damage == "truncate" else b"\x07not a safetensors file" * 10)
-  with pytest.raises(ck.CheckpointError, match=file):
-    ck.load_hf_safetensors(hf_dir)
+  with pytest.raises(CheckpointError, match=file):
+    load_hf_safetensors(hf_dir)
 
 
 def test_missing_shard_names_the_file(tmp_path):
   src = _save_hf(_hf_model(), tmp_path / "src", sharded=True)
   shard = sorted(fn for fn in os.listdir(src) if fn.endswith(".safetensors"))[-1]
   os.remove(src / shard)
-  with pytest.raises(ck.CheckpointError, match=shard):
-    ck.load_hf_safetensors(str(src))
+  with pytest.raises(CheckpointError, match=shard):
+    load_hf_safetensors(str(src))
 
 
 def test_export_rejects_params_that_do_not_match_config(hf_dir, tmp_path):
-  cfg, params = ck.load_hf_safetensors(hf_dir)
+  cfg, params = load_hf_safetensors(hf_dir)
   params["layers"]["mlp"]["up_proj"]["kernel"] = np.zeros((2, 32, 40), np.float32)
-  with pytest.raises(ck.CheckpointError, match=r"layers/mlp/up_proj/kernel.*\(2, 32, 40\).*\(2, 32, 48\)"):
-    ck.save_hf_safetensors(params, cfg, str(tmp_path / "out"))
+  with pytest.raises(CheckpointError, match=r"layers/mlp/up_proj/kernel.*\(2, 32, 40\).*\(2, 32, 48\)"):
+    save_hf_safetensors(params, cfg, str(tmp_path / "out"))
   assert not os.path.exists(tmp_path / "out")  # validated before anything is written
 
 
@@ -235,7 +240,7 @@ def test_unpermute_inverts_llama_cpp_rope_permutation():
   w = np.arange(n_heads * head_dim * d, dtype=np.float32).reshape(n_heads * head_dim, d)
   permuted = w.reshape(n_heads, 2, head_dim // 2, d).swapaxes(1, 2).reshape(w.shape)
   assert not np.array_equal(permuted, w)
-  np.testing.assert_array_equal(ck.unpermute_gguf_qk(permuted, n_heads), w)
+  np.testing.assert_array_equal(unpermute_gguf_qk(permuted, n_heads), w)
 
 
 # ---- orbax --------------------------------------------------------------------------------------
@@ -257,40 +262,40 @@ def _spec_b(x):  # a different layout: last dim over 'data'
 
 @pytest.mark.parametrize("target", [(4, 2), (8, 1)])
 def test_orbax_restore_onto_a_different_mesh(hf_dir, tmp_path, target):
-  cfg, host = ck.load_hf_safetensors(hf_dir)
+  cfg, host = load_hf_safetensors(hf_dir)
   src_mesh = _mesh((2, 4))
   params = jax.device_put(host, _shardings(host, src_mesh, _spec_a))
   assert len(params["embed"]["embedding"].sharding.device_set) == 8
-  ck.save_params_orbax(str(tmp_path / "ckpt" / "params"), params, cfg)
+  save_params_orbax(str(tmp_path / "ckpt" / "params"), params, cfg)
   dst = _shardings(host, _mesh(target), _spec_b)
-  restored = ck.restore_params_orbax(str(tmp_path / "ckpt" / "params"), target_shardings=dst)
+  restored = restore_params_orbax(str(tmp_path / "ckpt" / "params"), target_shardings=dst)
   for (path, want), got, sh in zip(jax.tree_util.tree_leaves_with_path(host),
                                    jax.tree.leaves(restored), jax.tree.leaves(dst)):
     assert got.sharding == sh, path
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
-  assert ck.read_orbax_config(str(tmp_path / "ckpt" / "params")) == cfg
+  assert read_orbax_config(str(tmp_path / "ckpt" / "params")) == cfg
 
 
 def test_orbax_restore_with_the_model_param_shardings(hf_dir, tmp_path):
   """Trainer layout (fsdp x tensor) -> generator layout (tensor only), via the lead's rules."""
   sharding = pytest.importorskip("magistral_jax.parallel.sharding")
   transformer = pytest.importorskip("magistral_jax.model.transformer")
-  cfg, host = ck.load_hf_safetensors(hf_dir)
+  cfg, host = load_hf_safetensors(hf_dir)
   axes = transformer.param_logical_axes(cfg)
   train_mesh = sharding.make_mesh({"fsdp": 2, "tensor": 4})
   gen_mesh = sharding.make_mesh({"data": 4, "tensor": 2})
   params = jax.device_put(host, sharding.param_shardings(axes, train_mesh, shapes_tree=host))
-  ck.save_params_orbax(str(tmp_path / "params"), params)
+  save_params_orbax(str(tmp_path / "params"), params)
   dst = sharding.param_shardings(axes, gen_mesh, sharding.GENERATOR_RULES, shapes_tree=host)
-  restored = ck.restore_params_orbax(str(tmp_path / "params"), target_shardings=dst)
+  restored = restore_params_orbax(str(tmp_path / "params"), target_shardings=dst)
   for want, got, sh in zip(jax.tree.leaves(host), jax.tree.leaves(restored), jax.tree.leaves(dst)):
     assert got.sharding == sh
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_orbax_restore_of_missing_checkpoint_is_clear(tmp_path):
-  with pytest.raises(ck.CheckpointError, match="no orbax checkpoint"):
-    ck.restore_params_orbax(str(tmp_path / "nope"))
+  with pytest.raises(CheckpointError, match="no orbax checkpoint"):
+    restore_params_orbax(str(tmp_path / "nope"))
 
 
 # ---- launch/convert_checkpoint.py ---------------------------------------------------------------

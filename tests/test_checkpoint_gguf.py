@@ -9,16 +9,20 @@ import jax
 import numpy as np
 import pytest
 
-from magistral_jax.model import checkpoint as ck
 from magistral_jax.model import config as model_config
 from magistral_jax.model.config import UnsupportedArchitectureError
+from magistral_jax.model.gguf_checkpoint import _GGUF_LAYER_NAMES, load_gguf
+from magistral_jax.model.gguf_file import default_gguf_path, read_gguf
+from magistral_jax.model.hf_checkpoint import load_hf_safetensors
+from magistral_jax.model.hf_layout import CheckpointError, params_to_hf
+from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
 from magistral_jax.model.tokenizer import chat_messages
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 L, D, F, H, K, DH = 2, 32, 48, 4, 2, 8
-_GGUF_NAMES = {v: k for k, v in ck._GGUF_LAYER_NAMES.items()}
+_GGUF_NAMES = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
 
 
 def _byte_alphabet():
@@ -102,11 +106,11 @@ def _tiny_state(tie=False):
 def test_tiny_gguf_loads_back_the_exact_hf_tensors(tmp_path, tie):
   state = _tiny_state(tie)
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", state, tie=tie)
-  cfg, params, tok = ck.load_gguf(path)
+  cfg, params, tok = load_gguf(path)
   assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (L, D, H, K, DH)
   assert cfg.rope_theta == 50000.0 and cfg.rms_norm_eps == pytest.approx(1e-6)
   assert cfg.tie_word_embeddings == tie and cfg.architecture == "LlamaForCausalLM"
-  got = ck.params_to_hf(params, cfg)
+  got = params_to_hf(params, cfg)
   want = {k: v for k, v in state.items() if not (tie and k == "lm_head.weight")}
   assert sorted(got) == sorted(want)
   for k in want:
@@ -121,15 +125,15 @@ def test_tiny_gguf_loads_back_the_exact_hf_tensors(tmp_path, tie):
 def test_gguf_with_unsupported_architecture_is_named(tmp_path):
   path = _write_tiny_gguf(tmp_path / "g.gguf", _tiny_state(), arch="gpt2")
   with pytest.raises(UnsupportedArchitectureError, match="'gpt2'"):
-    ck.load_gguf(path)
+    load_gguf(path)
 
 
 def test_gguf_wrong_shape_and_missing_tensor_are_named(tmp_path):
   path = _write_tiny_gguf(tmp_path / "g.gguf", _tiny_state(),
                           drop=("model.layers.1.mlp.down_proj.weight",),
                           reshape={"model.layers.0.mlp.up_proj.weight": (40, D)})
-  with pytest.raises(ck.CheckpointError) as e:
-    ck.load_gguf(path)
+  with pytest.raises(CheckpointError) as e:
+    load_gguf(path)
   msg = str(e.value)
   assert "model.layers.1.mlp.down_proj.weight" in msg
   assert "blk.0.ffn_up.weight" in msg and "(40, 32)" in msg and "(48, 32)" in msg
@@ -137,7 +141,7 @@ def test_gguf_wrong_shape_and_missing_tensor_are_named(tmp_path):
 
 def test_header_parser_agrees_with_gguf_reader(tmp_path):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_state())
-  ours, ref = ck.read_gguf(path), gguf.GGUFReader(path)
+  ours, ref = read_gguf(path), gguf.GGUFReader(path)
   fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
   assert ours.metadata == fields
   raw = ours.tensors()
@@ -152,22 +156,22 @@ def test_truncated_gguf_is_named(tmp_path):
   path = _write_tiny_gguf(tmp_path / "cut.gguf", _tiny_state())
   data = open(path, "rb").read()
   open(path, "wb").write(data[: len(data) - 100])
-  with pytest.raises(ck.CheckpointError, match=r"cut\.gguf.*(truncated|past the end)"):
-    ck.load_gguf(path)
+  with pytest.raises(CheckpointError, match=r"cut\.gguf.*(truncated|past the end)"):
+    load_gguf(path)
 
 
 def test_not_a_gguf_file_is_named(tmp_path):
   path = tmp_path / "broken.gguf"
   path.write_bytes(b"GGUF" + b"\x00" * 7)
-  with pytest.raises(ck.CheckpointError, match="broken.gguf"):
-    ck.load_gguf(str(path))
+  with pytest.raises(CheckpointError, match="broken.gguf"):
+    load_gguf(str(path))
 
 
 # ---- the shipped SmolLM2-135M-Instruct file vs transformers --------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
-  path = ck.default_gguf_path()
-  cfg, params, tok = ck.load_gguf(path)
+  path = default_gguf_path()
+  cfg, params, tok = load_gguf(path)
   return path, cfg, params, tok
 
 
@@ -197,7 +201,7 @@ def test_smollm2_gguf_tensors_equal_transformers_import(smollm2, smollm2_hf):
   # The random-init preset the benchmarks use has the file's shapes.
   preset = model_config.SMOLLM2_135M
   assert preset == cfg.replace(rms_norm_eps=preset.rms_norm_eps)  # the file holds it in float32
-  ours = ck.params_to_hf(params, cfg)
+  ours = params_to_hf(params, cfg)
   theirs = {k: v.numpy() for k, v in model.state_dict().items()}
   assert sorted(theirs) == sorted(list(ours) + ["lm_head.weight"])  # theirs: the tied alias
   for k in ours:
@@ -252,8 +256,8 @@ def test_convert_gguf_to_hf_writes_weights_config_and_tokenizer(tmp_path):
   from magistral_jax.model.tokenizer import HFTokenizer
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_state())
   convert_checkpoint.convert("gguf_to_hf", path, str(tmp_path / "hf"))
-  cfg0, params0, tok0 = ck.load_gguf(path)
-  cfg, params = ck.load_hf_safetensors(str(tmp_path / "hf"))
+  cfg0, params0, tok0 = load_gguf(path)
+  cfg, params = load_hf_safetensors(str(tmp_path / "hf"))
   assert cfg == cfg0
   for a, b in zip(jax.tree.leaves(params0), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
@@ -271,9 +275,9 @@ def test_convert_cli_gguf_to_orbax(tmp_path):
                        timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert '"direction": "gguf_to_orbax"' in out.stdout.strip().splitlines()[-1]
-  cfg0, params0, _ = ck.load_gguf(path, with_tokenizer=False)
-  assert ck.read_orbax_config(str(tmp_path / "orbax" / "params")) == cfg0
-  restored = ck.restore_params_orbax(str(tmp_path / "orbax" / "params"))
+  cfg0, params0, _ = load_gguf(path, with_tokenizer=False)
+  assert read_orbax_config(str(tmp_path / "orbax" / "params")) == cfg0
+  restored = restore_params_orbax(str(tmp_path / "orbax" / "params"))
   for a, b in zip(jax.tree.leaves(params0), jax.tree.leaves(restored)):
     np.testing.assert_array_equal(a, np.asarray(b))
   # A bad direction or input is refused before anything is written.

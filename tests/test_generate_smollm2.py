@@ -10,15 +10,16 @@ import numpy as np
 import torch
 
 from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
-from magistral_jax.model import checkpoint as ckpt
+from magistral_jax.model.gguf_checkpoint import load_gguf
+from magistral_jax.model.gguf_file import default_gguf_path
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.sharding import make_mesh
 
 
 def test_engine_greedy_32_tokens_identical_to_transformers_with_exact_logprobs():
   import transformers
-  path = ckpt.default_gguf_path()
-  cfg, params, tok = ckpt.load_gguf(path)
+  path = default_gguf_path()
+  cfg, params, tok = load_gguf(path)
   ids = tok.encode("The capital of France is")
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=1,
                max_prefill_length=16, max_decode_length=32, prefill_buckets=(16,),

@@ -40,13 +40,14 @@ def test_filter_data_takes_the_run_config_and_rejects_a_bad_one(tmp_path):
 def test_convert_checkpoint_casts_to_the_run_configs_param_dtype(tmp_path):
   import jax
   import jax.numpy as jnp
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.hf_checkpoint import save_hf_safetensors
+  from magistral_jax.model.orbax_params import restore_params_orbax
   from magistral_jax.model import transformer as T
   from magistral_jax.model.config import ModelConfig
   cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=8)
-  ckpt.save_hf_safetensors(jax.device_get(T.init_params(cfg, jax.random.PRNGKey(0))), cfg,
-                           str(tmp_path / "hf"))
+  save_hf_safetensors(jax.device_get(T.init_params(cfg, jax.random.PRNGKey(0))), cfg,
+                      str(tmp_path / "hf"))
   r = subprocess.run([sys.executable, os.path.join(ROOT, "launch/convert_checkpoint.py"),
                       "--direction=hf_to_orbax",
                       f"--input={tmp_path}/hf", f"--output={tmp_path}/orbax",
@@ -54,5 +55,5 @@ def test_convert_checkpoint_casts_to_the_run_configs_param_dtype(tmp_path):
                      cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
   assert '"param_dtype": "bfloat16"' in r.stdout
-  params = ckpt.restore_params_orbax(str(tmp_path / "orbax" / "params"))
+  params = restore_params_orbax(str(tmp_path / "orbax" / "params"))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}

@@ -46,7 +46,7 @@ def test_sft_writes_params_metrics_and_resumes(sft_run):
   steps = sorted(int(s) for s in os.listdir(wd / "checkpoints") if s.isdigit())
   assert steps[-1] == 5
   # What configs/small.py's init.source="orbax" reads: the model config beside the params.
-  from magistral_jax.model.checkpoint import read_orbax_config, restore_params_orbax
+  from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
   cfg = read_orbax_config(str(wd / "params"))
   assert cfg.hidden_size == 128 and cfg.num_layers == 4
   params = restore_params_orbax(str(wd / "params"))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from magistral_jax.model import checkpoint as ckpt
+from magistral_jax.model.hf_layout import hf_to_params
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import (LLAMA_3_2_1B, SMOLLM2_135M, ModelConfig, RopeScaling,
                                          UnsupportedArchitectureError)
@@ -38,7 +38,7 @@ def _hf_mistral(num_heads=4, num_kv_heads=2, sliding_window=None, seed=0, tie=Fa
 def _ours_from_hf(model):
   cfg = ModelConfig.from_hf_config(model.config.to_dict())
   sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-  return cfg, ckpt.hf_to_params(lambda name: sd[name], cfg)
+  return cfg, hf_to_params(lambda name: sd[name], cfg)
 
 
 def _hf_logits(model, tokens):

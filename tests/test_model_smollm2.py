@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from magistral_jax.model import checkpoint as ckpt
+from magistral_jax.model.gguf_checkpoint import load_gguf
+from magistral_jax.model.gguf_file import default_gguf_path
 from magistral_jax.model import transformer as T
 
 PROMPTS = ["What is 12 + 35? Answer:", "The capital of France is",
@@ -25,8 +26,8 @@ LOGIT_TOL = 2e-3
 @pytest.fixture(scope="module")
 def models():
   import transformers
-  path = ckpt.default_gguf_path()
-  cfg, params, tok = ckpt.load_gguf(path)
+  path = default_gguf_path()
+  cfg, params, tok = load_gguf(path)
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
   hf.eval()

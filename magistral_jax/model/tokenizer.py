@@ -22,6 +22,8 @@ import json
 import os
 from typing import Any, Sequence
 
+from magistral_jax.model.gguf_file import default_gguf_path, read_gguf
+
 MAGISTRAL_SYSTEM_PROMPT = (
     "A user will ask you to solve a task. You should first draft your thinking process (inner "
     "monologue) until you have derived the final answer. Afterwards, write a self-contained summary "
@@ -189,7 +191,6 @@ class HFTokenizer(Tokenizer):
   @classmethod
   def from_gguf(cls, path: str | None = None) -> "HFTokenizer":
     """The tokenizer embedded in a GGUF file (default: the shipped SmolLM2-135M-Instruct)."""
-    from magistral_jax.model.checkpoint import default_gguf_path, read_gguf
     path = path or default_gguf_path()
     return cls.from_gguf_metadata(read_gguf(path).metadata, path)
 

@@ -58,7 +58,10 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   analysing a run's checkpoints.
   """
   import os
-  from magistral_jax.model import checkpoint as ckpt
+  from magistral_jax.model.gguf_checkpoint import gguf_config, load_gguf
+  from magistral_jax.model.gguf_file import default_gguf_path, read_gguf
+  from magistral_jax.model.hf_checkpoint import load_hf_safetensors
+  from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
   from magistral_jax.model.char_tokenizer import char_tokenizer
   from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
   src, path = config.init.source, config.init.path
@@ -69,23 +72,23 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   params, tok = None, None
   if src == "gguf":   # architecture and vocabulary come from the file's metadata
     if load_weights:
-      cfg_g, params, tok = ckpt.load_gguf(path or None)
+      cfg_g, params, tok = load_gguf(path or None)
     else:
-      gpath = path or ckpt.default_gguf_path()
-      gf = ckpt.read_gguf(gpath)
-      cfg_g, tok = ckpt.gguf_config(gf, gpath), HFTokenizer.from_gguf_metadata(gf.metadata, gpath)
+      gpath = path or default_gguf_path()
+      gf = read_gguf(gpath)
+      cfg_g, tok = gguf_config(gf, gpath), HFTokenizer.from_gguf_metadata(gf.metadata, gpath)
     model_cfg = cfg_g.replace(**keep)
   elif src == "hf":
     if load_weights:
-      cfg_h, params = ckpt.load_hf_safetensors(path)
+      cfg_h, params = load_hf_safetensors(path)
     else:
       cfg_h = ModelConfig.from_hf_config(path)
     model_cfg = cfg_h.replace(**keep)
   elif src == "orbax":
-    model_cfg = ckpt.read_orbax_config(path).replace(**keep)
+    model_cfg = read_orbax_config(path).replace(**keep)
     if load_weights:
       sub = os.path.join(path, "params")
-      params = ckpt.restore_params_orbax(sub if os.path.isdir(sub) else path)
+      params = restore_params_orbax(sub if os.path.isdir(sub) else path)
   elif src != "random":
     raise ValueError(f"init.source must be random|gguf|hf|orbax, got {src!r}")
   if tok is None:

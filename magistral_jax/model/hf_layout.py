@@ -1,0 +1,189 @@
+"""Our parameter tree and how it maps onto HF tensor names; shared by every checkpoint format.
+
+The tree (the contract with model/transformer.py, whose `param_shapes` is its definition) is a
+plain nested dict; every leaf under 'layers' is stacked over layers on axis 0 so the model can
+`scan` over them:
+
+    embed/embedding              (V, D)
+    layers/attn_norm/scale       (L, D)
+    layers/attn/q_proj/kernel    (L, D, H, Dh)     HF q_proj.weight (H*Dh, D), transposed
+    layers/attn/k_proj/kernel    (L, D, K, Dh)
+    layers/attn/v_proj/kernel    (L, D, K, Dh)
+    layers/attn/o_proj/kernel    (L, H, Dh, D)     HF o_proj.weight (D, H*Dh), transposed
+    layers/mlp_norm/scale        (L, D)
+    layers/mlp/{gate,up}_proj/kernel (L, D, F); layers/mlp/down_proj/kernel (L, F, D)
+    final_norm/scale             (D,)
+    lm_head/kernel               (D, V)            absent when cfg.tie_word_embeddings
+
+Every conversion here is a transpose/reshape (a permutation of elements), so HF -> ours -> HF
+gives back the same bytes in the same dtype. The formats (model/hf_checkpoint.py,
+model/gguf_checkpoint.py) name their tensors the HF way, or map their names onto HF's, and
+validate them here before any tensor is read, so bad input fails with one error that lists
+every problem.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before any load)
+import numpy as np
+
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.model.transformer import param_shapes
+
+CONFIG_JSON = "config.json"
+# Buffers some older HF checkpoints carry; they are recomputed, not learned.
+_IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that does not match the model config (or cannot be read)."""
+
+
+# Per-layer tensors: (our path under 'layers', HF name suffix after 'model.layers.{i}.').
+_LAYER_TENSORS = (
+    (("attn_norm", "scale"), "input_layernorm.weight"),
+    (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight"),
+    (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight"),
+    (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight"),
+    (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight"),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight"),
+    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight"),
+    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight"),
+    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight"),
+)
+
+
+def _layer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  d, f, h, k, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim)
+  return {
+      "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+      "self_attn.q_proj.weight": (h * dh, d), "self_attn.k_proj.weight": (k * dh, d),
+      "self_attn.v_proj.weight": (k * dh, d), "self_attn.o_proj.weight": (d, h * dh),
+      "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+  }
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every tensor name a HF checkpoint of this config holds, with its (torch) shape."""
+  shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+            "model.norm.weight": (cfg.hidden_size,)}
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+  per_layer = _layer_hf_shapes(cfg)
+  for i in range(cfg.num_layers):
+    for suffix, shape in per_layer.items():
+      shapes[f"model.layers.{i}.{suffix}"] = shape
+  return shapes
+
+
+def _hf_to_ours(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  """One layer's HF tensor -> our per-layer layout (before stacking)."""
+  d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  if suffix == "self_attn.q_proj.weight":
+    return w.T.reshape(d, h, dh)
+  if suffix in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+    return w.T.reshape(d, k, dh)
+  if suffix == "self_attn.o_proj.weight":
+    return w.T.reshape(h, dh, d)
+  if suffix.startswith("mlp."):
+    return w.T
+  return w
+
+
+def _ours_to_hf(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  d, h, dh = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+  if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight"):
+    return w.reshape(d, -1).T
+  if suffix == "self_attn.o_proj.weight":
+    return w.reshape(h * dh, d).T
+  if suffix.startswith("mlp."):
+    return w.T
+  return w
+
+
+def validate_tensor_shapes(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig,
+                           where: str, display: Mapping[str, str] | None = None) -> None:
+  """Raises CheckpointError listing every missing, unexpected or mis-shaped tensor.
+
+  display: HF name -> the name to report (e.g. the GGUF file's own tensor names).
+  """
+  show = lambda n: display.get(n, n) if display else n  # noqa: E731
+  expected = hf_tensor_shapes(cfg)
+  found = {n: tuple(s) for n, s in found.items() if not _IGNORED_HF_TENSORS.fullmatch(n)}
+  if cfg.tie_word_embeddings and "lm_head.weight" in found:
+    # Some exporters write the tied head anyway; it is checked equal to the embedding on load.
+    expected = dict(expected, **{"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)})
+  problems = []
+  missing = [n for n in expected if n not in found]
+  extra = [n for n in found if n not in expected]
+  if missing:
+    problems.append(f"missing tensor(s): {', '.join(missing)}")
+  if extra:
+    problems.append(f"unexpected tensor(s) not in the {cfg.architecture} layout: "
+                    f"{', '.join(show(n) for n in extra)}")
+  for n, shape in expected.items():
+    if n in found and found[n] != shape:
+      problems.append(f"tensor {show(n)} has shape {found[n]}, expected {shape} from the config")
+  if problems:
+    raise CheckpointError(f"checkpoint {where} does not match its config:\n  " + "\n  ".join(problems))
+
+
+def hf_to_params(get: Callable[[str], np.ndarray], cfg: ModelConfig, dtype=None) -> dict:
+  """Builds our tree from HF-named tensors. `get(name)` returns one tensor (already validated)."""
+  cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype), copy=False))
+  layers: dict = {}
+  for path, suffix in _LAYER_TENSORS:
+    stacked = np.stack([_hf_to_ours(suffix, get(f"model.layers.{i}.{suffix}"), cfg)
+                        for i in range(cfg.num_layers)])
+    node = layers
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = cast(stacked)
+  params = {"embed": {"embedding": cast(np.ascontiguousarray(get("model.embed_tokens.weight")))},
+            "layers": layers,
+            "final_norm": {"scale": cast(get("model.norm.weight"))}}
+  if not cfg.tie_word_embeddings:
+    params["lm_head"] = {"kernel": cast(np.ascontiguousarray(get("lm_head.weight").T))}
+  return params
+
+
+def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """Our tree -> HF-named, contiguous numpy tensors (same dtypes)."""
+  _check_param_tree(params, cfg)
+  out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+         "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+  if not cfg.tie_word_embeddings:
+    out["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"]).T
+  for path, suffix in _LAYER_TENSORS:
+    leaf = params["layers"]
+    for key in path:
+      leaf = leaf[key]
+    leaf = np.asarray(leaf)
+    for i in range(cfg.num_layers):
+      out[f"model.layers.{i}.{suffix}"] = _ours_to_hf(suffix, leaf[i], cfg)
+  return {n: np.ascontiguousarray(t) for n, t in out.items()}
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      flat.update(_flatten(v, f"{prefix}{k}/"))
+    else:
+      flat[f"{prefix}{k}"] = v
+  return flat
+
+
+def _check_param_tree(params: Mapping[str, Any], cfg: ModelConfig) -> None:
+  expected = {k: tuple(s.shape) for k, s in _flatten(param_shapes(cfg)).items()}
+  found = {k: tuple(np.shape(v)) for k, v in _flatten(params).items()}
+  problems = [f"missing param {k}" for k in expected if k not in found]
+  problems += [f"unexpected param {k}" for k in found if k not in expected]
+  problems += [f"param {k} has shape {found[k]}, expected {s}"
+               for k, s in expected.items() if k in found and found[k] != s]
+  if problems:
+    raise CheckpointError("params do not match the config:\n  " + "\n  ".join(problems))
