@@ -18,12 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# train.py defines the --config/--workdir/--distributed flags and the shared setup helpers.
-import train as rl_launch  # noqa: E402  (also sets the CPU device-count flag before jax)
+from magistral_jax import cli  # noqa: F401  (the shared flags; before jax: the CPU device count)
 
 from absl import app, flags  # noqa: E402
 
@@ -34,17 +31,16 @@ _NUM_PROBLEMS = flags.DEFINE_integer("num_problems", 0, "Problems per set (0: da
 
 log = logging.getLogger("eval")
 
-ALIASES = rl_launch.SHIPPED_ALIASES
-
 
 def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
   """The first n problems of set `name` in a seeded order (train.py's held-out order)."""
   from magistral_jax.data import records, synthetic
+  from magistral_jax.data.prompts import SHIPPED_ALIASES
   from magistral_jax.data.loader import ProblemLoader
   from magistral_jax.data.tfds_builders import build_shipped
   if name == "synthetic":
     return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
-  name = ALIASES.get(name, name)
+  name = SHIPPED_ALIASES.get(name, name)
   data_dir = config.data.data_dir or os.path.join(workdir, "data")
   if name in records.SHIPPED:
     build_shipped(data_dir, [name])
@@ -113,7 +109,7 @@ def format_table(results: dict, k: int) -> str:
 
 def main(argv):
   del argv
-  config = rl_launch.start_run()
+  config = cli.start_run()
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.eval.evaluate import evaluate
@@ -121,21 +117,22 @@ def main(argv):
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.parallel import GENERATOR_RULES, make_mesh
-  from magistral_jax.pipeline.build import shared_prefix_for, split_devices
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, shared_prefix_for,
+                                            split_devices, system_prompt_for)
   from magistral_jax.verify import VerifierPool
 
   run = config_lib.validate(config, jax.device_count())
-  workdir = os.path.abspath(rl_launch._WORKDIR.value)
+  workdir = cli.workdir()
   sets = [s for s in (_SETS.value or config.data.source).split(",") if s]
   n = _NUM_PROBLEMS.value or config.data.heldout
   problems = {s: eval_problems(config, s, n, workdir) for s in sets}   # data errors first
   for s, probs in problems.items():
     if not probs:
       raise ValueError(f"evaluation set {s!r} has no problems")
-  tok, model_cfg, init_params = rl_launch.build_tokenizer_and_model(config)
+  tok, model_cfg, init_params = build_tokenizer_and_model(config)
   params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params,
                              run.optimizer)
-  system_prompt = rl_launch.system_prompt_for(config.system_prompt)
+  system_prompt = system_prompt_for(config.system_prompt)
   _, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
   gen_mesh = make_mesh(dict(config.devices.generator_mesh), gdevs[0])
   pool = VerifierPool(config.verifier.num_workers, run.reward,

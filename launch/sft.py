@@ -20,12 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# train.py defines the --config/--workdir/--distributed flags and the shared setup helpers.
-import train as rl_launch  # noqa: E402  (also sets the CPU device-count flag before jax)
+from magistral_jax import cli  # noqa: F401  (the shared flags; before jax: the CPU device count)
 
 from absl import app  # noqa: E402
 
@@ -80,13 +77,15 @@ def loader_batch_to_arrays(batch: dict, rows_per_micro: int) -> dict:
 
 def main(argv):
   del argv
-  config = rl_launch.start_run()
+  config = cli.start_run()
   import jax
   import numpy as np
   from magistral_jax import config as config_lib
   from magistral_jax.model.orbax_params import save_params_orbax
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
-  from magistral_jax.pipeline.build import sft_optimizer_config, split_devices
+  from magistral_jax.data.prompts import heldout_problems
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, sft_optimizer_config,
+                                            split_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer
@@ -102,9 +101,8 @@ def main(argv):
   # seeded epoch of data.source=gsm8k; a smaller RL data.heldout with the same seed is a subset).
   from magistral_jax.data import gsm8k_traces
   if gsm8k_traces.NAME in config.data.source.split(","):
-    config.data.data_dir = config.data.data_dir or os.path.join(
-        os.path.abspath(rl_launch._WORKDIR.value), "data")
-    heldout = rl_launch.heldout_problems(
+    config.data.data_dir = config.data.data_dir or os.path.join(cli.workdir(), "data")
+    heldout = heldout_problems(
         config_lib.apply_overrides(config, {"data.source": "gsm8k"}))
     log.info("GSM8K traces (held-out excluded: %d): %s", len(heldout),
              gsm8k_traces.build_trace_dataset(config.data.data_dir, [p["id"] for p in heldout]))
@@ -115,15 +113,15 @@ def main(argv):
   if not synthetic and not config.data.data_dir:
     raise ValueError(f"data.source={config.data.source!r} names built SFT datasets: set "
                      "data.data_dir to the directory they were built in")
-  workdir = os.path.abspath(rl_launch._WORKDIR.value)
+  workdir = cli.workdir()
   os.makedirs(workdir, exist_ok=True)
   # WORKDIR/config.json is the model's (written by save_params_orbax, read by init.source=orbax);
   # the run configuration goes beside it.
   with open(os.path.join(workdir, "sft_config.json"), "w") as f:
     f.write(config.to_json(indent=1))
   writer = MetricsWriter(workdir)
-  tok, model_cfg, init_params = rl_launch.build_tokenizer_and_model(config)
-  system_prompt = rl_launch.system_prompt_for(config.system_prompt)
+  tok, model_cfg, init_params = build_tokenizer_and_model(config)
+  system_prompt = system_prompt_for(config.system_prompt)
   tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   tx = make_optimizer(sft_optimizer_config(config))

@@ -12,10 +12,13 @@ import pytest
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import TRAINER_RULES, make_mesh
 from magistral_jax.rl import collate as C
+from magistral_jax.rl.advantages import ScoredGroup
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import make_minibatches
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
+from magistral_jax.train.rl_loop import Trainer
 
 
 def _tree(scale):
@@ -116,9 +119,14 @@ def _batch(index):
 
 
 def _run(step_fn, state, mesh, start, stop):
+  trainer = Trainer(step_fn, state, mesh, TRAINER_RULES)
   for b in range(start, stop):
-    state, _ = S.train_on_batch(step_fn, state, _batch(b), GRPO, mesh, TRAINER_RULES)
-  return state
+    comps = _batch(b)
+    groups = [ScoredGroup(g, [c for c in comps if c.group_id == g], [])
+              for g in sorted({c.group_id for c in comps})]
+    for mb in make_minibatches(groups, GRPO):
+      trainer.step(mb)
+  return trainer.state
 
 
 def test_resume_gives_the_same_params_as_an_uninterrupted_run(tmp_path):

@@ -163,21 +163,20 @@ def test_sweep_runs_points_in_sequence_and_collects_summaries(tmp_path):
 
 
 def test_train_problem_stream_excludes_heldout_and_resumes(tmp_path):
-  """launch/train.py's non-synthetic prompt stream (shipped math500 via ProblemLoader)."""
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import train as rl_launch
+  """The non-synthetic RL prompt stream (data.prompts; shipped math500 via ProblemLoader)."""
   from magistral_jax import config as config_lib
+  from magistral_jax.data.prompts import TrainProblems, heldout_problems
   c = config_lib.default_config()
   c.data.update(source="math500", data_dir=str(tmp_path), heldout=16)
-  heldout = rl_launch.heldout_problems(c)
+  heldout = heldout_problems(c)
   ids = {p["id"] for p in heldout}
   assert len(heldout) == 16 and len(ids) == 16
-  stream = rl_launch.TrainProblems(c, ids)
+  stream = TrainProblems(c, ids)
   first = [next(stream)["id"] for _ in range(20)]
   state = json.loads(json.dumps(stream.state()))   # as it goes through the checkpoint meta
   rest = [next(stream)["id"] for _ in range(10)]
   assert not ids & set(first + rest) and len(set(first + rest)) == 30
-  resumed = rl_launch.TrainProblems(c, ids, state)
+  resumed = TrainProblems(c, ids, state)
   assert [next(resumed)["id"] for _ in range(10)] == rest
   c.data.source = "gsm8k"   # the alias of the shipped gsm8k_test
-  assert rl_launch.heldout_problems(c)[0]["source"] == "gsm8k_test"
+  assert heldout_problems(c)[0]["source"] == "gsm8k_test"

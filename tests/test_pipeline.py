@@ -1,8 +1,8 @@
-"""The RL pipeline end to end on 8 simulated devices: trainer on 4, two generators on 2 each, the
-real verifier pool, the real math verifier, a tiny model warm-started by SFT on the synthetic task."""
+"""The RL loop end to end on 8 simulated devices (Rollouts + Trainer + rl_loop.train): trainer on
+4, two generators on 2 each, the real verifier pool, the real math verifier, a tiny model
+warm-started by SFT on the synthetic task."""
 import json
 import os
-import threading
 import time
 
 import jax
@@ -15,13 +15,14 @@ from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import TRAINER_RULES, make_mesh
-from magistral_jax.pipeline import PipelineConfig, PipelineError, RLPipeline
+from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
 from magistral_jax.pipeline.build import make_generators, sft_warm_start, split_devices
 from magistral_jax.rewards import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.metrics_writer import MetricsWriter
 from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
 from magistral_jax.train.sft import make_sft_step
+from magistral_jax.train.rl_loop import Trainer, train
 from magistral_jax.train.step import init_state, make_grpo_step
 from magistral_jax.verify import VerifierPool
 
@@ -49,32 +50,45 @@ def setup():
   pool.close()
 
 
-def _pipeline(s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0, tune=False):
-  rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
-  state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
-                     params=s["params"])
-  step = make_grpo_step(s["cfg"], GRPO, rl_tx, s["tmesh"], TRAINER_RULES)
-  gens = make_generators(s["cfg"], s["params"], s["gdevs"],
-                         SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=s["tok"].eos_id),
-                         max_concurrent_decodes=8, max_prefill_length=64, max_decode_length=MAX_NEW,
-                         seed=seed, tune=tune)
-  return RLPipeline(model_cfg=s["cfg"], grpo_cfg=GRPO, train_step=step, state=state,
-                    trainer_mesh=s["tmesh"], generators=gens, pool=pool or s["pool"],
-                    tokenizer=s["tok"], prompts=synthetic.problems(seed),
-                    cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
-                                      batch_timeout_s=300, seed=seed),
-                    writer=MetricsWriter(workdir) if workdir else None,
-                    system_prompt=synthetic.TINY_SYSTEM_PROMPT)
+class Run:
+  """One RL run's parts: the Trainer, the Rollouts, and the loop over them."""
+
+  def __init__(self, s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0,
+               tune=False):
+    rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
+                       params=s["params"])
+    self.trainer = Trainer(make_grpo_step(s["cfg"], GRPO, rl_tx, s["tmesh"], TRAINER_RULES),
+                           state, s["tmesh"], TRAINER_RULES)
+    gens = make_generators(s["cfg"], s["params"], s["gdevs"],
+                           SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW,
+                                          eos_id=s["tok"].eos_id),
+                           max_concurrent_decodes=8, max_prefill_length=64,
+                           max_decode_length=MAX_NEW, seed=seed, tune=tune)
+    self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
+                             prompts=synthetic.problems(seed), grpo_cfg=GRPO,
+                             cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
+                                                batch_timeout_s=300, seed=seed),
+                             system_prompt=synthetic.TINY_SYSTEM_PROMPT)
+    self.writer = MetricsWriter(workdir) if workdir else None
+    self.on_batch = None
+
+  def run(self, num_batches):
+    with self.rollouts:
+      return train(self.trainer, self.rollouts, GRPO, num_batches, seed=1, writer=self.writer,
+                   on_batch=self.on_batch)
 
 
 def test_async_pipeline_end_to_end(setup, tmp_path):
-  pipe = _pipeline(setup, "async", str(tmp_path), n_async=32, tune=True)
+  run = Run(setup, "async", str(tmp_path), n_async=32, tune=True)
+  pipe = run.rollouts
   # make_generators tuned each engine's CPU dot library, its drain engines' too (Engine.tune).
   for gen in pipe.generators:
     engines = [gen.engine] + [gen.engine.compact_engine(n) for n in gen.engine.compact_sizes]
     assert all(e.generate_tuning["chosen"] == e.generate_library for e in engines)
-  history = pipe.run(3)
-  assert len(history) == 3 and pipe.opt_steps == 3 * GRPO.num_minibatches
+  history = run.run(3)
+  assert len(history) == 3 and run.trainer.opt_steps == 3 * GRPO.num_minibatches
+  assert run.trainer.version == 3 * GRPO.num_minibatches
   # Off-policy: in async mode a batch holds tokens from several policy versions.
   assert max(h["versions_in_batch"] for h in history) > 1
   assert max(h["version_lag_max"] for h in history) >= 1
@@ -89,15 +103,13 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
               "trainer_idle_s", "verifier_latency_s", "weight_push_s", "version_lag_mean"):
     assert all(key in h and np.isfinite(h[key]) for h in history), key
   # After a push, each generator holds the trainer's weights bitwise, on its own devices.
-  trainer = jax.device_get(pipe.state.params)
+  trainer = jax.device_get(run.trainer.state.params)
   for i, g in enumerate(pipe.generators):
-    pushed = pipe.last_pushed[i]
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), pushed, trainer)
-    leaf = jax.tree.leaves(pushed)[0]
-    assert leaf.sharding.device_set == set(setup["gdevs"][i])
-    # What the generator decodes with (its engine's per-layer decode layout) is the same weights.
+    # What the generator decodes with (its engine's per-layer decode layout) is the same weights,
+    # on its own devices.
     held = g._pending[0] if g._pending is not None else g.params
     assert T.is_decode_layout(held)
+    assert jax.tree.leaves(held)[0].sharding.device_set == set(setup["gdevs"][i])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
                  T.to_stacked_layout(held), trainer)
   # Metrics on disk: JSONL rows and TensorBoard event files.
@@ -107,8 +119,9 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
 
 
 def test_sync_pipeline_trains_on_exactly_one_version(setup):
-  pipe = _pipeline(setup, "sync")
-  history = pipe.run(2)
+  run = Run(setup, "sync")
+  pipe = run.rollouts
+  history = run.run(2)
   assert len(history) == 2
   for h in history:
     assert h["versions_in_batch"] == 1 and h["version_lag_max"] == 0
@@ -118,31 +131,36 @@ def test_sync_pipeline_trains_on_exactly_one_version(setup):
 def test_queue_bound_holds_when_the_trainer_is_slow(setup):
   # A trainer much slower than generation: the queue of generated, untrained completions fills
   # to max_queue and the feeder stops submitting, so generation never runs further ahead.
-  pipe = _pipeline(setup, "async", n_async=8, max_queue=16)
-  real = pipe.train_step
+  run = Run(setup, "async", n_async=8, max_queue=16)
+  pipe = run.rollouts
+  real = run.trainer.step_fn
 
   def slow_step(state, batch):
     time.sleep(1.5)
     return real(state, batch)
-  pipe.train_step = slow_step
+  run.trainer.step_fn = slow_step
   seen = []
-  pipe.on_step = lambda *_: seen.append((pipe._generating, pipe._queued))
-  assert len(pipe.run(2)) == 2
+  run.on_batch = lambda *_: seen.append((pipe._generating, pipe._queued))
+  assert len(run.run(2)) == 2
   assert pipe.max_generating <= 8
   assert pipe.max_inflight <= 8 + 16
   assert pipe.max_inflight > 16   # the queue did fill up while the trainer slept
   assert all(g <= 8 and g + q <= 24 for g, q in seen)
 
 
-def test_pipeline_rejects_bounds_that_could_never_fill_a_batch(setup):
+def test_pipeline_rejects_bounds_that_could_never_fill_a_batch():
   with pytest.raises(ValueError, match="max_queue=8 < n_batch=16"):
-    _pipeline(setup, "async", n_async=8, max_queue=8)
+    PipelineConfig(n_async=8, max_queue=8).bounds(GRPO)
   with pytest.raises(ValueError, match="n_async=2 < group_size=4"):
-    _pipeline(setup, "async", n_async=2)
+    PipelineConfig(n_async=2).bounds(GRPO)
+  assert PipelineConfig().bounds(GRPO) == (2 * GRPO.n_batch, 2 * GRPO.n_batch)
+  with pytest.raises(ValueError, match="pipeline.mode must be async|sync"):
+    PipelineConfig(mode="barrier")
 
 
 def test_generator_thread_failure_surfaces_without_hanging(setup):
-  pipe = _pipeline(setup, "async", n_async=32)
+  run = Run(setup, "async", n_async=32)
+  pipe = run.rollouts
   g = pipe.generators[1]
   real_step, calls = g.step, [0]
 
@@ -154,7 +172,7 @@ def test_generator_thread_failure_surfaces_without_hanging(setup):
   g.step = failing_step
   t = time.time()
   with pytest.raises(PipelineError, match="boom"):
-    pipe.run(50)
+    run.run(50)
   assert time.time() - t < 200
   # Clean stop: no pipeline or generator thread is left running.
   assert not any(th.is_alive() for th in pipe._threads)
@@ -175,7 +193,8 @@ class _FlakyPool:
 
 
 def test_verifier_failures_score_zero_and_the_run_continues(setup):
-  pipe = _pipeline(setup, "async", n_async=32, pool=_FlakyPool(setup["pool"]))
-  history = pipe.run(1)
+  run = Run(setup, "async", n_async=32, pool=_FlakyPool(setup["pool"]))
+  pipe = run.rollouts
+  history = run.run(1)
   assert len(history) == 1
   assert pipe.counters["verifier_errors"] > 0

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.loss import grpo_loss
+from magistral_jax.rl.minibatch import normalize_advantages
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,16 +73,6 @@ def test_aggregation_weights_sum_to_one_over_the_minibatch(agg):
   assert np.sum(w * lengths) == pytest.approx(1.0)
 
 
-def test_split_minibatches_keeps_groups_whole():
-  gid = np.repeat([5, 1, 9, 3], 4)
-  mbs = C.split_minibatches(gid, 8, np.random.default_rng(0))
-  assert len(mbs) == 2 and sorted(np.concatenate(mbs).tolist()) == list(range(16))
-  for mb in mbs:
-    assert all(np.sum(gid[mb] == g) in (0, 4) for g in np.unique(gid))
-  with pytest.raises(ValueError, match="straddles"):
-    C.split_minibatches(gid, 6)
-
-
 def test_bad_completions_raise_naming_the_completion():
   good = C.Completion([1], [2, 3], [-0.1, -0.2], 0.5, 7)
   bad = C.Completion([1], [2, 3], [-0.1], 0.5, 7)
@@ -125,7 +116,6 @@ def test_microbatched_gradient_equals_full_minibatch_gradient(seed, agg):
   rng = np.random.default_rng(seed)
   table = jnp.asarray(rng.normal(size=(11, 11)), jnp.float32)
   group_ids = np.asarray([c.group_id for c in comps])
-  from magistral_jax.rl.advantages import normalize_advantages
   adv = normalize_advantages([c.advantage for c in comps], group_ids, cfg.adv_norm)
   w = C.aggregation_weights([len(c.completion_tokens) for c in comps], group_ids, agg)
   # The unsplit minibatch: one microbatch, one row per sequence.
@@ -148,17 +138,3 @@ def test_microbatched_gradient_equals_full_minibatch_gradient(seed, agg):
   got_loss, got_grad = _accumulated_grad(table, split, cfg)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-7)
-
-
-def test_collate_minibatch_normalises_advantages_per_minibatch():
-  comps = make_completions(1, n=8, group_size=4)
-  cfg = GRPOConfig(n_batch=8, n_mini=4, group_size=4, microbatch_tokens=64, microbatch_rows=2)
-  out = C.make_minibatches(comps, cfg, np.random.default_rng(0))
-  assert len(out) == 2
-  for arrays, placement, stats, idx in out:
-    mb = [comps[i] for i in idx]
-    per_seq = np.array([a[0] for a in C.unpack_tokens(arrays["advantages"], mb, placement)])
-    np.testing.assert_allclose([per_seq.mean(), per_seq.std()], [0, 1], atol=1e-5)
-    assert arrays["weights"].sum() == pytest.approx(1.0, rel=1e-5)
-    assert arrays["tokens"].shape[1:] == (2, 32)
-    assert 0 <= stats["padding_frac"] < 1

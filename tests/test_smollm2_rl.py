@@ -72,13 +72,12 @@ def test_sft_config_excludes_the_rl_heldout_problems(tmp_path):
   """The traces launch/sft.py builds for configs/smollm2.py:sft leave out exactly the problems
   launch/train.py evaluates on (any RL data.heldout up to the SFT's, same seed)."""
   sys.path.insert(0, os.path.join(ROOT, "configs"))
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
   import smollm2
-  import train as rl_launch
+  from magistral_jax.data.prompts import heldout_problems
   from magistral_jax import config as config_lib
   sft_cfg = smollm2.get_config("sft")
   sft_cfg.data.data_dir = str(tmp_path / "data")
-  excluded = rl_launch.heldout_problems(config_lib.apply_overrides(sft_cfg, {"data.source": "gsm8k"}))
+  excluded = heldout_problems(config_lib.apply_overrides(sft_cfg, {"data.source": "gsm8k"}))
   rep = gsm8k_traces.build_trace_dataset(sft_cfg.data.data_dir, [p["id"] for p in excluded])
   assert rep["excluded"] == len(excluded) == smollm2.HELDOUT_EXCLUDED
   assert rep["traces"] + rep["excluded"] == 1319
@@ -87,7 +86,7 @@ def test_sft_config_excludes_the_rl_heldout_problems(tmp_path):
   for arg in ("", "ci"):
     rl_cfg = smollm2.get_config(arg)
     rl_cfg.data.data_dir = str(tmp_path / "data")
-    held = {p["id"] for p in rl_launch.heldout_problems(rl_cfg)}
+    held = {p["id"] for p in heldout_problems(rl_cfg)}
     assert len(held) == rl_cfg.data.heldout and not held & built
   # Every variant is a valid run configuration (gpu: a 2-accelerator layout).
   for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2)):

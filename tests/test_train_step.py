@@ -11,7 +11,9 @@ from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import make_mesh
 from magistral_jax.rl import collate as C
+from magistral_jax.rl.advantages import ScoredGroup
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import collate_minibatch, make_minibatches, normalize_advantages
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 
@@ -71,7 +73,6 @@ def test_microbatched_gradient_equals_the_unsplit_minibatch_on_the_model():
   comps = completions(1)
   g = grpo_cfg(kl_coef=0.1, entropy_coef=0.01, loss_agg="sequence")
   gid = np.array([c.group_id for c in comps])
-  from magistral_jax.rl.advantages import normalize_advantages
   adv = normalize_advantages([c.advantage for c in comps], gid)
   w = C.aggregation_weights([len(c.completion_tokens) for c in comps], gid, g.loss_agg)
   # Split: greedy rows, one row per microbatch (the other rows of each microbatch left empty).
@@ -97,7 +98,7 @@ def test_microbatched_gradient_equals_the_unsplit_minibatch_on_the_model():
 @pytest.mark.slow
 def test_train_step_on_8_devices_equals_single_device():
   g = grpo_cfg()
-  batch, _, _ = C.collate_minibatch(completions(2), g)
+  batch = collate_minibatch(completions(2), g).arrays
   single, m1 = run_step(batch)
   sharded, m8 = run_step(batch, mesh_shape=(("data", 2), ("fsdp", 2), ("tensor", 2)))
   for k in ("loss", "grad_norm", "clip_low_frac", "entropy", "ratio_mean"):
@@ -110,9 +111,9 @@ def test_train_step_on_8_devices_equals_single_device():
 
 def test_non_finite_step_is_skipped_and_state_unchanged():
   g = grpo_cfg()
-  batch, _, _ = C.collate_minibatch(completions(3), g)
+  batch = collate_minibatch(completions(3), g).arrays
   batch["old_logprobs"][0, 0, batch["loss_mask"][0, 0] > 0] = np.nan
-  good, _ = run_step(C.collate_minibatch(completions(3), g)[0])
+  good, _ = run_step(collate_minibatch(completions(3), g).arrays)
   assert int(good.step) == 1
   bad, m = run_step(batch, state=good)
   assert float(m["update_applied"]) == 0.0 and int(bad.skipped) == 1
@@ -131,7 +132,8 @@ def completion_logprobs(params, batch, comps, placement):
 def test_rl_step_raises_positive_and_lowers_negative_advantage_completions():
   comps = completions(4)
   g = grpo_cfg()
-  batch, placement, _ = C.collate_minibatch(comps, g)
+  mb = collate_minibatch(comps, g)
+  batch, placement = mb.arrays, mb.placement
   assert batch["tokens"].shape[0] == 1
   params = params0()
   before = completion_logprobs(params, batch, comps, placement)
@@ -141,7 +143,8 @@ def test_rl_step_raises_positive_and_lowers_negative_advantage_completions():
                          batch["positions"][0], batch["segment_ids"][0]), batch["targets"][0]))[None],
       comps, placement)):
     c.old_logprobs = lp
-  batch, placement, _ = C.collate_minibatch(comps, g)
+  mb = collate_minibatch(comps, g)
+  batch, placement = mb.arrays, mb.placement
   state, m = run_step(batch)
   after = completion_logprobs(state.params, batch, comps, placement)
   adv = np.array([a[0] for a in C.unpack_tokens(batch["advantages"], comps, placement)])
@@ -152,7 +155,7 @@ def test_rl_step_raises_positive_and_lowers_negative_advantage_completions():
 
 def test_remat_gives_the_same_step():
   g = grpo_cfg()
-  batch, _, _ = C.collate_minibatch(completions(5), g)
+  batch = collate_minibatch(completions(5), g).arrays
   a, _ = run_step(batch, remat="none")
   b, _ = run_step(batch, remat="full")
   for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
@@ -173,23 +176,26 @@ def test_warmup_then_cosine_schedule():
 
 def test_rows_not_divisible_by_data_parallel_size_raise():
   g = grpo_cfg(microbatch_tokens=64, microbatch_rows=2)
-  batch, _, _ = C.collate_minibatch(completions(6), g)
+  batch = collate_minibatch(completions(6), g).arrays
   with pytest.raises(ValueError, match="not a multiple of the trainer's data-parallel size 8"):
     S.shard_batch(batch, make_mesh({"fsdp": 8}))
 
 
-def test_train_on_batch_takes_one_optimizer_step_per_minibatch():
+def test_trainer_takes_one_optimizer_step_per_minibatch():
+  from magistral_jax.train.rl_loop import Trainer
   g = grpo_cfg(n_mini=4)                      # 8 completions -> 2 minibatches -> 2 steps
-  step, _ = step_fn()
-  state, history = S.train_on_batch(step, state0(), completions(7), g, rng=np.random.default_rng(0))
-  assert int(state.step) == 2 and len(history) == 2
-  assert all(h["sequences"] == 4 and float(h["update_applied"]) == 1.0 for h in history)
+  comps = completions(7)
+  groups = [ScoredGroup(gid, [c for c in comps if c.group_id == gid], []) for gid in (0, 1)]
+  trainer = Trainer(step_fn()[0], state0(), version=3)
+  history = [trainer.step(mb) for mb in make_minibatches(groups, g, np.random.default_rng(0))]
+  assert int(trainer.state.step) == 2 and trainer.opt_steps == 2 and trainer.version == 5
+  assert all(h["update_applied"] == 1.0 for h in history)
 
 
 @pytest.mark.slow
 def test_bf16_compute_keeps_fp32_master_weights():
   g = grpo_cfg()
-  batch, _, _ = C.collate_minibatch(completions(8), g)
+  batch = collate_minibatch(completions(8), g).arrays
   _, m32 = run_step(batch)
   state, m16 = run_step(batch, remat="none", dtype="bfloat16")
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))

@@ -37,7 +37,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
-from magistral_jax.generate.loop import GeneratorLoop, Request, Sample
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.rewards.reward import RewardResult, failed_result, reward_metrics
 from magistral_jax.rl.advantages import ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion

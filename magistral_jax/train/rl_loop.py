@@ -16,37 +16,43 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
 
-from magistral_jax.pipeline.rollouts import Rollouts
+from magistral_jax.parallel.sharding import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
 from magistral_jax.train.step import TrainState, shard_batch
+
+if TYPE_CHECKING:
+  from magistral_jax.pipeline.rollouts import Rollouts
 
 
 @dataclasses.dataclass
 class Trainer:
   """The optimizer side: the sharded TrainState, its jitted GRPO step (train.step.make_grpo_step),
-  and the counters a resume needs. `version` is the policy version of `state.params`."""
+  the trainer mesh and its sharding rules (minibatch rows over the data axes), and the counters a
+  resume needs. `version` is the policy version of `state.params`."""
   step_fn: Callable[[TrainState, dict], tuple[TrainState, dict]]
   state: TrainState
   mesh: Any = None
+  rules: tuple = DEFAULT_RULES
   version: int = 0
   opt_steps: int = 0
   batches: int = 0
 
   def step(self, minibatch: Minibatch) -> dict:
     """One optimizer step on one minibatch; returns its metrics (on the host)."""
-    self.state, metrics = self.step_fn(self.state, shard_batch(minibatch.arrays, self.mesh))
+    self.state, metrics = self.step_fn(self.state, shard_batch(minibatch.arrays, self.mesh,
+                                                                 self.rules))
     self.opt_steps += 1
     self.version += 1
     return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
 
 
-def train(trainer: Trainer, rollouts: Rollouts, cfg: GRPOConfig, num_batches: int, *,
+def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: int, *,
           seed: int = 0, writer=None, sample_every: int = 0,
           on_batch: Callable[[Trainer, dict], None] | None = None) -> list[dict]:
   """Runs `num_batches` batches (n_batch/n_mini optimizer steps each), or fewer if the prompts run
