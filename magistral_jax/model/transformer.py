@@ -1,13 +1,13 @@
-"""The policy: a Mistral/Llama-family decoder in Flax (linen).
+"""The policy: a Mistral/Llama-family decoder in Flax (linen), and its functional API.
 
-Layers are stacked with `nn.scan`, so every layer parameter has a leading 'layers' axis, the
-compiled program holds one layer body (fast compiles), and the KV cache is one [L, B, K, S, Dh]
-array per K and V (heads before positions, so a layer's slice is already in the batch-major
-layout the attention matmuls read: no transpose per decode step). For decoding there is also a
-per-layer form of both (`to_decode_layout`, `init_cache(per_layer=True)`): one array per layer,
-so a step reads weights and cache where they lie instead of XLA:CPU copying each layer's slice
-out of the stack, with each layer's keys stored transposed ([B, K, Dh, S]); the generation
-engine uses it.
+Layers (model/layers.py) are stacked with `nn.scan`, so every layer parameter has a leading
+'layers' axis, the compiled program holds one layer body (fast compiles), and the KV cache is one
+[L, B, K, S, Dh] array per K and V (heads before positions, so a layer's slice is already in the
+batch-major layout the attention matmuls read: no transpose per decode step). For decoding there
+is also a per-layer form of both (`to_decode_layout`, `init_cache(per_layer=True)`): one array
+per layer, so a step reads weights and cache where they lie instead of XLA:CPU copying each
+layer's slice out of the stack, with each layer's keys stored transposed ([B, K, Dh, S]); the
+generation engine uses it.
 
 Two call modes share the same weights:
   (a) `hidden_states` / `token_logprobs`: training and scoring over packed rows. `positions` drive
@@ -26,8 +26,6 @@ Params are a plain nested dict (see `param_logical_axes` for the layout and axis
 """
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -35,247 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import ShardingCtx, constrain, is_logical_axes
+from magistral_jax.model.layers import (DecodeLayer, DecoderLayer, RMSNorm, embed_tokens,
+                                        logical_param)
+from magistral_jax.parallel.sharding import ShardingCtx, is_logical_axes
 
 Array = jax.Array
-NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
-
-
-# ----------------------------------------------------------------------------------------------
-# RoPE
-# ----------------------------------------------------------------------------------------------
-def rope_inv_freq(cfg: ModelConfig) -> Array:
-  """Inverse frequencies theta^(-2i/Dh), with llama3-style scaling when configured.
-
-  llama3 scaling: wavelengths longer than orig_ctx/low_freq_factor are divided by `factor`,
-  shorter than orig_ctx/high_freq_factor are kept, and the band in between is interpolated
-  smoothly: (1-s)·f/factor + s·f with s = (orig_ctx/wavelen - low)/(high - low)."""
-  dh = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-  rs = cfg.rope_scaling
-  if rs is None:
-    return inv_freq
-  orig = rs.original_max_position_embeddings
-  low_wavelen = orig / rs.low_freq_factor
-  high_wavelen = orig / rs.high_freq_factor
-  wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-  smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-  return jnp.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-  """x: [B, T, N, Dh], positions: [B, T]. Half-split (rotate_half) layout, as in HF Llama."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
-def _write_kv(cache: Array, new: Array, layer, write_index: Array,
-              positions_last: bool = False) -> Array:
-  """cache[layer, b, :, write_index[b] + t] = new[b, t] for the stacked cache [L, B, K, S, Dh]
-  (or cache[b, :, write_index[b] + t] for one layer's cache [B, K, S, Dh] when layer is None;
-  or cache[b, :, :, write_index[b] + t] for one layer's transposed keys [B, K, Dh, S] when
-  positions_last) and new [B, T, K, Dh]. A scatter rather than a per-slot dynamic_update_slice:
-  writes past S are dropped (a DUS would clamp its start and overwrite earlier entries), and a
-  scatter into a loop carry or a donated buffer is done in place."""
-  b, t = new.shape[:2]
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  cols = write_index[:, None] + jnp.arange(t)[None, :]
-  # The advanced indices ([layer,] rows, cols) are split by the K (and Dh) slices, so the indexed
-  # block is [B, T, K, Dh]: exactly `new`.
-  if positions_last:
-    idx = (rows, slice(None), slice(None), cols)
-  else:
-    idx = (rows, slice(None), cols) if layer is None else (layer, rows, slice(None), cols)
-  return cache.at[idx].set(new.astype(cache.dtype), mode="drop", indices_are_sorted=True,
-                           unique_indices=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Modules
-# ----------------------------------------------------------------------------------------------
-def _param(module: nn.Module, name: str, shape, axes, init, dtype):
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-class Kernel(nn.Module):
-  """Holds one projection weight as {'kernel': ...}, the layout HF conversion maps onto."""
-  shape: tuple
-  axes: tuple
-  dtype: Any
-
-  @nn.compact
-  def __call__(self):
-    return _param(self, "kernel", self.shape, self.axes, nn.initializers.normal(0.02), self.dtype)
-
-
-class RMSNorm(nn.Module):
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    scale = _param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones,
-                   self.cfg.jnp_param_dtype)
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
-    # HF casts back to the input dtype before the scale multiply; keep the same order.
-    return scale.astype(self.cfg.jnp_dtype) * xf.astype(self.cfg.jnp_dtype)
-
-
-class Attention(nn.Module):
-  """Grouped-query attention with explicit head_dim and an optional sliding window."""
-  cfg: ModelConfig
-  shard: ShardingCtx | None = None
-
-  @nn.compact
-  def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None,
-               layer=None, window=None):
-    cfg, dt = self.cfg, self.cfg.jnp_dtype
-    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pdt = cfg.jnp_param_dtype
-    wq = Kernel((d, h, dh), ("embed", "heads", "head_dim"), pdt, name="q_proj")()
-    wk = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="k_proj")()
-    wv = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="v_proj")()
-    wo = Kernel((h, dh, d), ("heads", "head_dim", "embed"), pdt, name="o_proj")()
-
-    x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))
-    kk = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
-    q = constrain(self.shard, q, ("act_batch", "act_length", "act_heads", None))
-    inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(q, positions, inv_freq)
-    kk = apply_rope(kk, positions, inv_freq)
-
-    b, t = x.shape[:2]
-    g = h // k
-    if kv_cache is None:
-      # Packed training / scoring: causal within a row, never across segments.
-      k_pos = positions
-      idx = jnp.arange(t)
-      mask = (idx[None, :, None] >= idx[None, None, :]) & \
-             (q_segment[:, :, None] == q_segment[:, None, :])
-      new_cache = None
-      keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-      keys_t = False
-    else:
-      # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
-      # `layer` indexes it) or, with layer=None, this layer's own cache (the per-layer cache of
-      # the decode layout: keys transposed, [B, K, Dh, S], values [B, K, S, Dh]). Only the T new
-      # keys/values are scattered in, at each slot's own offset, so XLA updates the (donated)
-      # cache in place; then this layer's keys and values are read for attention over the
-      # prefix. From a stacked cache that read is a slice, which XLA:CPU materialises as a copy
-      # of the layer's whole cache every step; a per-layer cache is read where it lies.
-      ck, cv = kv_cache
-      keys_t = layer is None   # a per-layer cache holds its keys transposed
-      ck = _write_kv(ck, kk, layer, write_index, positions_last=keys_t)
-      cv = _write_kv(cv, v, layer, write_index)
-      new_cache = (ck, cv)
-      if layer is None:
-        keys, values = ck.astype(dt), cv.astype(dt)
-        if window is not None and window < values.shape[2]:
-          # Attend over the first `window` positions only (see `decode`): the caller keeps
-          # every slot's new positions below it, so the rest of the cache is masked anyway.
-          keys, values = keys[..., :window], values[:, :, :window]
-      else:
-        keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
-        values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
-      s = values.shape[2]
-      k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-      mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
-             (k_pos[:, None, :] < valid_len[:, None, None])
-    if cfg.sliding_window is not None:
-      mask &= (positions[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window
-
-    # Both products are plain batched matmuls over (b, k), with the G query heads that share a
-    # KV head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is
-    # ~2x faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.) Transposed
-    # keys [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x
-    # [Dh, S] matmul per (b, k), which XLA:CPU runs ~1.6x faster at T = 1 than the [S, Dh]
-    # form.
-    sk = values.shape[2]
-    qg = q.reshape(b, t, k, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
-    scores = jnp.einsum("bkmd,bkds->bkms" if keys_t else "bkmd,bksd->bkms", qg,
-                        keys).astype(jnp.float32) / math.sqrt(dh)
-    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, k, g, t, sk), NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k, g * t, sk)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, k, g, t, dh)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
-    out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
-    y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
-    return y, new_cache
-
-
-class MLP(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
-  cfg: ModelConfig
-  shard: ShardingCtx | None = None
-
-  @nn.compact
-  def __call__(self, x):
-    cfg, dt = self.cfg, self.cfg.jnp_dtype
-    pdt = cfg.jnp_param_dtype
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    wg = Kernel((d, f), ("embed", "mlp"), pdt, name="gate_proj")()
-    wu = Kernel((d, f), ("embed", "mlp"), pdt, name="up_proj")()
-    wd = Kernel((f, d), ("mlp", "embed"), pdt, name="down_proj")()
-    x = x.astype(dt)
-    hidden = jax.nn.silu(x @ wg.astype(dt)) * (x @ wu.astype(dt))
-    hidden = constrain(self.shard, hidden, ("act_batch", "act_length", "act_mlp"))
-    return hidden @ wd.astype(dt)
-
-
-class DecoderLayer(nn.Module):
-  """One pre-norm block; the scan body. carry = residual stream, xs = this layer's KV cache."""
-  cfg: ModelConfig
-  shard: ShardingCtx | None = None
-
-  @nn.compact
-  def __call__(self, x, layer_cache, positions, segment_ids, write_index, valid_len):
-    h, new_cache = Attention(self.cfg, self.shard, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x), positions, segment_ids, layer_cache,
-        write_index, valid_len)
-    x = x + h
-    x = x + MLP(self.cfg, self.shard, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
-    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
-    return x, new_cache
-
-
-class DecodeLayer(nn.Module):
-  """The decode-mode scan body: same submodules (so the same params) as DecoderLayer, but the
-  carry holds the whole stacked KV cache next to the residual stream and xs is the layer index,
-  so each layer writes only its new entries into the cache (see Attention)."""
-  cfg: ModelConfig
-  shard: ShardingCtx | None = None
-
-  @nn.compact
-  def __call__(self, carry, layer, positions, write_index, valid_len, window=None):
-    x, ck, cv = carry
-    attn = Attention(self.cfg, self.shard, name="attn")
-    xn = RMSNorm(self.cfg, name="attn_norm")(x)
-    if isinstance(ck, tuple):   # per-layer cache (unrolled decode): `layer` is a Python int
-      h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len,
-                           window=window)
-      ck = ck[:layer] + (k_l,) + ck[layer + 1:]
-      cv = cv[:layer] + (v_l,) + cv[layer + 1:]
-    else:
-      h, (ck, cv) = attn(xn, positions, None, (ck, cv), write_index, valid_len, layer)
-    x = x + h
-    x = x + MLP(self.cfg, self.shard, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
-    x = constrain(self.shard, x, ("act_batch", "act_length", "act_embed"))
-    return (x, ck, cv), None
-
-
-def _embed(embedding, tokens, cfg: ModelConfig, shard):
-  """Token embedding lookup in the compute dtype, laid out as an activation."""
-  x = jnp.take(embedding, tokens, axis=0).astype(cfg.jnp_dtype)
-  return constrain(shard, x, ("act_batch", "act_length", "act_embed"))
 
 
 class Transformer(nn.Module):
@@ -288,13 +50,13 @@ class Transformer(nn.Module):
   def __call__(self, tokens, positions, segment_ids=None, cache=None, write_index=None,
                valid_len=None):
     cfg = self.cfg
-    emb = _param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
-                 nn.initializers.normal(1.0), cfg.jnp_param_dtype)
+    emb = logical_param(self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                        nn.initializers.normal(1.0), cfg.jnp_param_dtype)
     if not cfg.tie_word_embeddings:
       # Declared here so init creates it; used through _head_matmul().
-      _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-             nn.initializers.normal(0.02), cfg.jnp_param_dtype)
-    x = _embed(emb, tokens, cfg, self.shard)
+      logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                    nn.initializers.normal(0.02), cfg.jnp_param_dtype)
+    x = embed_tokens(emb, tokens, cfg, self.shard)
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
 
@@ -463,8 +225,8 @@ class KVCache(NamedTuple):
   per_layer=True)`): tuples of L arrays, keys transposed [B, K, Dh, S] and values [B, K, S, Dh];
   lengths: [B] tokens already in each slot. `decode` accepts either with either param layout and
   returns the cache in the form it got. The per-layer form is what the decode layout reads
-  fastest (see Attention: a layer of a stacked cache is copied out every step on XLA:CPU, and
-  transposed keys make the T = 1 score product a plain matmul)."""
+  fastest (see layers.Attention: a layer of a stacked cache is copied out every step on XLA:CPU,
+  and transposed keys make the T = 1 score product a plain matmul)."""
   k: Any
   v: Any
   lengths: Array
@@ -567,7 +329,7 @@ def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
 def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window=None):
   """Transformer.__call__ in decode mode over decode-layout params: the same embedding, layer
   module and final norm, with the layer loop unrolled over per-layer weights."""
-  carry = (_embed(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
+  carry = (embed_tokens(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
   for l, layer_params in enumerate(params["layers"]):
     carry, _ = DecodeLayer(cfg, shard).apply({"params": layer_params}, carry, l, positions,
                                              cache.lengths, valid, window)
