@@ -27,11 +27,11 @@ def get_config(arg=None):
   c.engine.update(max_concurrent_decodes=256, max_prefill_length=4 * K)
   c.reward.update(l_max=16 * K + 8 * K, l_cache=8 * K)     # l_cache NOT STATED
   c.pipeline.update(mode="async", n_async=16 * K)          # n_async / n_batch = 2
-  c.devices.update(trainer=64, generators=[32, 32], trainer_mesh={"fsdp": -1},
+  c.devices.update(trainer=64, generators=(32, 32), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": 8, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
   # Stage count and lengths NOT STATED beyond the 16k/24k/32k and 8k/4k/2k progression.
-  c.stages = [
+  c.stages = (
       {"name": "16k", "num_batches": 200,
        "overrides": {"rl.n_batch": 8 * K, "rl.n_mini": 8 * K, "reward.l_max": 24 * K,
                      "pipeline.n_async": 16 * K}},
@@ -41,5 +41,5 @@ def get_config(arg=None):
       {"name": "32k", "num_batches": 200,
        "overrides": {"rl.n_batch": 2 * K, "rl.n_mini": 2 * K, "reward.l_max": 40 * K,
                      "pipeline.n_async": 4 * K}},
-  ]
+  )
   return c

@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.reward.update(l_max=40 * K, l_cache=8 * K)               # l_max − l_cache = 32k; l_cache NOT STATED
   c.pipeline.update(mode="async", n_async=4 * K)
   c.engine.update(max_concurrent_decodes=256, max_prefill_length=4 * K)
-  c.devices.update(trainer=16, generators=[8, 8], trainer_mesh={"fsdp": -1},
+  c.devices.update(trainer=16, generators=(8, 8), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": 4, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
   c.num_batches = 500                  # NOT STATED

@@ -91,7 +91,7 @@ def get_config(arg=None):
   if "gpu" in args:
     # A 2-accelerator host (the trainer and the generator need disjoint devices): the sizes of
     # a 20-30 min run. NOT RUN here (no accelerator in this project's CI); estimates only.
-    c.devices.update(trainer=1, generators=[1])
+    c.devices.update(trainer=1, generators=(1,))
     c.model.update(remat="none")
     if "sft" in args:   # ~3 epochs of the 1191 traces, 16 rows of 640 tokens a step
       c.sft.update(num_steps=0, epochs=3, batch_size=16, rows_per_micro=16)

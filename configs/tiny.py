@@ -42,7 +42,7 @@ def get_config(arg=None):
   c.reward.update(l_max=64, l_cache=16)
   c.verifier.update(num_workers=1, task_timeout_s=30.0)
   c.pipeline.update(mode="async", n_async=128, sample_every=5, batch_timeout_s=600.0)
-  c.devices.update(trainer=4, generators=[2, 2], trainer_mesh={"fsdp": -1},
+  c.devices.update(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": -1})
   # The paper's evaluation: temperature 0.7, top-p 1.0, pass@1 averaged over k samples.
   c.eval.update(k=4, greedy=False, temperature=0.7, top_p=1.0, max_new_tokens=64)

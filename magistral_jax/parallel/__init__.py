@@ -1,9 +1,10 @@
-"""Device meshes, logical-axis sharding rules and trainer -> generator resharding."""
-from magistral_jax.parallel.sharding import (DEFAULT_RULES, GENERATOR_RULES, MESH_AXES,
-                                             TRAINER_RULES, ShardingCtx, constrain,
-                                             logical_sharding, logical_to_spec, make_mesh,
-                                             param_shardings, replicated, reshard)
+"""Device meshes and logical-axis sharding rules."""
+from magistral_jax.parallel.sharding import (DEFAULT_RULES, GENERATOR_RULES, LOGICAL_AXES,
+                                             MESH_AXES, TRAINER_RULES, ShardingConfig,
+                                             ShardingCtx, constrain, logical_sharding,
+                                             logical_to_spec, make_mesh, param_shardings,
+                                             replicated, rules_from_config)
 
-__all__ = ["DEFAULT_RULES", "GENERATOR_RULES", "MESH_AXES", "TRAINER_RULES", "ShardingCtx",
-           "constrain", "logical_sharding", "logical_to_spec", "make_mesh", "param_shardings",
-           "replicated", "reshard"]
+__all__ = ["DEFAULT_RULES", "GENERATOR_RULES", "LOGICAL_AXES", "MESH_AXES", "TRAINER_RULES",
+           "ShardingConfig", "ShardingCtx", "constrain", "logical_sharding", "logical_to_spec",
+           "make_mesh", "param_shardings", "replicated", "rules_from_config"]

@@ -5,6 +5,10 @@ Every parameter and every activation that matters carries *logical* axis names (
 code and the same params can therefore be laid out FSDP-style on the trainer and tensor-parallel on
 a generator, just by pairing them with another (mesh, rules).
 
+The tables are run config (`config.sharding.trainer_rules`, `.generator_rules`; TRAINER_RULES and
+GENERATOR_RULES below are their defaults); `rules_from_config` checks a configured table and
+returns it in the form the functions here take.
+
 Mesh axes: 'data' (pure data parallel), 'fsdp' (data parallel + parameter sharding), 'tensor'
 (Megatron-style tensor parallel over heads / MLP / vocab).
 """
@@ -47,6 +51,8 @@ TRAINER_RULES: tuple[tuple[str, Any], ...] = (
 GENERATOR_RULES: tuple[tuple[str, Any], ...] = tuple(
     (name, None) if name == "embed" else (name, axes) for name, axes in TRAINER_RULES)
 DEFAULT_RULES = TRAINER_RULES
+# Every logical axis name the model code uses (the default table names each once).
+LOGICAL_AXES = tuple(name for name, _ in TRAINER_RULES)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,52 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                      f"but {len(devices)} were given")
   return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
+
+
+def rules_from_config(rules: Sequence[Sequence[Any]], where: str = "sharding rules"
+                      ) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+  """A rules table from its config form: (logical axis, mesh axes) pairs, the mesh axes one name,
+  a sequence of names (sharded over their product) or None (replicated). Lists (a config read
+  back from JSON) become tuples, so the table is hashable (ShardingCtx is a module attribute).
+  A logical axis left out is replicated. Errors name `where` (e.g. "sharding.trainer_rules")
+  and the offending entry: an unknown logical or mesh axis, a logical axis given twice, a mesh
+  axis repeated within one rule, anything but a pair."""
+  out, seen = [], set()
+  for i, rule in enumerate(rules):
+    if not isinstance(rule, (list, tuple)) or len(rule) != 2:
+      raise ValueError(f"{where}[{i}] = {rule!r}: expected a (logical axis, mesh axes) pair")
+    name, axes = rule
+    if name not in LOGICAL_AXES:
+      raise ValueError(f"{where}[{i}]: unknown logical axis {name!r}; known: {list(LOGICAL_AXES)}")
+    if name in seen:
+      raise ValueError(f"{where}[{i}]: logical axis {name!r} has a rule already")
+    seen.add(name)
+    if isinstance(axes, (list, tuple)):
+      axes = tuple(axes)
+    elif axes is not None and not isinstance(axes, str):
+      raise ValueError(f"{where}[{i}]: {name!r} -> {axes!r}; expected a mesh axis, a sequence "
+                       "of mesh axes or None")
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    for a in names:
+      if a not in MESH_AXES:
+        raise ValueError(f"{where}[{i}]: {name!r} -> unknown mesh axis {a!r}; mesh axes: "
+                         f"{list(MESH_AXES)} (or None: replicated)")
+    if len(set(names)) != len(names):
+      raise ValueError(f"{where}[{i}]: {name!r} -> {axes!r} repeats a mesh axis")
+    out.append((name, axes))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+  """The run config's `sharding` section: the trainer's and the generators' rules tables, checked
+  and normalised by rules_from_config."""
+  trainer_rules: tuple[tuple[str, Any], ...] = TRAINER_RULES
+  generator_rules: tuple[tuple[str, Any], ...] = GENERATOR_RULES
+
+  def __post_init__(self):
+    for f in ("trainer_rules", "generator_rules"):
+      object.__setattr__(self, f, rules_from_config(getattr(self, f), f"sharding.{f}"))
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=DEFAULT_RULES,
@@ -142,11 +194,3 @@ class ShardingCtx:
 
 def constrain(shard: ShardingCtx | None, x, logical_axes):
   return x if shard is None else shard(x, logical_axes)
-
-
-def reshard(tree, shardings):
-  """Device-to-device reshard of a pytree onto new shardings (e.g. trainer -> generator layout).
-
-  `jax.device_put` with a NamedSharding on another device set moves the shards directly between
-  devices; no host round trip."""
-  return jax.device_put(tree, shardings)

@@ -57,15 +57,16 @@ class GRPOConfig:
   length_only_groups: str = "keep"
   reward_atol: float = 1e-6
   # Batching (SPEC §4, §5): n_batch completions per step, minibatches of n_mini completions, one
-  # optimizer step each (n_batch/n_mini steps); group_size G completions per prompt (NOT STATED).
+  # optimizer step each (n_batch/n_mini steps; n_batch = n_mini is the paper's best); group_size
+  # G completions per prompt (NOT STATED), at least 2, and a group never straddles minibatches.
   n_batch: int = 64
   n_mini: int = 64
   group_size: int = 8
   # Microbatches: a fixed token budget microbatch_tokens = microbatch_rows × row length. Rows are
   # the packing bins of greedy collation; microbatch_rows must be a multiple of the trainer's
-  # data-parallel size so every device gets whole rows.
+  # data-parallel size so every device gets whole rows (4: the default trainer's 4 fsdp devices).
   microbatch_tokens: int = 8192
-  microbatch_rows: int = 1
+  microbatch_rows: int = 4
 
   def __post_init__(self):
     def _choice(name, options):
@@ -87,6 +88,12 @@ class GRPOConfig:
                        f"must be positive: {self}")
     if self.n_batch % self.n_mini:
       raise ValueError(f"GRPOConfig: n_batch={self.n_batch} is not a multiple of n_mini={self.n_mini}")
+    if self.group_size < 2:
+      raise ValueError(f"GRPOConfig.group_size={self.group_size}: GRPO needs at least 2 completions "
+                       "per prompt")
+    if self.n_mini % self.group_size:
+      raise ValueError(f"GRPOConfig: n_mini={self.n_mini} is not a multiple of group_size="
+                       f"{self.group_size} (a group never straddles minibatches)")
     if self.microbatch_tokens % self.microbatch_rows:
       raise ValueError(f"GRPOConfig: microbatch_tokens={self.microbatch_tokens} is not a multiple of "
                        f"microbatch_rows={self.microbatch_rows}")

@@ -1,0 +1,168 @@
+"""The run config: defaults come from the typed dataclasses, every sequence field is a tuple that
+absl flags can override, sharding rules are config, and each check lives in one dataclass."""
+import dataclasses
+import json
+import os
+
+import ml_collections as mlc
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from magistral_jax import config as config_lib
+from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel import sharding
+from magistral_jax.rewards.reward import RewardConfig
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.train.optimizer import OptimizerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small")
+SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
+            "reward": RewardConfig, "engine": config_lib.EngineConfig,
+            "sharding": sharding.ShardingConfig}
+
+
+def _load(name, arg=None):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"configs/{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(arg)
+
+
+def test_each_section_default_is_its_dataclass_default():
+  # A default written in default_config() as well as in the dataclass fails here once they differ.
+  c = config_lib.default_config()
+  for name, cls in SECTIONS.items():
+    assert c[name].to_dict() == dataclasses.asdict(cls()), name
+  assert c.sampling.to_dict() == {f: getattr(SamplingConfig(), f)
+                                  for f in config_lib.SAMPLING_FIELDS}
+  run = config_lib.validate(c)
+  for name, cls in SECTIONS.items():
+    assert getattr(run, name) == cls(), name
+
+
+def _sequences(tree, path=""):
+  """Paths of every list in a nested dict/tuple."""
+  if isinstance(tree, list):
+    yield path
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _sequences(v, f"{path}.{k}")
+  if isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      yield from _sequences(v, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_sequence_field_is_a_tuple(name):
+  assert not list(_sequences(_load(name).to_dict()))
+  assert not list(_sequences(config_lib.default_config().to_dict()))
+
+
+def _flags(argv):
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  return holder.value
+
+
+def test_tuple_and_optional_fields_are_overridable_from_the_command_line():
+  argv = ["train", f"--config={ROOT}/configs/tiny.py",
+          "--config.devices.generators=(1,)",
+          "--config.rl.dual_clip_c=3.0",
+          "--config.reward.languages=('en', 'fr')",
+          "--config.sharding.generator_rules=(('embed', None), ('heads', 'tensor'))",
+          "--config.stages=({'name': 'a', 'num_batches': 2, 'overrides': {'rl.n_batch': 32}},)"]
+  c = _flags(argv)
+  assert c.devices.generators == (1,)
+  run = config_lib.validate(c, num_devices=5)
+  assert run.rl.dual_clip_c == 3.0
+  assert run.reward.languages == ("en", "fr")
+  assert run.sharding.generator_rules == (("embed", None), ("heads", "tensor"))
+  assert config_lib.apply_overrides(c, c.stages[0]["overrides"]).rl.n_batch == 32
+  with pytest.raises(ValueError, match="has 5"):
+    config_lib.validate(_flags(argv[:2] + ["--config.devices.generators=(2, 2)"]), 5)
+
+
+def test_rules_from_config_round_trips_and_names_what_is_wrong():
+  for rules in (sharding.TRAINER_RULES, sharding.GENERATOR_RULES):
+    assert sharding.rules_from_config(rules) == rules
+    # As a config written to JSON reads back: lists, made tuples again (hashable for ShardingCtx).
+    back = sharding.rules_from_config(json.loads(json.dumps(rules)))
+    assert back == rules and hash(back)
+  c = config_lib.default_config()
+  saved = mlc.ConfigDict(json.loads(c.to_json()))
+  assert config_lib.validate(saved) == config_lib.validate(c)
+  where = "sharding.trainer_rules"
+  for rules, message in [
+      ((("embd", "fsdp"),), r"sharding.trainer_rules\[0\]: unknown logical axis 'embd'"),
+      ((("embed", "fsdpp"),), r"\[0\]: 'embed' -> unknown mesh axis 'fsdpp'"),
+      ((("embed", ("fsdp", "data", "fsdp")),), r"repeats a mesh axis"),
+      ((("embed", None), ("embed", "fsdp")), r"\[1\]: logical axis 'embed' has a rule already"),
+      ((("embed",),), r"\[0\] = \('embed',\): expected a \(logical axis, mesh axes\) pair"),
+      ((("embed", 3),), r"expected a mesh axis")]:
+    with pytest.raises(ValueError, match=message):
+      sharding.rules_from_config(rules, where)
+    c = config_lib.default_config()
+    c.sharding.trainer_rules = rules
+    with pytest.raises(ValueError, match=message):
+      config_lib.validate(c)
+
+
+def test_logical_axes_cover_every_name_the_model_uses():
+  import jax
+  from magistral_jax.model import transformer
+  names = set()
+  for tree in (transformer.param_logical_axes(ModelConfig()), transformer.cache_logical_axes(),
+               transformer.cache_logical_axes(per_layer=2)):
+    for axes in jax.tree.leaves(tree, is_leaf=sharding.is_logical_axes):
+      names.update(a for a in axes if a is not None)
+  assert names <= set(sharding.LOGICAL_AXES)
+
+
+def test_each_check_lives_in_its_dataclass():
+  with pytest.raises(ValueError, match="group_size=1: GRPO needs at least 2"):
+    GRPOConfig(n_batch=4, n_mini=4, group_size=1)
+  with pytest.raises(ValueError, match="n_mini=12 is not a multiple of group_size=8"):
+    GRPOConfig(n_batch=24, n_mini=12, group_size=8)
+  with pytest.raises(ValueError, match="RewardConfig: need 0 <= l_cache <= l_max"):
+    RewardConfig(l_max=64, l_cache=65)
+  assert RewardConfig(l_max=64, l_cache=0).l_cache == 0   # a hard cut-off at l_max
+  assert RewardConfig(languages=["en"]).languages == ("en",)
+  with pytest.raises(ValueError, match="engine.attention_windows=0"):
+    config_lib.EngineConfig(attention_windows=0)
+  with pytest.raises(ValueError, match="engine.loop_prefill_below=-0.1"):
+    config_lib.EngineConfig(loop_prefill_below=-0.1)
+  # validate() reports them, and the samplers', before any work.
+  for overrides, message in [
+      ({"rl.n_batch": 72, "rl.n_mini": 36}, "n_mini=36 is not a multiple of group_size=8"),
+      ({"reward.l_cache": 99999}, "l_cache"),
+      ({"engine.attention_windows": 0}, "engine.attention_windows=0"),
+      ({"sampling.temperature": 0.0}, "temperature must be > 0"),
+      ({"eval.top_p": 1.5}, "top_p must be in"),
+      ({"pipeline.mode": "fast"}, "pipeline.mode='fast'")]:
+    with pytest.raises(ValueError, match=message):
+      config_lib.validate(config_lib.apply_overrides(config_lib.default_config(), overrides))
+  c = config_lib.default_config()
+  c.sampling.greedy = True   # evaluation-only: the training sampler has no such field
+  with pytest.raises(ValueError, match=r"unknown sampling config field\(s\): \['greedy'\]"):
+    config_lib.validate(c)
+
+
+def test_stages_are_validated_with_their_overrides():
+  c = config_lib.default_config()
+  c.stages = ({"name": "ok", "overrides": {"rl.n_batch": 128}},
+              {"name": "bad", "overrides": {"rl.n_mini": 48}})
+  with pytest.raises(ValueError, match=r"stages\[1\] \('bad'\): .*n_batch=64 is not a multiple"):
+    config_lib.validate(c)
+  c.stages = ({"name": "typo", "overides": {}},)
+  with pytest.raises(ValueError, match=r"stages\[0\] \('typo'\): unknown key\(s\) \['overides'\]"):
+    config_lib.validate(c)
+  c.stages = ({"overrides": {"rl.n_btach": 8}},)
+  with pytest.raises(ValueError, match="no such config field"):
+    config_lib.validate(c)
+  # A list in an override becomes a tuple, like the field it replaces.
+  assert config_lib.apply_overrides(c, {"devices.generators": [1]}).devices.generators == (1,)
