@@ -49,11 +49,11 @@ def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
   return loader.take(n)
 
 
-def load_policy(config, workdir, which: str, model_cfg, init_params, optimizer_cfg):
+def load_policy(config, workdir, which: str, model_cfg, init_params, run):
   """(params on host, step label): from the run's checkpoints or the config's init weights."""
   import jax
   from magistral_jax.model import transformer as tfm
-  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.parallel import make_mesh
   from magistral_jax.pipeline.build import split_devices
   from magistral_jax.train.checkpointing import RunCheckpointer
   from magistral_jax.train.optimizer import make_optimizer
@@ -70,11 +70,11 @@ def load_policy(config, workdir, which: str, model_cfg, init_params, optimizer_c
   # The restore target: the trainer's TrainState layout, built abstractly (nothing allocated).
   tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
-  tx = make_optimizer(optimizer_cfg)
+  tx = make_optimizer(run.optimizer)
   shapes = tfm.param_shapes(model_cfg)
   abstract = TrainState(jax.ShapeDtypeStruct((), "int32"), shapes, jax.eval_shape(tx.init, shapes),
                         jax.ShapeDtypeStruct((), "int32"))
-  sh = state_shardings(model_cfg, tx, mesh, TRAINER_RULES)
+  sh = state_shardings(model_cfg, tx, mesh, run.sharding.trainer_rules)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, sh)
   ckpt = RunCheckpointer(ck_dir, async_save=False)
@@ -116,7 +116,7 @@ def main(argv):
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.parallel import GENERATOR_RULES, make_mesh
+  from magistral_jax.parallel import make_mesh
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, shared_prefix_for,
                                             split_devices, system_prompt_for)
   from magistral_jax.verify import VerifierPool
@@ -130,8 +130,7 @@ def main(argv):
     if not probs:
       raise ValueError(f"evaluation set {s!r} has no problems")
   tok, model_cfg, init_params = build_tokenizer_and_model(config)
-  params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params,
-                             run.optimizer)
+  params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params, run)
   system_prompt = system_prompt_for(config.system_prompt)
   _, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
   gen_mesh = make_mesh(dict(config.devices.generator_mesh), gdevs[0])
@@ -151,7 +150,7 @@ def main(argv):
         sampling = SamplingConfig(temperature=config.eval.temperature, top_p=top_p,
                                   greedy=config.eval.greedy,
                                   max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
-        engines[top_p] = Engine(model_cfg, gen_mesh, GENERATOR_RULES,
+        engines[top_p] = Engine(model_cfg, gen_mesh, run.sharding.generator_rules,
                                 max_concurrent_decodes=config.engine.max_concurrent_decodes,
                                 max_prefill_length=config.engine.max_prefill_length,
                                 max_decode_length=config.eval.max_new_tokens, sampling=sampling,

@@ -82,7 +82,7 @@ def main(argv):
   import numpy as np
   from magistral_jax import config as config_lib
   from magistral_jax.model.orbax_params import save_params_orbax
-  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.parallel import make_mesh
   from magistral_jax.data.prompts import heldout_problems
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, sft_optimizer_config,
                                             split_devices, system_prompt_for)
@@ -93,7 +93,7 @@ def main(argv):
   from magistral_jax.train.step import init_state, shard_batch
 
   t_start = time.time()
-  config_lib.validate(config, jax.device_count())
+  rules = config_lib.validate(config, jax.device_count()).sharding.trainer_rules
   synthetic = config.data.source == "synthetic"
   # ---- GSM8K cold-start traces (configs/smollm2.py:sft): built on first use ----------------
   # data.source "gsm8k_traces" = the shipped GSM8K set's worked solutions in the Magistral format,
@@ -125,9 +125,9 @@ def main(argv):
   tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   tx = make_optimizer(sft_optimizer_config(config))
-  state = init_state(model_cfg, tx, jax.random.PRNGKey(config.seed), mesh, TRAINER_RULES,
+  state = init_state(model_cfg, tx, jax.random.PRNGKey(config.seed), mesh, rules,
                      params=init_params)
-  step_fn = make_sft_step(model_cfg, tx, mesh, TRAINER_RULES)
+  step_fn = make_sft_step(model_cfg, tx, mesh, rules)
   ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                          async_save=config.checkpoint.async_save)
   restored = ckpt.restore_latest(abstract_like(state))
@@ -168,7 +168,7 @@ def main(argv):
         arrays = next_arrays()
       except StopIteration:
         break
-      state, metrics = step_fn(state, shard_batch(arrays, mesh, TRAINER_RULES))
+      state, metrics = step_fn(state, shard_batch(arrays, mesh, rules))
       step += 1
       meta = {"step": step, "data": loader.state() if loader is not None else {}}
       if step % 10 == 0 or step == total:

@@ -43,9 +43,9 @@ def main(argv):
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.parallel import TRAINER_RULES, GENERATOR_RULES, make_mesh
+  from magistral_jax.parallel import make_mesh
   from magistral_jax.data.prompts import heldout_problems, train_prompts
-  from magistral_jax.pipeline import PipelineConfig, Rollouts
+  from magistral_jax.pipeline import Rollouts
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, make_generators,
                                             sft_optimizer_config, sft_warm_start,
                                             shared_prefix_for, split_devices, system_prompt_for)
@@ -59,6 +59,7 @@ def main(argv):
 
   t_start = time.time()
   run = config_lib.validate(config, jax.device_count())   # every config error, before any work
+  trainer_rules, generator_rules = run.sharding.trainer_rules, run.sharding.generator_rules
   workdir = cli.workdir()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -74,7 +75,7 @@ def main(argv):
   log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
            dict(tmesh.shape), [len(g) for g in gdevs])
   rl_tx = make_optimizer(run.optimizer)
-  state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh, TRAINER_RULES,
+  state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh, trainer_rules,
                      params=init_params)
   ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                          keep_every=config.checkpoint.keep_every,
@@ -102,7 +103,7 @@ def main(argv):
                                  greedy=config.eval.greedy,
                                  max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
   eval_engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), gdevs[0]),
-                       GENERATOR_RULES, max_concurrent_decodes=config.engine.max_concurrent_decodes,
+                       generator_rules, max_concurrent_decodes=config.engine.max_concurrent_decodes,
                        max_prefill_length=config.engine.max_prefill_length,
                        max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling,
                        attention_windows=config.engine.attention_windows)
@@ -121,15 +122,16 @@ def main(argv):
         log.info("cold-start SFT: %d steps", config.sft.num_steps)
         sft_tx = make_optimizer(sft_optimizer_config(config))
         sft_state = init_state(model_cfg, sft_tx, jax.random.PRNGKey(config.seed), tmesh,
-                               TRAINER_RULES, params=state.params)
+                               trainer_rules, params=state.params)
         examples = synthetic.sft_pairs_for(config.data, config.seed)
         sft_state, _ = sft_warm_start(
-            sft_state, make_sft_step(model_cfg, sft_tx, tmesh, TRAINER_RULES), tok, examples,
+            sft_state, make_sft_step(model_cfg, sft_tx, tmesh, trainer_rules), tok,
+            examples,
             num_steps=config.sft.num_steps, batch_size=config.sft.batch_size,
             row_len=config.sft.row_len, rows_per_micro=config.sft.rows_per_micro,
             system_prompt=system_prompt, mesh=tmesh, writer=writer, log_every=25)
         state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh,
-                           TRAINER_RULES, params=sft_state.params)
+                           trainer_rules, params=sft_state.params)
         del sft_state
       res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
                      jax.device_get(state.params), "before")
@@ -153,7 +155,7 @@ def main(argv):
       sampling = SamplingConfig(temperature=scfg.sampling.temperature, top_p=scfg.sampling.top_p,
                                 top_k=scfg.sampling.top_k,
                                 max_new_tokens=scfg.sampling.max_new_tokens, eos_id=tok.eos_id)
-      step_fn = make_grpo_step(model_cfg, srun.rl, rl_tx, tmesh, TRAINER_RULES,
+      step_fn = make_grpo_step(model_cfg, srun.rl, rl_tx, tmesh, trainer_rules,
                                temperature=sampling.temperature,
                                lr_schedule=learning_rate_schedule(srun.optimizer))
       gens = make_generators(
@@ -166,12 +168,13 @@ def main(argv):
           tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
           background_prefill=scfg.engine.background_prefill,
           loop_prefill_below=scfg.engine.loop_prefill_below,
-          shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt))
+          shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt),
+          rules=generator_rules)
       prompts = train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
       rollouts = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
-                          grpo_cfg=srun.rl, system_prompt=system_prompt,
-                          cfg=PipelineConfig(seed=config.seed + si, **scfg.pipeline.to_dict()))
-      trainer = Trainer(step_fn, state, tmesh, version=meta["version"],
+                          grpo_cfg=srun.rl, cfg=srun.pipeline, system_prompt=system_prompt,
+                          seed=config.seed + si)
+      trainer = Trainer(step_fn, state, tmesh, trainer_rules, version=meta["version"],
                         opt_steps=meta["opt_steps"], batches=meta["batches"])
 
       def on_batch(trainer, m, si=si):
@@ -185,7 +188,7 @@ def main(argv):
       try:
         with rollouts:
           train(trainer, rollouts, srun.rl, n_batches, seed=config.seed + si, writer=writer,
-                sample_every=scfg.pipeline.sample_every, on_batch=on_batch)
+                sample_every=srun.pipeline.sample_every, on_batch=on_batch)
       finally:
         state = trainer.state
         ckpt.wait()

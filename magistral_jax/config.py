@@ -4,7 +4,7 @@
 overrides what it needs, and absl flags override anything (`--config.rl.eps_high=0.3`,
 `--config.devices.generators=(1,)`: every sequence field is a tuple, the only sequence absl
 overrides). The sections with a typed dataclass (model, rl, optimizer, reward, sampling, engine,
-sharding) take their defaults from it, so each default, and the comment that cites the paper
+pipeline, sharding) take their defaults from it, so each default, and the comment that cites the paper
 (SPEC §.., NOT STATED), is written once, next to the dataclass field.
 
 `validate(config)` turns a ConfigDict into typed dataclasses and raises a clear error before any
@@ -23,6 +23,8 @@ from magistral_jax.generate.engine import default_windows
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingConfig
+from magistral_jax.pipeline.build import check_device_layout
+from magistral_jax.pipeline.rollouts import PipelineConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.optimizer import OptimizerConfig
@@ -97,11 +99,8 @@ def default_config() -> mlc.ConfigDict:
   # ---- reward (SPEC §2): rewards/reward.py RewardConfig ----
   c.reward = config_section(RewardConfig)
   c.verifier = mlc.ConfigDict(dict(num_workers=2, task_timeout_s=60.0, max_tasks_per_worker=500))
-  # ---- pipeline, devices and sharding (SPEC §5) ----
-  # n_async: completions generated in parallel (0 = 2 * n_batch); max_queue: generated, not yet
-  # trained on, before the feeder stops submitting (0 = n_async). See pipeline/rl_pipeline.py.
-  c.pipeline = mlc.ConfigDict(dict(mode="async", n_async=0, max_queue=0, sample_every=5,
-                                   batch_timeout_s=1800.0))
+  # ---- pipeline, devices and sharding (SPEC §5): pipeline/rollouts.py PipelineConfig ----
+  c.pipeline = config_section(PipelineConfig)
   # Device layout: the first `trainer` devices train; then one slice per generator.
   c.devices = mlc.ConfigDict(dict(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
                                   generator_mesh={"tensor": -1}))
@@ -153,6 +152,7 @@ class RunConfig:
   optimizer: OptimizerConfig
   reward: RewardConfig
   engine: EngineConfig
+  pipeline: PipelineConfig
   sharding: ShardingConfig   # .trainer_rules, .generator_rules: the tables the code takes
 
 
@@ -181,6 +181,7 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
                     optimizer=OptimizerConfig.from_config_dict(config.optimizer),
                     reward=_section(RewardConfig, config, "reward"),
                     engine=_section(EngineConfig, config, "engine"),
+                    pipeline=_section(PipelineConfig, config, "pipeline"),
                     sharding=_section(ShardingConfig, config, "sharding"))
     # The samplers' own checks (temperature > 0, top-p in (0, 1], ...), before the model loads:
     # the training sampler's and the evaluation's.
@@ -193,14 +194,9 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
                    greedy=config.eval.greedy, max_new_tokens=config.eval.max_new_tokens)
   except TypeError as e:
     raise ValueError(f"bad config: {e}") from e
-  if config.pipeline.mode not in ("async", "sync"):
-    raise ValueError(f"pipeline.mode={config.pipeline.mode!r}; expected async|sync")
+  run.pipeline.bounds(run.rl)
   if num_devices is not None:
-    need = config.devices.trainer + sum(config.devices.generators)
-    if need > num_devices:
-      raise ValueError(f"devices: trainer={config.devices.trainer} + generators="
-                       f"{tuple(config.devices.generators)} = {need} devices, but this machine "
-                       f"has {num_devices}")
+    check_device_layout(config.devices.trainer, config.devices.generators, num_devices)
   return run
 
 

@@ -143,7 +143,8 @@ def test_each_check_lives_in_its_dataclass():
       ({"engine.attention_windows": 0}, "engine.attention_windows=0"),
       ({"sampling.temperature": 0.0}, "temperature must be > 0"),
       ({"eval.top_p": 1.5}, "top_p must be in"),
-      ({"pipeline.mode": "fast"}, "pipeline.mode='fast'")]:
+      ({"pipeline.mode": "fast"}, "pipeline.mode must be async|sync, got 'fast'"),
+      ({"pipeline.max_queue": 8}, "max_queue=8 < n_batch=64: a batch could never fill")]:
     with pytest.raises(ValueError, match=message):
       config_lib.validate(config_lib.apply_overrides(config_lib.default_config(), overrides))
   c = config_lib.default_config()

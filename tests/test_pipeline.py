@@ -68,8 +68,8 @@ class Run:
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
                              cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
-                                                batch_timeout_s=300, seed=seed),
-                             system_prompt=synthetic.TINY_SYSTEM_PROMPT)
+                                                batch_timeout_s=300),
+                             system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=seed)
     self.writer = MetricsWriter(workdir) if workdir else None
     self.on_batch = None
 

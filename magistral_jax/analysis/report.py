@@ -1,7 +1,7 @@
 """Run statistics for the run report: metric series from metrics.jsonl, grouped into panels.
 
-The keys are those the RL pipeline writes each batch (pipeline/rl_pipeline.py: reward and its
-parts, lengths, system metrics; rl/loss.py: entropy, clip fractions, ratios). A panel lists keys
+The keys are those the RL loop writes each batch (train/rl_loop.py, pipeline/rollouts.py: reward
+and its parts, lengths, system metrics; rl/loss.py: entropy, clip fractions, ratios). A panel lists keys
 or `*` patterns; keys a run did not log are simply absent from its panel.
 """
 from __future__ import annotations

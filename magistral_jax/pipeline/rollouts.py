@@ -53,6 +53,7 @@ class PipelineError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
+  """The run config's `pipeline` section (magistral_jax/config.py takes its defaults from here)."""
   mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
   # Completions generated in parallel (submitted to a generator, not yet returned by it): the
   # paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium). 0 means 2 * n_batch.
@@ -61,9 +62,8 @@ class PipelineConfig:
   # trained on). No new prompt is submitted while generating + queued + G would exceed
   # n_async + max_queue. 0 means n_async.
   max_queue: int = 0
-  seed: int = 0
-  sample_every: int = 0      # log one decoded sample every N batches (0 = never)
-  batch_timeout_s: float = 600.0   # a batch that does not fill in this time is an error, not a hang
+  sample_every: int = 5      # log one decoded sample every N batches (0 = never)
+  batch_timeout_s: float = 1800.0  # a batch that does not fill in this time is an error, not a hang
 
   def __post_init__(self):
     if self.mode not in ("async", "sync"):
@@ -115,11 +115,13 @@ class Rollouts:
     prompts: iterator of task dicts ({"id", "kind", "problem", "answer", ...}).
     grpo_cfg: group size, n_batch and the group-drop rule. cfg: the pipeline's bounds and mode.
     system_prompt: the prompt template ({problem} placeholder); None = the bare problem.
+    seed: draws each request's sampling seed.
   """
 
   def __init__(self, *, generators: Sequence[GeneratorLoop], pool, tokenizer,
                prompts: Iterator[dict], grpo_cfg: GRPOConfig,
-               cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None):
+               cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None,
+               seed: int = 0):
     if not generators:
       raise ValueError("Rollouts needs at least one generator")
     self.grpo_cfg, self.cfg = grpo_cfg, cfg
@@ -128,7 +130,7 @@ class Rollouts:
     self.generators = list(generators)
     self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
     self.system_prompt = system_prompt
-    self._rng = np.random.default_rng(cfg.seed)
+    self._rng = np.random.default_rng(seed)
     self._scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
     self._generated: queue.Queue[tuple[int, Sample]] = queue.Queue()
     self._pending: dict[int, _Pending] = {}
