@@ -255,9 +255,9 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   with pytest.raises(GeneratorError, match="non-finite"):
     bg.get(timeout=60)
   deadline = time.monotonic() + 30
-  while bg._worker is not None and time.monotonic() < deadline:
+  while bg._prefiller.thread is not None and time.monotonic() < deadline:
     time.sleep(0.01)
-  assert bg._worker is None, "the prefill worker outlived the loop thread"
+  assert bg._prefiller.thread is None, "the prefill worker outlived the loop thread"
   bg.stop(timeout=30)
 
 
@@ -502,16 +502,36 @@ def test_generate_compiler_options_by_slot_count():
   """Untuned, the CPU generate step drops YNNPACK below CPU_GENERATE_YNN_MIN_SLOTS slots and keeps
   the defaults from there on; a named library overrides the rule; other platforms always keep
   the defaults; an unknown library is an error."""
-  from magistral_jax.generate import engine as E
-  assert E.generate_compiler_options("cpu", 16) == E.CPU_GENERATE_COMPILER_OPTIONS
-  assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS - 1) is not None
-  assert E.generate_compiler_options("cpu", E.CPU_GENERATE_YNN_MIN_SLOTS) is None
-  assert E.generate_compiler_options("cpu", 64) is None
-  assert E.generate_compiler_options("cpu", 16, "ynnpack") is None
-  assert E.generate_compiler_options("cpu", 64, "eigen") == E.CPU_GENERATE_COMPILER_OPTIONS
-  assert E.generate_compiler_options("gpu", 16) is None
+  from magistral_jax.generate import cpu_options as C
+  assert C.generate_compiler_options("cpu", 16) == C.CPU_GENERATE_COMPILER_OPTIONS
+  assert C.generate_compiler_options("cpu", C.CPU_GENERATE_YNN_MIN_SLOTS - 1) is not None
+  assert C.generate_compiler_options("cpu", C.CPU_GENERATE_YNN_MIN_SLOTS) is None
+  assert C.generate_compiler_options("cpu", 64) is None
+  assert C.generate_compiler_options("cpu", 16, "ynnpack") is None
+  assert C.generate_compiler_options("cpu", 64, "eigen") == C.CPU_GENERATE_COMPILER_OPTIONS
+  assert C.generate_compiler_options("gpu", 16) is None
   with pytest.raises(ValueError, match="dot library"):
-    E.generate_compiler_options("cpu", 16, "mkl")
+    C.generate_compiler_options("cpu", 16, "mkl")
+
+
+def test_cpu_options_come_in_one_object_and_the_dot_library_is_ignored_off_cpu(mesh):
+  """Engine(cpu=CpuOptions(...)) is what the keywords cpu_dot_library / compact_sizes spell (not
+  both at once); the child engines keep the dot library and compact no further. Off CPU the
+  generate step is compiled once, with the default options, and never tuned."""
+  from magistral_jax.generate import CpuOptions
+  from magistral_jax.generate.cpu_options import GenerateStep
+  eng = engine(mesh, slots=8, cpu=CpuOptions("ynnpack", compact_sizes=(2,)))
+  same = engine(mesh, slots=8, cpu_dot_library="ynnpack", compact_sizes=(2,))
+  assert eng.cpu == same.cpu and eng.compact_sizes == (2,) and eng.generate_library == "ynnpack"
+  child = eng.compact_engine(2)
+  assert child.compact_sizes == () and child.generate_library == "ynnpack"
+  with pytest.raises(ValueError, match="either"):
+    Engine(CFG, mesh, max_concurrent_decodes=2, max_prefill_length=8, max_decode_length=8,
+           cpu=CpuOptions(), compact_sizes=())
+  compiled = []
+  step = GenerateStep(lambda options: compiled.append(options) or object(), "gpu", 8, "auto")
+  assert step.library is None and not step.tunable and compiled == [None]
+  assert step.tune(None, lambda: None, 32) is None and step.tuning is None
 
 
 def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
@@ -550,7 +570,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
                                np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
     toks, lps = [], []
     for _ in range(5):
-      st, r = eng._generate_jit(lib)(p, st, eng.cache_length)
+      st, r = eng._step.jit(lib)(p, st, eng.cache_length)
       toks.append(int(r.tokens[0]))
       lps.append(float(r.logprobs[0]))
     outs[lib] = (toks, lps)
@@ -575,7 +595,7 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     # Mid-drain (compacted), new requests arrive: the loop expands and refills.
     rs = reqs()
     loop.submit(rs[7])
-    while loop._compact is None:
+    while loop._drain.compacted is None:
       loop.step()
     loop.submit(rs[8])
     got.update(run(loop, []))
@@ -762,10 +782,10 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
     assert 0 < m["background_prefilled"] < 30
     assert m["slot_utilization"] > 0.8
     for lp in (loop, threaded):  # the worker exits once the queue is empty
-      w = lp._worker
+      w = lp._prefiller.thread
       if w is not None:
         w.join(10)
-      assert lp._worker is None
+      assert lp._prefiller.thread is None
 
 
 def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
@@ -783,7 +803,7 @@ def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
     seen = []
     orig = eng.generate
     def counted(*a):
-      seen.append((int(loop._active.sum()), loop._requests.qsize()))
+      seen.append((int(loop._slots.active.sum()), loop._requests.qsize()))
       return orig(*a)
     eng.generate = counted
     try:
@@ -811,13 +831,13 @@ def test_background_prefill_under_weight_updates(params, mesh):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
       loop.step()
-    started = {s.group.request.id for s in loop._slots if s is not None}
+    started = {s.group.request.id for s in loop._slots.samples if s is not None}
     def waiting():  # prefilled under v0 (by the loop or the worker), not yet in a slot
       with loop._lock:
-        gs = list(loop._ready) + list(loop._groups)
+        gs = list(loop._prefiller.ready) + list(loop._groups)
       return {g.request.id for g in gs if g.prefix is not None} - started
     deadline = time.monotonic() + 30
-    while (loop._in_flight or not waiting()) and time.monotonic() < deadline:
+    while (loop._prefiller.in_flight or not waiting()) and time.monotonic() < deadline:
       time.sleep(0.01)
     waiting = waiting()
     assert len(started) == 4 and waiting
@@ -852,10 +872,10 @@ def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
   finally:
     del eng.prefill_many
   # Nothing is lost: the requests the worker held are kept, unprefilled, with the queued ones.
-  assert loop._ready and all(g.prefix is None for g in loop._ready)
-  ids = ({g.request.id for g in loop._ready} | {g.request.id for g in loop._groups}
+  assert loop._prefiller.ready and all(g.prefix is None for g in loop._prefiller.ready)
+  ids = ({g.request.id for g in loop._prefiller.ready} | {g.request.id for g in loop._groups}
          | {g.request.id for g in loop._requests.queue}
-         | {s.group.request.id for s in loop._slots if s is not None}
+         | {s.group.request.id for s in loop._slots.samples if s is not None}
          | {c.request_id for c in loop.completions.queue})
   assert ids == set(range(12))
 

@@ -5,49 +5,28 @@ JetStream splits serving into
   insert(prefix, decode_state, slot)          -> decode_state
   generate(params, decode_state)              -> (decode_state, result tokens)
 over a fixed number of decode slots (`max_concurrent_decodes`); `prefill(..., existing_prefix=
-prefix)` continues a cached prefix (JetStream's prefix caching: GeneratorLoop's shared_prefix
-prefills an RL run's system prompt once per weights version). We keep that contract (so the
-optional adapter in jetstream_adapter.py can hand this engine to the real orchestrator) and add
-what RL needs: every token comes with its fp32 log-prob under the sampling policy (sampling.py
-says which distribution), per-slot PRNG streams, and `resample` so the G samples of a GRPO group
-share one prefill.
+prefix)` continues a cached prefix (JetStream's prefix caching). We keep that contract (so
+jetstream_adapter.py can hand this engine to the real orchestrator) and add what RL needs: every
+token comes with its fp32 log-prob under the sampling policy (sampling.py), per-slot PRNG
+streams, and `resample` so the G samples of a GRPO group share one prefill.
 
-Batched refill (what GeneratorLoop uses; the contract methods above stay available):
+Batched refill (what GeneratorLoop uses):
   prefill_many(params, padded [N, bucket], true_lengths [N])  -> Prefixes (N prompt caches)
   insert_many(prefixes, decode_state, slots, rows, keys, ...)  -> decode_state, first tokens
 prefill N prompts of one length bucket in one call, and copy them into any number of slots in one
-call (several slots may share a row: the G samples of a GRPO group), each slot drawing its first
-token from the row's last-position logits with its own PRNG stream.
+call (several slots may share a row), each slot drawing its first token from the row's
+last-position logits with its own PRNG stream.
 
-Compilation: `generate` is one jitted program with fixed shapes, fixed in/out shardings and the
-decode state donated, so new weights of the same shapes/shardings never recompile it (one program
-per attention window when `attention_windows` > 1: a step attends over the first W cache positions
-only, W the smallest window holding every active slot; `precompile` compiles them all). `prefill`
-and `insert` compile once per prefill length bucket; `prefill_many` and `insert_many` once per
-(bucket, batch size) with batch sizes drawn from the bounded set `prefill_batch_sizes` (powers of
-two up to max_prefill_batch), so the number of programs stays small and fixed.
-
-Placement: the engine lives on its own mesh (any subset of devices) with its own rules (default
-GENERATOR_RULES: tensor parallel, full weights per tensor-parallel group); `load_params` reshards
-whatever it is given (e.g. the trainer's FSDP layout) onto that mesh.
-
-Weights layout: `load_params` returns the params in the model's decode layout
-(transformer.to_decode_layout: one array per layer, so a decode step reads each weight once
-instead of copying it out of the layer stack first); it accepts stacked or decode-layout params.
-Every KV cache the engine holds (decode state, prefixes) is per layer for the same reason
-(T.init_cache(per_layer=True): per layer, keys [B, K, Dh, S] and values [B, K, S, Dh]; a layer
-of a stacked cache is copied out of the stack every step on XLA:CPU, which made the step grow ~3x
-faster with the cache length than the attention itself does).
-On the CPU backend the generate step's dot library (YNNPACK or XLA's Eigen path) is picked by timing
-both (tune_generate, run by precompile) or, untuned, by the slot-count rule of
-generate_compiler_options.
+`generate` is one jitted program per attention window with fixed shapes and shardings and the
+decode state donated, so new weights never recompile it; shapes.py bounds every program's shapes.
+The engine lives on its own mesh with its own rules (default GENERATOR_RULES: tensor parallel);
+`load_params` reshards whatever it is given onto it, in the decode layout (weights.py). The
+XLA:CPU settings come in one CpuOptions (cpu_options.py: the step's dot library, and drain
+compaction onto smaller child engines, compaction.py).
 """
 from __future__ import annotations
 
-import bisect
-import logging
-import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,152 +34,44 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magistral_jax.generate import sampling as S
+from magistral_jax.generate import shapes
+from magistral_jax.generate.compaction import Compaction, compaction_sizes
+from magistral_jax.generate.cpu_options import (CpuOptions, GenerateStep,
+                                                generate_compiler_options)
+from magistral_jax.generate.shapes import default_buckets, default_windows
+from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultTokens,
+                                          check_slots, existing_prefix_cache, put_rows, put_slot,
+                                          start_cache, state_shardings)
+from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError, Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import (GENERATOR_RULES, ShardingCtx, is_logical_axes,
-                                             param_shardings)
+from magistral_jax.parallel.sharding import GENERATOR_RULES, ShardingCtx
 
 Array = jax.Array
-log = logging.getLogger(__name__)
 
-
-# The decode step's matmuls are [slots, D] x [D, F]: matrix-vector-like products that stream the
-# weights, plus small batched attention products over the KV cache. On XLA:CPU they run either
-# through YNNPACK (XLA's default dot fusion) or through XLA's own emitter / Eigen (YNNPACK turned
-# off). Which one is faster depends on the host CPU, not only on the shapes:
-# - one 2-core host (session 6/9 probes, medians of interleaved rounds): Eigen faster below 32
-#   slots (SmolLM2-135M step, batch 8 117 -> 99 ms, batch 16 208 -> 168 ms), YNNPACK from 32 on
-#   (1.04-1.11x at 32-64 slots);
-# - another 2-core host, with AVX-512 (2026-11-22, the same interleaved A/B of the engine's step):
-#   YNNPACK faster at every slot count (Eigen / YNNPACK step time 2.3x at 4 slots, 1.24x at 8,
-#   1.14x at 16, 1.3x at 32).
-# So the engine measures: with cpu_dot_library="auto" (the default), `tune_generate` (run by
-# `precompile`) compiles the step both ways and keeps the faster; until then, and with a fixed
-# choice, generate_compiler_options' slot-count rule applies. Only the generate step is
-# affected; prefill's [N * bucket, D] matmuls keep the defaults.
-CPU_GENERATE_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-CPU_GENERATE_YNN_MIN_SLOTS = 32
-CPU_DOT_LIBRARIES = ("ynnpack", "eigen")
-
-
-def default_dot_library(slots: int) -> str:
-  """The CPU dot library the generate step uses before (or without) tuning."""
-  return "ynnpack" if slots >= CPU_GENERATE_YNN_MIN_SLOTS else "eigen"
-
-
-def generate_compiler_options(platform: str, slots: int, library: str | None = None
-                              ) -> dict | None:
-  """XLA compiler options for a generate step over `slots` slots on `platform`. On CPU,
-  `library` ("ynnpack" or "eigen"; None = default_dot_library(slots)) picks the dot library;
-  other platforms keep the defaults."""
-  if platform != "cpu":
-    return None
-  library = library or default_dot_library(slots)
-  if library not in CPU_DOT_LIBRARIES:
-    raise ValueError(f"CPU dot library must be one of {CPU_DOT_LIBRARIES}, got {library!r}")
-  return CPU_GENERATE_COMPILER_OPTIONS if library == "eigen" else None
-
-
-class ParamsMismatchError(ValueError):
-  """New params whose tree structure or shapes differ from the engine's."""
-
-
-class NonFiniteError(FloatingPointError):
-  """NaN/Inf in params or in the logits of an active slot."""
-
-
-def _put_rows(a: Array, idx: Array, x: Array) -> Array:
-  """a[idx[j]] = x[j] along axis 0; out-of-range indices (the padding convention: index = number
-  of slots) are dropped."""
-  return a.at[idx].set(x.astype(a.dtype), mode="drop")
-
-
-def _put_slot(layer_cache: Array, row: Array, slot) -> Array:
-  """One layer's keys [slots, K, Dh, S] or values [slots, K, S, Dh] with a prompt's cache row
-  ([1, K, Dh, bucket] or [1, K, bucket, Dh]) written at `slot` (positions 0..bucket-1); in place
-  when the cache is donated."""
-  return jax.lax.dynamic_update_slice(layer_cache, row.astype(layer_cache.dtype), (slot, 0, 0, 0))
-
-
-class Prefix(NamedTuple):
-  """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length;
-  logits: [V] fp32 at the last prompt position (kept so group members can draw their own first
-  token); token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
-  tokens in the cache."""
-  cache: T.KVCache
-  logits: Array
-  token: Array
-  logprob: Array
-  key: Array
-  true_length: Array
-
-
-class Prefixes(NamedTuple):
-  """N prefilled prompts of one bucket (from prefill_many). cache: per-layer KVCache,
-  L x [N, K, Dh, bucket] keys and [N, K, bucket, Dh] values (lengths = true lengths); logits:
-  [N, V] fp32 at each prompt's last position; true_length [N].
-  No token is drawn yet: insert_many draws one per slot, with that slot's stream."""
-  cache: T.KVCache
-  logits: Array
-  true_length: Array
-
-
-class DecodeState(NamedTuple):
-  """All slots. cache: per-layer KVCache, L x [B, K, Dh, S] keys and [B, K, S, Dh] values;
-  tokens [B]: the next input token of each slot (sampled, not yet in the cache); keys [B, 2]:
-  per-slot PRNG keys; active [B] bool."""
-  cache: T.KVCache
-  tokens: Array
-  keys: Array
-  active: Array
-
-
-class ResultTokens(NamedTuple):
-  """One decode step, per slot: the sampled token, its log-prob, whether the slot was active
-  (valid), the slot's sequence length in the cache, and whether its logits were all finite."""
-  tokens: Array
-  logprobs: Array
-  valid: Array
-  lengths: Array
-  finite: Array
-
-
-def default_windows(cache_length: int, n: int, multiple: int = 16) -> tuple[int, ...]:
-  """n attention windows that halve from the whole cache down: S, S/2, ..., S/2^(n-1) (rounded
-  up to `multiple` positions). n = 1: dense attention over the whole cache every step. Halving,
-  not even spacing: on XLA:CPU a window's slice of the cache is copied before the products, so a
-  window near the cache length can cost more than the dense step (measured: 1536 of 2048
-  positions 0.81x the dense step's speed, 1024 1.19x, 512 1.76x; BENCHMARKS.md)."""
-  if n < 1:
-    raise ValueError(f"the number of attention windows must be >= 1, got {n}")
-  ws = {min(cache_length, -(-cache_length // 2 ** i // multiple) * multiple) for i in range(n)}
-  return tuple(sorted(ws))
-
-
-def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
-  """Powers of two from `smallest` up to max_prefill_length (always included)."""
-  out, b = [], smallest
-  while b < max_prefill_length:
-    out.append(b)
-    b *= 2
-  out.append(max_prefill_length)
-  return tuple(out)
+__all__ = ["Engine", "DecodeState", "Prefix", "Prefixes", "ResultTokens", "NonFiniteError",
+           "ParamsMismatchError", "CpuOptions", "default_buckets", "default_windows",
+           "generate_compiler_options"]   # re-exported: callers import these from the engine
 
 
 class Engine:
-  """Slots, a KV cache and three jitted programs (prefill / insert / generate) on one mesh."""
+  """Slots, a KV cache and three jitted programs (prefill / insert / generate) on one mesh.
+  `cpu` (CpuOptions; None = its defaults) holds the XLA:CPU settings; the keywords
+  cpu_dot_library / compact_sizes are shorthands for its fields."""
 
   def __init__(self, cfg: ModelConfig, mesh: Mesh, rules=GENERATOR_RULES, *,
                max_concurrent_decodes: int, max_prefill_length: int, max_decode_length: int,
                sampling: S.SamplingConfig = S.SamplingConfig(),
                prefill_buckets: Sequence[int] | None = None, cache_dtype=None,
                truncate_prompts: bool = False, max_prefill_batch: int | None = None,
-               cpu_dot_library: str = "auto", compact_sizes: Sequence[int] | None = None,
-               attention_windows: Sequence[int] | int | None = None):
+               attention_windows: Sequence[int] | int | None = None,
+               cpu: CpuOptions | None = None, cpu_dot_library: str | None = None,
+               compact_sizes: Sequence[int] | None = None):
     if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
                        f"{max_decode_length}")
+    self.cpu = CpuOptions.resolve(cpu, cpu_dot_library, compact_sizes)
     self.cfg, self.mesh, self.rules = cfg, mesh, tuple(rules)
     self.sampling = sampling
     self._slots = int(max_concurrent_decodes)
@@ -209,95 +80,47 @@ class Engine:
     self.cache_length = self._max_prefill + self._max_decode
     self.cache_dtype = jnp.dtype(cache_dtype or cfg.dtype)
     self.truncate_prompts = truncate_prompts
-    buckets = sorted(set(prefill_buckets or default_buckets(self._max_prefill)))
-    if buckets[-1] < self._max_prefill:
-      buckets.append(self._max_prefill)
-    if buckets[0] < 1 or buckets[-1] > self._max_prefill:
-      raise ValueError(f"prefill_buckets {buckets} must lie in [1, max_prefill_length="
-                       f"{self._max_prefill}]")
-    self.prefill_buckets = tuple(buckets)
+    self.prefill_buckets = shapes.prefill_buckets(prefill_buckets, self._max_prefill)
     # Attention windows (see `window_for`): a generate step attends over the first W cache
     # positions, W the smallest window holding every active slot; one program per window.
-    if attention_windows is None or isinstance(attention_windows, (int, np.integer)):
-      windows = default_windows(self.cache_length, int(attention_windows or 1))
-    else:
-      windows = sorted({int(w) for w in attention_windows} | {self.cache_length})
-      if windows[0] < 1 or windows[-1] > self.cache_length:
-        raise ValueError(f"attention_windows {list(attention_windows)} must lie in [1, "
-                         f"cache length {self.cache_length}]")
-    self.attention_windows = tuple(windows)
+    self.attention_windows = shapes.attention_windows(attention_windows, self.cache_length)
     # Batched prefill: up to max_prefill_batch prompts per call (default: min(slots, 8), which
     # bounds the activation memory of one call to 8 prompts), in power-of-two batch sizes.
-    mpb = min(self._slots, 8) if max_prefill_batch is None else int(max_prefill_batch)
-    if mpb < 1:
-      raise ValueError(f"max_prefill_batch must be >= 1, got {mpb}")
-    sizes, n = [], 1
-    while n < mpb:
-      sizes.append(n)
-      n *= 2
-    self.prefill_batch_sizes = tuple(sizes + [mpb])
+    self.prefill_batch_sizes = shapes.prefill_batch_sizes(
+        min(self._slots, 8) if max_prefill_batch is None else int(max_prefill_batch))
     # KV recompute (the ablation) re-prefills whole sequences, so it needs buckets up to S.
     self.recompute_buckets = self.prefill_buckets + tuple(
         b for b in default_buckets(self.cache_length, 2 * self._max_prefill)
         if b > self._max_prefill)
     self.shard = ShardingCtx(mesh, self.rules)
+    self._weights = Weights(cfg, mesh, self.rules)
+    self.param_shardings = self._weights.param_shardings
+    self.decode_param_shardings = self._weights.decode_param_shardings
 
-    shapes = T.param_shapes(cfg)
-    self._param_shapes = shapes
-    axes = T.param_logical_axes(cfg)
-    # param_shardings: the stacked layout (what a trainer pushes, resharded onto this mesh);
-    # decode_param_shardings: the layout the programs below take (see the module docstring).
-    self.param_shardings = param_shardings(axes, mesh, self.rules, shapes)
-    self._treedef = jax.tree.structure(shapes)
-    self._decode_param_shapes = T.decode_layout_tree(shapes, cfg.num_layers)
-    self.decode_param_shardings = param_shardings(
-        T.decode_layout_tree(axes, cfg.num_layers), mesh, self.rules, self._decode_param_shapes)
-    self._decode_treedef = jax.tree.structure(self._decode_param_shapes)
     rep = NamedSharding(mesh, P())
-    state_shapes = jax.eval_shape(self._init_state)
-    cax = T.cache_logical_axes(per_layer=cfg.num_layers)
-    cache_sh = jax.tree.map(lambda ax, s: self.shard.sharding(ax, s.shape), cax,
-                            state_shapes.cache, is_leaf=is_logical_axes)
-    batch = self.shard.sharding(("cache_batch",), (self._slots,))
-    self.state_shardings = DecodeState(cache_sh, batch, self.shard.sharding(
-        ("cache_batch", None), (self._slots, 2)), batch)
-    result_sh = ResultTokens(*([rep] * 5))
+    self.state_shardings = state_shardings(self.shard, jax.eval_shape(self._init_state))
 
-    # The generate step: one jitted program per CPU dot library (see generate_compiler_options);
-    # `_generate` is the one in use.
     self.platform = mesh.devices.flat[0].platform
-    if cpu_dot_library not in ("auto",) + CPU_DOT_LIBRARIES:
-      raise ValueError(f"cpu_dot_library must be 'auto' or one of {CPU_DOT_LIBRARIES}, got "
-                       f"{cpu_dot_library!r}")
-    self.cpu_dot_library = cpu_dot_library
-    self._result_sh = result_sh
-    self._generate_jits: dict[str | None, Any] = {}
-    self.generate_library = None if self.platform != "cpu" else (
-        default_dot_library(self._slots) if cpu_dot_library == "auto" else cpu_dot_library)
-    self._generate = self._generate_jit(self.generate_library)
-    self.generate_tuning: dict | None = None
-    # Compaction (see `compact`): smaller slot counts the active slots can be gathered into when
-    # few are left. Default: half and a quarter of the slots; each must divide evenly over the
-    # mesh axes that shard the slots.
-    self._engine_kw = dict(rules=rules, max_prefill_length=max_prefill_length,
-                           max_decode_length=max_decode_length, sampling=sampling,
-                           prefill_buckets=prefill_buckets, cache_dtype=cache_dtype,
-                           truncate_prompts=truncate_prompts, max_prefill_batch=max_prefill_batch,
-                           cpu_dot_library=cpu_dot_library, compact_sizes=(),
-                           attention_windows=self.attention_windows)
-    if compact_sizes is None:
-      compact_sizes = [n for n in (self._slots // 2, self._slots // 4) if n >= 1]
-    shards = self._slots // batch.shard_shape((self._slots,))[0]   # slot shards over the mesh
-    sizes = sorted({int(n) for n in compact_sizes}, reverse=True)
-    for n in sizes:
-      if not 1 <= n < self._slots:
-        raise ValueError(f"compact_sizes {list(compact_sizes)} must lie in [1, "
-                         f"{self._slots - 1}]")
-    self.compact_sizes = tuple(n for n in sizes if n % shards == 0)
-    self._children: dict[int, Engine] = {}
-    self._gathers: dict[int, Any] = {}
-    self._scatter = jax.jit(self._scatter_impl, out_shardings=self.state_shardings,
-                            donate_argnums=(0,))
+    # The attention window (argument 2) is static: one program per window.
+    self._step = GenerateStep(lambda options: jax.jit(
+        self._generate_impl,
+        in_shardings=(self.decode_param_shardings, self.state_shardings),
+        out_shardings=(self.state_shardings, ResultTokens(*([rep] * 5))), donate_argnums=(1,),
+        static_argnums=(2,), compiler_options=options),
+        self.platform, self._slots, self.cpu.dot_library)
+    # Compaction: the child engines share everything but the slot count, and compact no further.
+    child_kw = dict(rules=rules, max_prefill_length=max_prefill_length,
+                    max_decode_length=max_decode_length, sampling=sampling,
+                    prefill_buckets=prefill_buckets, cache_dtype=cache_dtype,
+                    truncate_prompts=truncate_prompts, max_prefill_batch=max_prefill_batch,
+                    attention_windows=self.attention_windows,
+                    cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
+    slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
+    self._compaction = Compaction(
+        self._slots, compaction_sizes(self.cpu.compact_sizes, self._slots, slot_shards),
+        self.state_shardings,
+        lambda n: Engine(self.cfg, self.mesh, max_concurrent_decodes=n, **child_kw))
+    self.compact_sizes = self._compaction.sizes
     self._prefill = jax.jit(self._prefill_impl, out_shardings=None)
     self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
@@ -309,12 +132,6 @@ class Engine:
                                 donate_argnums=(1,))
     self._set_active = jax.jit(lambda st, a: st._replace(active=a),
                                out_shardings=self.state_shardings, donate_argnums=(0,))
-    all_finite = lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                                                 for x in jax.tree.leaves(tree)]))
-    self._all_finite = jax.jit(all_finite)
-    # Stacked -> decode layout and the finiteness check in one program (one read of the weights).
-    self._to_decode = jax.jit(lambda p: (T.to_decode_layout(p), all_finite(p)),
-                              out_shardings=(self.decode_param_shardings, rep))
 
   # ---- JetStream Engine properties -----------------------------------------------------------
   @property
@@ -335,64 +152,37 @@ class Engine:
 
   def compile_counts(self) -> dict[str, int]:
     """How many programs each jitted entry point has compiled (for no-recompile checks);
-    "generate" counts the programs of every dot library compiled so far (two after tuning)."""
+    "generate" counts the programs of every dot library compiled so far (two after tuning),
+    "compact" the child engines' generate / set_active programs, the gathers and the scatter."""
     counts = {name: getattr(self, f"_{name}")._cache_size()
               for name in ("prefill", "insert", "resample", "set_active", "prefill_many",
                            "insert_many")}
-    counts["generate"] = sum(f._cache_size() for f in self._generate_jits.values())
-    # Compaction: the smaller engines' generate / set_active programs, gathers and the scatter.
-    children = [c.compile_counts() for c in self._children.values()]
-    counts["compact"] = (self._scatter._cache_size()
-                         + sum(f._cache_size() for f in self._gathers.values())
-                         + sum(c["generate"] + c["set_active"] for c in children))
+    counts["generate"] = self._step.cache_size()
+    counts["compact"] = self._compaction.cache_size()
     return counts
 
-  def _generate_jit(self, library: str | None):
-    if library not in self._generate_jits:
-      # The attention window (argument 2) is static: one program per window.
-      self._generate_jits[library] = jax.jit(
-          self._generate_impl,
-          in_shardings=(self.decode_param_shardings, self.state_shardings),
-          out_shardings=(self.state_shardings, self._result_sh), donate_argnums=(1,),
-          static_argnums=(2,),
-          compiler_options=generate_compiler_options(self.platform, self._slots, library))
-    return self._generate_jits[library]
+  # ---- CPU dot-library tuning (cpu_options.py) -------------------------------------------------
+  @property
+  def generate_library(self) -> str | None:
+    """The CPU dot library of the generate step in use (None off CPU)."""
+    return self._step.library
+
+  @property
+  def generate_tuning(self) -> dict | None:
+    """What tune_generate measured: {"chosen", "step_ms": {library: median ms}}, or None."""
+    return self._step.tuning
 
   def tune_generate(self, params, rounds: int = 3, steps: int = 2) -> dict | None:
     """Times the generate step with each CPU dot library and keeps the faster one (CPU only,
-    and only with cpu_dot_library="auto"; returns None otherwise). Both programs run on a
-    scratch decode state with every slot active, alternating, `rounds` times `steps` steps each
-    after one warm-up step; the choice is the lower median. Returns and keeps (as
-    `generate_tuning`) {"chosen", "step_ms": {library: median ms}}. `params` as returned by
-    load_params."""
-    if self.platform != "cpu" or self.cpu_dot_library != "auto":
-      return None
-    jits = {lib: self._generate_jit(lib) for lib in CPU_DOT_LIBRARIES}
-    state = self.set_active(self.init_decode_state(), np.ones((self._slots,), bool))
-    times: dict[str, list[float]] = {lib: [] for lib in jits}
-    w = self.cache_length   # timed at the full window
-    for lib, f in jits.items():  # compile and warm up
-      state, res = f(params, state, w)
-      jax.block_until_ready(res)
-    for r in range(rounds):
-      for lib in (CPU_DOT_LIBRARIES if r % 2 == 0 else CPU_DOT_LIBRARIES[::-1]):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-          state, res = jits[lib](params, state, w)
-        jax.block_until_ready(res)
-        times[lib].append((time.perf_counter() - t0) / steps * 1e3)
-    med = {lib: float(np.median(t)) for lib, t in times.items()}
-    best = min(med, key=med.get)
-    self.generate_library, self._generate = best, jits[best]
-    self.generate_tuning = {"chosen": best, "step_ms": med}
-    log.info("generate step on CPU, %d slots: %s; %s chosen", self._slots,
-             ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()), best)
-    return self.generate_tuning
+    and only with dot library "auto"; returns None otherwise), at the full window on a scratch
+    state with every slot active (GenerateStep.tune). `params` as returned by load_params."""
+    return self._step.tune(
+        params, lambda: self.set_active(self.init_decode_state(), np.ones((self._slots,), bool)),
+        self.cache_length, rounds, steps)
 
   def tune(self, params) -> dict | None:
-    """tune_generate for this engine and for each of its compact (drain) engines; returns this
-    engine's tuning (None off CPU or with a fixed cpu_dot_library). Compiles both step programs
-    of each engine, and nothing else."""
+    """tune_generate for this engine and each of its compact (drain) engines; returns this
+    engine's tuning. Compiles both step programs of each engine, and nothing else."""
     out = self.tune_generate(params)
     for n in self.compact_sizes:
       self.compact_engine(n).tune_generate(params)
@@ -402,41 +192,12 @@ class Engine:
   def check_params(self, params) -> None:
     """Raises ParamsMismatchError unless `params` has the engine's tree structure and shapes
     (stacked, or in the decode layout)."""
-    treedef = jax.tree.structure(params)
-    if treedef == self._decode_treedef:
-      ref_shapes = self._decode_param_shapes
-    elif treedef == self._treedef:
-      ref_shapes = self._param_shapes
-    else:
-      raise ParamsMismatchError(
-          f"params tree structure differs from the engine's: got {treedef}, expected "
-          f"{self._treedef} (stacked) or its decode layout")
-    bad = []
-    for (path, x), ref in zip(jax.tree_util.tree_leaves_with_path(params),
-                              jax.tree.leaves(ref_shapes)):
-      if tuple(np.shape(x)) != tuple(ref.shape):
-        bad.append(f"{jax.tree_util.keystr(path)}: {tuple(np.shape(x))} != {tuple(ref.shape)}")
-    if bad:
-      raise ParamsMismatchError("params shapes differ from the engine's: " + "; ".join(bad))
+    self._weights.check(params)
 
   def load_params(self, params) -> Any:
     """Validates params (structure, shapes, finiteness) and puts them on the engine's mesh in
-    cfg.param_dtype, resharding from whatever sharding they come in, in the decode layout (see
-    the module docstring). Stacked params are resharded as they are, then split per layer on
-    this mesh, in the same program as the finiteness check."""
-    self.check_params(params)
-    decode = T.is_decode_layout(params)
-    ref = self._decode_param_shapes if decode else self._param_shapes
-    params = jax.tree.map(lambda x, r: jnp.asarray(x, r.dtype) if x.dtype != r.dtype else x,
-                          params, ref)
-    if decode:
-      params = jax.device_put(params, self.decode_param_shardings)
-      finite = self._all_finite(params)
-    else:
-      params, finite = self._to_decode(jax.device_put(params, self.param_shardings))
-    if not bool(finite):
-      raise NonFiniteError("params contain NaN or Inf; refusing to generate with them")
-    return params
+    cfg.param_dtype and the decode layout (weights.py)."""
+    return self._weights.load(params)
 
   # ---- decode state --------------------------------------------------------------------------
   def _init_state(self) -> DecodeState:
@@ -452,45 +213,19 @@ class Engine:
 
   def precompile(self, params, buckets: Sequence[int] | None = None, tune: bool = True,
                  existing_prefix: Prefix | None = None) -> None:
-    """Compiles prefill_many / insert_many for every (bucket, batch size), generate and
-    set_active, on a scratch decode state, so a timed or latency-sensitive run compiles nothing
-    later; with `tune` (and cpu_dot_library="auto" on CPU) it first picks the generate step's
-    dot library by timing both (tune_generate). `params` as returned by load_params. With
-    `existing_prefix` (a shared prefix the loop continues: GeneratorLoop shared_prefix) the
-    programs that continue it are compiled too, for every bucket the rest of a prompt fits."""
-    if tune:
-      self.tune(params)
-    state = self.init_decode_state()
-    buckets = buckets or self.prefill_buckets
-    runs = [(b, None) for b in buckets]
-    if existing_prefix is not None:   # the buckets a rest of at most max_prefill - P tokens takes
-      room = self._max_prefill - int(np.asarray(existing_prefix.true_length))
-      runs += [(b, existing_prefix) for b in buckets if 0 < room and b <= self.bucket_for(room)]
-    for b, prefix in runs:
-      for n in self.prefill_batch_sizes:
-        pre = self.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32),
-                                prefix)
-        state, _, _ = self.insert_many(pre, state, [0], [0], np.zeros((1, 2), np.uint32), [0],
-                                       np.zeros((self._slots,), bool))
-    for w in self.attention_windows:
-      state, _ = self.generate(params, state, w)
-    state = self.set_active(state, np.zeros((self._slots,), bool))
-    for n in self.compact_sizes:  # the drain's programs: gather, smaller step, scatter back
-      child = self.compact_engine(n)
-      small = self.compact(state, [0], n)
-      for w in child.attention_windows:
-        small, _ = child.generate(params, small, w)
-      small = child.set_active(small, np.zeros((n,), bool))
-      state = self.expand(state, small, [0])
-    jax.block_until_ready(state)
+    """Compiles every program a run uses (shapes.precompile), so a timed or latency-sensitive
+    run compiles nothing later; with `tune` it first picks the generate step's dot library
+    (tune). `params` as returned by load_params. With `existing_prefix` (the shared prefix a
+    GeneratorLoop continues) the programs that continue it are compiled too."""
+    shapes.precompile(self, params, buckets or self.prefill_buckets, tune, existing_prefix)
 
   # ---- prompts -------------------------------------------------------------------------------
   def bucket_for(self, n: int, buckets: Sequence[int] | None = None) -> int:
     buckets = buckets or self.prefill_buckets
-    i = bisect.bisect_left(buckets, n)
-    if i == len(buckets):
+    b = shapes.smallest_fitting(buckets, n)
+    if b is None:
       raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {buckets[-1]}")
-    return buckets[i]
+    return b
 
   def pad_prompt(self, tokens: Sequence[int], buckets: Sequence[int] | None = None,
                  truncate: bool | None = None):
@@ -498,48 +233,15 @@ class Engine:
     truncated). Too long -> ValueError, or with truncate_prompts=True the *last*
     max_prefill_length tokens are kept (the end of a chat prompt is what conditions the answer)
     and truncated=True is reported (`truncate` overrides the engine's setting)."""
-    truncate = self.truncate_prompts if truncate is None else truncate
-    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if tokens.size == 0:
-      raise ValueError("empty prompt: at least one token is needed to condition generation")
-    if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-      raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size}); got "
-                       f"min {tokens.min()}, max {tokens.max()}")
-    truncated = False
-    limit = (buckets or self.prefill_buckets)[-1]
-    if tokens.size > limit:
-      if not truncate:
-        raise ValueError(f"prompt has {tokens.size} tokens, more than max_prefill_length="
-                         f"{limit}; shorten it or build the engine with truncate_prompts=True")
-      log.warning("truncating a %d-token prompt to its last %d tokens", tokens.size, limit)
-      tokens, truncated = tokens[-limit:], True
-    b = self.bucket_for(tokens.size, buckets)
-    padded = np.zeros((b,), np.int32)
-    padded[:tokens.size] = tokens
-    return padded, int(tokens.size), truncated
+    return shapes.pad_prompt(tokens, buckets or self.prefill_buckets, self.cfg.vocab_size,
+                             self.truncate_prompts if truncate is None else truncate)
 
   # ---- prefill / insert / generate -----------------------------------------------------------
-  def _start_cache(self, n: int, b: int, prefix_cache=None, prefix_length=None) -> T.KVCache:
-    """The per-layer cache a prefill of n prompts padded to b tokens writes into: empty, of
-    length b; or, continuing an existing prefix (one prompt's cache, positions [0, P) real of
-    its Pp), that prefix copied into every row, lengths P, and room for b more positions
-    (length min(Pp + b, cache_length): positions past it are padding, whose writes drop)."""
-    if prefix_cache is None:
-      return T.init_cache(self.cfg, n, b, self.cache_dtype, per_layer=True)
-    pp = prefix_cache.v[0].shape[2]
-    length = min(pp + b, self.cache_length)
-
-    def grow(x, axis):   # [1, ...] -> [n, ...], padded with zeros to `length` positions on axis
-      x = jnp.broadcast_to(x.astype(self.cache_dtype), (n,) + x.shape[1:])
-      return jnp.pad(x, [(0, length - pp) if a == axis else (0, 0) for a in range(x.ndim)])
-    return T.KVCache(tuple(grow(k, 3) for k in prefix_cache.k),
-                     tuple(grow(v, 2) for v in prefix_cache.v),
-                     jnp.broadcast_to(prefix_length.astype(jnp.int32), (n,)))
-
   def _prefill_impl(self, params, padded_tokens, true_length, key, prefix_cache=None,
                     prefix_length=None):
     b = padded_tokens.shape[0]
-    cache = self._start_cache(1, b, prefix_cache, prefix_length)
+    cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, 1, b, prefix_cache,
+                        prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
                              num_new=true_length[None])
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
@@ -549,25 +251,6 @@ class Engine:
     full = cache.lengths[0]
     tok, lp = S.sample(lg[None], key[None], full[None], self.sampling)
     return Prefix(cache, lg, tok[0], lp[0], key, full)
-
-  def _check_existing_prefix(self, existing_prefix, longest: int):
-    """(cache, true length) of a prefix to continue, validated: one prompt's, and the prompt it
-    starts plus `longest` new tokens must fit max_prefill_length."""
-    if not isinstance(existing_prefix, (Prefix, Prefixes)):
-      raise TypeError(f"existing_prefix must be a Prefix from prefill(), got "
-                      f"{type(existing_prefix).__name__}")
-    cache = existing_prefix.cache
-    n_rows = cache.v[0].shape[0]
-    p = np.asarray(existing_prefix.true_length).reshape(-1)
-    if n_rows != 1 or p.size != 1:
-      raise ValueError(f"existing_prefix must hold one prompt's cache, got {n_rows} rows")
-    if len(cache.k) != self.cfg.num_layers or cache.v[0].shape[1:] != (
-        self.cfg.num_kv_heads, cache.v[0].shape[2], self.cfg.head_dim):
-      raise ValueError("existing_prefix's cache does not match this engine's model")
-    if int(p[0]) + longest > self._max_prefill:
-      raise ValueError(f"existing prefix of {int(p[0])} tokens + {longest} new tokens exceeds "
-                       f"max_prefill_length={self._max_prefill}")
-    return cache, jnp.asarray(p[0], jnp.int32)
 
   def prefill(self, params, padded_tokens, true_length, *, rng=None, existing_prefix=None
               ) -> Prefix:
@@ -580,8 +263,8 @@ class Engine:
     if not 1 <= int(true_length) <= padded_tokens.shape[0]:
       raise ValueError(f"true_length={int(true_length)} outside [1, {padded_tokens.shape[0]}]")
     key = jax.random.PRNGKey(0) if rng is None else jnp.asarray(rng, jnp.uint32)
-    prefix = () if existing_prefix is None else self._check_existing_prefix(
-        existing_prefix, int(true_length))
+    prefix = () if existing_prefix is None else existing_prefix_cache(
+        existing_prefix, int(true_length), self.cfg, self._max_prefill)
     return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key,
                          *prefix)
 
@@ -595,7 +278,7 @@ class Engine:
     return self._resample(prefix, jnp.asarray(rng, jnp.uint32))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
-    put = lambda big, row: _put_slot(big, row, slot)
+    put = lambda big, row: put_slot(big, row, slot)
     cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
                       tuple(map(put, state.cache.v, prefix.cache.v)),
                       state.cache.lengths.at[slot].set(prefix.true_length))
@@ -624,7 +307,8 @@ class Engine:
   def _prefill_many_impl(self, params, padded_tokens, true_lengths, prefix_cache=None,
                          prefix_length=None):
     n, b = padded_tokens.shape
-    cache = self._start_cache(n, b, prefix_cache, prefix_length)
+    cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, n, b, prefix_cache,
+                        prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
                              num_new=true_lengths)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -633,12 +317,7 @@ class Engine:
   def split_batch(self, n: int) -> list[int]:
     """Splits n prompts into calls of sizes from prefill_batch_sizes (largest first, no padding
     rows; at most log2(max_prefill_batch) + n // max_prefill_batch calls)."""
-    out = []
-    for size in sorted(self.prefill_batch_sizes, reverse=True):
-      while n >= size:
-        out.append(size)
-        n -= size
-    return out
+    return shapes.split_batch(n, self.prefill_batch_sizes)
 
   def prefill_many(self, params, padded_tokens, true_lengths, existing_prefix=None) -> Prefixes:
     """KV caches and last-position logits of N prompts padded to one bucket, in one call.
@@ -660,8 +339,8 @@ class Engine:
       raise ValueError(f"prefill_many padded length {b} is not a bucket of {self.prefill_buckets}")
     if true_lengths.min() < 1 or true_lengths.max() > b:
       raise ValueError(f"true_lengths {true_lengths.tolist()} outside [1, {b}]")
-    prefix = () if existing_prefix is None else self._check_existing_prefix(
-        existing_prefix, int(true_lengths.max()))
+    prefix = () if existing_prefix is None else existing_prefix_cache(
+        existing_prefix, int(true_lengths.max()), self.cfg, self._max_prefill)
     return self._prefill_many(params, padded_tokens, true_lengths, *prefix)
 
   def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
@@ -679,13 +358,13 @@ class Engine:
       # place (the state is donated).
       def put(big, small):
         row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
-        return _put_slot(big, row, slots[i])
+        return put_slot(big, row, slots[i])
       k, v = kv
       return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
 
     k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
     # Padding entries carry slot index = number of slots: out of range, so these writes drop.
-    put = lambda a, x: _put_rows(a, slots, x)
+    put = lambda a, x: put_rows(a, slots, x)
     cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
     new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active)
     return new, tok, lp
@@ -704,7 +383,7 @@ class Engine:
     slots = np.asarray(slots, np.int32)
     rows = np.asarray(rows, np.int32)
     n = prefixes.logits.shape[0]
-    self._check_slots("insert_many", slots)
+    check_slots("insert_many", slots, self._slots)
     if rows.shape != (m,) or rows.min() < 0 or rows.max() >= n:
       raise ValueError(f"insert_many rows {rows.tolist()} must be {m} indices in [0, {n})")
     # Pad to a fixed number of entries so one program serves any number of inserts.
@@ -740,90 +419,33 @@ class Engine:
       window = self.cache_length
     elif window not in self.attention_windows:
       raise ValueError(f"attention window {window} is not one of {self.attention_windows}")
-    return self._generate(params, decode_state, int(window))
+    return self._step.fn(params, decode_state, int(window))
 
   def window_for(self, positions: int) -> int:
     """The smallest attention window covering `positions` cache positions (the largest
     active cache length + 1: the step writes the pending token at position length)."""
-    i = bisect.bisect_left(self.attention_windows, positions)
-    if i == len(self.attention_windows):
+    w = shapes.smallest_fitting(self.attention_windows, positions)
+    if w is None:
       raise ValueError(f"{positions} positions exceed the cache length {self.cache_length}")
-    return self.attention_windows[i]
+    return w
 
   def set_active(self, decode_state: DecodeState, active) -> DecodeState:
     """Frees (False) or keeps (True) slots; a freed slot stops advancing until re-inserted."""
     return self._set_active(decode_state, jnp.asarray(active, bool))
 
-  # ---- compaction ----------------------------------------------------------------------------
-  # A step costs about the same however many slots are active (every slot computes), so when
-  # only a few sequences are left (the drain at the end of a batch), running them on fewer slots
-  # is cheaper: on a 2-core CPU the SmolLM2-135M step takes ~0.75x the time at half the slots and
-  # ~0.64x at a quarter. `compact` gathers the active slots into the decode state of a smaller
-  # engine (compact_engine(n): same config and mesh, n slots, its own compiled step);
-  # `expand` writes them back. GeneratorLoop does both at step boundaries. Each sequence keeps
-  # its cache, tokens, PRNG stream and length, so the tokens are the ones the full-size step
-  # would have produced (to fp32 rounding of a different batch shape).
-  def _check_slots(self, what: str, slots: np.ndarray) -> None:
-    if slots.size and (slots.min() < 0 or slots.max() >= self._slots
-                       or len(set(slots.tolist())) != slots.size):
-      raise ValueError(f"{what} slots {slots.tolist()} must be distinct, in [0, {self._slots})")
-
+  # ---- compaction (compaction.py) ------------------------------------------------------------
   def compact_size(self, n_active: int) -> int | None:
-    """The smallest compaction size that holds n_active slots (None: none is smaller than the
-    engine's own slot count)."""
-    fits = [n for n in self.compact_sizes if n >= n_active]
-    return min(fits) if fits else None
+    """The smallest compaction size that holds n_active slots (None: none is smaller)."""
+    return self._compaction.size_for(n_active)
 
   def compact_engine(self, n: int) -> "Engine":
     """The n-slot engine that compacted states run on (built once, shares this mesh)."""
-    if n not in self.compact_sizes:
-      raise ValueError(f"{n} is not one of compact_sizes {self.compact_sizes}")
-    if n not in self._children:
-      self._children[n] = Engine(self.cfg, self.mesh, max_concurrent_decodes=n,
-                                 **self._engine_kw)
-    return self._children[n]
-
-  def _gather_impl(self, state: DecodeState, idx, valid) -> DecodeState:
-    take = lambda a: jnp.take(a, idx, axis=0)
-    cache = T.KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)),
-                      take(state.cache.lengths))
-    return DecodeState(cache, take(state.tokens), take(state.keys), take(state.active) & valid)
-
-  def _scatter_impl(self, state: DecodeState, small: DecodeState, idx) -> DecodeState:
-    put = lambda a, x: _put_rows(a, idx, x)
-    cache = T.KVCache(tuple(map(put, state.cache.k, small.cache.k)),
-                      tuple(map(put, state.cache.v, small.cache.v)),
-                      put(state.cache.lengths, small.cache.lengths))
-    return DecodeState(cache, put(state.tokens, small.tokens), put(state.keys, small.keys),
-                       put(state.active, small.active))
+    return self._compaction.child(n)
 
   def compact(self, decode_state: DecodeState, slots, size: int | None = None) -> DecodeState:
-    """Gathers slots `slots` of decode_state into a new decode state of compact_engine(size)
-    (default size: compact_size(len(slots))), in that order; the rows past len(slots) are
-    inactive. decode_state is left as it is (expand writes the slots back)."""
-    slots = np.asarray(slots, np.int32).reshape(-1)
-    n = self.compact_size(len(slots)) if size is None else size
-    if n is None or n not in self.compact_sizes or not 1 <= len(slots) <= n:
-      raise ValueError(f"cannot compact {len(slots)} slots into one of {self.compact_sizes}"
-                       + (f" (size {size} asked)" if size is not None else ""))
-    self._check_slots("compact", slots)
-    if n not in self._gathers:
-      self._gathers[n] = jax.jit(self._gather_impl,
-                                 out_shardings=self.compact_engine(n).state_shardings)
-    idx = np.zeros((n,), np.int32)
-    idx[:len(slots)] = slots
-    return self._gathers[n](decode_state, idx, np.arange(n) < len(slots))
+    """Gathers `slots` of decode_state into a new decode state of compact_engine(size)."""
+    return self._compaction.compact(decode_state, slots, size)
 
   def expand(self, decode_state: DecodeState, small: DecodeState, slots) -> DecodeState:
-    """Writes row i of a compacted state back into slot slots[i] of decode_state (donated), as
-    `compact` took them; rows with slots[i] = -1 (sequences that finished meanwhile) and rows
-    past len(slots) are not written. Returns the full-size state."""
-    slots = np.asarray(slots, np.int32).reshape(-1)
-    n = small.tokens.shape[0]
-    if len(slots) > n:
-      raise ValueError(f"expand slots {slots.tolist()}: more than the {n} rows of the compacted "
-                       "state")
-    self._check_slots("expand", slots[slots != -1])
-    idx = np.full((n,), self._slots, np.int32)   # out of range: the scatter drops these rows
-    idx[:len(slots)] = np.where(slots >= 0, slots, self._slots)
-    return self._scatter(decode_state, small, idx)
+    """Writes row i of a compacted state back into slot slots[i] of decode_state (donated)."""
+    return self._compaction.expand(decode_state, small, slots)

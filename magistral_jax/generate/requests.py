@@ -1,0 +1,62 @@
+"""What goes into the generator loop (Request), what comes out (Sample), what a dead loop raises
+(GeneratorError), and a request's state while its samples are handed to slots
+(RequestSamples)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from magistral_jax.generate.state import Prefixes
+
+
+class GeneratorError(RuntimeError):
+  """The loop thread (or its prefill worker) died; the original exception is the __cause__."""
+
+
+@dataclasses.dataclass
+class Request:
+  id: Any
+  prompt_tokens: Sequence[int]
+  group_size: int = 1
+  max_new_tokens: int | None = None
+  metadata: Any = None
+  seed: int | None = None  # per-request sampling seed (default: drawn from the loop's seed)
+
+
+@dataclasses.dataclass
+class Sample:
+  """One finished sample of a request. logprobs[t] = log π_T(tokens[t]) under the policy version
+  versions[t] that sampled it (see sampling.py). finish_reason: 'eos' | 'stop' | 'length'."""
+  request_id: Any
+  sample_index: int
+  prompt_tokens: list[int]
+  tokens: list[int]
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: str
+  metadata: Any = None
+  prompt_truncated: bool = False
+
+
+@dataclasses.dataclass
+class RequestSamples:
+  """A submitted request (its group_size samples) while they wait for, or run in, slots: the
+  prompt as prefilled, its prefix once prefilled, and the next sample index to hand out."""
+  request: Request
+  prompt: list[int]        # after truncation, as prefilled
+  padded: np.ndarray
+  true_length: int
+  truncated: bool
+  key: np.ndarray          # request PRNG key; sample i uses fold_in(key, i)
+  max_new: int
+  next_index: int = 0
+  prefix: tuple[Prefixes, int] | None = None  # (prefill batch, row)
+  prefix_version: int = 0
+  rest: int = 0            # > 0: the prompt is the loop's shared prefix + `padded`[:rest]
+
+  @property
+  def waiting(self) -> int:
+    """Samples not yet handed to a slot."""
+    return self.request.group_size - self.next_index

@@ -1,0 +1,101 @@
+"""The generator loop's host-side view of the engine's decode slots.
+
+Each slot's sample so far (tokens, log-probs, the policy version of each token) lives in numpy
+buffers, so a decode step's bookkeeping is a few array ops; a sample finishes on EOS, a stop
+string or its token budget, and goes out as a Sample.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from magistral_jax.generate.requests import RequestSamples, Sample
+from magistral_jax.generate.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class SlotSample:
+  """Sample `index` of `group`, running in a slot."""
+  group: RequestSamples
+  index: int
+
+
+class SlotTable:
+  """samples[slot]: what each slot runs (None: free); active: the host's activity mask;
+  device_active: what the device's mask currently is."""
+
+  def __init__(self, n_slots: int, max_decode_length: int, sampling: SamplingConfig,
+               detokenize: Callable[[Sequence[int]], str] | None,
+               on_finish: Callable[[Sample], None]):
+    self.sampling, self.detokenize, self.on_finish = sampling, detokenize, on_finish
+    self.samples: list[SlotSample | None] = [None] * n_slots
+    self._tokens = np.zeros((n_slots, max_decode_length), np.int32)
+    self._logprobs = np.zeros((n_slots, max_decode_length), np.float32)
+    self._versions = np.zeros((n_slots, max_decode_length), np.int64)
+    self._count = np.zeros((n_slots,), np.int64)
+    self._max_new = np.zeros((n_slots,), np.int64)
+    # Prompt tokens in each slot's cache: its cache length before a step is prompt + count - 1,
+    # so a step writes at positions below prompt + count (what picks the attention window).
+    self._prompt_len = np.zeros((n_slots,), np.int64)
+    self.active = np.zeros((n_slots,), bool)
+    self.device_active = np.zeros((n_slots,), bool)
+    self._max_stop = max((len(s) for s in sampling.stop_strings), default=0)
+
+  def empty(self) -> bool:
+    return all(s is None for s in self.samples)
+
+  def assign(self, slot: int, group: RequestSamples, index: int) -> None:
+    """Sample `index` of `group` starts in `slot` (active from now on)."""
+    self.samples[slot] = SlotSample(group, index)
+    self._count[slot] = 0
+    self._max_new[slot] = group.max_new
+    self._prompt_len[slot] = group.true_length
+    self.active[slot] = True
+
+  def positions(self) -> int:
+    """Cache positions the next step writes below, over the active slots."""
+    act = np.flatnonzero(self.active)
+    return int((self._prompt_len[act] + self._count[act]).max())
+
+  def in_cache(self, slot: int) -> list[int]:
+    """The tokens in a slot's cache: the prompt and all but the pending token."""
+    return self.samples[slot].group.prompt + self._tokens[slot, :self._count[slot] - 1].tolist()
+
+  def record(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray,
+             versions: np.ndarray) -> bool:
+    """Appends one token per listed slot; hands the samples this finishes to on_finish and frees
+    their slots. Returns whether any finished."""
+    c = self._count[slots]
+    self._tokens[slots, c] = tokens
+    self._logprobs[slots, c] = logprobs
+    self._versions[slots, c] = versions
+    self._count[slots] = c + 1
+    eos = (tokens == self.sampling.eos_id) if self.sampling.eos_id is not None \
+        else np.zeros(slots.shape, bool)
+    length = self._count[slots] >= self._max_new[slots]
+    stop = np.zeros(slots.shape, bool)
+    if self._max_stop:
+      for j in np.flatnonzero(~eos):
+        stop[j] = self._hit_stop(self._tokens[slots[j], :c[j] + 1])
+    done = eos | stop | length
+    for j in np.flatnonzero(done):
+      slot = int(slots[j])
+      reason = "eos" if eos[j] else "stop" if stop[j] else "length"
+      self._finish(slot, reason)
+    return bool(done.any())
+
+  def _finish(self, slot: int, reason: str) -> None:
+    s, n = self.samples[slot], int(self._count[slot])
+    self.samples[slot] = None
+    self.active[slot] = False
+    g = s.group
+    self.on_finish(Sample(g.request.id, s.index, list(g.prompt), self._tokens[slot, :n].tolist(),
+                          self._logprobs[slot, :n].copy(), self._versions[slot, :n].copy(),
+                          reason, g.request.metadata, g.truncated))
+
+  def _hit_stop(self, tokens) -> bool:
+    # Only the tail can contain a stop string that the previous step did not already contain.
+    tail = self.detokenize(tokens[-(self._max_stop + 8):].tolist())
+    return any(s in tail for s in self.sampling.stop_strings)
