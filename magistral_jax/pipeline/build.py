@@ -17,19 +17,26 @@ from magistral_jax.parallel.sharding import GENERATOR_RULES, make_mesh
 log = logging.getLogger(__name__)
 
 
+def check_device_layout(trainer_devices: int, generator_devices: Sequence[int],
+                        num_devices: int) -> None:
+  """Raises a clear error unless the trainer and every generator get >= 1 of `num_devices`."""
+  generator_devices = tuple(generator_devices)
+  if trainer_devices < 1 or not generator_devices or any(n < 1 for n in generator_devices):
+    raise ValueError(f"device layout needs >= 1 device for the trainer and each generator, got "
+                     f"trainer={trainer_devices}, generators={generator_devices}")
+  need = trainer_devices + sum(generator_devices)
+  if need > num_devices:
+    raise ValueError(f"devices: trainer={trainer_devices} + generators={generator_devices} = "
+                     f"{need} devices, but this machine has {num_devices} "
+                     f"({jax.default_backend()})")
+
+
 def split_devices(trainer_devices: int, generator_devices: Sequence[int],
                   devices: Sequence[jax.Device] | None = None):
   """Disjoint device slices: the first `trainer_devices` for the trainer, then one slice per
   generator. E.g. on 8 devices: split_devices(4, [2, 2]) -> 4 | 2 | 2."""
   devices = list(jax.devices() if devices is None else devices)
-  need = trainer_devices + sum(generator_devices)
-  if trainer_devices < 1 or any(n < 1 for n in generator_devices) or not generator_devices:
-    raise ValueError(f"device layout needs >= 1 device for the trainer and each generator, got "
-                     f"trainer={trainer_devices}, generators={list(generator_devices)}")
-  if need > len(devices):
-    raise ValueError(f"device layout trainer={trainer_devices} + generators="
-                     f"{list(generator_devices)} needs {need} devices, but this machine has "
-                     f"{len(devices)} ({jax.default_backend()})")
+  check_device_layout(trainer_devices, generator_devices, len(devices))
   trainer = devices[:trainer_devices]
   gens, i = [], trainer_devices
   for n in generator_devices:
