@@ -12,7 +12,7 @@ reference solution already is a step-by-step derivation, so it becomes the think
 
   \boxed{18}
 
-which passes the reward's format gate and grades correct (tests/test_smollm2_rl.py checks both
+which passes the reward's format gate and grades correct (tests/launch/test_smollm2_rl.py checks both
 with `compute_reward`). The held-out problems of the RL run are excluded by id, so evaluation
 before and after RL is on problems the policy never saw traces of.
 """

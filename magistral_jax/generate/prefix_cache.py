@@ -3,7 +3,7 @@ of an RL run) is prefilled once per weights version, and a prompt that starts wi
 is prefilled as its rest only, continuing the cached prefix (Engine.prefill_many
 existing_prefix). Other prompts are prefilled whole. The cache, the first token and the
 log-probs equal the whole prompt's prefill up to float rounding, and sampling draws the same
-stream (tests/test_generate.py).
+stream (tests/generate/test_engine_and_loop.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from magistral_jax.analysis import pca as P
 from magistral_jax.analysis import report
 from magistral_jax.analysis import run as R
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = (0, 1, 2, 3, 4)
 DRIFT, WOBBLE, NOISE = 4.0, 1.5, 1e-3   # norms (whole weight vector) of the planted motions
 

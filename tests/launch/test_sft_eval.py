@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.data.heldout=4", "--config.eval.max_new_tokens=16", "--config.eval.greedy=True",
         "--config.eval.k=1"]
 

@@ -7,7 +7,7 @@ import sys
 import nbformat
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOKS = ("length_dimension.ipynb", "run_report.ipynb")
 
 

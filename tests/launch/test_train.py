@@ -8,7 +8,7 @@ import pytest
 
 from magistral_jax import config as config_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(arg=None):

@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_ctrl_c_mid_run_shuts_down_cleanly(tmp_path):

@@ -251,7 +251,7 @@ def test_smollm2_chat_template_matches_transformers(smollm2, smollm2_hf):
 
 # ---- launch/convert_checkpoint.py on GGUF input -------------------------------------------------
 def test_convert_gguf_to_hf_writes_weights_config_and_tokenizer(tmp_path):
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "launch"))
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
   import convert_checkpoint
   from magistral_jax.model.tokenizer import HFTokenizer
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_state())
@@ -268,7 +268,7 @@ def test_convert_gguf_to_hf_writes_weights_config_and_tokenizer(tmp_path):
 
 def test_convert_cli_gguf_to_orbax(tmp_path):
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_state())
-  script = os.path.join(os.path.dirname(__file__), "..", "launch", "convert_checkpoint.py")
+  script = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "convert_checkpoint.py")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, script, "--direction=gguf_to_orbax", f"--input={path}",
                         f"--output={tmp_path / 'orbax'}"], capture_output=True, text=True, env=env,

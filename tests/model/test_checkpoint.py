@@ -24,7 +24,7 @@ from magistral_jax.model.orbax_params import (read_orbax_config, restore_params_
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
 import convert_checkpoint  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

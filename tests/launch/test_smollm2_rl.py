@@ -14,7 +14,7 @@ import pytest
 from magistral_jax.data import gsm8k_traces, jsonl, records
 from magistral_jax.rewards.reward import RewardConfig, compute_reward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROW = {"idx": 0, "question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast and "
                               "bakes muffins with four. She sells the rest for $2 each. How much "
