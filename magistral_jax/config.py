@@ -20,6 +20,7 @@ import ml_collections as mlc
 
 from magistral_jax.configurable import as_tuples, checked_fields, config_section
 from magistral_jax.generate.engine import default_windows
+from magistral_jax.generate.loop import check_loop_prefill_below
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingConfig
@@ -74,9 +75,10 @@ class EngineConfig:
       default_windows(self.max_prefill_length + 1, self.attention_windows)
     except ValueError as e:
       raise ValueError(f"engine.attention_windows={self.attention_windows}: {e}") from None
-    if not 0.0 <= self.loop_prefill_below <= 1.0:
-      raise ValueError(f"engine.loop_prefill_below={self.loop_prefill_below}: a fraction of the "
-                       "slots, in [0, 1]")
+    try:
+      check_loop_prefill_below(self.loop_prefill_below)
+    except ValueError as e:
+      raise ValueError(f"engine.{e}") from None
 
 
 def default_config() -> mlc.ConfigDict:

@@ -50,7 +50,14 @@ log = logging.getLogger(__name__)
 
 # Re-exported: callers import these from the loop.
 __all__ = ["GeneratorLoop", "GeneratorError", "Request", "Sample", "SHARED_PREFIX_MIN_TOKENS",
-           "common_prefix", "useful_shared_prefix"]
+           "check_loop_prefill_below", "common_prefix", "useful_shared_prefix"]
+
+
+def check_loop_prefill_below(fraction: float) -> float:
+  """GeneratorLoop's loop_prefill_below: a fraction of the slots, in [0, 1]."""
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"loop_prefill_below={fraction}: a fraction of the slots, in [0, 1]")
+  return float(fraction)
 
 
 class GeneratorLoop:
@@ -74,9 +81,7 @@ class GeneratorLoop:
     # loop_prefill_below: see PrefillWorker.top_up. 0 = the worker alone (the loop prefills only
     # when nothing decodes and the worker is idle); 1 = the loop prefills whenever a slot is
     # free and no prefilled sample waits for it.
-    if not 0.0 <= loop_prefill_below <= 1.0:
-      raise ValueError(f"loop_prefill_below must lie in [0, 1], got {loop_prefill_below}")
-    self.loop_prefill_below = float(loop_prefill_below)
+    self.loop_prefill_below = check_loop_prefill_below(loop_prefill_below)
     # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
     # need first, then the next ones in the queue) are prefilled in the same call; the extra
     # prefixes wait for the next free slots. A batched prefill costs less per prompt than one
