@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from magistral_jax.configurable import checked_fields
 
 SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM")
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "tpu_flash")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -62,6 +63,15 @@ class ModelConfig:
   # exactly). 0 = auto: 4 on the CPU backend, where XLA runs the independent pieces on different
   # cores and a single [T, V] logsumexp would run on one; 1 elsewhere.
   logits_vocab_pieces: int = 0
+  # Attention implementation (model/attention.py): "auto" | "dense" | "blockwise" | "cudnn" |
+  # "tpu_flash". auto: cuDNN flash on NVIDIA GPUs and the Pallas flash kernel on TPU where their
+  # masks apply; otherwise dense while the queries fit one block and blockwise (memory linear in
+  # T) beyond. "dense" is the reference.
+  attention_impl: str = "auto"
+  # Query / key tile of the blockwise attention: one [block_q, block_k] fp32 score tile per head
+  # is live at a time.
+  attention_block_q: int = 512
+  attention_block_k: int = 512
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -70,6 +80,11 @@ class ModelConfig:
       raise ValueError(f"remat must be none|full|dots, got {self.remat!r}")
     if self.logits_vocab_pieces < 0:
       raise ValueError(f"logits_vocab_pieces must be >= 0 (0 = auto), got {self.logits_vocab_pieces}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.attention_block_q < 1 or self.attention_block_k < 1:
+      raise ValueError(f"attention blocks must be >= 1, got {self.attention_block_q}, "
+                       f"{self.attention_block_k}")
 
   @property
   def jnp_dtype(self):

@@ -16,11 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from magistral_jax.model.attention import attend, cache_spec, packed_spec
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx, constrain
 
 Array = jax.Array
-NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,9 +113,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-  """Grouped-query attention with explicit head_dim and an optional sliding window."""
+  """Grouped-query attention with explicit head_dim and an optional sliding window; the core
+  (dense, blockwise, cuDNN or Pallas: cfg.attention_impl) is model/attention.py's.
+  `from_empty`: a promise that the KV cache holds nothing yet (every slot's length is 0), so the
+  new tokens attend only to each other, as in training; the kernels that take only that mask
+  then apply to prefill."""
   cfg: ModelConfig
   shard: ShardingCtx | None = None
+  from_empty: bool = False
 
   @nn.compact
   def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None,
@@ -137,18 +142,8 @@ class Attention(nn.Module):
     q = apply_rope(q, positions, inv_freq)
     kk = apply_rope(kk, positions, inv_freq)
 
-    b, t = x.shape[:2]
-    g = h // k
-    if kv_cache is None:
-      # Packed training / scoring: causal within a row, never across segments.
-      k_pos = positions
-      idx = jnp.arange(t)
-      mask = (idx[None, :, None] >= idx[None, None, :]) & \
-             (q_segment[:, :, None] == q_segment[:, None, :])
-      new_cache = None
-      keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-      keys_t = False
-    else:
+    new_cache, keys_t = None, False
+    if kv_cache is not None:
       # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
       # `layer` indexes it) or, with layer=None, this layer's own cache (the per-layer cache of
       # the decode layout: keys transposed, [B, K, Dh, S], values [B, K, S, Dh]). Only the T new
@@ -157,11 +152,18 @@ class Attention(nn.Module):
       # prefix. From a stacked cache that read is a slice, which XLA:CPU materialises as a copy
       # of the layer's whole cache every step; a per-layer cache is read where it lies.
       ck, cv = kv_cache
-      keys_t = layer is None   # a per-layer cache holds its keys transposed
-      ck = _write_kv(ck, kk, layer, write_index, positions_last=keys_t)
+      per_layer = layer is None   # a per-layer cache holds its keys transposed
+      ck = _write_kv(ck, kk, layer, write_index, positions_last=per_layer)
       cv = _write_kv(cv, v, layer, write_index)
       new_cache = (ck, cv)
-      if layer is None:
+    if kv_cache is None or self.from_empty:
+      # Packed training / scoring, or prefill into an empty cache (the new tokens are all there
+      # is to attend to): causal within a row, never across segments.
+      keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+      spec = packed_spec(positions, q_segment)
+    else:
+      keys_t = per_layer
+      if per_layer:
         keys, values = ck.astype(dt), cv.astype(dt)
         if window is not None and window < values.shape[2]:
           # Attend over the first `window` positions only (see `decode`): the caller keeps
@@ -170,27 +172,9 @@ class Attention(nn.Module):
       else:
         keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
         values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
-      s = values.shape[2]
-      k_pos = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-      mask = (k_pos[:, None, :] <= positions[:, :, None]) & \
-             (k_pos[:, None, :] < valid_len[:, None, None])
-    if cfg.sliding_window is not None:
-      mask &= (positions[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window
-
-    # Both products are plain batched matmuls over (b, k), with the G query heads that share a
-    # KV head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is
-    # ~2x faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.) Transposed
-    # keys [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x
-    # [Dh, S] matmul per (b, k), which XLA:CPU runs ~1.6x faster at T = 1 than the [S, Dh]
-    # form.
-    sk = values.shape[2]
-    qg = q.reshape(b, t, k, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
-    scores = jnp.einsum("bkmd,bkds->bkms" if keys_t else "bkmd,bksd->bkms", qg,
-                        keys).astype(jnp.float32) / math.sqrt(dh)
-    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, k, g, t, sk), NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k, g * t, sk)
-    out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, k, g, t, dh)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+      spec = cache_spec(positions, valid_len, values.shape[2])
+    out = attend(q, keys, values, spec, cfg, keys_t=keys_t,
+                 self_only=kv_cache is None or self.from_empty, shard=self.shard)
     out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
     y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
     return y, new_cache
@@ -234,14 +218,16 @@ class DecoderLayer(nn.Module):
 class DecodeLayer(nn.Module):
   """The decode-mode scan body: same submodules (so the same params) as DecoderLayer, but the
   carry holds the whole stacked KV cache next to the residual stream and xs is the layer index,
-  so each layer writes only its new entries into the cache (see Attention)."""
+  so each layer writes only its new entries into the cache (see Attention, also for
+  `from_empty`)."""
   cfg: ModelConfig
   shard: ShardingCtx | None = None
+  from_empty: bool = False
 
   @nn.compact
   def __call__(self, carry, layer, positions, write_index, valid_len, window=None):
     x, ck, cv = carry
-    attn = Attention(self.cfg, self.shard, name="attn")
+    attn = Attention(self.cfg, self.shard, self.from_empty, name="attn")
     xn = RMSNorm(self.cfg, name="attn_norm")(x)
     if isinstance(ck, tuple):   # per-layer cache (unrolled decode): `layer` is a Python int
       h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len,

@@ -45,6 +45,7 @@ class Transformer(nn.Module):
   projection is applied by `logits` / `token_logprobs` so it can be chunked."""
   cfg: ModelConfig
   shard: ShardingCtx | None = None
+  from_empty: bool = False   # decode into an empty cache (see layers.Attention)
 
   @nn.compact
   def __call__(self, tokens, positions, segment_ids=None, cache=None, write_index=None,
@@ -57,15 +58,13 @@ class Transformer(nn.Module):
       logical_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                     nn.initializers.normal(0.02), cfg.jnp_param_dtype)
     x = embed_tokens(emb, tokens, cfg, self.shard)
-    if segment_ids is None:
-      segment_ids = jnp.ones_like(tokens)
 
     if cache is not None:
       stack = nn.scan(
           DecodeLayer, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
           length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      (x, ck, cv), _ = stack(cfg, self.shard, name="layers")(
+      (x, ck, cv), _ = stack(cfg, self.shard, self.from_empty, name="layers")(
           (x, *cache), jnp.arange(cfg.num_layers), positions, write_index, valid_len)
       return RMSNorm(cfg, name="final_norm")(x), (ck, cv)
 
@@ -326,12 +325,13 @@ def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
   return out
 
 
-def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window=None):
+def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window=None,
+                     from_empty=False):
   """Transformer.__call__ in decode mode over decode-layout params: the same embedding, layer
   module and final norm, with the layer loop unrolled over per-layer weights."""
   carry = (embed_tokens(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
   for l, layer_params in enumerate(params["layers"]):
-    carry, _ = DecodeLayer(cfg, shard).apply({"params": layer_params}, carry, l, positions,
+    carry, _ = DecodeLayer(cfg, shard, from_empty).apply({"params": layer_params}, carry, l, positions,
                                              cache.lengths, valid, window)
   x, k, v = carry
   return RMSNorm(cfg).apply({"params": params["final_norm"]}, x), (k, v)
@@ -339,7 +339,7 @@ def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window
 
 def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
            shard: ShardingCtx | None = None, num_new: Array | None = None,
-           window: int | None = None):
+           window: int | None = None, from_empty: bool = False):
   """Appends `tokens` [B, T] to each slot at its own offset cache.lengths[b] and returns
   (hidden [B, T, D], new cache). Token t of slot b sits at position lengths[b] + t.
   `params` may be stacked or in the decode layout (to_decode_layout; the faster one to decode
@@ -354,7 +354,12 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
   caller must keep lengths[b] + T <= window for every slot whose output it uses (others read a
   truncated prefix, which is harmless when their output is dropped); the new keys and values are
   written into the whole cache as usual. The generation engine picks the smallest of its
-  attention windows that holds its active slots (Engine.window_for)."""
+  attention windows that holds its active slots (Engine.window_for).
+
+  `from_empty` (static) promises that the cache holds nothing yet (every length 0), as in a
+  prefill from scratch: the tokens then attend only to each other, with the masks of the
+  training forward, which the accelerators' flash kernels take (model/attention.py). The
+  results are those without it."""
   b, t = tokens.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   valid = cache.lengths + t
@@ -365,13 +370,14 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
       cache = cache._replace(k=tuple(cache.k), v=tuple(cache.v))
     else:
       window = None   # a stacked cache is read whole (this path is for tests and tools)
-    x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window)
+    x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window,
+                                 from_empty)
   else:
     if window is not None:
       raise ValueError("an attention window needs decode-layout params (to_decode_layout)")
     per_layer = is_per_layer_cache(cache)
     stacked = stack_cache(cache)
-    x, (k, v) = Transformer(cfg, shard).apply(
+    x, (k, v) = Transformer(cfg, shard, from_empty).apply(
         _to_module_params(params), tokens, positions, None, (stacked.k, stacked.v),
         cache.lengths, valid)
     if per_layer:

@@ -1,0 +1,204 @@
+"""The attention core behind layers.Attention, and which implementation computes it.
+
+Implementations (ModelConfig.attention_impl):
+  dense      the [T, S] score matrix per head, materialised: the reference, and the fastest on
+             short sequences.
+  blockwise  one [block_q, block_k] tile at a time with an online softmax and a recomputing
+             custom VJP (model/blockwise_attention.py): memory linear in T, portable, exact up
+             to summation order. Handles every mask the model builds.
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"), cuDNN's flash attention on
+             NVIDIA GPUs. Its public masks are causal / key lengths / a window by index, so it
+             applies to attention among one row's own tokens with a single sequence per row:
+             prefill from an empty cache, and scoring without segment ids. Packed training rows
+             (several sequences per row) need segment masks it does not take.
+  tpu_flash  jax.experimental.pallas.ops.tpu.flash_attention on TPU: causal with segment ids,
+             so it takes packed training rows, and prefill from an empty cache; no sliding
+             window, and T a multiple of its 128-token blocks.
+  auto       the accelerator's kernel where it applies; otherwise dense while the queries fit
+             one block (the score matrix is then block_q x S: already linear in S; decode is
+             T = 1), and blockwise beyond.
+An implementation that does not apply to a call (the kernel of another platform, a mask it
+cannot express) falls back to blockwise, so one config serves the trainer and the generators
+wherever they run.
+
+Decode (one query per slot over a KV cache of S positions) builds a [1, S] score row per head:
+O(S), whatever the implementation. The TPU paged-attention kernels read a paged cache; the cache
+here is contiguous per slot ([B, K, S, Dh]), so they do not apply.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
+from magistral_jax.model.blockwise_attention import (NEG_INF, MaskSpec, blockwise_attention,
+                                                     visible)
+
+Array = jax.Array
+TPU_FLASH_BLOCK = 128   # the default block of the Pallas TPU kernel: T must be a multiple
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks
+# ----------------------------------------------------------------------------------------------
+def packed_spec(positions: Array, segments: Array | None) -> MaskSpec:
+  """Training / scoring over packed rows: causal by index within the row, never across
+  segments (segments None: one sequence per row); the sliding window counts positions."""
+  b, t = positions.shape
+  idx = jnp.broadcast_to(jnp.arange(t), (b, t))
+  return MaskSpec(idx, positions, positions, segments, segments, None)
+
+
+def cache_spec(positions: Array, valid_len: Array, s: int) -> MaskSpec:
+  """New tokens at `positions` [B, T] over a cache of S positions of which the first
+  valid_len[b] are filled: key j is at position j, so causal is j <= position."""
+  b = positions.shape[0]
+  return MaskSpec(positions, positions, jnp.broadcast_to(jnp.arange(s), (b, s)), None, None,
+                  valid_len)
+
+
+def dense_mask(spec: MaskSpec, window: int | None) -> Array:
+  s = spec.k_pos.shape[1]
+  return visible(spec.q_limit, spec.q_pos, spec.q_seg, jnp.arange(s), spec.k_pos, spec.k_seg,
+                 spec.kv_len, window)
+
+
+# ----------------------------------------------------------------------------------------------
+# Choosing an implementation
+# ----------------------------------------------------------------------------------------------
+def platform() -> str:
+  """'cpu', 'cuda', 'rocm' or 'tpu' (jax.default_backend() says 'gpu' for both GPU kinds)."""
+  backend = jax.default_backend()
+  if backend == "gpu":
+    version = getattr(jax.devices()[0].client, "platform_version", "")
+    return "rocm" if "rocm" in str(version).lower() else "cuda"
+  return backend
+
+
+def _window_inert(window: int | None, span: int) -> bool:
+  """The sliding window masks nothing when no two tokens are `window` apart."""
+  return window is None or window >= span
+
+
+def cudnn_applies(*, platform: str, dtype, head_dim: int, q_len: int, kv_len: int,
+                  segments: bool, self_only: bool, window: int | None) -> bool:
+  """cuDNN flash (jax.nn.dot_product_attention) takes fp16/bf16, head_dim a multiple of 8 up
+  to 128, and here only causal attention among a row's own tokens (self_only: no cached
+  prefix) with one sequence per row and no effective sliding window."""
+  return (platform == "cuda" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim % 8 == 0 and head_dim <= 128 and self_only and not segments
+          and q_len == kv_len and _window_inert(window, q_len))
+
+
+def tpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool,
+                      window: int | None) -> bool:
+  """The Pallas TPU flash kernel: causal attention among a row's own tokens (segment ids
+  allowed), no effective sliding window, T a multiple of its block."""
+  return (platform == "tpu" and self_only and q_len == kv_len
+          and q_len % TPU_FLASH_BLOCK == 0 and _window_inert(window, q_len))
+
+
+def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,
+                kv_len: int, segments: bool, self_only: bool, window: int | None,
+                block_q: int) -> str:
+  """The implementation that computes one attention call: 'dense', 'blockwise', 'cudnn' or
+  'tpu_flash'. `self_only`: the queries attend to their own row's tokens only (training,
+  scoring, prefill from an empty cache), not to a cache; `segments`: packed segment ids."""
+  if requested not in IMPLS:
+    raise ValueError(f"attention_impl must be one of {IMPLS}, got {requested!r}")
+  if requested in ("dense", "blockwise"):
+    return requested
+  kw = dict(platform=platform, q_len=q_len, kv_len=kv_len, self_only=self_only, window=window)
+  if requested in ("auto", "cudnn") and cudnn_applies(dtype=dtype, head_dim=head_dim,
+                                                      segments=segments, **kw):
+    return "cudnn"
+  if requested in ("auto", "tpu_flash") and tpu_flash_applies(**kw):
+    return "tpu_flash"
+  if requested == "auto" and q_len <= block_q:
+    return "dense"
+  return "blockwise"
+
+
+# ----------------------------------------------------------------------------------------------
+# Implementations
+# ----------------------------------------------------------------------------------------------
+def dense_attention(q: Array, keys: Array, values: Array, mask: Array, keys_t: bool) -> Array:
+  """The reference: q [B, T, H, Dh], keys [B, K, S, Dh] (or [B, K, Dh, S] with keys_t), values
+  [B, K, S, Dh], mask [B, T, S] -> [B, T, H, Dh].
+
+  Both products are plain batched matmuls over (b, k), with the G query heads that share a KV
+  head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is ~2x
+  faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.) Transposed keys
+  [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x [Dh, S] matmul
+  per (b, k), which XLA:CPU runs ~1.6x faster at T = 1 than the [S, Dh] form."""
+  b, t, h, dh = q.shape
+  k = values.shape[1]
+  g, sk = h // k, values.shape[2]
+  dt = q.dtype
+  qg = q.reshape(b, t, k, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, dh)
+  scores = jnp.einsum("bkmd,bkds->bkms" if keys_t else "bkmd,bksd->bkms", qg,
+                      keys).astype(jnp.float32) / math.sqrt(dh)
+  scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, k, g, t, sk), NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k, g * t, sk)
+  out = jnp.einsum("bkms,bksd->bkmd", probs, values).reshape(b, k, g, t, dh)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = "cudnn"
+                    ) -> Array:
+  """Causal self-attention of one sequence per row through jax.nn.dot_product_attention:
+  q [B, T, H, Dh], keys/values [B, K, T, Dh]. `implementation` is "cudnn" on GPU ("xla" lets
+  tests check this call's layout and mask on CPU)."""
+  return jax.nn.dot_product_attention(q, keys.swapaxes(1, 2), values.swapaxes(1, 2),
+                                      is_causal=True, implementation=implementation)
+
+
+def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
+                        shard=None) -> Array:
+  """Causal self-attention through the Pallas TPU flash kernel: q [B, T, H, Dh], keys/values
+  [B, K, T, Dh], segments [B, T] or None. The kernel wants as many KV heads as query heads, so
+  each KV head is repeated over its G query heads (O(T) memory). Under a mesh it runs per shard
+  (shard_map over the batch and head axes): a Pallas call is not partitioned by XLA."""
+  from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+  g = q.shape[2] // keys.shape[1]
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  qh = q.transpose(0, 2, 1, 3)
+  kh, vh = jnp.repeat(keys, g, axis=1), jnp.repeat(values, g, axis=1)
+
+  def kernel(qh, kh, vh, *seg):
+    ids = fa.SegmentIds(seg[0], seg[0]) if seg else None
+    return fa.flash_attention(qh, kh, vh, segment_ids=ids, causal=True, sm_scale=scale)
+
+  args = (qh, kh, vh) + (() if segments is None else (segments,))
+  if shard is not None:
+    from magistral_jax.parallel.sharding import logical_to_spec
+    heads = logical_to_spec(("act_batch", "act_heads", None, None), shard.rules, qh.shape,
+                            shard.mesh)
+    rows = jax.sharding.PartitionSpec(heads[0], None)
+    kernel = jax.shard_map(kernel, mesh=shard.mesh, in_specs=(heads,) * 3 + (rows,) * (
+        len(args) - 3), out_specs=heads, check_vma=False)
+  return kernel(*args).transpose(0, 2, 1, 3)
+
+
+def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t: bool = False,
+           self_only: bool = True, shard=None) -> Array:
+  """Attention of q [B, T, H, Dh] over keys/values (the layouts of dense_attention) under
+  `spec`, computed by the implementation choose_impl picks for cfg and this platform.
+  `self_only`: the keys are the queries' own row (training, scoring, prefill from an empty
+  cache), not a cache."""
+  t, s = q.shape[1], values.shape[2]
+  window = cfg.sliding_window
+  impl = choose_impl(cfg.attention_impl, platform=platform(), dtype=q.dtype,
+                     head_dim=q.shape[-1], q_len=t, kv_len=s, segments=spec.q_seg is not None,
+                     self_only=self_only, window=window, block_q=cfg.attention_block_q)
+  if impl == "dense":
+    return dense_attention(q, keys, values, dense_mask(spec, window), keys_t)
+  if impl == "cudnn":
+    return cudnn_attention(q, keys, values)
+  if impl == "tpu_flash":
+    return tpu_flash_attention(q, keys, values, spec.q_seg, shard)
+  return blockwise_attention(q, keys, values, spec, window=window, block_q=cfg.attention_block_q,
+                             block_k=cfg.attention_block_k, keys_t=keys_t)
