@@ -243,7 +243,7 @@ class Engine:
     cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, 1, b, prefix_cache,
                         prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
-                             num_new=true_length[None])
+                             num_new=true_length[None], from_empty=prefix_cache is None)
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
     lg = T.logits(params, self.cfg, last)
     # The whole prompt's length (prefix included) is the position folded into the slot stream,
@@ -310,7 +310,7 @@ class Engine:
     cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, n, b, prefix_cache,
                         prefix_length)
     hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
-                             num_new=true_lengths)
+                             num_new=true_lengths, from_empty=prefix_cache is None)
     last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
     return Prefixes(cache, T.logits(params, self.cfg, last), cache.lengths)
 

@@ -159,6 +159,8 @@ class Attention(nn.Module):
     if kv_cache is None or self.from_empty:
       # Packed training / scoring, or prefill into an empty cache (the new tokens are all there
       # is to attend to): causal within a row, never across segments.
+      if kv_cache is not None:   # the values read back from the cache: rounded to its dtype
+        kk, v = kk.astype(ck.dtype).astype(dt), v.astype(cv.dtype).astype(dt)
       keys, values = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, Dh]
       spec = packed_spec(positions, q_segment)
     else:

@@ -1,0 +1,231 @@
+"""Attention implementations against the dense reference: blockwise (packed rows, caches, the
+model's logits, gradients and prefill), the accelerator kernels' calls, the dispatch, and the
+blockwise path's linear memory."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magistral_jax.model import attention as A
+from magistral_jax.model import transformer as T
+from magistral_jax.model.blockwise_attention import blockwise_attention
+from magistral_jax.model.config import ModelConfig
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def _packed_rows(b, t, rng):
+  """Segment ids (several sequences per row, padding 0 at the end of row 0) and positions that
+  restart with every segment."""
+  seg = np.ones((b, t), np.int32)
+  seg[0, t // 4:t // 2], seg[0, t // 2:3 * t // 4], seg[0, 3 * t // 4:] = 2, 3, 0
+  seg[1:, 2 * t // 3:] = 2
+  pos = np.zeros((b, t), np.int32)
+  for r in range(b):
+    for i in range(1, t):
+      pos[r, i] = 0 if seg[r, i] != seg[r, i - 1] else pos[r, i - 1] + 1
+  return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def _qkv(rng, b, t, s, h, k, dh, dtype):
+  q = jnp.asarray(rng.randn(b, t, h, dh), dtype)
+  keys = jnp.asarray(rng.randn(b, k, s, dh), dtype)
+  values = jnp.asarray(rng.randn(b, k, s, dh), dtype)
+  return q, keys, values
+
+
+def _outputs_and_grads(fn, q, keys, values, ct):
+  out, vjp = jax.vjp(fn, q, keys, values)
+  return (out,) + vjp(ct)
+
+
+def _assert_close(got, want, dtype):
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.max(np.abs(g - w)) <= TOL[dtype] * max(1.0, np.max(np.abs(w)))
+
+
+@pytest.mark.parametrize("dtype,window,heads,blocks", [
+    (jnp.float32, None, (4, 2), (8, 16)),
+    (jnp.float32, 5, (8, 2), (16, 8)),    # sliding window, GQA ratio 4
+    (jnp.bfloat16, None, (4, 2), (16, 8)),
+    (jnp.bfloat16, 7, (4, 4), (8, 8)),    # no grouping
+])
+def test_blockwise_equals_dense_on_packed_rows(dtype, window, heads, blocks):
+  """Several segments per row, padding, T = 37 (a multiple of no block): outputs and the
+  gradients of q, k and v."""
+  rng = np.random.RandomState(0)
+  h, k = heads
+  q, keys, values = _qkv(rng, 2, 37, 37, h, k, 8, dtype)
+  spec = A.packed_spec(*_packed_rows(2, 37, rng)[::-1])
+  ct = jnp.asarray(rng.randn(*q.shape), dtype)
+  dense = _outputs_and_grads(
+      lambda q, k, v: A.dense_attention(q, k, v, A.dense_mask(spec, window), False),
+      q, keys, values, ct)
+  blockwise = _outputs_and_grads(
+      lambda q, k, v: blockwise_attention(q, k, v, spec, window=window, block_q=blocks[0],
+                                          block_k=blocks[1]), q, keys, values, ct)
+  assert all(x.dtype == dtype for x in blockwise)
+  _assert_close(blockwise, dense, dtype)
+
+
+@pytest.mark.parametrize("keys_t,window", [(False, None), (True, None), (True, 6)])
+def test_blockwise_equals_dense_over_a_cache(keys_t, window):
+  """Prefill continuing cached prefixes of different lengths (0, 5, 13): new tokens at
+  positions lengths + t over a 32-position cache whose tail past each slot's length holds
+  junk."""
+  rng = np.random.RandomState(1)
+  q, keys, values = _qkv(rng, 3, 9, 32, 4, 2, 8, jnp.float32)
+  lengths = jnp.asarray([0, 5, 13], jnp.int32)
+  spec = A.cache_spec(lengths[:, None] + jnp.arange(9), lengths + 9, 32)
+  if keys_t:
+    keys = keys.swapaxes(-1, -2)
+  dense = A.dense_attention(q, keys, values, A.dense_mask(spec, window), keys_t)
+  blockwise = blockwise_attention(q, keys, values, spec, window=window, block_q=4, block_k=8,
+                                  keys_t=keys_t)
+  _assert_close([blockwise], [dense], jnp.float32)
+
+
+def _tiny(**kw):
+  base = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+              num_kv_heads=2, head_dim=8, attention_block_q=8, attention_block_k=16)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_model_logits_and_gradients_blockwise_equal_dense(window):
+  rng = np.random.RandomState(2)
+  seg, pos = _packed_rows(2, 37, rng)
+  tokens = jnp.asarray(rng.randint(0, 101, (2, 37)))
+  dense_cfg = _tiny(sliding_window=window, attention_impl="dense")
+  params = T.init_params(dense_cfg, jax.random.PRNGKey(0))
+
+  def run(cfg):
+    def loss(p):
+      h = T.hidden_states(p, cfg, tokens, pos, seg)
+      return jnp.sum(T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, 1)) * (seg > 0))
+    return T.forward_logits(params, cfg, tokens, pos, seg), jax.grad(loss)(params)
+
+  (lg_d, g_d), (lg_b, g_b) = run(dense_cfg), run(dense_cfg.replace(attention_impl="blockwise"))
+  assert np.max(np.abs(np.asarray(lg_b) - np.asarray(lg_d))) < 1e-4
+  for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_d)):
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_prefill_and_continued_prefill_blockwise_equal_dense(window):
+  """A prompt prefilled from an empty cache, then continued from its cached prefix (the
+  engine's prefix caching), in the decode layout with per-layer caches: the logits of every
+  new token under blockwise equal dense, and from_empty changes nothing."""
+  rng = np.random.RandomState(3)
+  first = jnp.asarray(rng.randint(0, 101, (2, 19)))
+  more = jnp.asarray(rng.randint(0, 101, (2, 21)))
+  dense_cfg = _tiny(sliding_window=window, attention_impl="dense")
+  params = T.to_decode_layout(T.init_params(dense_cfg, jax.random.PRNGKey(1)))
+
+  def run(cfg, from_empty):
+    cache = T.init_cache(cfg, 2, 48, per_layer=True)
+    h1, cache = T.decode(params, cfg, first, cache, num_new=jnp.asarray([19, 14]),
+                         from_empty=from_empty)
+    h2, cache = T.decode(params, cfg, more, cache)
+    return T.logits(params, cfg, h1), T.logits(params, cfg, h2)
+
+  ref = run(dense_cfg, False)
+  for cfg, from_empty in [(dense_cfg, True), (dense_cfg.replace(attention_impl="blockwise"), True),
+                          (dense_cfg.replace(attention_impl="blockwise"), False)]:
+    got = run(cfg, from_empty)
+    for g, r in zip(got, ref):
+      assert np.max(np.abs(np.asarray(g) - np.asarray(r))) < 1e-4
+
+
+def _choose(requested="auto", **kw):
+  args = dict(platform="cpu", dtype=jnp.bfloat16, head_dim=128, q_len=4096, kv_len=4096,
+              segments=False, self_only=True, window=None, block_q=512)
+  args.update(kw)
+  return A.choose_impl(requested, **args)
+
+
+def test_choose_impl_per_platform_and_mask():
+  # CPU: dense while the queries fit one block (decode, short rows), blockwise beyond.
+  assert _choose() == "blockwise"
+  assert _choose(q_len=512, kv_len=512) == "dense"
+  assert _choose(q_len=1, kv_len=32768, self_only=False) == "dense"
+  assert _choose(q_len=2048, kv_len=4096, self_only=False) == "blockwise"
+  # NVIDIA GPU: cuDNN flash for one sequence per row among its own tokens, in half precision.
+  assert _choose(platform="cuda") == "cudnn"
+  assert _choose(platform="cuda", q_len=100, kv_len=100) == "cudnn"
+  assert _choose(platform="cuda", segments=True) == "blockwise"           # packed training
+  assert _choose(platform="cuda", self_only=False, kv_len=8192) == "blockwise"  # cached prefix
+  assert _choose(platform="cuda", dtype=jnp.float32) == "blockwise"
+  assert _choose(platform="cuda", head_dim=256) == "blockwise"
+  assert _choose(platform="cuda", window=1024) == "blockwise"
+  assert _choose(platform="cuda", window=4096) == "cudnn"                 # never bites
+  assert _choose(platform="rocm") == "blockwise"
+  # TPU: the Pallas flash kernel, segment ids included, T a multiple of 128.
+  assert _choose(platform="tpu", segments=True) == "tpu_flash"
+  assert _choose(platform="tpu", q_len=4000, kv_len=4000) == "blockwise"
+  assert _choose(platform="tpu", window=1024) == "blockwise"
+  assert _choose(platform="tpu", self_only=False) == "blockwise"
+  assert _choose(platform="tpu", q_len=1, kv_len=4096, self_only=False) == "dense"
+  # Explicit choices: dense and blockwise always; a kernel where it applies, else blockwise.
+  assert _choose("dense", platform="cuda") == "dense"
+  assert _choose("blockwise", platform="tpu", q_len=1, kv_len=1) == "blockwise"
+  assert _choose("cudnn") == "blockwise"
+  assert _choose("cudnn", platform="cuda") == "cudnn"
+  assert _choose("tpu_flash", platform="cuda") == "blockwise"
+  with pytest.raises(ValueError, match="attention_impl"):
+    _choose("flash")
+  with pytest.raises(ValueError, match="attention_impl"):
+    ModelConfig(attention_impl="flash")
+
+
+def test_cudnn_call_has_the_dense_mask():
+  """The cuDNN path's jax.nn.dot_product_attention call (layout, causal mask, GQA), run with
+  its XLA implementation: a CPU cannot run cuDNN."""
+  rng = np.random.RandomState(4)
+  q, keys, values = _qkv(rng, 2, 24, 24, 8, 2, 16, jnp.float32)
+  spec = A.packed_spec(jnp.broadcast_to(jnp.arange(24), (2, 24)), None)
+  want = A.dense_attention(q, keys, values, A.dense_mask(spec, None), False)
+  got = A.cudnn_attention(q, keys, values, implementation="xla")
+  _assert_close([got], [want], jnp.float32)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_tpu_flash_call_has_the_dense_mask(sharded):
+  """The Pallas TPU kernel, run in its interpreter on CPU: packed segments, GQA; and under a
+  2x4 mesh through the shard_map wrapper."""
+  from jax.experimental.pallas import tpu as pltpu
+  from magistral_jax.parallel import ShardingCtx, make_mesh
+  rng = np.random.RandomState(5)
+  q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.float32)
+  seg, pos = _packed_rows(2, 128, rng)
+  want = A.dense_attention(q, keys, values, A.dense_mask(A.packed_spec(pos, seg), None), False)
+  shard = ShardingCtx(make_mesh({"data": 2, "tensor": 4})) if sharded else None
+  with pltpu.force_tpu_interpret_mode():
+    got = jax.jit(lambda q, k, v, s: A.tpu_flash_attention(q, k, v, s, shard))(
+        q, keys, values, seg)
+  _assert_close([got], [want], jnp.float32)
+
+
+def _temp_bytes(fn, *args):
+  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_grows_linearly():
+  """Compiled temporaries of the forward and backward at T = 512 and 2048 (blocks of 128):
+  blockwise grows about 4x, dense about 16x."""
+  spec_of = lambda t: A.packed_spec(jnp.zeros((1, t), jnp.int32), jnp.ones((1, t), jnp.int32))
+
+  def grads(impl, t):
+    spec = spec_of(t)
+    attn = (lambda q, k, v: A.dense_attention(q, k, v, A.dense_mask(spec, None), False)) \
+        if impl == "dense" else \
+        (lambda q, k, v: blockwise_attention(q, k, v, spec, block_q=128, block_k=128))
+    x = jax.ShapeDtypeStruct((1, t, 4, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 2, t, 16), jnp.float32)
+    return _temp_bytes(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) ** 2), (0, 1, 2)),
+                       x, kv, kv)
+
+  ratio = {impl: grads(impl, 2048) / grads(impl, 512) for impl in ("blockwise", "dense")}
+  assert ratio["blockwise"] < 5 and ratio["dense"] > 12, ratio
