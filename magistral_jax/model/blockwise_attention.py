@@ -75,6 +75,11 @@ def _forward(st: _Static, qb, kb, vb, qm, km, kv_len):
   """Blocked inputs (qb [nq, B, K, G, bq, Dh], kb/vb [nk, B, K, bk, Dh], masks blocked the same
   way) -> (out [nq, B, K, G, bq, Dh] in the input dtype, lse [nq, B, K, G, bq] fp32)."""
   dt = qb.dtype
+  # Under a differentiated scan over layers the masks' inputs (positions, segments) are loop
+  # invariants, and JAX's partial evaluation hoists loop-invariant work out of the loop: it
+  # would precompute every tile's mask, all [T, S] of them. Tying the masks' inputs to the
+  # queries keeps that work in the loop.
+  qb, qm, km, kv_len = jax.lax.optimization_barrier((qb, qm, km, kv_len))
 
   def q_block(_, xq):
     q_i, qm_i = xq

@@ -1,0 +1,170 @@
+"""Benchmark: peak memory and time of a train step and of prefill at long T, blockwise attention
+against the dense O(T^2) baseline (model/attention.py).
+
+A tiny model (--hidden etc.; the attention's share of memory is what grows with T) runs, for
+each T in --lengths and each attention_impl in (dense, blockwise):
+  train step  the gradient of the masked log-prob sum over one packed row of T tokens (batch 1,
+              --segments sequences in the row), params fp32: what the trainer differentiates.
+  prefill     a prompt of T tokens into an empty per-layer cache of T positions with
+              decode-layout params (the engine's prefill), returning the cache and the last
+              position's logits.
+Peak memory is the compiled program's own account (memory_analysis: arguments + outputs +
+temporaries - aliased), so it is exact for the program and needs no run: dense is measured
+where it could not run. Times (best of --repeats, after a compile) are taken only where the
+peak fits --run_budget_gib; --no_time skips them.
+
+Last line, JSON: peak_mem_ratio_32k = blockwise / dense peak of the train step at the largest
+T (dense's figure there is its compiled program's: the quadratic estimate); the same for
+prefill; and max_tokens_in_budget: the longest packed row whose train step fits --budget_gib
+with blockwise attention (max_tokens_in_budget_dense: with dense), found by fitting peak(T)
+(linear for blockwise, quadratic for dense) and checking the compiled program at the answer.
+"""
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magistral_jax.model import transformer as T
+from magistral_jax.model.config import ModelConfig
+
+IMPLS = ("dense", "blockwise")
+GIB = 2 ** 30
+
+
+def packed_row(t: int, segments: int):
+  """tokens, positions, segment ids [1, t]: `segments` equal sequences, positions restarting."""
+  seg = np.minimum(np.arange(t) * segments // t, segments - 1) + 1
+  starts = np.searchsorted(seg, seg)
+  pos = np.arange(t) - starts
+  tokens = (np.arange(t) * 7919) % 251
+  return tuple(jnp.asarray(x[None], jnp.int32) for x in (tokens, pos, seg))
+
+
+def train_step(cfg: ModelConfig, params, t: int, segments: int):
+  def grads(p, tokens, pos, seg):
+    h = T.hidden_states(p, cfg, tokens, pos, seg)
+    lp = T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, axis=1))
+    return jnp.sum(lp * (seg > 0))
+
+  return jax.jit(jax.grad(grads)), (params,) + packed_row(t, segments)
+
+
+def prefill(cfg: ModelConfig, params, t: int, segments: int):
+  del segments
+
+  def run(p, tokens):
+    cache = T.init_cache(cfg, 1, t, per_layer=True)
+    h, cache = T.decode(p, cfg, tokens, cache, from_empty=True)
+    return T.logits(p, cfg, h[:, -1]), cache
+
+  return jax.jit(run), (T.to_decode_layout(params), packed_row(t, 1)[0])
+
+
+PROGRAMS = {"train_step": train_step, "prefill": prefill}
+
+
+def peak_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
+def measure(program, cfg, params, t, segments, repeats, run_budget):
+  fn, args = PROGRAMS[program](cfg, params, t, segments)
+  compiled = fn.lower(*args).compile()
+  peak = peak_bytes(compiled)
+  seconds = None
+  if repeats and peak <= run_budget:
+    jax.block_until_ready(compiled(*args))
+    seconds = float("inf")
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      seconds = min(seconds, time.perf_counter() - start)
+  return peak, seconds
+
+
+def max_tokens(cfg, params, points: dict, budget: int, degree: int, step: int, segments) -> int:
+  """The longest T (a multiple of `step`) whose train step peak fits `budget`: the root of a
+  polynomial fit of the measured peaks, then stepped down until the compiled program fits."""
+  ts = np.array(sorted(points), float)
+  coef = np.polyfit(ts, [points[int(t)] for t in ts], min(degree, len(ts) - 1))
+  coef[-1] -= budget
+  roots = [r.real for r in np.roots(coef) if abs(r.imag) < 1e-9 and r.real > 0]
+  t = int(max(roots, default=step) // step * step)
+  while t > step and measure("train_step", cfg, params, t, segments, 0, 0)[0] > budget:
+    t -= step
+  return t
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--lengths", default="4096,16384,32768")
+  ap.add_argument("--hidden", type=int, default=64)
+  ap.add_argument("--heads", type=int, default=4)
+  ap.add_argument("--kv_heads", type=int, default=2)
+  ap.add_argument("--head_dim", type=int, default=16)
+  ap.add_argument("--layers", type=int, default=2)
+  ap.add_argument("--vocab", type=int, default=256)
+  ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
+  ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
+  ap.add_argument("--run_budget_gib", type=float, default=2.0,
+                  help="run (time) a program only if its peak fits this")
+  ap.add_argument("--budget_gib", type=float, default=1.0,
+                  help="the memory budget of max_tokens_in_budget")
+  ap.add_argument("--token_step", type=int, default=1024)
+  args = ap.parse_args()
+  lengths = [int(x) for x in args.lengths.split(",")]
+  repeats = 0 if args.no_time else args.repeats
+  base = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                     intermediate_size=2 * args.hidden, num_layers=args.layers,
+                     num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                     max_position_embeddings=max(lengths), attention_block_q=args.block,
+                     attention_block_k=args.block)
+  params = T.init_params(base, jax.random.PRNGKey(0))
+  print(f"backend={jax.default_backend()} devices={jax.device_count()} dims: D={args.hidden} "
+        f"H={args.heads} K={args.kv_heads} Dh={args.head_dim} L={args.layers} "
+        f"block={args.block} segments={args.segments}")
+  print(f"{'program':<11} {'T':>6} {'impl':<9} {'peak MiB':>10} {'time s':>8}")
+  peaks = {p: {i: {} for i in IMPLS} for p in PROGRAMS}
+  times = {p: {i: {} for i in IMPLS} for p in PROGRAMS}
+  for program in PROGRAMS:
+    for t in lengths:
+      for impl in IMPLS:
+        cfg = base.replace(attention_impl=impl)
+        peak, sec = measure(program, cfg, params, t, args.segments, repeats,
+                            args.run_budget_gib * GIB)
+        peaks[program][impl][t], times[program][impl][t] = peak, sec
+        shown = "-" if sec is None else f"{sec:.3f}"
+        print(f"{program:<11} {t:>6} {impl:<9} {peak / 2**20:>10.1f} {shown:>8}", flush=True)
+
+  top, low = max(lengths), min(lengths)
+  budget = int(args.budget_gib * GIB)
+  fit = lambda impl, degree: max_tokens(base.replace(attention_impl=impl), params,
+                                        peaks["train_step"][impl], budget, degree,
+                                        args.token_step, args.segments)
+  growth = {p: {i: peaks[p][i][top] / peaks[p][i][low] for i in IMPLS} for p in PROGRAMS}
+  print(f"peak growth T={low}->{top} ({top / low:.0f}x tokens): " + ", ".join(
+      f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in IMPLS))
+  result = {
+      "peak_mem_ratio_32k": peaks["train_step"]["blockwise"][top] / peaks["train_step"]["dense"][top],
+      "peak_mem_ratio_32k_prefill": peaks["prefill"]["blockwise"][top] / peaks["prefill"]["dense"][top],
+      "max_tokens_in_budget": fit("blockwise", 1),
+      "max_tokens_in_budget_dense": fit("dense", 2),
+      "budget_gib": args.budget_gib,
+      "largest_T": top,
+      "peak_mib": {p: {i: {t: round(v / 2**20, 1) for t, v in peaks[p][i].items()} for i in IMPLS}
+                   for p in PROGRAMS},
+      "time_s": {p: {i: {t: v for t, v in times[p][i].items()} for i in IMPLS} for p in PROGRAMS},
+      "peak_growth": growth,
+  }
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
