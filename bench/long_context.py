@@ -2,7 +2,8 @@
 against the dense O(T^2) baseline (model/attention.py).
 
 A tiny model (--hidden etc.; the attention's share of memory is what grows with T) runs, for
-each T in --lengths and each attention_impl in (dense, blockwise):
+each T in --lengths and each attention_impl in --impls (dense and blockwise, and e.g. auto on
+an accelerator):
   train step  the gradient of the masked log-prob sum over one packed row of T tokens (batch 1,
               --segments sequences in the row), params fp32: what the trainer differentiates.
   prefill     a prompt of T tokens into an empty per-layer cache of T positions with
@@ -30,7 +31,6 @@ import numpy as np
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 
-IMPLS = ("dense", "blockwise")
 GIB = 2 ** 30
 
 
@@ -111,6 +111,10 @@ def main():
   ap.add_argument("--vocab", type=int, default=256)
   ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
   ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
+  ap.add_argument("--impls", default="dense,blockwise",
+                  help="attention_impl values to measure (dense and blockwise always are; add "
+                       "auto on an accelerator to see its kernel)")
+  ap.add_argument("--dtype", default="float32", help="compute dtype (cuDNN needs bfloat16)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
   ap.add_argument("--run_budget_gib", type=float, default=2.0,
@@ -120,22 +124,24 @@ def main():
   ap.add_argument("--token_step", type=int, default=1024)
   args = ap.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
+  impls = ["dense", "blockwise"] + [i for i in args.impls.split(",")
+                                    if i not in ("dense", "blockwise")]
   repeats = 0 if args.no_time else args.repeats
   base = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                      intermediate_size=2 * args.hidden, num_layers=args.layers,
                      num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                      max_position_embeddings=max(lengths), attention_block_q=args.block,
-                     attention_block_k=args.block)
+                     attention_block_k=args.block, dtype=args.dtype)
   params = T.init_params(base, jax.random.PRNGKey(0))
   print(f"backend={jax.default_backend()} devices={jax.device_count()} dims: D={args.hidden} "
         f"H={args.heads} K={args.kv_heads} Dh={args.head_dim} L={args.layers} "
-        f"block={args.block} segments={args.segments}")
+        f"{args.dtype} block={args.block} segments={args.segments}")
   print(f"{'program':<11} {'T':>6} {'impl':<9} {'peak MiB':>10} {'time s':>8}")
-  peaks = {p: {i: {} for i in IMPLS} for p in PROGRAMS}
-  times = {p: {i: {} for i in IMPLS} for p in PROGRAMS}
+  peaks = {p: {i: {} for i in impls} for p in PROGRAMS}
+  times = {p: {i: {} for i in impls} for p in PROGRAMS}
   for program in PROGRAMS:
     for t in lengths:
-      for impl in IMPLS:
+      for impl in impls:
         cfg = base.replace(attention_impl=impl)
         peak, sec = measure(program, cfg, params, t, args.segments, repeats,
                             args.run_budget_gib * GIB)
@@ -148,9 +154,9 @@ def main():
   fit = lambda impl, degree: max_tokens(base.replace(attention_impl=impl), params,
                                         peaks["train_step"][impl], budget, degree,
                                         args.token_step, args.segments)
-  growth = {p: {i: peaks[p][i][top] / peaks[p][i][low] for i in IMPLS} for p in PROGRAMS}
+  growth = {p: {i: peaks[p][i][top] / peaks[p][i][low] for i in impls} for p in PROGRAMS}
   print(f"peak growth T={low}->{top} ({top / low:.0f}x tokens): " + ", ".join(
-      f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in IMPLS))
+      f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in impls))
   result = {
       "peak_mem_ratio_32k": peaks["train_step"]["blockwise"][top] / peaks["train_step"]["dense"][top],
       "peak_mem_ratio_32k_prefill": peaks["prefill"]["blockwise"][top] / peaks["prefill"]["dense"][top],
@@ -158,9 +164,9 @@ def main():
       "max_tokens_in_budget_dense": fit("dense", 2),
       "budget_gib": args.budget_gib,
       "largest_T": top,
-      "peak_mib": {p: {i: {t: round(v / 2**20, 1) for t, v in peaks[p][i].items()} for i in IMPLS}
+      "peak_mib": {p: {i: {t: round(v / 2**20, 1) for t, v in peaks[p][i].items()} for i in impls}
                    for p in PROGRAMS},
-      "time_s": {p: {i: {t: v for t, v in times[p][i].items()} for i in IMPLS} for p in PROGRAMS},
+      "time_s": times,
       "peak_growth": growth,
   }
   print(json.dumps(result))

@@ -1,8 +1,9 @@
 """The attention core behind layers.Attention, and which implementation computes it.
 
 Implementations (ModelConfig.attention_impl):
-  dense      the [T, S] score matrix per head, materialised: the reference, and the fastest on
-             short sequences.
+  dense      the [T, S] score matrix per head, materialised: the reference, and what a call
+             whose queries fit one block uses (its matrix is then no larger than a tile, and no
+             loop runs).
   blockwise  one [block_q, block_k] tile at a time with an online softmax and a recomputing
              custom VJP (model/blockwise_attention.py): memory linear in T, portable, exact up
              to summation order. Handles every mask the model builds.
@@ -32,9 +33,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
 from magistral_jax.model.blockwise_attention import (NEG_INF, MaskSpec, blockwise_attention,
                                                      visible)
+from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
 
 Array = jax.Array
 TPU_FLASH_BLOCK = 128   # the default block of the Pallas TPU kernel: T must be a multiple

@@ -60,8 +60,8 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   """(tokenizer, ModelConfig, initial params or None) of a run config's policy.
 
   init.source: random (config.model), gguf, hf or orbax (architecture from the checkpoint; the
-  run's dtype/remat/logits_chunk/logits_vocab_pieces kept). With load_weights=False only
-  metadata is read (params is None): enough to build engines or abstract params, e.g. for
+  run's dtype/remat/logits_chunk/logits_vocab_pieces/attention_* kept). With load_weights=False
+  only metadata is read (params is None): enough to build engines or abstract params, e.g. for
   analysing a run's checkpoints.
   """
   import os
@@ -75,7 +75,10 @@ def build_tokenizer_and_model(config, load_weights: bool = True):
   model_cfg = ModelConfig.from_config_dict(config.model)
   keep = dict(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat,
               logits_chunk=model_cfg.logits_chunk,
-              logits_vocab_pieces=model_cfg.logits_vocab_pieces)
+              logits_vocab_pieces=model_cfg.logits_vocab_pieces,
+              attention_impl=model_cfg.attention_impl,
+              attention_block_q=model_cfg.attention_block_q,
+              attention_block_k=model_cfg.attention_block_k)
   params, tok = None, None
   if src == "gguf":   # architecture and vocabulary come from the file's metadata
     if load_weights:
