@@ -93,12 +93,12 @@ def _tiny(**kw):
   return ModelConfig(**base)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_model_logits_and_gradients_blockwise_equal_dense(window):
+@pytest.mark.parametrize("window,remat", [(None, "none"), (6, "full")])
+def test_model_logits_and_gradients_blockwise_equal_dense(window, remat):
   rng = np.random.RandomState(2)
   seg, pos = _packed_rows(2, 37, rng)
   tokens = jnp.asarray(rng.randint(0, 101, (2, 37)))
-  dense_cfg = _tiny(sliding_window=window, attention_impl="dense")
+  dense_cfg = _tiny(sliding_window=window, attention_impl="dense", remat=remat)
   params = T.init_params(dense_cfg, jax.random.PRNGKey(0))
 
   def run(cfg):
@@ -111,6 +111,23 @@ def test_model_logits_and_gradients_blockwise_equal_dense(window):
   assert np.max(np.abs(np.asarray(lg_b) - np.asarray(lg_d))) < 1e-4
   for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_d)):
     assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+
+
+def test_blockwise_forward_on_2x4_mesh_equals_unsharded():
+  from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+  cfg = _tiny(num_kv_heads=4, attention_impl="blockwise")
+  params = T.init_params(cfg, jax.random.PRNGKey(0))
+  rng = np.random.RandomState(6)
+  seg, pos = _packed_rows(4, 37, rng)
+  tokens = jnp.asarray(rng.randint(0, 101, (4, 37)))
+  ref = T.forward_logits(params, cfg.replace(attention_impl="dense"), tokens, pos, seg)
+  shard = ShardingCtx(make_mesh({"fsdp": 2, "tensor": 4}))
+  sharded = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), shard.mesh,
+                                                   shapes_tree=params))
+  rows = shard.sharding(("act_batch", None))
+  fwd = jax.jit(lambda p, t, q, s: T.forward_logits(p, cfg, t, q, s, shard=shard))
+  got = fwd(sharded, *(jax.device_put(x, rows) for x in (tokens, pos, seg)))
+  np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
 @pytest.mark.parametrize("window", [None, 9])
