@@ -167,3 +167,41 @@ def test_stages_are_validated_with_their_overrides():
     config_lib.validate(c)
   # A list in an override becomes a tuple, like the field it replaces.
   assert config_lib.apply_overrides(c, {"devices.generators": [1]}).devices.generators == (1,)
+
+
+def test_validate_proves_the_longest_sequence_fits_a_microbatch_row():
+  # Default rows hold 8192 / 4 = 2048 tokens and prompts up to 256: a completion of 1793 new
+  # tokens packs into 256 + 1793 - 1 = 2048, one more token does not fit any row.
+  c = config_lib.default_config()
+  c.sampling.max_new_tokens = 1793
+  config_lib.validate(c)
+  c.sampling.max_new_tokens = 1794
+  with pytest.raises(ValueError, match=(
+      r"engine.max_prefill_length=256 prompt tokens \+ sampling.max_new_tokens=1794 - 1 = 2049 "
+      r"packed tokens, does not fit a microbatch row of rl.microbatch_tokens=8192 / "
+      r"rl.microbatch_rows=4 = 2048 tokens: raise rl.microbatch_tokens to at least 8196 .*"
+      r"lower rl.microbatch_rows, or lower engine.max_prefill_length or "
+      r"sampling.max_new_tokens")):
+    config_lib.validate(c)
+  # A stage that lengthens generation or shortens rows is checked with its overrides.
+  for overrides in ({"sampling.max_new_tokens": 4096}, {"engine.max_prefill_length": 4096},
+                    {"rl.microbatch_rows": 8}):
+    c = config_lib.default_config()
+    c.sampling.max_new_tokens = 1793
+    c.stages = ({"name": "long", "overrides": overrides},)
+    with pytest.raises(ValueError, match=r"stages\[0\] \('long'\): the longest sequence"):
+      config_lib.validate(c)
+
+
+@pytest.mark.parametrize("name", ["medium", "small"])
+def test_paper_recipes_train_on_45k_token_sequences(name):
+  # The paper's longest sequence: a 4k-token prompt and 40k new tokens (issue: a 16k row
+  # stopped the run at collation).
+  from magistral_jax.rl.collate import Completion, first_fit
+  c = _load(name)
+  longest = Completion(prompt_tokens=[1] * c.engine.max_prefill_length,
+                       completion_tokens=[2] * c.sampling.max_new_tokens)
+  assert longest.num_tokens == 45055
+  for stage in c.stages or ({"overrides": {}},):
+    run = config_lib.validate(config_lib.apply_overrides(c, dict(stage["overrides"])))
+    assert first_fit([longest.num_tokens] * 3, run.rl.row_len) == [[0], [1], [2]]

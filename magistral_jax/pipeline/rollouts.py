@@ -128,6 +128,11 @@ class Rollouts:
     self.group_size = grpo_cfg.group_size
     self.n_async, self.max_queue = cfg.bounds(grpo_cfg)
     self.generators = list(generators)
+    # A generator cuts or refuses a prompt over its max_prefill_length and stops a completion at
+    # its max_decode_length, so these limits bound every sample: checked here, collation never
+    # meets a sequence longer than a row, whoever built the generators.
+    for g in self.generators:
+      grpo_cfg.check_row_fits(g.engine.max_prefill_length, g.engine.max_decode_length)
     self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
     self.system_prompt = system_prompt
     self._rng = np.random.default_rng(seed)

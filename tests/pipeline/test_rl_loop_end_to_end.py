@@ -4,6 +4,7 @@ warm-started by SFT on the synthetic task."""
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -156,6 +157,18 @@ def test_pipeline_rejects_bounds_that_could_never_fill_a_batch():
   assert PipelineConfig().bounds(GRPO) == (2 * GRPO.n_batch, 2 * GRPO.n_batch)
   with pytest.raises(ValueError, match="pipeline.mode must be async|sync"):
     PipelineConfig(mode="barrier")
+
+
+def test_rollouts_refuse_generators_whose_longest_sequence_overflows_a_row():
+  # GRPO's rows hold 1024 / 4 = 256 tokens; a generator's limits bound every sample it returns.
+  def gen(max_prefill_length, max_decode_length):
+    return SimpleNamespace(engine=SimpleNamespace(max_prefill_length=max_prefill_length,
+                                                  max_decode_length=max_decode_length))
+  kw = dict(pool=None, tokenizer=None, prompts=iter(()), grpo_cfg=GRPO)
+  Rollouts(generators=[gen(64, 193), gen(200, 57)], **kw)   # 256 tokens: a row exactly
+  with pytest.raises(ValueError, match=r"64 prompt tokens \+ sampling.max_new_tokens=194 - 1 = "
+                                       r"257 packed tokens, does not fit a microbatch row"):
+    Rollouts(generators=[gen(64, 40), gen(64, 194)], **kw)
 
 
 def test_generator_thread_failure_surfaces_without_hanging(setup):
