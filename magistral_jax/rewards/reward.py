@@ -125,8 +125,7 @@ def _compute(task, response, response_tokens, cfg, group_seed) -> RewardResult:
     info["boxed"] = boxed[:200]
     correct = math_check.math_equal(boxed, str(task["answer"]), cfg.math_timeout_s)
   else:
-    block = code_check.extract_code_block(f.answer)
-    lang, code = block
+    lang, code = code_check.extract_code_block(f.answer, code_check.task_language(task))
     res = code_check.check_code(
         task, lang, code, sandbox=sandbox.default_sandbox(), num_tests=cfg.num_tests,
         test_timeout_s=cfg.test_timeout_s, memory_mb=cfg.memory_mb,
