@@ -157,6 +157,19 @@ def test_a_task_the_verifier_cannot_read_drops_its_group_with_its_own_message(ca
              in r.getMessage() for r in caplog.records)
 
 
+def test_a_closed_verifier_pool_drops_every_group_and_stops_the_run_naming_it():
+  class ClosedPool:
+    def submit(self, *args):
+      raise RuntimeError("VerifierPool is closed")
+
+  pipe = rollouts(right_or_wrong, ClosedPool(), max_consecutive_dropped=8)
+  with pipe, pytest.raises(PipelineError, match=r"every one of the last 8 groups had a failed "
+                           r"verification \(verifier fault: verifier submit failed: VerifierPool "
+                           r"is closed\)"):
+    pipe.next_batch()
+  assert pipe.counters["groups_verifier_error"] == pipe.counters["groups_scored"] >= 8
+
+
 def test_untrained_completions_never_exceed_n_async_by_default():
   # The trainer holds its batch and takes no other: generation runs ahead only up to the bound.
   for max_queue, bound in [(0, 16), (8, 24)]:   # the paper's n_async; loosened by max_queue
