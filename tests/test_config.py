@@ -13,6 +13,7 @@ from magistral_jax import config as config_lib
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import sharding
+from magistral_jax.pipeline import PipelineConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.optimizer import OptimizerConfig
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small")
 SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
             "reward": RewardConfig, "engine": config_lib.EngineConfig,
-            "sharding": sharding.ShardingConfig}
+            "sharding": sharding.ShardingConfig, "pipeline": PipelineConfig}
 
 
 def _load(name, arg=None):
@@ -34,6 +35,8 @@ def _load(name, arg=None):
 
 def test_each_section_default_is_its_dataclass_default():
   # A default written in default_config() as well as in the dataclass fails here once they differ.
+  # (pipeline.batch_timeout_s read 600 s in PipelineConfig while runs took default_config()'s
+  # 1800 s: a stalled run was expected to stop after 10 minutes and went on for 30.)
   c = config_lib.default_config()
   for name, cls in SECTIONS.items():
     assert c[name].to_dict() == dataclasses.asdict(cls()), name
@@ -144,7 +147,9 @@ def test_each_check_lives_in_its_dataclass():
       ({"sampling.temperature": 0.0}, "temperature must be > 0"),
       ({"eval.top_p": 1.5}, "top_p must be in"),
       ({"pipeline.mode": "fast"}, "pipeline.mode must be async|sync, got 'fast'"),
-      ({"pipeline.max_queue": 8}, "max_queue=8 < n_batch=64: a batch could never fill")]:
+      ({"pipeline.n_async": 32}, r"n_async \+ max_queue = 32 < n_batch=64: a batch could never "
+                                 "fill"),
+      ({"pipeline.max_consecutive_dropped": -1}, "max_consecutive_dropped")]:
     with pytest.raises(ValueError, match=message):
       config_lib.validate(config_lib.apply_overrides(config_lib.default_config(), overrides))
   c = config_lib.default_config()
