@@ -45,7 +45,9 @@ class ScriptedGenerator:
   def __init__(self, respond, delay_s=0.0):
     self.respond, self.delay_s = respond, delay_s
     self.callback = None
-    self.engine = types.SimpleNamespace(max_concurrent_decodes=8)
+    # Limits well inside a row of GRPO's microbatches (Rollouts checks them).
+    self.engine = types.SimpleNamespace(max_concurrent_decodes=8, max_prefill_length=64,
+                                        max_decode_length=64)
     self.decode_time_s = self.steps = self.active_slot_steps = self.idle_time_s = 0
     self.shared_prefix_hits = 0
     self._requests, self._stop, self._thread = queue.Queue(), threading.Event(), None
