@@ -23,16 +23,16 @@ with the headline figure of each ablation.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
+import common
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = common.ROOT
 
 ABLATIONS = {
     "clip": [("eps_high_0.28", "eps_high=0.28"), ("eps_high_0.20", "eps_high=0.2")],
@@ -139,7 +139,7 @@ def plot(name: str, results: dict, out_dir: str):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--which", default="clip,adv_norm,async,minibatch")
   ap.add_argument("--batches", type=int, default=30, help="RL batches per variant")
   ap.add_argument("--seeds", default="0", help="comma-separated RL seeds per variant")
@@ -206,7 +206,7 @@ def main():
     headline[f"{name}_baseline"] = base
   with open(os.path.join(args.docs, "results.json"), "w") as f:
     json.dump({"batches": args.batches, "seeds": seeds, "results": all_results}, f, indent=1)
-  print(json.dumps(headline))
+  common.emit(headline)
 
 
 if __name__ == "__main__":

@@ -13,34 +13,24 @@ Side by side in one run:
           fresh Engine per grid point (what a script that builds the engine around each weight
           set does: it recompiles prefill/insert/generate every time).
 
+PCA times are medians of --repeats rounds after a warm-up, the three routes interleaved
+(bench/common.py); the grid's two sides run once each, after one untimed run of the baseline.
 Last line: one JSON object with every number.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
-import sys
-import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+
+common.use_cpu_devices()
 
 import numpy as np  # noqa: E402
 
 from magistral_jax.analysis import pca as P  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def timed(fn, repeats=1):
-  best, out = float("inf"), None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t0)
-  return best, out
+ROOT = common.ROOT
 
 
 def bench_pca(t: int, w: int, repeats: int) -> dict:
@@ -52,14 +42,17 @@ def bench_pca(t: int, w: int, repeats: int) -> dict:
        + np.outer(steps, d[0]).astype(np.float32) * 1e-2
        + np.outer(np.sin(steps), d[1]).astype(np.float32) * 5e-3
        + rng.standard_normal((t, w)).astype(np.float32) * 1e-3)
-  t_gram, g = timed(lambda: P.top_components(x, 2, "gram"), repeats)
-  t_lz, lz = timed(lambda: P.top_components(x, 2, "lanczos"), repeats)
 
   def svd():
     xc = x.astype(np.float64) - x.mean(axis=0, dtype=np.float64)
     _, s, vt = np.linalg.svd(xc, full_matrices=False)
     return s[:2] ** 2, vt[:2]
-  t_svd, (lam, vt) = timed(svd, repeats)
+  # numpy results: nothing for jax to wait for.
+  times = common.time_rounds({"gram": lambda: P.top_components(x, 2, "gram"),
+                              "lanczos": lambda: P.top_components(x, 2, "lanczos"), "svd": svd},
+                             repeats, block=False)
+  t_gram, t_lz, t_svd = (times[k].median for k in ("gram", "lanczos", "svd"))
+  g, lz, (lam, vt) = (times[k].result for k in ("gram", "lanczos", "svd"))
   return {
       "T": t, "W": w, "gram_s": t_gram, "lanczos_s": t_lz, "svd_baseline_s": t_svd,
       "gram_speedup_vs_svd": t_svd / t_gram, "lanczos_speedup_vs_svd": t_svd / t_lz,
@@ -76,13 +69,12 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax.analysis import length_dimension as ld
   from magistral_jax.analysis import run as R
   from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.model import transformer as T
   spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   config = mod.get_config()
   model_cfg, tok = R.model_and_tokenizer(config)
-  params = jax.tree.map(np.asarray, T.init_params(model_cfg, jax.random.PRNGKey(0)))
+  params = jax.tree.map(np.asarray, common.random_params(model_cfg))
   flat = P.flatten_params(params)
   direction = np.random.default_rng(1).standard_normal(flat.size)
   direction /= np.linalg.norm(direction)
@@ -107,8 +99,8 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
           out.append(s.score(p)["length"])
       return out
     baseline()   # warm the verifier processes and Python-side caches for both
-    t_ours, l_ours = timed(ours)
-    t_base, l_base = timed(baseline)
+    t_ours, l_ours = common.time_once(ours, block=False)
+    t_base, l_base = common.time_once(baseline, block=False)
   assert l_ours == l_base, (l_ours, l_base)   # same seeds, same weights: same samples
   return {"points": points, "prompts": prompts, "samples_per_prompt": samples,
           "max_new_tokens": max_new_tokens, "update_params_s": t_ours,
@@ -116,7 +108,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--T", type=int, default=16)
   ap.add_argument("--W", type=str, default="814208,4000000")
   ap.add_argument("--repeats", type=int, default=2)
@@ -125,11 +117,11 @@ def main():
   res = {"pca": []}
   for w in (int(v) for v in args.W.split(",")):
     r = bench_pca(args.T, w, args.repeats)
-    print(json.dumps(r))
+    common.emit(r)
     res["pca"].append(r)
   res["grid"] = bench_grid(args.points, prompts=4, samples=2, max_new_tokens=32)
-  print(json.dumps(res["grid"]))
-  print(json.dumps(res))
+  common.emit(res["grid"])
+  common.emit(res)
 
 
 if __name__ == "__main__":

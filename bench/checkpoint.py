@@ -22,18 +22,16 @@ Last line: one JSON object with every number.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+
+common.use_cpu_devices(8)   # the orbax reshard needs 8 devices
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -46,13 +44,13 @@ from magistral_jax.model.orbax_params import restore_params_orbax, save_params_o
 from magistral_jax.model import tokenizer as tk  # noqa: E402
 
 
-def timed(fn):
-  t0 = time.perf_counter()
-  out = fn()
-  return time.perf_counter() - t0, out
+# (seconds, result) of one call. The results are host values (or waited for by the callable), and
+# walking the tokenizers' long id lists for jax arrays would be timed too.
+timed = functools.partial(common.time_once, block=False)
 
 
 def main():
+  common.argument_parser(__doc__).parse_args()
   import torch
   import transformers
   transformers.logging.set_verbosity_error()
@@ -141,7 +139,7 @@ def main():
     print(f"tokenize: {res['tokenize_tokens_per_s']}  chat: {res['chat_prompt_ms']}", file=sys.stderr)
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  print(json.dumps(res))
+  common.emit(res)
 
 
 if __name__ == "__main__":

@@ -17,22 +17,20 @@ fastest trainer measured (the hardest case); the goal is >= 10.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from magistral_jax.data import jsonl  # noqa: E402
-from magistral_jax.data import loader  # noqa: E402
-from magistral_jax.data import records  # noqa: E402
-from magistral_jax.data import tfds_builders  # noqa: E402
-from magistral_jax.model.config import SMOLLM2_135M as SMOLLM2_135M_CONFIG  # noqa: E402
+from magistral_jax.data import jsonl
+from magistral_jax.data import loader
+from magistral_jax.data import records
+from magistral_jax.data import tfds_builders
+from magistral_jax.model.config import SMOLLM2_135M as SMOLLM2_135M_CONFIG
 
 # SmolLM2-135M(-Instruct) config.json shapes, as overrides of the config's model section.
 SMOLLM2_135M = {k: getattr(SMOLLM2_135M_CONFIG, k) for k in (
@@ -105,7 +103,7 @@ def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
 
   shape = {**shape, "max_position_embeddings": max(seq_len, shape.get("max_position_embeddings", 0))}
   cfg = ModelConfig(**shape)
-  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  params = common.random_params(cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
   # Packed rows of 4 sequences each, as the loader emits.
@@ -120,22 +118,15 @@ def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
     return -jnp.sum(lp * m) / jnp.sum(m)
 
   step = jax.jit(jax.value_and_grad(loss_fn))
-  t0 = time.perf_counter()
-  jax.block_until_ready(step(params, tokens, pos, seg, mask))
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(params, tokens, pos, seg, mask))
-    times.append(time.perf_counter() - t0)
-  dt = float(np.median(times))
-  return {"step_s": dt, "tokens_per_s": batch_size * seq_len / dt, "compile_s": compile_s,
+  t = common.time_fn(lambda: step(params, tokens, pos, seg, mask), steps)
+  dt = t.median
+  return {"step_s": dt, "tokens_per_s": batch_size * seq_len / dt, "compile_s": t.warmup[0],
           "params": cfg.num_params(), "batch": [batch_size, seq_len],
           "device": str(jax.devices()[0].platform)}
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--seq_len", type=int, default=512)
   ap.add_argument("--loader_batch", type=int, default=8)
   ap.add_argument("--loader_seconds", type=float, default=5.0)
@@ -172,7 +163,7 @@ def main():
   result["ratio_per_config"] = ratios
   result["loader_over_consumption"] = min(ratios.values())
   result["goal"] = ">= 10"
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":

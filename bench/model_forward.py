@@ -24,35 +24,20 @@ last-position logits give the first token).
 - `decode_only_tokens_per_s` (and `decode_only_speedup`) is the decode phase by itself: the 63
   tokens that come from KV-cache steps, b * 63 / (T64 - T1); `decode_step_ms` per step.
 
+Every time is the median of --repeats rounds after a warm-up (bench/common.py); each round runs
+every program once, ours and transformers' in turn.
 Last line: one JSON object.
 """
-import argparse
-import json
 import os
-import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _time_rounds(fns: dict, repeats: int) -> dict:
-  """Best wall time of each callable. Each is warmed up (compiled) first; then every round runs
-  all of them once, in turn, so ours and transformers see the same host conditions (a shared
-  host's speed drifts by 1.5x over minutes; timing one side after the other would measure it)."""
-  for fn in fns.values():
-    fn()
-  best = {k: float("inf") for k in fns}
-  for _ in range(repeats):
-    for k, fn in fns.items():
-      t = time.perf_counter()
-      fn()
-      best[k] = min(best[k], time.perf_counter() - t)
-  return best
-
-
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--prompt", type=int, default=128)
   ap.add_argument("--new_tokens", type=int, default=64)
@@ -64,15 +49,13 @@ def main():
   import torch
   import transformers
   from magistral_jax.generate.engine import generate_compiler_options
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model import transformer as T
 
   threads = os.cpu_count()
   torch.set_num_threads(threads)
-  path = default_gguf_path()
-  cfg, params, _ = load_gguf(path, with_tokenizer=False)
-  params = jax.block_until_ready(jax.device_put(params))  # numpy leaves would be copied per call
+  # Device arrays: numpy leaves would be copied on every call of the jitted functions.
+  cfg, params, _, path = common.load_model("smollm2", "float32", "gguf")
+  params = jax.block_until_ready(params)
   b, s, n = args.batch, args.prompt, args.new_tokens
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s)).astype(np.int32)
 
@@ -121,12 +104,14 @@ def main():
                                     eos_token_id=None, pad_token_id=0, use_cache=True)
     fns.update(hf_logits=lambda: hf(tt).logits, hf_fwd=hf_score, hf_dec=gen,
                hf_pre=lambda: gen(1))
+  # Every round runs each program once, ours and transformers' in turn, so both see the same
+  # host conditions (a shared host's speed drifts by 1.5x over minutes).
   with torch.inference_mode():
-    t = _time_rounds(fns, args.repeats)
+    t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]
 
   result = {
-      "machine": f"cpu x{threads}", "loadavg": open("/proc/loadavg").read().split()[:3], "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
+      **common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
       "new_tokens": n, "forward_tokens_per_s": b * s / fwd_s,
       "decode_tokens_per_s": b * n / dec_s, "decode_only_tokens_per_s": b * (n - 1) / (dec_s - pre_s),
       "decode_step_ms": 1e3 * (dec_s - pre_s) / (n - 1), "prefill_s": pre_s,
@@ -151,7 +136,7 @@ def main():
         "max_abs_logit_diff_vs_hf": float(np.max(np.abs(ours_logits - ref_logits))),
         "greedy_tokens_agree_frac": float(np.mean(ours_tokens == hf_tokens)),
     })
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":

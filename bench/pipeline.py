@@ -8,33 +8,35 @@ with 1..8 steps per problem (traces of 14..94 tokens), so that its sampled respo
 completion and reported as `response_length_{min,p10,p50,p90,max}`). GRPO: n_batch 16, n_mini 8 (2 optimizer steps and 2
 weight pushes per batch), group size 4; 8 decode slots per generator (16 slots = one batch).
 
-1. Throughput, async vs sync. One RLPipeline per mode, built from the same SFT params, the same
-   compiled train step and engines (fresh GeneratorLoops), the same prompt stream and seeds.
-   A 1-batch warm-up pipeline runs first so every program is compiled before measuring (one
-   prefill bucket; one microbatch per minibatch, so one train-step shape). Figure: completions
-   generated and scored per second in steady state = G * (groups scored by the end of batch B -
-   groups scored by the end of batch 1) / (time between those two ends), read from an on_step
-   callback. Every scored completion is either trained on or dropped with its zero-advantage group;
-   which of the two is a property of the policy, not of the pipeline. Reported next to it, and
-   the figure earlier sessions used: trained-on completions per second = n_batch * (B - 1) / the
-   same time, i.e. the figure above times (1 - drop rate). In sync mode the drop rate is the same
-   in every repeat (same seeds, same samples); in async mode it is not (thread timing decides
-   which samples each version draws, and the policy's updates follow), and it moved between 0.51
-   and 0.75 across the repeats of one run, which alone swings trained-on completions/s by 2x.
+1. Throughput, async vs sync. One Rollouts + Trainer per mode (run by train.rl_loop.train),
+   built from the same SFT params, the same compiled train step and engines (fresh
+   GeneratorLoops), the same prompt stream and seeds. A 1-batch warm-up pipeline runs first so
+   every program is compiled before measuring (one prefill bucket; one microbatch per
+   minibatch, so one train-step shape). Figure: completions generated and scored per second in
+   steady state = G * (groups scored by the end of batch B - groups scored by the end of batch 1)
+   / (time between those two ends), read from an on_batch callback. Every scored completion is
+   either trained on or dropped with its zero-advantage group; which of the two is a property of
+   the policy, not of the pipeline. Reported next to it: trained-on completions per second =
+   n_batch * (B - 1) / the same time, i.e. the figure above times (1 - drop rate). In sync mode
+   the drop rate is the same in every repeat (same seeds, same samples); in async mode it is not
+   (thread timing decides which samples each version draws, and the policy's updates follow),
+   and it moved between 0.51 and 0.75 across the repeats of one run, which alone swings
+   trained-on completions/s by 2x.
    Sync generates exactly one batch per policy version and waits for the longest completion (and
    for top-ups when groups with zero advantage are dropped); async keeps n_async = 2 * n_batch
    completions generating (the queue of generated, untrained ones is bounded by max_queue =
    n_async). Each mode runs `--repeats` times, the order alternating (sync, async, async, sync,
-   ...); figures are medians and the per-repeat ratios are reported too. Diagnostics per mode: decode steps, mean decode
-   step time and tokens per decode step (slots actually used), drop rate, trainer idle fraction,
-   and the share of the host's CPU capacity that was busy (all processes, from /proc/stat).
+   ...); figures are medians and the per-repeat ratios are reported too. Diagnostics per mode:
+   decode steps, mean decode step time and tokens per decode step (slots actually used), drop
+   rate, trainer idle fraction, and the share of the host's CPU capacity that was busy (all
+   processes, from /proc/stat).
 2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
    slots over slots, across decode steps) x share of wall time the generator loop was not waiting
    for work, averaged over generators; mean over the measured async batches (batch 1 excluded, as
    it includes the pipeline fill). Reported next to it, for both modes: the slot occupancy, the
    share of wall time inside decode steps (`decode_frac`; the rest is prefill/insert and host
    work), and the stricter occupancy x decode share (`decode_utilization`).
-3. Weight push: what RLPipeline._push does per generator, `jax.device_put(trainer params,
+3. Weight push: what Rollouts.push does per generator, `jax.device_put(trainer params,
    engine.param_shardings, may_alias=False)` + block_until_ready, i.e. a reshard from the
    trainer's 4-device FSDP layout to a generator's 2-device tensor-parallel layout. Baseline:
    a plain device-to-device copy of the same bytes with the same layout on both sides: the same
@@ -59,20 +61,16 @@ completions/s), async_over_sync_trained_throughput (trained-on completions/s),
 generator_utilization and push_over_copy_time (the 135M figure; the tiny one when
 --skip_big_push).
 """
-import os
+import common
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+common.use_cpu_devices(8)   # a trainer slice and two generator slices
 
-import argparse
-import json
-import logging
-import time
+import json  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
 
-import jax
-import numpy as np
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 MAX_STEPS = 8          # synthetic problems with 1..MAX_STEPS operations
 MAX_NEW = 112          # response cap (the longest SFT trace is ~95 tokens)
@@ -94,13 +92,9 @@ def _tree_bytes(tree) -> int:
   return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
 
-def _time_put(src, shardings) -> float:
-  t = time.perf_counter()
-  out = jax.device_put(src, shardings, may_alias=False)
-  jax.block_until_ready(out)
-  dt = time.perf_counter() - t
-  del out
-  return dt
+def _put(src, shardings) -> None:
+  """A copy of `src` onto `shardings`, waited for and dropped (no copy lives on)."""
+  jax.block_until_ready(jax.device_put(src, shardings, may_alias=False))
 
 
 def bench_push(params_trainer, gen_shardings, reps: int, load=None) -> dict:
@@ -113,28 +107,22 @@ def bench_push(params_trainer, gen_shardings, reps: int, load=None) -> dict:
       raise ValueError(f"generator layouts differ ({a} vs {b}): the copy baseline needs equal ones")
   on_gen0 = jax.device_put(params_trainer, sh0, may_alias=False)
   jax.block_until_ready(on_gen0)
-  _time_put(params_trainer, sh0), _time_put(on_gen0, sh1)   # warm-up (transfer setup)
-  if load is not None:
-    jax.block_until_ready(load(on_gen0))   # warm-up (compiles the layout split)
-  push, copy, loads = [], [], []
-  for _ in range(reps):
-    push.append(_time_put(params_trainer, sh0))
-    copy.append(_time_put(on_gen0, sh1))
-    if load is not None:
-      t = time.perf_counter()
-      jax.block_until_ready(load(on_gen0))
-      loads.append(time.perf_counter() - t)
-  p, c = float(np.median(push)), float(np.median(copy))
+  fns = {"push": lambda: _put(params_trainer, sh0), "copy": lambda: _put(on_gen0, sh1)}
+  if load is not None:   # its warm-up call compiles the layout split
+    fns["load"] = lambda: load(on_gen0)
+  t = common.time_rounds(fns, reps)   # warm-up calls set up the transfers
+  p, c = t["push"].median, t["copy"].median
   out = {"bytes": _tree_bytes(params_trainer), "push_s": p, "copy_s": c,
-         "push_over_copy_time": p / c, "push_s_all": push, "copy_s_all": copy}
-  if loads:
-    out.update(load_s=float(np.median(loads)),
-               push_plus_load_over_copy_time=(p + float(np.median(loads))) / c)
+         "push_over_copy_time": p / c, "push_s_all": t["push"].rounds,
+         "copy_s_all": t["copy"].rounds}
+  if load is not None:
+    out.update(load_s=t["load"].median,
+               push_plus_load_over_copy_time=(p + t["load"].median) / c)
   return out
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
   ap.add_argument("--repeats", type=int, default=5,
                   help="sync/async runs per mode, order alternating; figures are medians")
@@ -163,11 +151,12 @@ def main():
   from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
   from magistral_jax.parallel.sharding import GENERATOR_RULES, param_shardings
-  from magistral_jax.pipeline import PipelineConfig, RLPipeline
+  from magistral_jax.pipeline import PipelineConfig, Rollouts
   from magistral_jax.pipeline.build import sft_warm_start, split_devices
   from magistral_jax.rewards import RewardConfig
   from magistral_jax.rl.config import GRPOConfig
   from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
+  from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
   from magistral_jax.verify import VerifierPool
@@ -216,19 +205,20 @@ def main():
     state = init_state(cfg, rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES, params=params)
     gens = [GeneratorLoop(e, params, 0, seed=args.seed + i) for i, e in enumerate(engines)]
     ends = []
-    pipe = RLPipeline(model_cfg=cfg, grpo_cfg=grpo, train_step=train_step, state=state,
-                      trainer_mesh=tmesh, generators=gens, pool=pool, tokenizer=tok,
-                      prompts=problems(args.seed),
-                      cfg=PipelineConfig(mode=mode, batch_timeout_s=300, seed=args.seed),
-                      system_prompt=synthetic.TINY_SYSTEM_PROMPT,
-                      on_step=lambda _s, p, _m: ends.append((time.time(),
-                                                             p.counters["groups_scored"])))
+    trainer = Trainer(train_step, state, tmesh, TRAINER_RULES)
+    pipe = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=problems(args.seed),
+                    grpo_cfg=grpo,
+                    cfg=PipelineConfig(mode=mode, batch_timeout_s=300),
+                    system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=args.seed)
     if lengths is not None:   # record every generated completion's length (dropped groups too)
       for g in gens:
         g.callback = (lambda c, f=g.callback: (lengths.append(len(c.tokens)), f(c)))
     t0 = time.time()
     cpu0 = _host_cpu_jiffies()
-    history = pipe.run(num_batches)
+    with pipe:
+      history = train(trainer, pipe, grpo, num_batches, seed=args.seed,
+                      on_batch=lambda _t, _m: ends.append((time.time(),
+                                                           pipe.counters["groups_scored"])))
     cpu1 = _host_cpu_jiffies()
     if len(history) != num_batches:
       raise RuntimeError(f"{mode}: only {len(history)}/{num_batches} batches ran")
@@ -331,8 +321,7 @@ def main():
   if not args.skip_big_push:
     big = SMOLLM2_135M
     tsh = param_shardings(T.param_logical_axes(big), push_tmesh, TRAINER_RULES, T.param_shapes(big))
-    big_params = jax.jit(lambda r: T.init_params(big, r), out_shardings=tsh)(jax.random.PRNGKey(0))
-    jax.block_until_ready(big_params)
+    big_params = jax.block_until_ready(common.random_params(big, tsh))
     b = push_for(big, big_params)
     print("push 135M: " + json.dumps({k: v for k, v in b.items() if not k.endswith("_all")}),
           flush=True)
@@ -342,7 +331,7 @@ def main():
                push_over_copy_time=b["push_over_copy_time"])
   out["total_wall_s"] = time.time() - t_start
   out["devices"] = f"{jax.device_count()} x {jax.default_backend()}"
-  print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
+  common.emit(out, ndigits=4)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ previous sampler (a sort for top-k / top-p, Gumbel-max for the draw).
 
 The previous sampler found the nucleus by sorting the vocabulary (`lax.top_k` with k = V, kept
 here as `sort_truncate`) and drew with jax.random.categorical (Gumbel-max: V random numbers per
-row, `gumbel_draw`). The engine now finds the nucleus edge by bisection over the logits'
+row, `gumbel_draw`). The engine finds the nucleus edge by bisection over the logits'
 float32 order (at most 32 masked passes over [B, V], in blocks of rows), the k-th largest logit
 by XLA's partial top-k for k <= 256 (by bisection above), and draws by inverse CDF from one
 uniform per row.
@@ -18,11 +18,9 @@ Measured in one run, interleaved rounds, medians:
      (`engine_step_ms`), so sampling's share of a step shows.
 Last line: one JSON object.
 """
-import argparse
-import json
 import os
-import time
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,48 +55,36 @@ def gumbel_draw(keys, lg):
   return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
 
-def timed(fn, reps):
-  """Mean ms per call over `reps` back-to-back calls."""
-  t = time.perf_counter()
-  for _ in range(reps):
-    r = fn()
-  jax.block_until_ready(r)
-  return (time.perf_counter() - t) / reps * 1e3
-
-
 def engine_steps(batch: int, rounds: int):
   from magistral_jax.generate import Engine, SamplingConfig
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.parallel.sharding import make_mesh
-  cfg, params, _ = load_gguf(default_gguf_path(), with_tokenizer=False)
-  runs = {}
+  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
+  steps = {}
   for name, samp in (("greedy", SamplingConfig(greedy=True)),
                      ("top_p_1.0", SamplingConfig(temperature=1.0)),
                      ("top_p_0.95", SamplingConfig(temperature=1.0, top_p=0.95))):
     eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=batch,
                  max_prefill_length=128, max_decode_length=160, prefill_buckets=(128,),
                  sampling=samp, cpu_dot_library="ynnpack")
-    p = eng.load_params(params)
-    st = eng.set_active(eng.init_decode_state(), np.ones(batch, bool))
-    st, r = eng.generate(p, st)
-    jax.block_until_ready(r)
-    runs[name] = [eng, p, st]
-  times = {k: [] for k in runs}
-  for rnd in range(rounds):
-    for k in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
-      eng, p, st = runs[k]
-      t = time.perf_counter()
-      for _ in range(3):
-        st, r = eng.generate(p, st)
-      jax.block_until_ready(r)
-      runs[k][2] = st
-      times[k].append((time.perf_counter() - t) / 3 * 1e3)
-  return {k: float(np.median(v)) for k, v in times.items()}
+    steps[name] = engine_step(eng, eng.load_params(params),
+                              eng.set_active(eng.init_decode_state(), np.ones(batch, bool)))
+  # The warm-up call compiles each engine's step.
+  times = common.time_rounds(steps, rounds, calls=3, alternate=True)
+  return {k: 1e3 * t.median for k, t in times.items()}
+
+
+def engine_step(eng, params, state):
+  """One engine decode step per call, carrying the decode state along."""
+  box = [state]
+
+  def step():
+    box[0], res = eng.generate(params, box[0])
+    return res
+  return step
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--batches", default="16,64")
   ap.add_argument("--vocab", type=int, default=49152)
   ap.add_argument("--rounds", type=int, default=7)
@@ -114,18 +100,16 @@ def main():
     for top_k, top_p in settings:
       fns = {"ours": sampler(S._truncate, S.draw, top_k, top_p),
              "sort": sampler(sort_truncate, gumbel_draw, top_k, top_p)}
-      outs = {k: jax.block_until_ready(f(lg, keys)) for k, f in fns.items()}
+      t = common.time_rounds({k: (lambda f=f: f(lg, keys)) for k, f in fns.items()}, args.rounds,
+                             calls=3, alternate=True)
+      outs = {k: v.result for k, v in t.items()}
       equal = bool((np.asarray(outs["ours"][1]) == np.asarray(outs["sort"][1])).all())
-      t = {k: [] for k in fns}
-      for rnd in range(args.rounds):
-        for k in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-          t[k].append(timed(lambda: fns[k](lg, keys), 3))
-      med = {k: float(np.median(v)) for k, v in t.items()}
+      med = {k: 1e3 * v.median for k, v in t.items()}
       r = {"batch": b, "top_k": top_k, "top_p": top_p, "ours_ms": med["ours"],
            "sort_ms": med["sort"], "speedup_vs_sort": med["sort"] / med["ours"],
            "masks_equal": equal, "kept_mean": float(np.asarray(outs["ours"][1]).sum(-1).mean())}
       runs.append(r)
-      print(json.dumps(r), flush=True)
+      common.emit(r)
   result = {"machine": f"{jax.default_backend()} x{os.cpu_count()}", "vocab": args.vocab,
             "runs": runs,
             "speedup_vs_sort_min": min(r["speedup_vs_sort"] for r in runs),
@@ -134,7 +118,7 @@ def main():
     b = int(args.batches.split(",")[0])
     result["engine_batch"] = b
     result["engine_step_ms"] = engine_steps(b, args.rounds)
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":

@@ -18,21 +18,16 @@ The last line printed is one JSON object.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import common
 import jax
 import numpy as np
 
 from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import collate_minibatch
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
@@ -83,13 +78,12 @@ def make_batch(rng, cfg: GRPOConfig, vocab: int):
     used += n
   if len(comps) % 2:
     comps = comps[:-1]
-  arrays, _, stats = C.collate_minibatch(comps, cfg.replace(n_batch=len(comps), n_mini=len(comps),
-                                                             group_size=2))
-  return arrays, stats
+  mb = collate_minibatch(comps, cfg.replace(n_batch=len(comps), n_mini=len(comps), group_size=2))
+  return mb.arrays, mb.stats
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--rows", type=int, default=2)
   ap.add_argument("--row_len", type=int, default=256)
   ap.add_argument("--repeats", type=int, default=3)
@@ -129,22 +123,22 @@ def main(argv=None):
 
   # Wall time and process CPU time per step. On a shared host the wall clock mostly measures the
   # other jobs; CPU seconds measure the work of the step, so the ratio is taken from those.
-  wall = {name: [] for name in compiled}
-  cpu = {name: [] for name in compiled}
-  for r in range(args.repeats + 1):                       # first round is a warm-up
-    for name, fn in compiled.items():
-      w0, c0 = time.perf_counter(), time.process_time()
-      state, metrics = fn(state, batch)
-      jax.block_until_ready((state, metrics))
-      if r:
-        wall[name].append(time.perf_counter() - w0)
-        cpu[name].append(time.process_time() - c0)
-    if r:
-      print(f"[round {r}] " + ", ".join(f"{n}: {wall[n][-1]:.2f}s wall, {cpu[n][-1]:.2f}s cpu"
-                                        for n in compiled), flush=True)
-  for name in compiled:
-    result[f"step_wall_s_{name}"] = statistics.median(wall[name])
-    result[f"step_cpu_s_{name}"] = statistics.median(cpu[name])
+  box = [state]
+
+  def stepper(fn):
+    def step():   # the state is donated: every step continues from the last one's
+      box[0], metrics = fn(box[0], batch)
+      return box[0], metrics
+    return step
+  times = common.time_rounds({name: stepper(fn) for name, fn in compiled.items()}, args.repeats)
+  state = box[0]
+  for r in range(args.repeats):
+    print(f"[round {r + 1}] " + ", ".join(
+        f"{n}: {t.rounds[r]:.2f}s wall, {t.cpu_rounds[r]:.2f}s cpu" for n, t in times.items()),
+        flush=True)
+  for name, t in times.items():
+    result[f"step_wall_s_{name}"] = t.median
+    result[f"step_cpu_s_{name}"] = t.cpu_median
   result["grpo_over_ce_step_time"] = result["step_cpu_s_grpo"] / result["step_cpu_s_ce"]
   result["grpo_over_ce_wall_time"] = result["step_wall_s_grpo"] / result["step_wall_s_ce"]
 
@@ -156,7 +150,7 @@ def main(argv=None):
   print(f"[compile] grpo remat: {time.perf_counter() - t0:.1f}s", flush=True)
   result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]
   result["remat_temp_saving"] = 1.0 - result["temp_bytes_remat"] / max(result["temp_bytes_no_remat"], 1)
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":

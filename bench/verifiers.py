@@ -17,26 +17,16 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from absl import app, flags
+import common
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards import code_check, math_check, sandbox
+from magistral_jax.verify import VerifierPool
 
-from magistral_jax.rewards import RewardConfig  # noqa: E402
-from magistral_jax.rewards import code_check, math_check, sandbox  # noqa: E402
-from magistral_jax.verify import VerifierPool  # noqa: E402
-
-flags.DEFINE_integer("workers", max(1, (os.cpu_count() or 2) - 1), "Pool size for the math measurement.")
-flags.DEFINE_integer("math_items", 400, "Answers verified per math measurement.")
-flags.DEFINE_integer("code_items", 100, "HumanEval programs per code measurement.")
-flags.DEFINE_integer("cpp_repeats", 3, "Compiles per C++ measurement (median reported).")
-FLAGS = flags.FLAGS
-
-SOURCES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "magistral_jax", "data", "sources")
+SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
 
 
 def _jsonl(name):
@@ -146,29 +136,38 @@ def bench_cpp(repeats):
   out = {}
   for name, use in (("pch", True), ("no_pch", False)):
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats):   # the compile alone, each in a fresh sandbox dir
       w = sbx.make_dir()
       t = time.perf_counter()
       ok, msg = code_check.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use)
       times.append(time.perf_counter() - t)
       sbx.remove_dir(w)
       assert ok, msg
-    out[f"cpp_compile_s_{name}"] = statistics.median(times)
+    out[f"cpp_compile_s_{name}"] = statistics.median(times)   # common.Timing's statistic
   out["cpp_pch_ready_s"] = pch_ready_s
   out["cpp_pch_available"] = pch is not None
   return out
 
 
-def main(argv):
-  del argv
-  res = dict(bench="verifiers", workers=FLAGS.workers, cpus=os.cpu_count())
-  res.update(bench_math(FLAGS.workers, FLAGS.math_items))
+def main():
+  ap = common.argument_parser(__doc__)
+  ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                  help="pool size for the math measurement")
+  ap.add_argument("--math_items", type=int, default=400,
+                  help="answers verified per math measurement")
+  ap.add_argument("--code_items", type=int, default=100,
+                  help="HumanEval programs per code measurement")
+  ap.add_argument("--cpp_repeats", type=int, default=3,
+                  help="compiles per C++ measurement (median reported)")
+  args = ap.parse_args()
+  res = dict(bench="verifiers", workers=args.workers, cpus=os.cpu_count())
+  res.update(bench_math(args.workers, args.math_items))
   print("math", {k: v for k, v in res.items() if k.startswith("math")}, flush=True)
-  res.update(bench_python(FLAGS.code_items))
+  res.update(bench_python(args.code_items))
   print("python", {k: v for k, v in res.items() if k.startswith("python")}, flush=True)
-  res.update(bench_cpp(FLAGS.cpp_repeats))
-  print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
+  res.update(bench_cpp(args.cpp_repeats))
+  common.emit(res, ndigits=4)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

@@ -7,6 +7,9 @@ shrink the batch as sequences grow (8k → 4k → 2k sequences) to bound KV memo
 from magistral_jax.config import default_config
 
 K = 1024
+PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
+MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens: l_max of the last stage
+TRAINER_DEVICES = 64
 
 
 def get_config(arg=None):
@@ -20,14 +23,18 @@ def get_config(arg=None):
               eps_high=0.28, adv_norm="minibatch", loss_agg="token",
               n_batch=8 * K, n_mini=8 * K,
               group_size=16,           # NOT STATED
-              microbatch_tokens=64 * K, microbatch_rows=4)
+              # A row holds the longest sequence, a 4k prompt and 40k new tokens (45,055 packed
+              # tokens; collation never splits a sequence), and each of the trainer's 64
+              # data-parallel devices gets one row per microbatch.
+              microbatch_tokens=TRAINER_DEVICES * (PROMPT_TOKENS + MAX_NEW_TOKENS),
+              microbatch_rows=TRAINER_DEVICES)
   c.optimizer.update(learning_rate=1e-6, warmup_steps=10)   # NOT STATED
   c.sampling.update(temperature=1.0,   # NOT STATED for Medium's RL
-                    max_new_tokens=40 * K)
-  c.engine.update(max_concurrent_decodes=256, max_prefill_length=4 * K)
+                    max_new_tokens=MAX_NEW_TOKENS)
+  c.engine.update(max_concurrent_decodes=256, max_prefill_length=PROMPT_TOKENS)
   c.reward.update(l_max=16 * K + 8 * K, l_cache=8 * K)     # l_cache NOT STATED
   c.pipeline.update(mode="async", n_async=16 * K)          # n_async / n_batch = 2
-  c.devices.update(trainer=64, generators=(32, 32), trainer_mesh={"fsdp": -1},
+  c.devices.update(trainer=TRAINER_DEVICES, generators=(32, 32), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": 8, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
   # Stage count and lengths NOT STATED beyond the 16k/24k/32k and 8k/4k/2k progression.

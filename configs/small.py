@@ -5,6 +5,9 @@ RL: batch 2048 sequences, l_max − l_cache = 32k, temperature 1.0, eps_high 0.3
 from magistral_jax.config import default_config
 
 K = 1024
+PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
+MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens = l_max
+TRAINER_DEVICES = 16
 
 
 def get_config(arg=None):
@@ -17,13 +20,17 @@ def get_config(arg=None):
   c.rl.update(eps_low=0.2,             # NOT STATED
               eps_high=0.3, n_batch=2 * K, n_mini=2 * K,
               group_size=16,           # NOT STATED
-              microbatch_tokens=64 * K, microbatch_rows=4)
+              # A row holds the longest sequence, a 4k prompt and 40k new tokens (45,055 packed
+              # tokens; collation never splits a sequence), and each of the trainer's 16
+              # data-parallel devices gets one row per microbatch.
+              microbatch_tokens=TRAINER_DEVICES * (PROMPT_TOKENS + MAX_NEW_TOKENS),
+              microbatch_rows=TRAINER_DEVICES)
   c.optimizer.update(learning_rate=1e-6, warmup_steps=10)   # NOT STATED
-  c.sampling.update(temperature=1.0, max_new_tokens=40 * K)
+  c.sampling.update(temperature=1.0, max_new_tokens=MAX_NEW_TOKENS)
   c.reward.update(l_max=40 * K, l_cache=8 * K)               # l_max − l_cache = 32k; l_cache NOT STATED
   c.pipeline.update(mode="async", n_async=4 * K)
-  c.engine.update(max_concurrent_decodes=256, max_prefill_length=4 * K)
-  c.devices.update(trainer=16, generators=(8, 8), trainer_mesh={"fsdp": -1},
+  c.engine.update(max_concurrent_decodes=256, max_prefill_length=PROMPT_TOKENS)
+  c.devices.update(trainer=TRAINER_DEVICES, generators=(8, 8), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": 4, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
   c.num_batches = 500                  # NOT STATED

@@ -49,7 +49,8 @@ def get_config(arg=None):
   c.sft.update(num_steps=0, batch_size=4, learning_rate=3e-5, row_len=640, rows_per_micro=4,
                epochs=1)
   # ---- RL ----
-  # Rows of 768 tokens: a prompt (<= ~380 tokens with the system prompt) + 256 new tokens.
+  # Rows of 768 tokens: the 512-token prompt limit (a prompt is <= ~380 tokens with the system
+  # prompt) + 256 new tokens.
   c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=16, n_mini=16, group_size=4,
               microbatch_tokens=3072, microbatch_rows=4)
   c.optimizer.update(learning_rate=1e-6)     # NOT STATED
@@ -75,8 +76,9 @@ def get_config(arg=None):
   elif "ci" in args:
     # One batch of 2 prompts x G=4 after the short SFT. 128 new tokens let short answers close
     # the format while long ones are cut off (measured: ~50% of samples at T=0.7, ~20% at 96
-    # tokens and T=1), so groups have non-zero advantages.
-    c.rl.update(n_batch=8, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=4)
+    # tokens and T=1), so groups have non-zero advantages. Rows of 640 tokens: the 512-token
+    # prompt limit + 128 new tokens.
+    c.rl.update(n_batch=8, n_mini=8, group_size=4, microbatch_tokens=4 * 640, microbatch_rows=4)
     c.optimizer.update(learning_rate=1e-5)
     c.sampling.max_new_tokens = 128
     c.engine.update(max_concurrent_decodes=8)
@@ -96,7 +98,8 @@ def get_config(arg=None):
     if "sft" in args:   # ~3 epochs of the 1191 traces, 16 rows of 640 tokens a step
       c.sft.update(num_steps=0, epochs=3, batch_size=16, rows_per_micro=16)
     else:
-      c.rl.update(n_batch=128, n_mini=128, group_size=8, microbatch_tokens=16 * 896,
+      # Rows of 1024 tokens: the 512-token prompt limit + 512 new tokens.
+      c.rl.update(n_batch=128, n_mini=128, group_size=8, microbatch_tokens=16 * 1024,
                   microbatch_rows=16)
       c.optimizer.update(learning_rate=2e-6)
       c.sampling.max_new_tokens = 512

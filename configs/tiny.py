@@ -41,7 +41,8 @@ def get_config(arg=None):
   # A 3-step trace is ~52 tokens: l_max - l_cache = 48 tokens free, penalty up to 64.
   c.reward.update(l_max=64, l_cache=16)
   c.verifier.update(num_workers=1, task_timeout_s=30.0)
-  c.pipeline.update(mode="async", n_async=128, sample_every=5, batch_timeout_s=600.0)
+  # n_async = 0: 2 x n_batch (the paper's n_async / n_batch = 2) whatever n_batch a variant sets.
+  c.pipeline.update(mode="async", n_async=0, sample_every=5, batch_timeout_s=600.0)
   c.devices.update(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": -1})
   # The paper's evaluation: temperature 0.7, top-p 1.0, pass@1 averaged over k samples.

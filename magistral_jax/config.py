@@ -9,8 +9,9 @@ pipeline, sharding) take their defaults from it, so each default, and the commen
 
 `validate(config)` turns a ConfigDict into typed dataclasses and raises a clear error before any
 work starts: unknown fields, wrong types, each dataclass's own checks (n_batch not divisible by
-n_mini, group size < 2, ...), device counts that the machine cannot provide, and every stage's
-overridden config.
+n_mini, group size < 2, ...), a microbatch row too short for the longest sequence the generators
+can return (prompt limit + max_new_tokens), device counts that the machine cannot provide, and
+every stage's overridden config.
 """
 from __future__ import annotations
 
@@ -197,6 +198,7 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
   except TypeError as e:
     raise ValueError(f"bad config: {e}") from e
   run.pipeline.bounds(run.rl)
+  run.rl.check_row_fits(run.engine.max_prefill_length, config.sampling.max_new_tokens)
   if num_devices is not None:
     check_device_layout(config.devices.trainer, config.devices.generators, num_devices)
   return run

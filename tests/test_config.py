@@ -13,6 +13,7 @@ from magistral_jax import config as config_lib
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import sharding
+from magistral_jax.pipeline import PipelineConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.optimizer import OptimizerConfig
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small")
 SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
             "reward": RewardConfig, "engine": config_lib.EngineConfig,
-            "sharding": sharding.ShardingConfig}
+            "sharding": sharding.ShardingConfig, "pipeline": PipelineConfig}
 
 
 def _load(name, arg=None):
@@ -34,6 +35,8 @@ def _load(name, arg=None):
 
 def test_each_section_default_is_its_dataclass_default():
   # A default written in default_config() as well as in the dataclass fails here once they differ.
+  # (pipeline.batch_timeout_s read 600 s in PipelineConfig while runs took default_config()'s
+  # 1800 s: a stalled run was expected to stop after 10 minutes and went on for 30.)
   c = config_lib.default_config()
   for name, cls in SECTIONS.items():
     assert c[name].to_dict() == dataclasses.asdict(cls()), name
@@ -144,7 +147,9 @@ def test_each_check_lives_in_its_dataclass():
       ({"sampling.temperature": 0.0}, "temperature must be > 0"),
       ({"eval.top_p": 1.5}, "top_p must be in"),
       ({"pipeline.mode": "fast"}, "pipeline.mode must be async|sync, got 'fast'"),
-      ({"pipeline.max_queue": 8}, "max_queue=8 < n_batch=64: a batch could never fill")]:
+      ({"pipeline.n_async": 32}, r"n_async \+ max_queue = 32 < n_batch=64: a batch could never "
+                                 "fill"),
+      ({"pipeline.max_consecutive_dropped": -1}, "max_consecutive_dropped")]:
     with pytest.raises(ValueError, match=message):
       config_lib.validate(config_lib.apply_overrides(config_lib.default_config(), overrides))
   c = config_lib.default_config()
@@ -167,3 +172,41 @@ def test_stages_are_validated_with_their_overrides():
     config_lib.validate(c)
   # A list in an override becomes a tuple, like the field it replaces.
   assert config_lib.apply_overrides(c, {"devices.generators": [1]}).devices.generators == (1,)
+
+
+def test_validate_proves_the_longest_sequence_fits_a_microbatch_row():
+  # Default rows hold 8192 / 4 = 2048 tokens and prompts up to 256: a completion of 1793 new
+  # tokens packs into 256 + 1793 - 1 = 2048, one more token does not fit any row.
+  c = config_lib.default_config()
+  c.sampling.max_new_tokens = 1793
+  config_lib.validate(c)
+  c.sampling.max_new_tokens = 1794
+  with pytest.raises(ValueError, match=(
+      r"engine.max_prefill_length=256 prompt tokens \+ sampling.max_new_tokens=1794 - 1 = 2049 "
+      r"packed tokens, does not fit a microbatch row of rl.microbatch_tokens=8192 / "
+      r"rl.microbatch_rows=4 = 2048 tokens: raise rl.microbatch_tokens to at least 8196 .*"
+      r"lower rl.microbatch_rows, or lower engine.max_prefill_length or "
+      r"sampling.max_new_tokens")):
+    config_lib.validate(c)
+  # A stage that lengthens generation or shortens rows is checked with its overrides.
+  for overrides in ({"sampling.max_new_tokens": 4096}, {"engine.max_prefill_length": 4096},
+                    {"rl.microbatch_rows": 8}):
+    c = config_lib.default_config()
+    c.sampling.max_new_tokens = 1793
+    c.stages = ({"name": "long", "overrides": overrides},)
+    with pytest.raises(ValueError, match=r"stages\[0\] \('long'\): the longest sequence"):
+      config_lib.validate(c)
+
+
+@pytest.mark.parametrize("name", ["medium", "small"])
+def test_paper_recipes_train_on_45k_token_sequences(name):
+  # The paper's longest sequence: a 4k-token prompt and 40k new tokens (issue: a 16k row
+  # stopped the run at collation).
+  from magistral_jax.rl.collate import Completion, first_fit
+  c = _load(name)
+  longest = Completion(prompt_tokens=[1] * c.engine.max_prefill_length,
+                       completion_tokens=[2] * c.sampling.max_new_tokens)
+  assert longest.num_tokens == 45055
+  for stage in c.stages or ({"overrides": {}},):
+    run = config_lib.validate(config_lib.apply_overrides(c, dict(stage["overrides"])))
+    assert first_fit([longest.num_tokens] * 3, run.rl.row_len) == [[0], [1], [2]]

@@ -2,21 +2,29 @@
 
     prompts -> feeder thread -> generators (own device slices, continuous batching, KV kept
     across weight updates) -> collector thread -> verifier pool (CPU processes) -> a group is
-    scored when its last completion is (rl.advantages.score_group: Â = r − mean(r); dropped when
-    it carries no signal) -> `next_batch()` hands n_batch completions of kept groups to the trainer
-    -> `push(params, version)`: the trainer's params resharded device-to-device onto every
-    generator after each optimizer step.
+    scored when its last completion is (pipeline.groups, rl.advantages.score_group:
+    Â = r − mean(r); dropped when it carries no signal or a verification failed) -> `next_batch()`
+    hands n_batch completions of kept groups to the trainer -> `push(params, version)`: the
+    trainer's params resharded device-to-device onto every generator after each optimizer step.
 
 The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues.
 
-Async (the paper): generators never wait for the trainer. Two bounds, both enforced by the feeder
-(never by the generators):
-- `n_async`, the paper's: completions generated in parallel, i.e. submitted to a generator and
-  not yet returned by it (running in a slot or queued for one). The feeder keeps it topped up.
-- `max_queue`: completions generated but not yet consumed (being scored, waiting for the rest of
-  their group, ready for a batch, or in the batch being trained on). A prompt is submitted only
-  while generating + queued + G stays within n_async + max_queue, so when the trainer falls
-  behind, generation stops running further ahead and off-policy lag stays bounded.
+Async (the paper): generators never wait for the trainer. The off-policy bound is the paper's:
+completions generated but not yet trained on never exceed `n_async` (SPEC §4: n_async / n_batch
+<= 2). The feeder (never the generators) enforces it, counting
+- generating: submitted to a generator and not yet returned by it (running in a slot or queued
+  for one), and
+- queued: returned but not yet consumed (being scored, waiting for the rest of their group, ready
+  for a batch, or in the batch being trained on);
+a prompt is submitted only while generating + queued + G stays within n_async + max_queue. The
+default max_queue = 0 is the paper's bound; max_queue > 0 loosens it, letting generation run up to
+max_queue completions further ahead of the trainer (more off-policy lag, fewer idle slots while
+the trainer steps); generating alone never exceeds n_async. When the trainer falls behind,
+generation stops running ahead.
+
+A batch that cannot form says so: a progress line every `wait_log_s` while the trainer waits, a
+stop naming the likely cause once `max_consecutive_dropped` groups in a row were dropped, and an
+error after `batch_timeout_s`.
 
 Sync (for comparison and ablations): the same code path with a barrier. Exactly enough groups for
 one batch are generated under one policy version (topped up if groups are dropped), every
@@ -39,9 +47,8 @@ import numpy as np
 
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.generate.requests import Request, Sample
-from magistral_jax.rewards.reward import RewardResult, failed_result, reward_metrics
-from magistral_jax.rl.advantages import ScoredGroup, score_group
-from magistral_jax.rl.collate import Completion
+from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
+from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
 
 log = logging.getLogger(__name__)
@@ -55,54 +62,41 @@ class PipelineError(RuntimeError):
 class PipelineConfig:
   """The run config's `pipeline` section (magistral_jax/config.py takes its defaults from here)."""
   mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
-  # Completions generated in parallel (submitted to a generator, not yet returned by it): the
-  # paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium). 0 means 2 * n_batch.
+  # The paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium): completions generated and
+  # not yet trained on (generating, scoring, waiting for their group or a batch, being trained
+  # on). 0 means 2 * n_batch.
   n_async: int = 0
-  # Generated completions not yet consumed (scoring, waiting for their group, for a batch, or being
-  # trained on). No new prompt is submitted while generating + queued + G would exceed
-  # n_async + max_queue. 0 means n_async.
+  # Loosens that bound: generating + queued may reach n_async + max_queue, while generating alone
+  # stays within n_async. 0 (the default) is the paper's bound.
   max_queue: int = 0
   sample_every: int = 5      # log one decoded sample every N batches (0 = never)
   batch_timeout_s: float = 1800.0  # a batch that does not fill in this time is an error, not a hang
+  # Stop, naming the likely cause (e.g. no completion meets the format), once this many groups in
+  # a row were dropped: no batch can form. 0 = never. A run that drops 95% of its groups at random
+  # sees 256 in a row about once in 10^7 groups (98%: once in 10^4).
+  max_consecutive_dropped: int = 256
+  wait_log_s: float = 30.0   # while the trainer waits for a batch, a progress line this often
 
   def __post_init__(self):
     if self.mode not in ("async", "sync"):
       raise ValueError(f"pipeline.mode must be async|sync, got {self.mode!r}")
-    if min(self.n_async, self.max_queue, self.sample_every) < 0 or self.batch_timeout_s <= 0:
-      raise ValueError(f"pipeline: n_async, max_queue, sample_every must be >= 0 and "
-                       f"batch_timeout_s > 0, got {self}")
+    if (min(self.n_async, self.max_queue, self.sample_every, self.max_consecutive_dropped,
+            self.wait_log_s) < 0 or self.batch_timeout_s <= 0):
+      raise ValueError(f"pipeline: n_async, max_queue, sample_every, max_consecutive_dropped, "
+                       f"wait_log_s must be >= 0 and batch_timeout_s > 0, got {self}")
 
   def bounds(self, grpo: GRPOConfig) -> tuple[int, int]:
-    """(n_async, max_queue) with the 0 defaults resolved; errors for bounds that could never
-    fill a batch."""
+    """(n_async, max_queue) with the 0 default of n_async resolved; errors for bounds that could
+    never fill a batch."""
     n_async = self.n_async or 2 * grpo.n_batch
-    max_queue = self.max_queue or n_async
     if self.mode == "async":
       if n_async < grpo.group_size:
         raise ValueError(f"n_async={n_async} < group_size={grpo.group_size}: no group could "
                          "ever be submitted")
-      if max_queue < grpo.n_batch:
-        raise ValueError(f"max_queue={max_queue} < n_batch={grpo.n_batch}: a batch could "
-                         "never fill")
-    return n_async, max_queue
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-  """n_batch completions for the trainer: kept groups in group-id order, plus the groups dropped
-  since the previous batch (for metrics: every scored group is counted once), and how long the
-  trainer waited for it."""
-  groups: list[ScoredGroup]
-  dropped: list[ScoredGroup]
-  wait_s: float
-
-
-class _Pending:
-  """A submitted prompt whose G samples are coming back from the verifiers."""
-
-  def __init__(self, gid: int, size: int):
-    self.gid, self.size = gid, size
-    self.scored: list[tuple[Sample, RewardResult]] = []
+      if n_async + self.max_queue < grpo.n_batch:
+        raise ValueError(f"n_async + max_queue = {n_async + self.max_queue} < "
+                         f"n_batch={grpo.n_batch}: a batch could never fill")
+    return n_async, self.max_queue
 
 
 class Rollouts:
@@ -128,14 +122,18 @@ class Rollouts:
     self.group_size = grpo_cfg.group_size
     self.n_async, self.max_queue = cfg.bounds(grpo_cfg)
     self.generators = list(generators)
+    # A generator cuts or refuses a prompt over its max_prefill_length and stops a completion at
+    # its max_decode_length, so these limits bound every sample: checked here, collation never
+    # meets a sequence longer than a row, whoever built the generators.
+    for g in self.generators:
+      grpo_cfg.check_row_fits(g.engine.max_prefill_length, g.engine.max_decode_length)
     self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
     self.system_prompt = system_prompt
     self._rng = np.random.default_rng(seed)
     self._scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
     self._generated: queue.Queue[tuple[int, Sample]] = queue.Queue()
-    self._pending: dict[int, _Pending] = {}
-    self._ready: collections.deque[ScoredGroup] = collections.deque()
-    self._dropped: list[ScoredGroup] = []   # since the last batch
+    self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped)
+    self.counters = self._groups.counters
     self._next_gid = 0
     self._stop = threading.Event()
     self._threads: list[threading.Thread] = []
@@ -147,7 +145,6 @@ class Rollouts:
     self.max_generating = 0     # high-water marks: max_generating <= n_async and
     self.max_inflight = 0       # max_inflight (generating + queued) <= n_async + max_queue
     self._prompts_exhausted = False
-    self.counters = collections.Counter()
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
@@ -176,12 +173,12 @@ class Rollouts:
     """Blocks until n_batch/G kept groups are ready; None once the prompts are exhausted."""
     self.start()
     t0 = time.time()
+    need = self.grpo_cfg.n_batch // self.group_size
     try:
-      groups = self._wait_for_groups(self.grpo_cfg.n_batch // self.group_size)
+      self._wait_for_groups(need)
     except StopIteration:
       return None
-    dropped, self._dropped = self._dropped, []
-    return RolloutBatch(sorted(groups, key=lambda g: g.group_id), dropped, time.time() - t0)
+    return self._groups.take(need, time.time() - t0)
 
   def push(self, params, version: int) -> float:
     """Device-to-device reshard of the trainer's params onto every generator, which continue
@@ -195,7 +192,7 @@ class Rollouts:
     return time.time() - t
 
   def done(self, batch: RolloutBatch) -> None:
-    """The trainer has consumed `batch`: its completions leave the max_queue bound."""
+    """The trainer has consumed `batch`: its completions leave the off-policy bound."""
     self._release(sum(len(g.completions) for g in batch.groups))
 
   def check(self):
@@ -257,7 +254,7 @@ class Rollouts:
     with self._lock:
       gid = self._next_gid
       self._next_gid += 1
-      self._pending[gid] = _Pending(gid, self.group_size)
+      self._groups.open(gid, self.group_size)
       self._generating += self.group_size
       self.max_generating = max(self.max_generating, self._generating)
       self.max_inflight = max(self.max_inflight, self._generating + self._queued)
@@ -273,7 +270,7 @@ class Rollouts:
             and self._generating + self._queued + g <= self.n_async + self.max_queue)
 
   def _feed(self):
-    """Async mode: submits a group whenever n_async and the queue bound have room for G more."""
+    """Async mode: submits a group whenever the off-policy bound has room for G more."""
     while not self._stop.is_set():
       with self._room:
         while not (self._stop.is_set() or self._has_room()):
@@ -297,7 +294,7 @@ class Rollouts:
       t_submit = time.time()
       try:
         fut = self.pool.submit(s.metadata, response, len(s.tokens), int(s.request_id))
-      except Exception as e:   # a closed or broken pool: score 0, keep the run going
+      except Exception as e:   # a closed or broken pool: its group is dropped, the run goes on
         self._scored.put((s, failed_result(f"verifier submit failed: {e}")))
         continue
 
@@ -312,7 +309,8 @@ class Rollouts:
 
   # ---- group assembly ------------------------------------------------------------------------
   def _drain_scored(self, timeout: float) -> int:
-    """Moves scored samples into their groups; a group is scored once its last sample is."""
+    """Moves scored samples into their groups (pipeline.groups); a group is scored once its last
+    sample is, and a dropped one leaves the off-policy bound at once."""
     n = 0
     deadline = time.time() + timeout
     while True:
@@ -321,30 +319,9 @@ class Rollouts:
       except queue.Empty:
         return n
       n += 1
-      if res.error:
-        self.counters["verifier_errors"] += 1
-        log.warning("verifier error for group %s sample %s: %s", s.request_id, s.sample_index,
-                    res.error[:300])
-      p = self._pending[int(s.request_id)]
-      p.scored.append((s, res))
-      if len(p.scored) == p.size:
-        del self._pending[p.gid]
-        self._finish(p)
-
-  def _finish(self, p: _Pending):
-    # Arrival order depends on thread timing; sample order does not.
-    p.scored.sort(key=lambda m: m[0].sample_index)
-    samples = [s for s, _ in p.scored]
-    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs) for s in samples]
-    group = score_group(p.gid, completions, [r for _, r in p.scored], self.grpo_cfg, info=samples)
-    self.counters["groups_scored"] += 1
-    if group.dropped:
-      self._dropped.append(group)
-      self.counters["groups_dropped"] += 1
-      self.counters[f"groups_{group.dropped}"] += 1
-      self._release(p.size)
-    else:
-      self._ready.append(group)
+      group = self._groups.add(s, res)
+      if group is not None and group.dropped:
+        self._release(len(group.completions))
 
   def _release(self, n: int):
     """n queued completions were consumed by the trainer or dropped with their group."""
@@ -352,64 +329,70 @@ class Rollouts:
       self._queued -= n
       self._room.notify_all()
 
-  def _wait_for_groups(self, need: int) -> list[ScoredGroup]:
-    t0 = time.time()
+  def _progress(self, need: int) -> str:
+    return (f"{len(self._groups.ready)}/{need} groups ready; {self._groups.progress()}; "
+            f"{self._generating} completions generating, {self._queued} queued, "
+            f"{self.counters['verifier_errors']} failed verifications in the run")
+
+  def _stop_stalled(self):
+    streak, n = self._groups.streak, self.cfg.max_consecutive_dropped
+    sample = ""
+    if streak.example is not None:
+      log.warning("a completion of the last dropped group:\n%s",
+                  describe(*streak.example, self.tokenizer.decode))
+      sample = ("\nA completion of the last dropped group (in full in the log above):\n"
+                + describe(*streak.example, self.tokenizer.decode, max_chars=500))
+    raise PipelineError(f"{streak.cause()}.\nStopping: the last {streak.groups} scored groups were "
+                        f"all dropped, so no batch can form (pipeline.max_consecutive_dropped={n};"
+                        f" 0 turns this check off).{sample}")
+
+  def _wait_for_groups(self, need: int):
+    t0 = last_log = time.time()
 
     def tick():
+      nonlocal last_log
       self.check()
       self._drain_scored(0.05)
-      if time.time() - t0 > self.cfg.batch_timeout_s:
-        raise PipelineError(
-            f"batch did not fill in {self.cfg.batch_timeout_s}s ({len(self._ready)}/{need} groups "
-            f"ready; scored {self.counters['groups_scored']} groups, dropped "
-            f"{self.counters['groups_dropped']} with no signal, "
-            f"{self.counters['verifier_errors']} verifier errors)")
+      if self._groups.stalled():
+        self._stop_stalled()
+      now = time.time()
+      if self.cfg.wait_log_s and now - last_log >= self.cfg.wait_log_s:
+        last_log = now
+        log.info("waiting %.0fs for a batch: %s", now - t0, self._progress(need))
+      if now - t0 > self.cfg.batch_timeout_s:
+        raise PipelineError(f"batch did not fill in {self.cfg.batch_timeout_s}s: "
+                            f"{self._progress(need)}")
 
+    ready, pending = self._groups.ready, self._groups.pending
     if self.cfg.mode == "sync":
       # Barrier: generate exactly the missing groups under the current version, wait for every
       # one of them to be scored, top up if some were dropped.
-      while len(self._ready) < need:
-        for _ in range(need - len(self._ready)):
+      while len(ready) < need:
+        for _ in range(need - len(ready)):
           if not self._submit_group():
             break
-        if not self._pending and self._prompts_exhausted:
+        if not pending and self._prompts_exhausted:
           raise StopIteration
-        while self._pending:
+        while pending:
           tick()
     else:
-      while len(self._ready) < need:
+      while len(ready) < need:
         tick()
-        if (self._prompts_exhausted and not self._pending and self._scored.empty()
-            and len(self._ready) < need):
+        if (self._prompts_exhausted and not pending and self._scored.empty()
+            and len(ready) < need):
           raise StopIteration
-    return [self._ready.popleft() for _ in range(need)]
 
   # ---- metrics -------------------------------------------------------------------------------
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
-    """The batch's reward and rollout metrics, and the generators' and verifiers' since the last
-    call. `trained_version`: the policy version of the batch's first optimizer step."""
-    window = batch.groups + batch.dropped
-    samples = [s for g in window for s in g.info]
-    out = reward_metrics([r for g in window for r in g.results])
-    out["filtered_group_frac"] = float(np.mean([bool(g.dropped) for g in window]))
-    lens = np.asarray([len(s.tokens) for s in samples])
-    out.update(response_length_mean=float(lens.mean()), response_length_max=float(lens.max()))
-    # Off-policy accounting: lag of every trained token behind the version that trains on it.
-    versions = np.concatenate([np.asarray(s.versions) for g in batch.groups for s in g.info])
-    lag = trained_version - versions
-    out.update(version_lag_max=float(lag.max()), version_lag_mean=float(lag.mean()),
-               versions_in_batch=float(len(np.unique(versions))))
-    out.update(self._system_metrics())
-    return out
+    """The batch's reward, drop and off-policy metrics (pipeline.groups.batch_metrics), and the
+    generators' and verifiers' since the last call. `trained_version`: the policy version of the
+    batch's first optimizer step."""
+    return {**batch_metrics(batch, trained_version), **self._system_metrics()}
 
   def sample_text(self, batch: RolloutBatch) -> str:
     """The first completion of the batch, decoded, with its task and reward."""
     g = batch.groups[0]
-    s, res = g.info[0], g.results[0]
-    task = s.metadata or {}
-    return (f"problem: {task.get('problem', '?')}\nreference: {task.get('answer', '?')}\n"
-            f"reward={res.reward:.3f} policy versions {min(s.versions, default=-1)}"
-            f"..{max(s.versions, default=-1)}\n" + self.tokenizer.decode(s.tokens))
+    return describe(g.info[0], g.results[0], self.tokenizer.decode)
 
   @staticmethod
   def _gen_counters(g: GeneratorLoop) -> tuple:

@@ -1,4 +1,5 @@
-"""Code correctness: the FIRST fenced block of the answer, run against the task's tests.
+"""Code correctness: the FIRST fenced block of the answer, tagged or not, run against the task's
+tests.
 
 Two kinds of test:
   - stdin/stdout pairs (`tests: [{"input", "output"}]`): the output must match the expected one
@@ -73,12 +74,28 @@ class CodeResult:
   tests_run: int = 0
 
 
-def extract_code_block(answer: str) -> tuple[str | None, str] | None:
-  """(language, code) of the FIRST fenced block; language None when the tag is unknown."""
-  m = fmt.CODE_BLOCK_RE.search(answer)
-  if m is None:
+def task_language(task: dict) -> str:
+  """The language a code task's solution must be in: python or cpp (default python)."""
+  language = LANG_ALIASES.get(str(task.get("language", "python")).lower())
+  if language is None:
+    raise ValueError(f"task language must be python or cpp, got {task.get('language')!r}")
+  return language
+
+
+def extract_code_block(answer: str, untagged_language: str | None = None
+                       ) -> tuple[str | None, str] | None:
+  """(language, code) of the FIRST fenced block of the answer, tagged or not (SPEC §2 grades the
+  first block; that some block carries a tag is the format rule, rewards/format.py). Language
+  None when the tag names no language we run. An untagged block is taken to be in
+  `untagged_language` (the task's language): the task states the language its solution must be
+  in, so the block is run as that, and fails the tests unless it solves the task."""
+  block = next(fmt.code_blocks(answer), None)
+  if block is None:
     return None
-  return LANG_ALIASES.get(m.group(1).lower()), m.group(2)
+  tag, code = block
+  if tag is None:
+    return untagged_language, code
+  return LANG_ALIASES.get(tag.lower()), code
 
 
 def _is_number(tok: str) -> float | None:
@@ -218,9 +235,7 @@ def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox,
                test_timeout_s: float, memory_mb: int, compile_timeout_s: float, python: str,
                group_seed: int = 0) -> CodeResult:
   """Runs the candidate `code` on the task's tests; passed only if every drawn test passes."""
-  want = LANG_ALIASES.get(str(task.get("language", "python")).lower())
-  if want is None:
-    raise ValueError(f"task language must be python or cpp, got {task.get('language')!r}")
+  want = task_language(task)
   if language != want:
     return CodeResult(False, f"code block language {language!r} does not match task {want!r}")
   limits = Limits(cpu_s=test_timeout_s, memory_mb=memory_mb)

@@ -19,9 +19,13 @@ ONE_THINK_PAIR = "one_think_pair"
 BOXED_AFTER_THINK = "boxed_after_think"
 CODE_BLOCK_AFTER_THINK = "code_block_after_think"
 
-# ```lang\n ... ``` ; the tag must be a word (python, cpp, c++, py3 ...). Non-greedy body, so the
-# FIRST block is the first match. Bounded character classes keep the scan linear on 1 MB inputs.
-CODE_BLOCK_RE = re.compile(r"```[ \t]*([A-Za-z][\w+#.-]{0,30})[ \t]*\r?\n(.*?)```", re.DOTALL)
+# ```lang\n ... ``` or an untagged ```\n ... ```; a tag is a word (python, cpp, c++, py3 ...).
+# Each match runs from an opening fence to the next fence, which closes it, so successive matches
+# are the blocks in order and a closing fence is never read as an opening one. Bounded character
+# classes keep the scan linear on 1 MB inputs; the optional tag group starts with a letter, so the
+# blanks before and after it never compete for the same characters (which would be quadratic).
+CODE_BLOCK_RE = re.compile(r"```[ \t]*(?:([A-Za-z][\w+#.-]{0,30})[ \t]*)?\r?\n(.*?)```",
+                           re.DOTALL)
 
 # \boxed{...}, \boxed 5 and \fbox{...}.
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
@@ -73,6 +77,12 @@ def find_boxed(text: str) -> list[str]:
   return out
 
 
+def code_blocks(text: str):
+  """(tag, code) of each fenced block of `text`, in order; tag None for an untagged block."""
+  for m in CODE_BLOCK_RE.finditer(text):
+    yield m.group(1), m.group(2)
+
+
 def check_format(response: str, kind: str) -> FormatResult:
   """Checks SPEC §2's format conditions for a `math` or `code` task."""
   if kind not in ("math", "code"):
@@ -86,6 +96,6 @@ def check_format(response: str, kind: str) -> FormatResult:
   answer = response[close + len(THINK_CLOSE):]
   if kind == "math" and not find_boxed(answer):
     return FormatResult(False, BOXED_AFTER_THINK, thoughts, answer)
-  if kind == "code" and not CODE_BLOCK_RE.search(answer):
+  if kind == "code" and not any(tag for tag, _ in code_blocks(answer)):
     return FormatResult(False, CODE_BLOCK_AFTER_THINK, thoughts, answer)
   return FormatResult(True, None, thoughts, answer)

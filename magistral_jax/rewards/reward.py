@@ -16,6 +16,9 @@ from magistral_jax.rewards.length import length_penalty
 
 DEFAULT_LANGUAGES = ("en", "fr", "es", "it", "de", "zh", "ru")
 PARTS = ("format", "correct", "language", "length_penalty")
+# How the error of a task the verifier could not read starts (a malformed dataset row, not a fault
+# of the verifier machinery): the pipeline drops its group either way and names the two apart.
+BAD_TASK = "bad task or response"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,7 @@ def compute_reward(task: dict, response: str, response_tokens: int | None, cfg: 
   try:
     return _compute(task, response, response_tokens, cfg, group_seed)
   except (ValueError, TypeError, KeyError) as e:
-    return failed_result(f"bad task or response: {type(e).__name__}: {e}")
+    return failed_result(f"{BAD_TASK}: {type(e).__name__}: {e}")
   except Exception as e:   # keep the pool serving; the trace goes to the log line
     return failed_result(f"internal error: {type(e).__name__}: {e}: "
                          + traceback.format_exc(limit=3)[-500:])
@@ -125,8 +128,7 @@ def _compute(task, response, response_tokens, cfg, group_seed) -> RewardResult:
     info["boxed"] = boxed[:200]
     correct = math_check.math_equal(boxed, str(task["answer"]), cfg.math_timeout_s)
   else:
-    block = code_check.extract_code_block(f.answer)
-    lang, code = block
+    lang, code = code_check.extract_code_block(f.answer, code_check.task_language(task))
     res = code_check.check_code(
         task, lang, code, sandbox=sandbox.default_sandbox(), num_tests=cfg.num_tests,
         test_timeout_s=cfg.test_timeout_s, memory_mb=cfg.memory_mb,

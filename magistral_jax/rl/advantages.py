@@ -3,7 +3,10 @@
     Â_i = r_i − mean_{j ∈ group} r_j        (no division by the group std)
 
 A group whose rewards are all equal has Â = 0 everywhere: it carries no signal and is dropped.
-Minibatch normalisation of Â happens later, over a minibatch (rl/minibatch.py).
+A group with a completion whose verification failed (timeout, crashed worker, closed pool, a task
+the verifier could not read) is dropped too: its 0 is an infrastructure fault, not the policy's
+answer, and kept in the group it would give the other completions, correct ones included, an
+advantage they did not earn. Minibatch normalisation of Â happens later, over a minibatch (rl/minibatch.py).
 
 Pure NumPy over one group's arrays.
 """
@@ -22,6 +25,8 @@ if TYPE_CHECKING:   # the verifiers' modules are not needed to do arithmetic on 
 
 ZERO_ADVANTAGE = "zero_advantage"
 LENGTH_ONLY = "length_only"
+VERIFIER_ERROR = "verifier_error"
+DROP_REASONS = (ZERO_ADVANTAGE, LENGTH_ONLY, VERIFIER_ERROR)
 
 
 def _check(rewards) -> np.ndarray:
@@ -68,7 +73,7 @@ def drop_reason(rewards, length_penalty=None, length_only_groups: str = "keep",
 class ScoredGroup:
   """One prompt's G completions after verification: each Completion carries its group-centred Â.
 
-  `dropped` says why the group is not trained on (ZERO_ADVANTAGE, LENGTH_ONLY) or is None.
+  `dropped` says why the group is not trained on (one of DROP_REASONS) or is None.
   `results` are the verifier's RewardResults (for metrics); `info` is whatever the caller carries
   along with the group (the pipeline: the generator's samples).
   """
@@ -85,14 +90,16 @@ class ScoredGroup:
 
 def score_group(group_id: int, completions: Sequence[Completion], results: Sequence["RewardResult"],
                 cfg: GRPOConfig, info: Any = None) -> ScoredGroup:
-  """Scores one finished group: Â = r − mean(r) on each completion, and the drop decision."""
+  """Scores one finished group: Â = r − mean(r) on each completion, and the drop decision
+  (VERIFIER_ERROR if any result carries an error, else drop_reason's)."""
   if len(completions) != len(results):
     raise ValueError(f"group {group_id}: {len(completions)} completions but {len(results)} "
                      "reward results")
   rewards = [r.reward for r in results]
   length_penalty = [r.parts.get("length_penalty") or 0.0 for r in results]
   adv = group_advantages(rewards)
-  dropped = drop_reason(rewards, length_penalty, cfg.length_only_groups, cfg.reward_atol)
+  dropped = (VERIFIER_ERROR if any(r.error for r in results)
+             else drop_reason(rewards, length_penalty, cfg.length_only_groups, cfg.reward_atol))
   scored = [dataclasses.replace(c, advantage=float(a), group_id=group_id)
             for c, a in zip(completions, adv)]
   return ScoredGroup(group_id, scored, list(results), dropped, info)

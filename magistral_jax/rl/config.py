@@ -65,6 +65,8 @@ class GRPOConfig:
   # Microbatches: a fixed token budget microbatch_tokens = microbatch_rows × row length. Rows are
   # the packing bins of greedy collation; microbatch_rows must be a multiple of the trainer's
   # data-parallel size so every device gets whole rows (4: the default trainer's 4 fsdp devices).
+  # A sequence is never split across rows, so a row must hold the longest sequence the
+  # generators can return (check_row_fits).
   microbatch_tokens: int = 8192
   microbatch_rows: int = 4
 
@@ -101,6 +103,22 @@ class GRPOConfig:
   @property
   def row_len(self) -> int:
     return self.microbatch_tokens // self.microbatch_rows
+
+  def check_row_fits(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raises unless the longest sequence, a prompt of max_prompt_tokens (engine.max_prefill_length)
+    and max_new_tokens completion tokens (sampling.max_new_tokens), packs into one row: greedy
+    collation (rl/collate.py first_fit) cannot place a longer one, and that would stop the run
+    at its first long completion."""
+    longest = max_prompt_tokens + max_new_tokens - 1   # collate.Completion.num_tokens
+    if longest > self.row_len:
+      raise ValueError(
+          f"the longest sequence, engine.max_prefill_length={max_prompt_tokens} prompt tokens + "
+          f"sampling.max_new_tokens={max_new_tokens} - 1 = {longest} packed tokens, does not fit "
+          f"a microbatch row of rl.microbatch_tokens={self.microbatch_tokens} / "
+          f"rl.microbatch_rows={self.microbatch_rows} = {self.row_len} tokens: raise "
+          f"rl.microbatch_tokens to at least {self.microbatch_rows * longest} "
+          f"(rl.microbatch_rows x {longest}), lower rl.microbatch_rows, or lower "
+          f"engine.max_prefill_length or sampling.max_new_tokens")
 
   @property
   def num_minibatches(self) -> int:

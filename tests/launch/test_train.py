@@ -97,13 +97,16 @@ def test_tiny_run_writes_summary_metrics_checkpoints_and_resumes(tmp_path):
   assert resumed["wall_time_s"] > summary["wall_time_s"]
 
 
-@pytest.mark.parametrize("name", ["tiny", "smollm2", "small", "medium", "sft_small"])
+@pytest.mark.parametrize("name", ["tiny", "tiny:mode=sync,n_mini_per_batch=1", "smollm2",
+                                  "smollm2:ci", "smollm2:gpu", "smollm2:sft", "smollm2:sft,ci",
+                                  "small", "medium", "sft_small"])
 def test_every_recipe_validates(name):
   import importlib.util
+  name, _, arg = name.partition(":")
   spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"configs/{name}.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  c = mod.get_config()
+  c = mod.get_config(arg or None)
   run = config_lib.validate(c)
   if name == "medium":   # the paper's stage schedule: 16k/24k/32k budgets, 8k/4k/2k batches
     assert [s["overrides"]["rl.n_batch"] for s in c.stages] == [8192, 4096, 2048]

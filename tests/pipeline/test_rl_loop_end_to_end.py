@@ -4,6 +4,7 @@ warm-started by SFT on the synthetic task."""
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -92,15 +93,15 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
   # Off-policy: in async mode a batch holds tokens from several policy versions.
   assert max(h["versions_in_batch"] for h in history) > 1
   assert max(h["version_lag_max"] for h in history) >= 1
-  # The bounds: never more than n_async completions generating, never more than
-  # n_async + max_queue (default max_queue = n_async) submitted and not yet trained on.
-  assert 0 < pipe.max_generating <= 32
-  assert 0 < pipe.max_inflight <= 64
+  # The paper's bound (the default, max_queue = 0): never more than n_async completions generated
+  # and not yet trained on.
+  assert 0 < pipe.max_generating <= pipe.max_inflight <= 32
   for key in ("reward", "reward_format", "reward_correct", "reward_length_penalty", "accuracy",
               "format_rate", "response_length_mean", "response_length_max", "entropy",
               "clip_low_frac", "clip_high_frac", "filtered_group_frac", "generator_utilization",
               "generator_slot_occupancy", "generator_decode_utilization",
-              "trainer_idle_s", "verifier_latency_s", "weight_push_s", "version_lag_mean"):
+              "trainer_idle_s", "verifier_latency_s", "weight_push_s", "version_lag_mean",
+              "version_lag_hist_0", "version_lag_hist_3plus", "groups_verifier_error"):
     assert all(key in h and np.isfinite(h[key]) for h in history), key
   # After a push, each generator holds the trainer's weights bitwise, on its own devices.
   trainer = jax.device_get(run.trainer.state.params)
@@ -129,8 +130,9 @@ def test_sync_pipeline_trains_on_exactly_one_version(setup):
 
 
 def test_queue_bound_holds_when_the_trainer_is_slow(setup):
-  # A trainer much slower than generation: the queue of generated, untrained completions fills
-  # to max_queue and the feeder stops submitting, so generation never runs further ahead.
+  # A trainer much slower than generation, and the bound loosened by max_queue: the generated,
+  # untrained completions fill n_async + max_queue and the feeder stops submitting, so
+  # generation never runs further ahead.
   run = Run(setup, "async", n_async=8, max_queue=16)
   pipe = run.rollouts
   real = run.trainer.step_fn
@@ -149,13 +151,27 @@ def test_queue_bound_holds_when_the_trainer_is_slow(setup):
 
 
 def test_pipeline_rejects_bounds_that_could_never_fill_a_batch():
-  with pytest.raises(ValueError, match="max_queue=8 < n_batch=16"):
-    PipelineConfig(n_async=8, max_queue=8).bounds(GRPO)
+  with pytest.raises(ValueError, match=r"n_async \+ max_queue = 12 < n_batch=16"):
+    PipelineConfig(n_async=8, max_queue=4).bounds(GRPO)
   with pytest.raises(ValueError, match="n_async=2 < group_size=4"):
     PipelineConfig(n_async=2).bounds(GRPO)
-  assert PipelineConfig().bounds(GRPO) == (2 * GRPO.n_batch, 2 * GRPO.n_batch)
+  # The paper's bound by default: n_async = 2 * n_batch, nothing more.
+  assert PipelineConfig().bounds(GRPO) == (2 * GRPO.n_batch, 0)
+  assert PipelineConfig(n_async=8, max_queue=8).bounds(GRPO) == (8, 8)
   with pytest.raises(ValueError, match="pipeline.mode must be async|sync"):
     PipelineConfig(mode="barrier")
+
+
+def test_rollouts_refuse_generators_whose_longest_sequence_overflows_a_row():
+  # GRPO's rows hold 1024 / 4 = 256 tokens; a generator's limits bound every sample it returns.
+  def gen(max_prefill_length, max_decode_length):
+    return SimpleNamespace(engine=SimpleNamespace(max_prefill_length=max_prefill_length,
+                                                  max_decode_length=max_decode_length))
+  kw = dict(pool=None, tokenizer=None, prompts=iter(()), grpo_cfg=GRPO)
+  Rollouts(generators=[gen(64, 193), gen(200, 57)], **kw)   # 256 tokens: a row exactly
+  with pytest.raises(ValueError, match=r"64 prompt tokens \+ sampling.max_new_tokens=194 - 1 = "
+                                       r"257 packed tokens, does not fit a microbatch row"):
+    Rollouts(generators=[gen(64, 40), gen(64, 194)], **kw)
 
 
 def test_generator_thread_failure_surfaces_without_hanging(setup):
@@ -180,21 +196,22 @@ def test_generator_thread_failure_surfaces_without_hanging(setup):
 
 
 class _FlakyPool:
-  """Delegates to the real pool but fails every third submission, like a lost verifier host."""
+  """Delegates to the real pool but fails every tenth submission, like a lost verifier host."""
 
   def __init__(self, pool):
     self.pool, self.n = pool, 0
 
   def submit(self, *args):
     self.n += 1
-    if self.n % 3 == 0:
+    if self.n % 10 == 0:
       raise ConnectionError("verifier host unreachable")
     return self.pool.submit(*args)
 
 
-def test_verifier_failures_score_zero_and_the_run_continues(setup):
+def test_verifier_failures_drop_their_group_and_the_run_continues(setup):
   run = Run(setup, "async", n_async=32, pool=_FlakyPool(setup["pool"]))
   pipe = run.rollouts
-  history = run.run(1)
-  assert len(history) == 1
+  history = run.run(2)
+  assert len(history) == 2
   assert pipe.counters["verifier_errors"] > 0
+  assert pipe.counters["groups_verifier_error"] > 0   # their groups dropped, not trained on

@@ -140,3 +140,39 @@ def test_outputs_match_tokens_with_numeric_tolerance():
 def test_first_code_block_is_taken():
   assert extract_code_block("```c++\nint main(){}\n```\n```python\nx\n```") == ("cpp", "int main(){}\n")
   assert extract_code_block("no code") is None
+  # Untagged blocks count: the first block is the first one, in the task's language.
+  answer = "```\nprint(0)\n```\nthen\n```python\nx\n```"
+  assert extract_code_block(answer, "python") == ("python", "print(0)\n")
+  assert extract_code_block(answer) == (None, "print(0)\n")
+  assert extract_code_block("```text\n3 4\n```\n```python\nx\n```") == (None, "3 4\n")
+
+
+DOUBLE = {"kind": "code", "problem": "Double it.", "language": "python",
+          "tests": [{"input": f"{i}\n", "output": f"{2 * i}\n"} for i in range(5)]}
+RIGHT, WRONG = "print(2 * int(input()))", "print(0)"
+
+
+def _blocks(*blocks):
+  return "<think>\nI will write the program.\n</think>\n" + "\nor\n".join(
+      f"```{tag}\n{code}\n```" for tag, code in blocks) + "\n"
+
+
+def test_an_untagged_first_block_is_graded_not_a_later_tagged_one():
+  # The example: an untagged print(0) ahead of a correct tagged block scored 1.0.
+  r = compute_reward(DOUBLE, _blocks(("", WRONG), ("python", RIGHT)), None, CFG)
+  assert r.parts["format"] == 0.1 and r.parts["correct"] == 0.0, r.info
+  assert "wrong answer" in r.info["code"]
+  # An untagged first block runs in the task's language, and passes if it solves the task.
+  r = compute_reward(DOUBLE, _blocks(("", RIGHT), ("python", WRONG)), None, CFG)
+  assert r.parts["correct"] == 0.9, r.info
+
+
+def test_the_first_block_is_graded_even_when_a_later_one_is_correct():
+  r = compute_reward(DOUBLE, _blocks(("python", WRONG), ("python", RIGHT)), None, CFG)
+  assert r.parts["format"] == 0.1 and r.parts["correct"] == 0.0, r.info
+  # A first block in another language (or none we run) is graded as wrong, not skipped.
+  for tag in ("cpp", "text"):
+    r = compute_reward(DOUBLE, _blocks((tag, WRONG), ("python", RIGHT)), None, CFG)
+    assert r.parts["correct"] == 0.0 and "language" in r.info["code"], (tag, r.info)
+  r = compute_reward(DOUBLE, _blocks(("python", RIGHT), ("python", WRONG)), None, CFG)
+  assert r.parts["correct"] == 0.9, r.info

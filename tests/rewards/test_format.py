@@ -1,4 +1,6 @@
 """Format gate, boxed extraction, length penalty, language consistency, composition."""
+import time
+
 import pytest
 
 from magistral_jax.rewards import (RewardConfig, check_format, compute_reward, find_boxed,
@@ -23,12 +25,28 @@ MATH = {"kind": "math", "problem": "What is two plus three? Give the number.", "
     ("<think>\nok\n</think>\nso $\\boxed 5$", "math", None),
     ("<think>\nok\n</think>\n```python\nprint(1)\n```", "code", None),
     ("<think>\nok\n</think>\n```\nprint(1)\n```", "code", fmt.CODE_BLOCK_AFTER_THINK),
+    # At least one tagged block: an untagged one ahead of it does not matter to the format.
+    ("<think>\nok\n</think>\n```\nprint(0)\n```\n```python\nprint(1)\n```", "code", None),
+    ("<think>\nok\n</think>\n```\nprint(0)\n```\n```\nprint(1)\n```", "code",
+     fmt.CODE_BLOCK_AFTER_THINK),
+    # A closing fence is not an opening one, whatever follows it on the line.
+    ("<think>\nok\n</think>\n```\nprint(0)\n```cpp\nx\n```", "code",
+     fmt.CODE_BLOCK_AFTER_THINK),
     ("<think>\n```python\nprint(1)\n```\n</think>\nno code", "code", fmt.CODE_BLOCK_AFTER_THINK),
 ])
 def test_format_check_reports_the_failed_condition(response, kind, failed):
   res = check_format(response, kind)
   assert res.ok == (failed is None)
   assert res.failed_condition == failed
+
+
+def test_code_block_scan_stays_linear_on_1mb_answers():
+  # Blanks around an optional tag could be matched in ~n^2 ways; each answer takes < 0.5 s linear.
+  for answer in ("```" + " " * (1 << 20), "```py" + " \t" * (1 << 19), "``` " * (1 << 18),
+                 "```python\n" + "a" * (1 << 20)):
+    t = time.time()
+    assert not check_format("<think>\nok\n</think>\n" + answer, "code").ok
+    assert time.time() - t < 10
 
 
 def test_find_boxed_handles_nesting_escapes_and_unbalanced_braces():

@@ -3,7 +3,7 @@ minibatch normalisation modes."""
 import numpy as np
 import pytest
 
-from magistral_jax.rewards.reward import RewardResult
+from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl import advantages as A
 from magistral_jax.rl.collate import Completion
 from magistral_jax.rl.config import GRPOConfig
@@ -80,3 +80,17 @@ def test_bad_rewards_raise_clear_errors():
     normalize_advantages([0.0], [0], "batch")
   with pytest.raises(ValueError, match="2 completions but 1 reward"):
     A.score_group(0, [Completion([1], [2])] * 2, [_result(1.0)], GRPOConfig())
+
+
+def test_a_failed_verification_drops_its_group():
+  # A timed-out or crashed verification is no answer: scored 0 and kept, it would give its
+  # completion, maybe a correct one, a negative advantage (here 0 - 0.575) and the others a
+  # share of a mean they did not earn.
+  comps = [Completion([1], [2, 3], [-0.1, -0.2]) for _ in range(4)]
+  crashed = failed_result("verifier worker died (exit code -9)")
+  g = A.score_group(3, comps, [crashed, _result(1.1), _result(0.1), _result(1.1)], GRPOConfig())
+  assert g.dropped == A.VERIFIER_ERROR
+  # It outranks the other reasons: equal rewards, one of them a failed verification.
+  same = A.score_group(4, comps[:2], [failed_result("timed out"), _result(0.0)], GRPOConfig())
+  assert same.dropped == A.VERIFIER_ERROR
+  assert A.VERIFIER_ERROR in A.DROP_REASONS
