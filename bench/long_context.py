@@ -11,19 +11,18 @@ an accelerator):
               position's logits.
 Peak memory is the compiled program's own account (memory_analysis: arguments + outputs +
 temporaries - aliased), so it is exact for the program and needs no run: dense is measured
-where it could not run. Times (best of --repeats, after a compile) are taken only where the
-peak fits --run_budget_gib; --no_time skips them.
+where it could not run. Times (the median of --repeats timed rounds after a warm-up call,
+bench/common.py's statistic) are taken only where the peak fits --run_budget_gib; --no_time
+skips them.
 
 Last line, JSON: peak_mem_ratio_32k = blockwise / dense peak of the train step at the largest
 T (dense's figure there is its compiled program's: the quadratic estimate); the same for
 prefill; and max_tokens_in_budget: the longest packed row whose train step fits --budget_gib
 with blockwise attention (max_tokens_in_budget_dense: with dense), found by fitting peak(T)
-(linear for blockwise, quadratic for dense) and checking the compiled program at the answer.
+(linear for blockwise, quadratic for dense) and checking the compiled program at the answer;
+and the host (common.host_info).
 """
-import argparse
-import json
-import time
-
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,12 +77,7 @@ def measure(program, cfg, params, t, segments, repeats, run_budget):
   peak = peak_bytes(compiled)
   seconds = None
   if repeats and peak <= run_budget:
-    jax.block_until_ready(compiled(*args))
-    seconds = float("inf")
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      seconds = min(seconds, time.perf_counter() - start)
+    seconds = common.time_fn(lambda: compiled(*args), repeats).median
   return peak, seconds
 
 
@@ -101,7 +95,7 @@ def max_tokens(cfg, params, points: dict, budget: int, degree: int, step: int, s
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--lengths", default="4096,16384,32768")
   ap.add_argument("--hidden", type=int, default=64)
   ap.add_argument("--heads", type=int, default=4)
@@ -158,6 +152,7 @@ def main():
   print(f"peak growth T={low}->{top} ({top / low:.0f}x tokens): " + ", ".join(
       f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in impls))
   result = {
+      **common.host_info(),
       "peak_mem_ratio_32k": peaks["train_step"]["blockwise"][top] / peaks["train_step"]["dense"][top],
       "peak_mem_ratio_32k_prefill": peaks["prefill"]["blockwise"][top] / peaks["prefill"]["dense"][top],
       "max_tokens_in_budget": fit("blockwise", 1),
@@ -169,7 +164,7 @@ def main():
       "time_s": times,
       "peak_growth": growth,
   }
-  print(json.dumps(result))
+  common.emit(result)
 
 
 if __name__ == "__main__":
