@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -165,7 +166,8 @@ def test_a_closed_verifier_pool_drops_every_group_and_stops_the_run_naming_it():
       raise RuntimeError("VerifierPool is closed")
 
   pipe = rollouts(right_or_wrong, ClosedPool(), max_consecutive_dropped=8)
-  with pipe, pytest.raises(PipelineError, match=r"every one of the last 8 groups had a failed "
+  # Several groups may be scored in one drain, so the streak can pass 8 before the check sees it.
+  with pipe, pytest.raises(PipelineError, match=r"every one of the last \d+ groups had a failed "
                            r"verification \(verifier fault: verifier submit failed: VerifierPool "
                            r"is closed\)"):
     pipe.next_batch()
@@ -199,8 +201,10 @@ def test_a_policy_that_never_meets_the_format_stops_the_run_early_and_says_why(c
     pipe.next_batch()
   assert time.time() - t < 30
   msg = str(e.value)
-  assert "no completion met the format in the last 24 groups (format rate 0; failed conditions: "\
-         "starts_with_think 96)" in msg
+  # At least 24: several groups may be scored in one drain before the check sees the streak.
+  m = re.search(r"no completion met the format in the last (\d+) groups \(format rate 0; failed "
+                r"conditions: starts_with_think (\d+)\)", msg)
+  assert m and int(m[1]) >= 24 and int(m[2]) == 4 * int(m[1]), msg
   assert "max_consecutive_dropped=24" in msg and "no think tags here" in msg
   waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting")]
   assert waiting, "no progress line while the batch waited"
