@@ -33,20 +33,12 @@ log = logging.getLogger("eval")
 
 
 def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
-  """The first n problems of set `name` in a seeded order (train.py's held-out order)."""
-  from magistral_jax.data import records, synthetic
-  from magistral_jax.data.prompts import SHIPPED_ALIASES
-  from magistral_jax.data.loader import ProblemLoader
-  from magistral_jax.data.tfds_builders import build_shipped
-  if name == "synthetic":
-    return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
-  name = SHIPPED_ALIASES.get(name, name)
-  data_dir = config.data.data_dir or os.path.join(workdir, "data")
-  if name in records.SHIPPED:
-    build_shipped(data_dir, [name])
-  loader = ProblemLoader(data_dir, [name], seed=config.seed, shuffle=True, num_epochs=1,
-                         code_languages=("python",))
-  return loader.take(n)
+  """The first n problems of set `name` in a seeded order (train.py's held-out order; code
+  problems in Python only)."""
+  from magistral_jax import config as config_lib
+  from magistral_jax.data.prompts import heldout_problems
+  one_set = config_lib.apply_overrides(config, {"data.source": name, "data.heldout": n})
+  return heldout_problems(one_set, workdir, code_languages=("python",))
 
 
 def load_policy(config, workdir, which: str, model_cfg, init_params, run):

@@ -26,23 +26,26 @@ def data_dir_for(config, workdir: str | None = None) -> str:
   return os.path.join(workdir, "data")
 
 
-def problem_loader(config, num_epochs: int | None, workdir: str | None = None) -> ProblemLoader:
-  """A seeded ProblemLoader over data.source; shipped sets are built on first use."""
+def problem_loader(config, num_epochs: int | None, workdir: str | None = None,
+                   **loader_kw) -> ProblemLoader:
+  """A seeded ProblemLoader over data.source; shipped sets are built on first use. `loader_kw`
+  go to ProblemLoader (e.g. code_languages)."""
   from magistral_jax.data.tfds_builders import build_shipped
   names = [SHIPPED_ALIASES.get(n, n) for n in config.data.source.split(",") if n]
   data_dir = data_dir_for(config, workdir)
   shipped = [n for n in names if n in records.SHIPPED]
   if shipped:
     build_shipped(data_dir, shipped)
-  return ProblemLoader(data_dir, names, seed=config.seed, shuffle=True, num_epochs=num_epochs)
+  return ProblemLoader(data_dir, names, seed=config.seed, shuffle=True, num_epochs=num_epochs,
+                       **loader_kw)
 
 
-def heldout_problems(config, workdir: str | None = None) -> list[dict]:
+def heldout_problems(config, workdir: str | None = None, **loader_kw) -> list[dict]:
   """The held-out evaluation problems (data.heldout of them)."""
   n = config.data.heldout
   if config.data.source == "synthetic":
     return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
-  return problem_loader(config, 1, workdir).take(n)
+  return problem_loader(config, 1, workdir, **loader_kw).take(n)
 
 
 class SyntheticPrompts:
