@@ -1,0 +1,195 @@
+"""Benchmark: tokens/s and MFU of the GRPO train step at a 1B shape, against a plain
+cross-entropy step of the same shapes, on an accelerator.
+
+Model: the Llama-3.2-1B shapes (random init: a step's time does not depend on the values), with
+the trainer's dtype policy: `--param_dtype` master weights and AdamW moments (float32), matmuls
+in `--dtype` (bfloat16), `--attention_impl` (auto: cuDNN flash on NVIDIA GPUs). For each shape in
+`--shapes` (ROWSxROW_LEN:REMAT, e.g. 4x2048:none = microbatches of 4 rows of 2,048 tokens, no
+rematerialisation), `--micro` microbatches per optimizer step, each row one sequence of ROW_LEN
+tokens (a 128-token prompt and its completion), both steps go through train.step.make_train_step
+(gradient accumulation scan, AdamW, NaN guard, donated state):
+  grpo  train.step.make_grpo_step: policy forward, chunked log-probs and entropy, the clipped
+        token-level loss.
+  ce    train.sft.make_sft_step: the next-token cross-entropy of the same tokens (the baseline).
+The two alternate over `--repeats` rounds after a warm-up; the median is reported.
+
+MFU = model FLOPs / step time / peak. Model FLOPs per token are the usual count for a dense
+decoder (forward + backward = 3 x forward): 6 x the matmul weights (the tied head's V x d
+included, the input embedding gather not) + 6 x layers x heads x head_dim x ROW_LEN for causal
+attention (scores and values: 2 x 2 x T x d per query per layer forward, half of the keys
+masked). Rematerialisation's recomputed forward is not model work, so it lowers MFU. Peak: the
+vendor's dense bf16 rate where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same)
+and, measured in the same run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also
+given against (`mfu_vs_matmul`).
+
+Last line: one JSON object; per shape `tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`,
+`mfu_ce`, `grpo_over_ce_time`, the compiled peak memory, and the device.
+Usage (GPU): python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
+"""
+from __future__ import annotations
+
+import time
+
+import common
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magistral_jax.model import config as model_config
+from magistral_jax.rl import collate as C
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import collate_minibatch
+from magistral_jax.train import optimizer as O
+from magistral_jax.train import step as S
+from magistral_jax.train.sft import make_sft_step
+
+# Vendor dense bf16 matmul peak (TFLOP/s) by a substring of jax's device_kind.
+SPEC_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+                    ("A100", 312.0), ("TPU v5p", 459.0), ("TPU v5 lite", 197.0),
+                    ("TPU v5e", 197.0), ("TPU v4", 275.0))
+PROMPT = 128
+
+
+def spec_tflops(kind: str) -> float | None:
+  for name, tf in SPEC_BF16_TFLOPS:
+    if name.lower() in kind.lower():
+      return tf
+  return None
+
+
+def model_flops_per_token(cfg, row_len: int) -> float:
+  """Forward + backward model FLOPs of one token in a causal row of `row_len` tokens."""
+  matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size   # the gather is not a matmul
+  matmul += cfg.vocab_size * cfg.hidden_size                       # the head (tied or not)
+  attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * row_len   # causal: half of 2 x 2 x T x d
+  return 6.0 * matmul + 6.0 * attn
+
+
+def matmul_tflops(n: int, dtype, reps: int = 10) -> float:
+  """Achieved TFLOP/s of an n x n x n matmul on random data (zeros can run faster)."""
+  ka, kb = jax.random.split(jax.random.PRNGKey(1))
+  a = jax.random.normal(ka, (n, n), dtype)
+  b = jax.random.normal(kb, (n, n), dtype)
+  f = jax.jit(lambda a, b: a @ b)
+  t = common.time_fn(lambda: f(a, b), reps, warmup=2).median
+  return 2.0 * n ** 3 / t / 1e12
+
+
+def make_batch(rows: int, row_len: int, micro: int, vocab: int, seed: int = 0):
+  """`rows * micro` sequences of exactly `row_len` tokens, one per row, in groups of 2."""
+  rng = np.random.default_rng(seed)
+  n = rows * micro
+  comps = [C.Completion(rng.integers(1, vocab, PROMPT), rng.integers(1, vocab, row_len - PROMPT + 1),
+                        -np.abs(rng.normal(2.0, 1.0, row_len - PROMPT + 1)), float(rng.normal()),
+                        i // 2) for i in range(n)]
+  gcfg = GRPOConfig(microbatch_tokens=rows * row_len, microbatch_rows=rows, n_batch=n, n_mini=n,
+                    group_size=2)
+  mb = collate_minibatch(comps, gcfg)
+  assert mb.arrays["tokens"].shape == (micro, rows, row_len), mb.arrays["tokens"].shape
+  return gcfg, mb.arrays
+
+
+def peak_bytes(compiled) -> int:
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return -1
+  return int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+             + ma.temp_size_in_bytes)
+
+
+def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: float | None,
+              mm_tf: float) -> dict:
+  cfg = base_cfg.replace(remat=remat, max_position_embeddings=max(row_len,
+                                                                  base_cfg.max_position_embeddings))
+  gcfg, batch = make_batch(rows, row_len, args.micro, cfg.vocab_size)
+  batch = S.shard_batch(batch)
+  tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
+  state = S.init_state(cfg, tx, jax.random.PRNGKey(0))
+  jax.block_until_ready(state)
+  name = f"{rows}x{row_len}"
+  out = {"shape": f"{args.micro} microbatches x [{rows} x {row_len}], remat {remat}",
+         "tokens_per_step": args.micro * rows * row_len}
+  steps = {"grpo": S.make_grpo_step(cfg, gcfg, tx), "ce": make_sft_step(cfg, tx)}   # jitted, donating
+  compiled = {}
+  for k, fn in steps.items():
+    t0 = time.perf_counter()
+    compiled[k] = fn.lower(state, batch).compile()
+    out[f"compile_s_{k}"] = time.perf_counter() - t0
+    out[f"peak_gib_{k}"] = peak_bytes(compiled[k]) / 2 ** 30
+    print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
+          f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
+  box = [state]
+
+  def stepper(fn):
+    def step():   # the state is donated: each step continues from the last one's
+      box[0], metrics = fn(box[0], batch)
+      return metrics
+    return step
+  times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
+  flops = model_flops_per_token(cfg, row_len) * out["tokens_per_step"]
+  out["model_tflop_per_step"] = flops / 1e12
+  for k, t in times.items():
+    s = t.median
+    out[f"step_s_{k}"] = s
+    out[f"tokens_per_s_{k}"] = out["tokens_per_step"] / s
+    out[f"mfu_vs_matmul_{k}"] = flops / s / 1e12 / mm_tf
+    if peak_tf:
+      out[f"mfu_{k}"] = flops / s / 1e12 / peak_tf
+  out["grpo_over_ce_time"] = out["step_s_grpo"] / out["step_s_ce"]
+  print(f"[{name}] " + ", ".join(f"{k}: {out[f'step_s_{k}']:.3f}s/step, "
+                                 f"{out[f'tokens_per_s_{k}']:,.0f} tok/s, MFU "
+                                 f"{out.get(f'mfu_{k}', float('nan')):.3f}" for k in times)
+        + f"; grpo/ce {out['grpo_over_ce_time']:.3f}", flush=True)
+  del box, state, compiled
+  return out
+
+
+def main(argv=None):
+  ap = common.argument_parser(__doc__)
+  ap.add_argument("--shapes", default="4x2048:none,1x8192:none,1x32768:full",
+                  help="ROWSxROW_LEN:REMAT, comma-separated")
+  ap.add_argument("--micro", type=int, default=2, help="microbatches per optimizer step")
+  ap.add_argument("--param_dtype", default="float32")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--attention_impl", default="auto")
+  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run on CPU)")
+  ap.add_argument("--hidden", type=int, default=None, help="smaller hidden size (smoke run)")
+  ap.add_argument("--matmul_n", type=int, default=8192)
+  ap.add_argument("--repeats", type=int, default=5)
+  args = ap.parse_args(argv)
+
+  cfg = model_config.LLAMA_3_2_1B.replace(param_dtype=args.param_dtype, dtype=args.dtype,
+                                          attention_impl=args.attention_impl)
+  if args.layers:
+    cfg = cfg.replace(num_layers=args.layers)
+  if args.hidden:
+    cfg = cfg.replace(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                      num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
+                      vocab_size=8192)
+  dev = jax.devices()[0]
+  peak_tf = spec_tflops(dev.device_kind) if dev.platform != "cpu" else None
+  mm_tf = matmul_tflops(args.matmul_n, jnp.dtype(args.dtype))
+  result = {"model": "Llama-3.2-1B shapes (random init)" if not (args.layers or args.hidden)
+            else f"Llama-3.2-1B shrunk (layers {cfg.num_layers}, hidden {cfg.hidden_size})",
+            "params": cfg.num_params(), "param_dtype": args.param_dtype, "dtype": args.dtype,
+            "attention_impl": args.attention_impl, "device": dev.device_kind,
+            "platform": dev.platform, "jax": jax.__version__, "spec_bf16_tflops": peak_tf,
+            "matmul_tflops": mm_tf}
+  print(f"[device] {dev.device_kind}: {args.matmul_n}^3 {args.dtype} matmul {mm_tf:.0f} TFLOP/s "
+        f"(spec {peak_tf})", flush=True)
+  for spec in args.shapes.split(","):
+    dims, _, remat = spec.partition(":")
+    rows, row_len = (int(x) for x in dims.split("x"))
+    key = f"{rows}x{row_len}"
+    try:
+      r = run_shape(cfg, rows, row_len, remat or "none", args, peak_tf, mm_tf)
+    except Exception as e:   # e.g. out of memory at the longest shape: the others still count
+      print(f"[{key}] failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      result[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+      continue
+    result.update({f"{key}_{k}": v for k, v in r.items()})
+  common.emit(result, ndigits=4)
+
+
+if __name__ == "__main__":
+  main()
