@@ -7,11 +7,14 @@ Implementations (ModelConfig.attention_impl):
   blockwise  one [block_q, block_k] tile at a time with an online softmax and a recomputing
              custom VJP (model/blockwise_attention.py): memory linear in T, portable, exact up
              to summation order. Handles every mask the model builds.
-  cudnn      jax.nn.dot_product_attention(implementation="cudnn"), cuDNN's flash attention on
-             NVIDIA GPUs. Its public masks are causal / key lengths / a window by index, so it
-             applies to attention among one row's own tokens with a single sequence per row:
-             prefill from an empty cache, and scoring without segment ids. Packed training rows
-             (several sequences per row) need segment masks it does not take.
+  cudnn      cuDNN's flash attention on NVIDIA GPUs, for attention among one row's own tokens:
+             jax.nn.dot_product_attention(implementation="cudnn") with a causal mask for one
+             sequence per row (prefill from an empty cache, scoring without segment ids); for
+             packed training rows (several sequences per row), cuDNN's packed layout (each
+             row's segments as lengths and offsets, causal within each segment), which needs
+             compute capability 9.0 (Hopper) or newer. The public jax.nn entry point takes no
+             segments, so the packed call goes through the function behind it,
+             jax._src.cudnn.fused_attention_stablehlo.dot_product_attention.
   tpu_flash  jax.experimental.pallas.ops.tpu.flash_attention on TPU: causal with segment ids,
              so it takes packed training rows, and prefill from an empty cache; no sliding
              window, and T a multiple of its 128-token blocks.
@@ -83,13 +86,23 @@ def _window_inert(window: int | None, span: int) -> bool:
   return window is None or window >= span
 
 
+def cuda_capability() -> float:
+  """The first device's CUDA compute capability (9.0 for Hopper); 0.0 where unknown."""
+  try:
+    return float(getattr(jax.devices()[0], "compute_capability", 0.0) or 0.0)
+  except (TypeError, ValueError):
+    return 0.0
+
+
 def cudnn_applies(*, platform: str, dtype, head_dim: int, q_len: int, kv_len: int,
-                  segments: bool, self_only: bool, window: int | None) -> bool:
-  """cuDNN flash (jax.nn.dot_product_attention) takes fp16/bf16, head_dim a multiple of 8 up
-  to 128, and here only causal attention among a row's own tokens (self_only: no cached
-  prefix) with one sequence per row and no effective sliding window."""
+                  segments: bool, self_only: bool, window: int | None,
+                  capability: float = 9.0) -> bool:
+  """cuDNN flash takes fp16/bf16, head_dim a multiple of 8 up to 128, and here only causal
+  attention among a row's own tokens (self_only: no cached prefix) with no effective sliding
+  window; packed rows (segments) need its packed layout, compute capability 9.0 or newer."""
   return (platform == "cuda" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-          and head_dim % 8 == 0 and head_dim <= 128 and self_only and not segments
+          and head_dim % 8 == 0 and head_dim <= 128 and self_only
+          and (not segments or capability >= 9.0)
           and q_len == kv_len and _window_inert(window, q_len))
 
 
@@ -103,7 +116,7 @@ def tpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool
 
 def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,
                 kv_len: int, segments: bool, self_only: bool, window: int | None,
-                block_q: int) -> str:
+                block_q: int, capability: float = 9.0) -> str:
   """The implementation that computes one attention call: 'dense', 'blockwise', 'cudnn' or
   'tpu_flash'. `self_only`: the queries attend to their own row's tokens only (training,
   scoring, prefill from an empty cache), not to a cache; `segments`: packed segment ids."""
@@ -113,7 +126,8 @@ def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: i
     return requested
   kw = dict(platform=platform, q_len=q_len, kv_len=kv_len, self_only=self_only, window=window)
   if requested in ("auto", "cudnn") and cudnn_applies(dtype=dtype, head_dim=head_dim,
-                                                      segments=segments, **kw):
+                                                      segments=segments, capability=capability,
+                                                      **kw):
     return "cudnn"
   if requested in ("auto", "tpu_flash") and tpu_flash_applies(**kw):
     return "tpu_flash"
@@ -156,6 +170,49 @@ def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = 
                                       is_causal=True, implementation=implementation)
 
 
+# A packed row's segments are passed to cuDNN as a fixed number of (offset, length) slots per
+# row: T // CUDNN_TOKENS_PER_SEGMENT of them (at least 2), so rows whose sequences average at
+# least this many tokens fit; a row with more segments than slots takes the blockwise path.
+CUDNN_TOKENS_PER_SEGMENT = 128
+
+
+def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array, Array]:
+  """Packed segment ids [B, T] (each sequence's tokens contiguous; the padding tail, id 0, is a
+  run too) -> (lengths [B, M], offsets [B, M + 1], fits): cuDNN's packed layout, one entry per
+  run of equal ids, -1 past a row's last run. Padding is its own segment so that every output
+  position is computed (finite) like the blockwise path's, though the loss never reads it.
+  `fits`: every row has at most M = max_segments runs."""
+  b, t = segments.shape
+  start = jnp.concatenate([jnp.ones((b, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
+  count = jnp.sum(start, axis=1)
+  offsets = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments + 1, fill_value=-1)[0])(start)
+  offsets = offsets.astype(jnp.int32)
+  nxt = offsets[:, 1:]
+  used = jnp.arange(max_segments)[None, :] < count[:, None]
+  lengths = jnp.where(used, jnp.where(nxt >= 0, nxt, t) - offsets[:, :-1], -1)
+  return lengths.astype(jnp.int32), offsets, jnp.all(count <= max_segments)
+
+
+def cudnn_packed_attention(q: Array, keys: Array, values: Array, segments: Array,
+                           fallback, kernel=None) -> Array:
+  """Causal attention within each packed segment through cuDNN's packed layout: q [B, T, H, Dh],
+  keys/values [B, K, T, Dh], segments [B, T]. Rows with more segments than the layout has slots
+  run `fallback()` instead (a lax.cond: both are compiled, one runs). `kernel` replaces the
+  cuDNN call (tests check the layout on CPU with a reference that reads it)."""
+  t, dh = q.shape[1], q.shape[-1]
+  m = max(2, t // CUDNN_TOKENS_PER_SEGMENT)
+  lengths, offsets, fits = segment_layout(segments, m)
+  if kernel is None:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+    def kernel(q, k, v, lengths, offsets):
+      return cudnn_fa.dot_product_attention(
+          q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+          scale=1.0 / math.sqrt(dh), mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
+          qkv_layout="BTNH")
+  k, v = keys.swapaxes(1, 2), values.swapaxes(1, 2)
+  return jax.lax.cond(fits, lambda: kernel(q, k, v, lengths, offsets), fallback)
+
+
 def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
                         shard=None) -> Array:
   """Causal self-attention through the Pallas TPU flash kernel: q [B, T, H, Dh], keys/values
@@ -192,11 +249,19 @@ def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t:
   cache), not a cache."""
   t, s = q.shape[1], values.shape[2]
   window = cfg.sliding_window
-  impl = choose_impl(cfg.attention_impl, platform=platform(), dtype=q.dtype,
+  where = platform()
+  impl = choose_impl(cfg.attention_impl, platform=where, dtype=q.dtype,
                      head_dim=q.shape[-1], q_len=t, kv_len=s, segments=spec.q_seg is not None,
-                     self_only=self_only, window=window, block_q=cfg.attention_block_q)
+                     self_only=self_only, window=window, block_q=cfg.attention_block_q,
+                     capability=cuda_capability() if where == "cuda" else 0.0)
   if impl == "dense":
     return dense_attention(q, keys, values, dense_mask(spec, window), keys_t)
+  if impl == "cudnn" and spec.q_seg is not None:
+    return cudnn_packed_attention(
+        q, keys, values, spec.q_seg,
+        lambda: blockwise_attention(q, keys, values, spec, window=window,
+                                    block_q=cfg.attention_block_q,
+                                    block_k=cfg.attention_block_k, keys_t=keys_t))
   if impl == "cudnn":
     return cudnn_attention(q, keys, values)
   if impl == "tpu_flash":
