@@ -2,10 +2,10 @@
 
 `load` returns the params in the model's serving dtype (ModelConfig.serving_param_dtype: the
 compute dtype, e.g. bf16 under fp32 master weights; every use casts a weight to it anyway) and
-decode layout (transformer.to_decode_layout: one array
-per layer, so a decode step reads each weight once instead of copying it out of the layer stack
-first); it accepts stacked params (e.g. the trainer's FSDP layout, resharded onto the engine's
-mesh) or params already in the decode layout.
+decode layout (transformer.to_decode_layout: one array per layer, so a decode step reads each
+weight once instead of copying it out of the layer stack first); it accepts stacked params (e.g.
+the trainer's FSDP layout, resharded onto the engine's mesh) or params already in the decode
+layout.
 """
 from __future__ import annotations
 

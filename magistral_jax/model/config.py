@@ -56,7 +56,7 @@ class ModelConfig:
   # weight casts it to dtype first. Norms, softmax and log-probs are always computed in float32.
   # Train with param_dtype="float32", dtype="bfloat16": a bf16 master copy rounds away Adam
   # updates of lr ~1e-6 (one ulp of a 0.02 weight is 1.2e-4). Generators hold the weights in
-  # `serving_param_dtype` (the narrower of the two), which computes exactly the same forward.
+  # `serving_param_dtype` (the narrower of the two), which computes the same forward.
   param_dtype: str = "float32"
   dtype: str = "float32"
   # Per-layer rematerialisation in the training forward ("none" | "full" | "dots").
