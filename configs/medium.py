@@ -17,7 +17,7 @@ def get_config(arg=None):
   c.init.update(source="hf", path="/path/to/mistral-medium-3")   # the instruct checkpoint
   c.tokenizer = "tekken_240911.json"   # Mistral's Tekken tokenizer (mistral-common)
   c.system_prompt = "magistral"
-  c.model.update(param_dtype="bfloat16", dtype="bfloat16", remat="full")
+  c.model.update(param_dtype="float32", dtype="bfloat16", remat="full")   # fp32 master weights, bf16 compute
   c.data.update(source="math500")      # point data_dir at the filtered 38k math + 35k code sets
   c.rl.update(eps_low=0.2,             # NOT STATED
               eps_high=0.28, adv_norm="minibatch", loss_agg="token",

@@ -15,7 +15,7 @@ def get_config(arg=None):
   c.init.update(source="orbax", path="runs/sft_small/params")   # the SFT checkpoint
   c.tokenizer = "tekken_240911.json"
   c.system_prompt = "magistral"
-  c.model.update(param_dtype="bfloat16", dtype="bfloat16", remat="full")
+  c.model.update(param_dtype="float32", dtype="bfloat16", remat="full")   # fp32 master weights, bf16 compute
   c.data.update(source="math500")
   c.rl.update(eps_low=0.2,             # NOT STATED
               eps_high=0.3, n_batch=2 * K, n_mini=2 * K,

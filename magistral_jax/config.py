@@ -11,11 +11,13 @@ pipeline, sharding) take their defaults from it, so each default, and the commen
 work starts: unknown fields, wrong types, each dataclass's own checks (n_batch not divisible by
 n_mini, group size < 2, ...), a microbatch row too short for the longest sequence the generators
 can return (prompt limit + max_new_tokens), device counts that the machine cannot provide, and
-every stage's overridden config.
+every stage's overridden config. It warns (log) when the master weights' dtype cannot hold an
+update of the learning rate (e.g. bf16 params at lr 1e-6: README, "Mixed precision").
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import ml_collections as mlc
 
@@ -29,7 +31,9 @@ from magistral_jax.pipeline.build import check_device_layout
 from magistral_jax.pipeline.rollouts import PipelineConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.train.optimizer import OptimizerConfig
+from magistral_jax.train.optimizer import OptimizerConfig, update_rounding_warning
+
+log = logging.getLogger(__name__)
 
 # The fields of generate.sampling.SamplingConfig the `sampling` section holds (the rest: eos_id
 # comes from the tokenizer, greedy and stop_strings are evaluation-only).
@@ -163,6 +167,7 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
   """Typed configs from the ConfigDict, with every check that can fail before any work; each
   stage's overridden config is checked too."""
   run = _typed(config, num_devices)
+  warnings = _precision_warnings(config, run)
   for i, stage in enumerate(config.stages):
     name = stage.get("name", i)
     unknown = sorted(set(stage) - set(STAGE_KEYS))
@@ -170,10 +175,23 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
       raise ValueError(f"stages[{i}] ({name!r}): unknown key(s) {unknown}; valid: "
                        f"{list(STAGE_KEYS)}")
     try:
-      _typed(apply_overrides(config, dict(stage.get("overrides", {}))), num_devices)
+      scfg = apply_overrides(config, dict(stage.get("overrides", {})))
+      warnings += _precision_warnings(scfg, _typed(scfg, num_devices))
     except (TypeError, ValueError) as e:
       raise ValueError(f"stages[{i}] ({name!r}): {e}") from None
+  for w in dict.fromkeys(warnings):   # once each, in order
+    log.warning(w)
   return run
+
+
+def _precision_warnings(config: mlc.ConfigDict, run: RunConfig) -> list[str]:
+  """The RL optimizer's and the cold-start SFT's learning rates against the master weights'
+  dtype (train.optimizer.update_rounding_warning)."""
+  out = [update_rounding_warning(run.model.param_dtype, run.optimizer.learning_rate, "optimizer")]
+  sft = config.get("sft")
+  if sft is not None and "learning_rate" in sft:
+    out.append(update_rounding_warning(run.model.param_dtype, float(sft.learning_rate), "sft"))
+  return [w for w in out if w]
 
 
 def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:

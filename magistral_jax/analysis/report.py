@@ -24,6 +24,7 @@ PANELS: dict[str, tuple[str, ...]] = {
     "utilisation": ("generator_utilization", "trainer_idle_frac"),
     "filtered groups": ("filtered_group_frac",),
     "optimisation": ("grad_norm", "approx_kl_old_new", "ratio_std"),
+    "trainer vs sampler |Δ log p|": ("logp_mismatch_mean", "logp_mismatch_max"),
 }
 
 

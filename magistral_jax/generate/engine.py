@@ -196,8 +196,18 @@ class Engine:
 
   def load_params(self, params) -> Any:
     """Validates params (structure, shapes, finiteness) and puts them on the engine's mesh in
-    cfg.param_dtype and the decode layout (weights.py)."""
+    cfg.serving_param_dtype and the decode layout (weights.py)."""
     return self._weights.load(params)
+
+  @property
+  def param_dtype(self):
+    """The dtype the engine holds its weights in (cfg.serving_param_dtype)."""
+    return self._weights.dtype
+
+  def cast_params(self, params) -> Any:
+    """`params` cast to the engine's weight dtype where they are (one jitted program on their
+    own devices), e.g. the trainer's fp32 master weights to bf16 before a push moves them."""
+    return self._weights.cast(params)
 
   # ---- decode state --------------------------------------------------------------------------
   def _init_state(self) -> DecodeState:

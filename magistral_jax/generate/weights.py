@@ -1,9 +1,11 @@
 """An engine's weights: validating what it is given and putting it on its mesh in the decode layout.
 
-`load` returns the params in the model's decode layout (transformer.to_decode_layout: one array
-per layer, so a decode step reads each weight once instead of copying it out of the layer stack
-first); it accepts stacked params (e.g. the trainer's FSDP layout, resharded onto the engine's
-mesh) or params already in the decode layout.
+`load` returns the params in the model's serving dtype (ModelConfig.serving_param_dtype: the
+compute dtype, e.g. bf16 under fp32 master weights; every use casts a weight to it anyway) and
+decode layout (transformer.to_decode_layout: one array per layer, so a decode step reads each
+weight once instead of copying it out of the layer stack first); it accepts stacked params (e.g.
+the trainer's FSDP layout, resharded onto the engine's mesh) or params already in the decode
+layout.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class Weights:
   layout the engine's programs take."""
 
   def __init__(self, cfg: ModelConfig, mesh: Mesh, rules):
-    shapes = T.param_shapes(cfg)
+    self.dtype = cfg.jnp_serving_param_dtype
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype), T.param_shapes(cfg))
     axes = T.param_logical_axes(cfg)
     self._shapes, self._treedef = shapes, jax.tree.structure(shapes)
     self.param_shardings = param_shardings(axes, mesh, rules, shapes)
@@ -46,6 +49,7 @@ class Weights:
     self.decode_param_shardings = param_shardings(
         T.decode_layout_tree(axes, cfg.num_layers), mesh, rules, self._decode_shapes)
     self._check_finite = jax.jit(_all_finite)
+    self._cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype), p))
     # Stacked -> decode layout and the finiteness check in one program (one read of the weights).
     self._to_decode = jax.jit(lambda p: (T.to_decode_layout(p), _all_finite(p)),
                               out_shardings=(self.decode_param_shardings,
@@ -71,16 +75,26 @@ class Weights:
     if bad:
       raise ParamsMismatchError("params shapes differ from the engine's: " + "; ".join(bad))
 
+  def cast(self, params) -> Any:
+    """`params` in this engine's dtype, cast by one jitted program on the devices they are on
+    (the trainer's, for a weight push: the transfer to this mesh then moves bf16 rather than the
+    fp32 master weights; jit cannot span the two device sets, so the cast and the reshard are
+    two steps, neither through the host). Returns `params` itself when no leaf needs a cast."""
+    if all(x.dtype == self.dtype for x in jax.tree.leaves(params)):
+      return params
+    if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):   # host arrays
+      return jax.tree.map(lambda x: np.asarray(x).astype(self.dtype), params)
+    return self._cast(params)
+
   def load(self, params) -> Any:
-    """Validates params (structure, shapes, finiteness) and puts them on the mesh in
-    cfg.param_dtype, resharding from whatever sharding they come in, in the decode layout.
-    Stacked params are resharded as they are, then split per layer on this mesh, in the same
-    program as the finiteness check."""
+    """Validates params (structure, shapes, finiteness) and puts them on the mesh in the
+    serving dtype (cfg.serving_param_dtype; cast first, where they are, so only those bytes
+    move), resharding from whatever sharding they come in, in the decode layout. Stacked params
+    are resharded as they are, then split per layer on this mesh, in the same program as the
+    finiteness check."""
     self.check(params)
     decode = T.is_decode_layout(params)
-    ref = self._decode_shapes if decode else self._shapes
-    params = jax.tree.map(lambda x, r: jnp.asarray(x, r.dtype) if x.dtype != r.dtype else x,
-                          params, ref)
+    params = self.cast(params)
     if decode:
       params = jax.device_put(params, self.decode_param_shardings)
       finite = self._check_finite(params)

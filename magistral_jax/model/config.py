@@ -51,8 +51,12 @@ class ModelConfig:
   architecture: str = "LlamaForCausalLM"
   bos_token_id: int | None = 1
   eos_token_id: int | None = 2
-  # Dtype policy: parameters are stored in param_dtype (the master copy when training), and
-  # matmuls run in dtype. Norms, softmax and log-probs are always computed in float32.
+  # Dtype policy (MaxText's meanings): parameters are stored in param_dtype (the trainer's master
+  # copy and its optimizer moments), and matmuls and activations run in dtype; every use of a
+  # weight casts it to dtype first. Norms, softmax and log-probs are always computed in float32.
+  # Train with param_dtype="float32", dtype="bfloat16": a bf16 master copy rounds away Adam
+  # updates of lr ~1e-6 (one ulp of a 0.02 weight is 1.2e-4). Generators hold the weights in
+  # `serving_param_dtype` (the narrower of the two), which computes the same forward.
   param_dtype: str = "float32"
   dtype: str = "float32"
   # Per-layer rematerialisation in the training forward ("none" | "full" | "dots").
@@ -93,6 +97,20 @@ class ModelConfig:
   @property
   def jnp_param_dtype(self):
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def serving_param_dtype(self) -> str:
+    """The dtype an inference-only copy of the weights (a generator's, an evaluation's) is kept
+    in: `dtype` unless `param_dtype` is narrower. Every use of a weight casts it to `dtype`
+    first, so rounding it to `dtype` once when it is loaded gives the same forward, with
+    half the memory and half the bytes per weight push under fp32 master weights and bf16
+    compute."""
+    p, c = jnp.dtype(self.param_dtype), jnp.dtype(self.dtype)
+    return self.param_dtype if p.itemsize < c.itemsize else self.dtype
+
+  @property
+  def jnp_serving_param_dtype(self):
+    return jnp.dtype(self.serving_param_dtype)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

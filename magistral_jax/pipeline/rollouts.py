@@ -182,11 +182,20 @@ class Rollouts:
 
   def push(self, params, version: int) -> float:
     """Device-to-device reshard of the trainer's params onto every generator, which continue
-    their in-flight sequences on them as policy `version`. Returns the seconds it took."""
+    their in-flight sequences on them as policy `version`. Returns the seconds it took.
+
+    The params are cast to the generators' weight dtype (bf16 under fp32 master weights and bf16
+    compute, ModelConfig.serving_param_dtype) on the trainer's devices first, once per dtype,
+    so the transfer moves half the bytes."""
     t = time.time()
+    cast = {}
     for g in self.generators:
-      # may_alias=False: the trainer donates its state next step, so never share its buffers.
-      new = jax.device_put(params, g.engine.param_shardings, may_alias=False)
+      dt = g.engine.param_dtype
+      if dt not in cast:
+        cast[dt] = g.engine.cast_params(params)
+      # may_alias=False: the trainer donates its state next step, so never share its buffers
+      # (an uncast push, or leaves the cast forwarded unchanged, would be the trainer's own).
+      new = jax.device_put(cast[dt], g.engine.param_shardings, may_alias=False)
       jax.block_until_ready(new)
       g.update_params(new, version)
     return time.time() - t

@@ -128,6 +128,11 @@ def grpo_loss(logprobs, old_logprobs, advantages, weights, mask, cfg: GRPOConfig
   loss = pg_loss
 
   ratio_m = sg(ratio)
+  # |log π_θ − log π_old| on completion tokens: the trainer's recomputed log-probs against the
+  # sampler's. On a batch's first optimizer step and tokens sampled by the same weights (version
+  # lag 0) this is pure numerics (bf16 generator vs the trainer's forward, kernels); otherwise it
+  # also holds the policy change since the tokens were sampled.
+  abs_dlogp = jnp.abs(sg(log_ratio))
   metrics = {
       "tokens": jnp.sum(fmask),
       "pg_loss": sg(pg_loss),
@@ -138,6 +143,8 @@ def grpo_loss(logprobs, old_logprobs, advantages, weights, mask, cfg: GRPOConfig
       # KL(π_old‖π_θ) from tokens sampled by π_old: k3 with r = π_θ/π_old.
       "kl_old_sum": jnp.sum((jnp.expm1(sg(log_ratio)) - sg(log_ratio)) * fmask),
       "adv_sum": jnp.sum(advantages * fmask),
+      "logp_mismatch_sum": jnp.sum(abs_dlogp * fmask),
+      "logp_mismatch_max": jnp.max(abs_dlogp * fmask),   # >= 0 everywhere: 0 with no tokens
   }
   for name, ev in events.items():
     metrics[f"{name}_count"] = jnp.sum((ev & mask).astype(f32))
@@ -192,6 +199,7 @@ def summarize_metrics(sums: dict) -> dict:
   out["ratio_std"] = jnp.sqrt(jnp.maximum(sums["ratio_sq_sum"] / n - mean_ratio ** 2, 0.0))
   out["approx_kl_old_new"] = sums["kl_old_sum"] / n
   out["adv_mean_token"] = sums["adv_sum"] / n
+  out["logp_mismatch_mean"] = sums["logp_mismatch_sum"] / n
   for k, v in sums.items():
     if k.endswith("_count"):
       out[k[:-len("_count")] + "_frac"] = v / n

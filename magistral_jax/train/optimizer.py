@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from magistral_jax.configurable import checked_fields
@@ -61,3 +63,26 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   parts.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay))
   return optax.chain(*parts)
+
+
+# The scale of a typical weight of a transformer (init std 0.02; trained weights stay near it).
+TYPICAL_WEIGHT = 0.02
+
+
+def update_rounding_warning(param_dtype, learning_rate: float, what: str = "optimizer",
+                            typical_weight: float = TYPICAL_WEIGHT) -> str | None:
+  """A message when Adam updates (about learning_rate per element) are below one unit in the
+  last place of a typical weight stored in `param_dtype`, so most of them round away and the
+  weights barely move; None otherwise. E.g. bf16 (8 significant bits) at |w| = 0.02 has an ulp
+  of 1.2e-4, and lr 1e-6 updates change ~2% of such weights per step (fp32: all of them)."""
+  dt = jnp.dtype(param_dtype)
+  if not jnp.issubdtype(dt, jnp.floating) or learning_rate <= 0:
+    return None
+  # ulp(w) = 2^floor(log2 |w|) · eps (numpy's spacing does not know bfloat16).
+  ulp = float(2.0 ** np.floor(np.log2(typical_weight)) * jnp.finfo(dt).eps)
+  if learning_rate >= ulp:
+    return None
+  return (f"{what} learning_rate={learning_rate:g} is below one ulp ({ulp:.2g}) of a typical "
+          f"weight ({typical_weight}) stored in param_dtype={dt.name}: most updates round away. "
+          f"Keep fp32 master weights (model.param_dtype='float32') and compute in bf16 "
+          f"(model.dtype='bfloat16').")

@@ -74,7 +74,9 @@ def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: 
     trainer.batches += 1
     train_s = time.time() - t_train
 
-    m = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
+    # Per batch: the mean over its optimizer steps; a *_max / *_min metric is the batch's own.
+    pool = lambda k: np.max if k.endswith("_max") else np.min if k.endswith("_min") else np.mean
+    m = {k: float(pool(k)([s[k] for s in steps])) for k in steps[0]}
     m.update(rollouts.metrics(batch, trained_version))
     m.update(weight_push_s=push_s / len(steps), train_time_s=train_s, trainer_idle_s=batch.wait_s,
              trainer_idle_frac=batch.wait_s / max(1e-9, batch.wait_s + train_s),

@@ -34,7 +34,7 @@ BATCH_AXES = (None, "act_batch", "act_length")   # [n_micro, rows, row_len]
 
 class TrainState(NamedTuple):
   step: jax.Array      # optimizer steps applied
-  params: Any          # master weights (ModelConfig.param_dtype)
+  params: Any          # master weights (ModelConfig.param_dtype: fp32 in the recipes)
   opt_state: Any
   skipped: jax.Array   # steps skipped by the NaN guard
 
