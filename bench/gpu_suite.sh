@@ -3,10 +3,14 @@
 # config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
 # the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache]   (device tool: run with this command)
+#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache|train|push]   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
 # sized for 4096 new tokens, dense against 4 attention windows (RL_CACHE_ARGS, RL_CACHE_TIMEOUT).
+# `train`: packed-row attention, cuDNN's packed layout against blockwise (bench/packed_attention.py),
+# then the GRPO and cross-entropy train steps at the Llama-3.2-1B shape, tokens/s and MFU
+# (bench/train_mfu.py; TRAIN_ARGS). `push`: the trainer -> generator weight push for SmolLM2-135M and
+# the 1B shape against a copy of the same bytes (bench/weight_push.py).
 # Logs go under $OUT (the device tool's output folder; ./gpu_out elsewhere). Prints the versions,
 # then each benchmark's exit code and its last JSON line. Override the arguments with
 # ROOFLINE_ARGS / GENERATE_ARGS, the time limits with ROOFLINE_TIMEOUT / GENERATE_TIMEOUT
@@ -17,8 +21,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 what=${1:-all}
-case $what in all|roofline|generate|rlcache) ;;
-  *) echo "usage: $0 [all|roofline|generate|rlcache]" >&2; exit 2;; esac
+case $what in all|roofline|generate|rlcache|train|push) ;;
+  *) echo "usage: $0 [all|roofline|generate|rlcache|train|push]" >&2; exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/magistral_jax_xla_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}
@@ -53,4 +57,11 @@ if [ "$what" = rlcache ]; then
     run "rlcache_windows$w" "${RL_CACHE_TIMEOUT:-240}" bench/decode_roofline.py \
       ${RL_CACHE_ARGS:---models smollm2 --max_new 4096} --attention_windows "$w"
   done
+fi
+if [ "$what" = train ]; then
+  run packed_attention "${PACKED_TIMEOUT:-120}" bench/packed_attention.py ${PACKED_ARGS:-}
+  run train_mfu "${TRAIN_TIMEOUT:-300}" bench/train_mfu.py ${TRAIN_ARGS:-}
+fi
+if [ "$what" = push ]; then
+  run weight_push "${PUSH_TIMEOUT:-120}" bench/weight_push.py ${PUSH_ARGS:-}
 fi

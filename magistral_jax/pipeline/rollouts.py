@@ -99,6 +99,19 @@ class PipelineConfig:
     return n_async, self.max_queue
 
 
+
+def transfer_params(params, engine, cast: dict | None = None):
+  """The trainer's params as `engine` receives them in a push: cast to its weight dtype on the
+  trainer's devices (memoised per dtype in `cast`, so several generators share one cast), then
+  moved device to device onto its param shardings. may_alias=False: the trainer donates its
+  state next step, so the generator must never share its buffers (an uncast push, or leaves the
+  cast forwards unchanged, would be the trainer's own)."""
+  cast = {} if cast is None else cast
+  dt = engine.param_dtype
+  if dt not in cast:
+    cast[dt] = engine.cast_params(params)
+  return jax.device_put(cast[dt], engine.param_shardings, may_alias=False)
+
 class Rollouts:
   """Generators + verifier pool + group scoring. See the module docstring.
 
@@ -190,12 +203,7 @@ class Rollouts:
     t = time.time()
     cast = {}
     for g in self.generators:
-      dt = g.engine.param_dtype
-      if dt not in cast:
-        cast[dt] = g.engine.cast_params(params)
-      # may_alias=False: the trainer donates its state next step, so never share its buffers
-      # (an uncast push, or leaves the cast forwarded unchanged, would be the trainer's own).
-      new = jax.device_put(cast[dt], g.engine.param_shardings, may_alias=False)
+      new = transfer_params(params, g.engine, cast)
       jax.block_until_ready(new)
       g.update_params(new, version)
     return time.time() - t
