@@ -39,7 +39,7 @@ def _worker_main(conn, slot: int, uid: int, cfg: RewardConfig):
   signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
   from magistral_jax.rewards import sandbox
   from magistral_jax.rewards import math_check, language
-  sandbox.configure(uid=uid)
+  sandbox.configure(uid=uid, allow_weak=cfg.allow_weak_sandbox)
   try:   # warm the heavy imports before reporting ready
     math_check.math_equal("1", "1")
     language.detect_language("warm up")
