@@ -172,6 +172,12 @@ def test_ray_backend_has_the_same_interface():
     with RayVerifierPool(2, CFG, task_timeout_s=30) as p:
       assert p.submit(MATH, _math(5)).result(timeout=120).reward == 1.0
       assert p.submit(STDIN, GOOD).result(timeout=120).reward == 1.0
-      assert p.metrics()["completed"] == 2
+      # The actors' sandbox is the same: a private filesystem, and a write to /tmp goes nowhere.
+      mark = f"mj_ray_{os.getpid()}"
+      leak = _code(f"open('/tmp/{mark}', 'w').write('x')\nprint(2 * int(input()))")
+      assert p.submit(STDIN, leak).result(timeout=120).reward == 1.0
+      assert not os.path.exists(f"/tmp/{mark}")
+      assert p.submit(STDIN, _code("import os\nos._exit(0)")).result(timeout=120).reward == 0.1
+      assert p.metrics()["completed"] == 4
   finally:
     ray.shutdown()
