@@ -147,6 +147,14 @@ def _main():
 _main()
 '''
 
+# A stdin/stdout Python program, run as __main__ by the interpreter that set up the sandbox (see
+# Sandbox.run's python_src). An uncaught exception exits non-zero with its traceback, as usual.
+_RUN_SOLUTION = """
+with open("solution.py", encoding="utf-8") as f:
+  src = f.read()
+exec(compile(src, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
 _codec: dict = {}
 exec(_CODEC, _codec)
 encode_value, decode_value = _codec["dumps"], _codec["loads"]
@@ -293,10 +301,11 @@ def compile_cpp(sandbox: Sandbox, workdir: str, source: str, timeout_s: float,
 
 # ----------------------------------------------------------------------------- runners
 
-def _run_stdin_tests(sandbox, workdir, argv, tests, limits, ro_binds=()) -> CodeResult:
+def _run_stdin_tests(sandbox, workdir, argv, tests, limits, ro_binds=(), python_src=None
+                     ) -> CodeResult:
   """One run per test; the output is compared here, in our process, to the expected one."""
   for k, t in enumerate(tests):
-    r = sandbox.run(argv, workdir, limits, ro_binds=ro_binds,
+    r = sandbox.run(argv, workdir, limits, ro_binds=ro_binds, python_src=python_src,
                     stdin=str(t["input"]).encode("utf-8", errors="replace"))
     if r.timed_out:
       return CodeResult(False, f"test {k}: time limit", k + 1)
@@ -381,7 +390,7 @@ def _run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, lim
   exe, binds = interpreter_binds(python)
   # One process serves all calls, so the wall limit covers the whole test program.
   start = time.monotonic()
-  proc = sandbox.start([exe, "-I", "-S", "-c", _DRIVER], workdir, limits, ro_binds=binds)
+  proc = sandbox.start([exe], workdir, limits, ro_binds=binds, python_src=_DRIVER)
   channel = Channel(proc, start + limits.cpu_s, limits.max_output_bytes)
   try:
     try:
@@ -430,12 +439,12 @@ def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox,
         ok, msg = compile_cpp(sandbox, workdir, code, compile_timeout_s)
         if not ok:
           return CodeResult(False, msg)
-        argv, binds = ["./prog"], []
+        argv, binds, src = ["./prog"], [], None
       else:
         _write(os.path.join(workdir, "solution.py"), code)
         exe, binds = interpreter_binds(python)
-        argv = [exe, "-I", "-S", "solution.py"]
-      return _run_stdin_tests(sandbox, workdir, argv, chosen, limits, binds)
+        argv, src = [exe], _RUN_SOLUTION
+      return _run_stdin_tests(sandbox, workdir, argv, chosen, limits, binds, src)
     if want != "python":
       raise ValueError("assert tests (test_code / test_list) are Python only")
     if "test_code" in task:

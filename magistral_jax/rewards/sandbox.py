@@ -3,7 +3,8 @@
 Each run is wrapped as
     setpriv --pdeathsig KILL -- prlimit <cpu, as, fsize, nproc, nofile> --
       unshare [--user --map-root-user] --mount --net --pid --fork --kill-child --
-      python -I -S -c _SETUP <spec> -- <program>
+      python -I -S -c _SETUP <spec> <program>
+(for a Python program, that interpreter runs it after the setup: one interpreter start, not two)
 started in a new session, so:
   - the new mount namespace gets a fresh root (see _SETUP): a tmpfs holding read-only bind mounts
     of only what programs need (/usr and the /bin, /lib* links or dirs, the dynamic loader's /etc
@@ -143,19 +144,31 @@ if uid is not None:
   os.setresgid(uid, uid, uid)
   os.setresuid(uid, uid, uid)
 os.chdir(spec["work"][1])
-# Our own PATH search: os.execvp imports modules, and the setup interpreter's library may not be
-# inside the new root.
-prog = argv[0]
-if "/" not in prog:
-  for d in os.environ.get("PATH", "/usr/bin:/bin").split(":"):
-    if os.access(d + "/" + prog, os.X_OK):
-      prog = d + "/" + prog
-      break
-try:
-  os.execv(prog, argv)
-except OSError as e:
-  sys.stderr.write("sandbox: cannot exec %s: %s\n" % (argv[0], e))
-  os._exit(127)
+if spec.get("then") is not None:
+  # Python source to run in THIS interpreter (one interpreter start per run instead of two). No
+  # exec follows, so in a user namespace the capabilities are cleared here (capset: effective,
+  # permitted, inheritable all empty); as root, setresuid to U has cleared them already.
+  if uid is None:
+    class Header(ctypes.Structure):
+      _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), ctypes.byref((ctypes.c_uint32 * 6)())):
+      raise OSError(ctypes.get_errno(), "capset")
+  sys.argv = ["-c"]
+  exec(compile(spec["then"], "<run>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+else:
+  # Our own PATH search: os.execvp imports modules, and the setup interpreter's library may not
+  # be inside the new root.
+  prog = argv[0]
+  if "/" not in prog:
+    for d in os.environ.get("PATH", "/usr/bin:/bin").split(":"):
+      if os.access(d + "/" + prog, os.X_OK):
+        prog = d + "/" + prog
+        break
+  try:
+    os.execv(prog, argv)
+  except OSError as e:
+    sys.stderr.write("sandbox: cannot exec %s: %s\n" % (argv[0], e))
+    os._exit(127)
 """
 
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
@@ -327,8 +340,12 @@ class Sandbox:
       return path
     return os.path.join(WORKDIR, os.path.relpath(path, cwd))
 
-  def _command(self, argv, cwd, limits, ro_binds, isolation):
-    """(argv to Popen, preexec_fn or None) for one run under `isolation`."""
+  def _command(self, argv, cwd, limits, ro_binds, isolation, python_src=None):
+    """(argv to Popen, preexec_fn or None) for one run under `isolation`. With `python_src`,
+    argv is [python]: that interpreter runs the source (in the private root, the same
+    interpreter process that set the root up)."""
+    if python_src is not None and isolation not in PRIVATE_FS:
+      argv = [argv[0], "-I", "-S", "-c", python_src]
     if isolation == ISOLATION_REFUSED:
       raise SandboxUnavailable("sandbox refused: no mount namespace on this host; generated code "
                                "is not run (RewardConfig.allow_weak_sandbox allows weaker modes)")
@@ -336,12 +353,13 @@ class Sandbox:
       user = isolation == ISOLATION_USERNS
       spec = {"mnt": self._mnt, "work": [cwd, WORKDIR], "tmp_mb": limits.tmp_mb,
               "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
-              "uid": None if user else self.uid,
+              "uid": None if user else self.uid, "then": python_src,
               "sys_pivot_root": _SYS_PIVOT_ROOT.get(platform.machine(), -1)}
       ns = ["--user", "--map-root-user"] if user else []
+      setup_python = argv[0] if python_src is not None else self._setup_python
       return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, *ns, "--mount", "--net",
-              "--pid", "--fork", "--kill-child", "--", self._setup_python, "-I", "-S", "-c",
-              _SETUP, json.dumps(spec), *argv], None
+              "--pid", "--fork", "--kill-child", "--", setup_python, "-I", "-S", "-c", _SETUP,
+              json.dumps(spec), *([] if python_src is not None else argv)], None
     if isolation == ISOLATION_NAMESPACES:
       # setpriv/prlimit instead of a Python preexec_fn: without one, subprocess can vfork, which
       # saves ~10 ms per run in a worker that holds SymPy (a plain fork copies its page tables).
@@ -358,23 +376,24 @@ class Sandbox:
             "TMPDIR": "/tmp" if private else cwd, "LANG": "C.UTF-8"}
 
   def start(self, argv: list[str], cwd: str, limits: Limits,
-            ro_binds: tuple[tuple[str, str], ...] | list = (), env: dict | None = None
-            ) -> subprocess.Popen:
+            ro_binds: tuple[tuple[str, str], ...] | list = (), env: dict | None = None,
+            python_src: str | None = None) -> subprocess.Popen:
     """Starts `argv` in `cwd` with pipes on stdin, stdout and stderr (for a conversation; see
-    `Channel`). The caller kills it with `kill()`."""
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation)
+    `Channel`, which kills it when closed). `python_src`: as in `run`."""
+    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src)
     return subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=self._env(cwd, env),
                             start_new_session=True, close_fds=True, preexec_fn=preexec)
 
   def run(self, argv: list[str], cwd: str, limits: Limits, stdin: bytes | None = None,
           stdin_path: str | None = None, wall_s: float | None = None,
-          env: dict | None = None, ro_binds: tuple[tuple[str, str], ...] | list = ()
-          ) -> RunResult:
+          env: dict | None = None, ro_binds: tuple[tuple[str, str], ...] | list = (),
+          python_src: str | None = None) -> RunResult:
     """Runs `argv` in `cwd` under the limits. Input: `stdin` bytes, or a file at `stdin_path`.
-    `ro_binds`: extra (host path, path inside) read-only binds in the private root."""
+    `ro_binds`: extra (host path, path inside) read-only binds in the private root.
+    `python_src`: argv is [python interpreter], and it runs this source (`-I -S`)."""
     wall_s = limits.cpu_s if wall_s is None else wall_s
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation)
+    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src)
     env = self._env(cwd, env)
     # Small inputs go through a pipe (fits the pipe buffer, so writing never blocks); large ones
     # through a file, so a program that never reads cannot block us.

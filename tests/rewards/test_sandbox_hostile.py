@@ -358,3 +358,14 @@ def test_allow_weak_sandbox_runs_with_a_loud_warning(monkeypatch, caplog):
   assert sandbox.isolation_level() == sandbox.ISOLATION_FALLBACK
   assert "WEAK ISOLATION" in caplog.text
   assert r.parts["correct"] == 0.9, r
+
+
+def test_the_program_has_no_capabilities(sbx):
+  # In a user namespace the program is "root" inside; with no capability it cannot unmount,
+  # remount read-write or mount anything, so the private root stays as built.
+  src = ("import ctypes, os\nfor l in open('/proc/self/status'):\n  if l.startswith('Cap'):\n"
+         "    print(l.split()[1])\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+         "print(libc.umount2(b'/usr', 2), libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))\n"
+         "print(libc.mount(None, b'/', None, 32, None))")
+  expected = "0000000000000000\n" * 5 + "-1 -1\n-1\n"
+  assert compute_reward(_stdin_task(expected), _code(src), None, CFG).parts["correct"] == 0.9
