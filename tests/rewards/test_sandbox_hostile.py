@@ -322,16 +322,20 @@ def test_codec_round_trips_plain_values_and_rejects_the_rest():
             frozenset({1}), b"\x00", 1 + 2j, [[[]]], {"t": 1}]:
     back = code_check.decode_value(code_check.encode_value(v))
     assert back == v and type(back) is type(v)
+    # The driver writes the same JSON without the json module.
+    assert code_check.driver_write(v) == code_check.encode_value(v)
   class I(int):
     pass
   for bad in [I(1), object(), [object()], lambda: 0, {1: object()}]:
-    with pytest.raises((TypeError, ValueError)):
-      code_check.encode_value(bad)
+    for write in (code_check.encode_value, code_check.driver_write):
+      with pytest.raises((TypeError, ValueError)):
+        write(bad)
   deep = []
   for _ in range(200):
     deep = [deep]
-  with pytest.raises(ValueError):
-    code_check.encode_value(deep)
+  for write in (code_check.encode_value, code_check.driver_write):
+    with pytest.raises(ValueError):
+      write(deep)
 
 
 # ----------------------------------------------------------------------------- refusal
