@@ -382,7 +382,7 @@ class _Candidate:
   def _parse(line: bytes) -> dict:
     try:
       msg = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: a line nested deeper than we parse
       raise CandidateError("garbled answer") from None
     if not isinstance(msg, dict):
       raise CandidateError("garbled answer")
@@ -406,8 +406,8 @@ class _Candidate:
     if "ok" in msg:
       try:
         return _decode_parsed(msg["ok"])
-      except (TypeError, ValueError, KeyError, IndexError) as e:
-        raise CandidateError(f"bad return value: {e}") from None
+      except (TypeError, ValueError, KeyError, IndexError, RecursionError) as e:
+        raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
     if "bad" in msg:
       raise CandidateError(f"returned a value that is not plain data: {str(msg['bad'])[:200]}")
     err = msg.get("err")

@@ -6,6 +6,7 @@ import glob
 import logging
 import os
 import secrets
+import sys
 import time
 
 import pytest
@@ -263,6 +264,14 @@ FORGERIES = {
     "replaces_the_driver_loop": "import os, sys\ndef f(x):\n  return 0\n"
                                 "for fd in range(3, 10):\n  try:\n    os.write(fd, b'{\"names\": [\"f\"]}\\n')\n"
                                 "  except OSError:\n    pass\nsys.exit(0)",
+    "deeply_nested_answers": "import os\nline = b'{\"id\": 1, \"ok\": ' + b'[' * 200000 + b'\\n'\n"
+                             "def f(x):\n  for fd in range(3, 20):\n    try:\n      os.write(fd, line)\n"
+                             "    except OSError:\n      pass\n  return 2 * x",
+    "deeply_nested_tagged_value": "import os\nv = '{\"t\":[' * 5000 + '1' + ']}' * 5000\n"
+                                  "def f(x):\n  for fd in range(3, 20):\n    try:\n"
+                                  "      os.write(fd, ('{\"id\": 1, \"ok\": %s}\\n' % v).encode())\n"
+                                  "    except OSError:\n      pass\n  return 2 * x",
+    "returns_deep_list": "def f(x):\n  v = []\n  for _ in range(10000):\n    v = [v]\n  return v",
     "kills_parent": "import os, signal\ntry:\n  os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n  pass\n"
                     "def f(x):\n  os.kill(os.getppid() or 1, signal.SIGKILL)",
     "kills_everything": "import os, signal\ndef f(x):\n  for p in os.listdir('/proc'):\n"
@@ -373,3 +382,16 @@ def test_the_program_has_no_capabilities(sbx):
          "print(libc.mount(None, b'/', None, 32, None))")
   expected = "0000000000000000\n" * 5 + "-1 -1\n-1\n"
   assert compute_reward(_stdin_task(expected), _code(src), None, CFG).parts["correct"] == 0.9
+
+
+def test_an_interpreter_outside_usr_runs_with_only_its_prefix_bound(sbx, planted):
+  # Our venv's interpreter (here a pyenv build under /root): its real path and prefix are bound
+  # read-only; the rest of the home dir, the venv and the project stay out of sight.
+  secret, paths = planted
+  cfg = RewardConfig(language_bonus=0.0, test_timeout_s=3.0, python=sys.executable)
+  assert compute_reward(DOUBLE, _code("def f(x):\n  return 2 * x"), None,
+                        cfg).parts["correct"] == 0.9
+  src = ("import sys, os\nfor p in " + repr(paths) + ":\n  try:\n    print(open(p).read())\n"
+         "  except OSError:\n    pass\nprint(os.path.exists(" + repr(sys.prefix) + "))")
+  r = compute_reward(_stdin_task("False\n"), _code(src), None, cfg)
+  assert r.parts["correct"] == 0.9, r.info
