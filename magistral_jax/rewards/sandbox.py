@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import logging
 import os
 import platform

@@ -298,6 +298,14 @@ def test_right_answers_still_pass_under_the_same_harness(sbx):
   right = "def f(x):\n  print('chatty', x)\n  return 2 * x if not isinstance(x, tuple) else x * 2"
   for task in (DOUBLE, MBPP):
     assert compute_reward(task, _code(right), None, CFG).parts["correct"] == 0.9
+  # A stdlib module the solution imported is there for the tests too, as in a shared namespace;
+  # one outside the allowed list is not imported on the candidate's word.
+  task = {**MBPP, "test_list": ["assert math.isclose(f(0.5), 1.0)"]}
+  assert compute_reward(task, _code("import math\ndef f(x):\n  return 2 * x"), None,
+                        CFG).parts["correct"] == 0.9
+  task = {**MBPP, "test_list": ["assert antigravity"]}
+  assert compute_reward(task, _code("import os as antigravity\ndef f(x):\n  return x"), None,
+                        CFG).parts["correct"] == 0.0
 
 
 @pytest.mark.parametrize("src", [
