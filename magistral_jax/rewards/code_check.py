@@ -7,9 +7,9 @@ Two kinds of test:
   - assert tests, HumanEval style (`test_code` defining `check(candidate)` + `entry_point`) or
     MBPP style (`test_list` of assert lines, optional `test_setup_code`). The test code runs in
     OUR process; the candidate's module is loaded in a sandboxed process by _DRIVER, and the test
-    code calls its functions through proxies: each call sends the arguments as JSON on the
-    child's stdin, and the child answers with the return value as JSON (or the exception's
-    name). Only plain values cross (_CODEC: None, bool, int, float, str, list, tuple, dict, set,
+    code calls its functions through proxies: each call sends the arguments (checked plain, as a
+    Python literal) on the child's stdin, and the child answers with the return value as JSON
+    (or the exception's name), never pickle. Only plain values cross (_CODEC: None, bool, int, float, str, list, tuple, dict, set,
     frozenset, bytes, complex, of exactly those types); anything else, an object with its own
     __eq__ included, is a failed call. So the comparisons, the expected values and the verdict
     never exist in the candidate's process: exiting early, raising, patching builtins, print or
@@ -19,7 +19,8 @@ Two kinds of test:
     Names the tests use that neither they nor builtins define resolve to the candidate's functions
     (a helper defined by the prompt, as in HumanEval/32's `poly`), as in the usual harness where
     both share one namespace; a test that relies on a helper the candidate may redefine can be
-    satisfied by redefining it, exactly as there.
+    satisfied by redefining it, exactly as there. Likewise a stdlib module the solution imported
+    (from a short allowed list, _TEST_MODULES) is imported for the tests under the same name.
 At most `num_tests` tests are drawn with `random.Random(group_seed)`, so every completion of a
 group sees the same tests. The reward is binary: all drawn tests must pass.
 """
