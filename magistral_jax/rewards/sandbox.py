@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import glob
 import logging
 import os
 import platform
@@ -324,7 +325,8 @@ class Sandbox:
 
   def make_dir(self, isolation: str | None = None) -> str:
     """A fresh run dir owned by the slot uid (the program may write there, and only there)."""
-    d = tempfile.mkdtemp(prefix="mj_sbx_", dir=self.root_dir)
+    # The pid in the name: whoever sees this process die can remove what it left (leftovers()).
+    d = tempfile.mkdtemp(prefix=f"mj_sbx_{os.getpid()}_", dir=self.root_dir)
     if (isolation or self.isolation) in (ISOLATION_PRIVATE_FS, ISOLATION_NAMESPACES):
       os.chown(d, self.uid, self.uid)
     return d
@@ -545,6 +547,15 @@ class Channel:
       self.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
       pass
+
+
+def remove_leftovers(pid: int, root_dir: str | None = None) -> int:
+  """Removes the run dirs of a DEAD process `pid` (a verifier worker killed mid-run never reaches
+  its own cleanup). Returns how many there were."""
+  dirs = glob.glob(os.path.join(root_dir or tempfile.gettempdir(), f"mj_sbx_{pid}_*"))
+  for d in dirs:
+    shutil.rmtree(d, ignore_errors=True)
+  return len(dirs)
 
 
 _default: Sandbox | None = None

@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 
+from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,8 @@ class VerifierPool:
     if w.proc.is_alive():
       w.proc.kill()
       w.proc.join(1.0)
+    if not w.proc.is_alive():   # a killed worker leaves its run dir behind
+      sandbox.remove_leftovers(w.proc.pid)
     w.conn.close()
     w.retired = True
 

@@ -1,6 +1,8 @@
 """The verifier pool: correct results, timeouts, crashes, recycling, back-pressure, clean exit."""
+import glob
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -118,9 +120,17 @@ def test_pool_survives_a_worker_killed_mid_task(pool):
     time.sleep(0.01)
   busy = [w for w in pool._workers if w.tid is not None]
   assert busy
-  os.kill(busy[0].proc.pid, signal.SIGKILL)
+  pid = busy[0].proc.pid
+  while not glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") and time.monotonic() < deadline:
+    time.sleep(0.01)   # kill it mid-run, with its run dir there
+  os.kill(pid, signal.SIGKILL)
   r = fut.result(timeout=60)
   assert r.reward == 0.0 and "died" in r.error
+  # Its run dir goes too (removed when the dispatcher replaces it, just after resolving).
+  deadline = time.monotonic() + 10
+  while glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") == []
   assert pool.metrics()["crashes"] == before + 1
   results = [f.result(timeout=60) for f in [pool.submit(MATH, _math(5)) for _ in range(4)]]
   assert all(x.reward == 1.0 for x in results)
