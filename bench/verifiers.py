@@ -104,7 +104,8 @@ def bench_python(n):
     t = time.perf_counter()
     bare_ok += b"ok" in subprocess.run([python, "-I", path], capture_output=True, timeout=10).stdout
     bare_s += time.perf_counter() - t
-    # Sandboxed: fresh dir, secret harness, namespaces, uid, rlimits (what a pool worker does).
+    # Sandboxed: fresh dir, private root, the JSON call driver, namespaces, uid, rlimits (what a
+    # pool worker does).
     t = time.perf_counter()
     w = sbx.make_dir()
     try:

@@ -25,3 +25,15 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps -e .
   touch "$stamp"
 fi
+if [ "$kind" = test ]; then
+  # The code sandbox needs util-linux's unshare/setpriv/prlimit and a mount namespace (root, or
+  # unprivileged user namespaces); without one it refuses to run generated code (README: "The
+  # code sandbox"). Say which mode this host gets, before the tests do.
+  if ! command -v unshare >/dev/null || ! command -v setpriv >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "[bootstrap] installing util-linux for the sandbox"
+      apt-get install -y -q util-linux >/dev/null || true
+    fi
+  fi
+  .venv/bin/python -c "from magistral_jax.rewards import sandbox; print('[bootstrap] sandbox isolation:', sandbox.isolation_level())" || true
+fi

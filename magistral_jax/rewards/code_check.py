@@ -5,28 +5,45 @@ Two kinds of test:
   - stdin/stdout pairs (`tests: [{"input", "output"}]`): the output must match the expected one
     token by token, numbers within a tolerance;
   - assert tests, HumanEval style (`test_code` defining `check(candidate)` + `entry_point`) or
-    MBPP style (`test_list` of assert lines, optional `test_setup_code`). The harness reads a
-    per-run secret from stdin before running any candidate code and prints it after the last
-    assertion, so `sys.exit(0)` / `os._exit(0)` before the tests cannot pass.
+    MBPP style (`test_list` of assert lines, optional `test_setup_code`). The test code runs in
+    OUR process; the candidate's module is loaded in a sandboxed process by _DRIVER, and the test
+    code calls its functions through proxies: each call sends the arguments (checked plain, as a
+    Python literal) on the child's stdin, and the child answers with the return value as JSON
+    (or the exception's name), never pickle. Only plain values cross (_CODEC: None, bool, int, float, str, list, tuple, dict, set,
+    frozenset, bytes, complex, of exactly those types); anything else, an object with its own
+    __eq__ included, is a failed call. So the comparisons, the expected values and the verdict
+    never exist in the candidate's process: exiting early, raising, patching builtins, print or
+    sys.stdout, or writing forged answer lines can only make calls fail or return values it chose,
+    which pass only if they are the right ones. The verdict is "every test statement ran without
+    an exception", decided here.
+    Names the tests use that neither they nor builtins define resolve to the candidate's functions
+    (a helper defined by the prompt, as in HumanEval/32's `poly`), as in the usual harness where
+    both share one namespace; a test that relies on a helper the candidate may redefine can be
+    satisfied by redefining it, exactly as there. Likewise a stdlib module the solution imported
+    (from a short allowed list, _TEST_MODULES) is imported for the tests under the same name.
 At most `num_tests` tests are drawn with `random.Random(group_seed)`, so every completion of a
 group sees the same tests. The reward is binary: all drawn tests must pass.
 """
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
 import hashlib
+import importlib
+import json
 import math
 import os
 import random
-import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from magistral_jax.rewards import format as fmt
-from magistral_jax.rewards.sandbox import Limits, Sandbox
+from magistral_jax.rewards.sandbox import (PRIVATE_FS, Channel, Limits, Sandbox,
+                                           interpreter_binds)
 
 LANG_ALIASES = {
   "python": "python", "py": "python", "python3": "python", "py3": "python",
@@ -34,37 +51,168 @@ LANG_ALIASES = {
 }
 CXX_FLAGS = ("-std=c++20", "-O2", "-pipe")
 
-_HARNESS = r'''
-import sys as _sys
-def _run():
-  secret = _sys.stdin.readline().strip()
-  ns = {"__name__": "solution", "__builtins__": __builtins__}
-  with open("solution.py", encoding="utf-8") as f:
-    exec(compile(f.read(), "solution.py", "exec"), ns)
-  with open("tests.py", encoding="utf-8") as f:
-    exec(compile(f.read(), "tests.py", "exec"), ns)
-  ENTRY = _sys.argv[1]
-  if ENTRY:
-    ns["check"](ns[ENTRY])
-  _sys.stdout.flush()
-  _sys.stdout.write("\n" + secret + "\n")
-  _sys.stdout.flush()
-_run()
+# Plain values to JSON and back, shared (as source) by our process and the sandboxed driver.
+# Exact types only: a subclass may override __eq__ (or anything else). Not-plain JSON shapes are
+# tagged objects: {"t": [...]} tuple, {"d": [[k, v], ...]} dict, {"s"/"fs": [...]} set/frozenset,
+# {"b": hex} bytes, {"c": [re, im]} complex, {"f": "nan"/"inf"/"-inf"} non-finite float.
+_CODEC = r'''
+import json as _json, math as _math
+_MAX_DEPTH = 100
+def _enc(x, depth=0):
+  if depth > _MAX_DEPTH:
+    raise ValueError("nested too deep")
+  t = type(x)
+  if x is None or t is bool or t is int or t is str:
+    return x
+  if t is float:
+    return x if _math.isfinite(x) else {"f": repr(x)}
+  if t is list:
+    return [_enc(v, depth + 1) for v in x]
+  if t is tuple:
+    return {"t": [_enc(v, depth + 1) for v in x]}
+  if t is dict:
+    return {"d": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in x.items()]}
+  if t is set or t is frozenset:
+    return {"s" if t is set else "fs": [_enc(v, depth + 1) for v in x]}
+  if t is bytes:
+    return {"b": x.hex()}
+  if t is complex:
+    return {"c": [_enc(x.real), _enc(x.imag)]}
+  raise TypeError("not a plain value: " + t.__name__)
+def _dec(x):
+  t = type(x)
+  if x is None or t in (bool, int, float, str):
+    return x
+  if t is list:
+    return [_dec(v) for v in x]
+  if t is not dict or len(x) != 1:
+    raise ValueError("bad value")
+  (tag, v), = x.items()
+  if tag == "t":
+    return tuple(_dec(e) for e in v)
+  if tag == "d":
+    return {_dec(k): _dec(e) for k, e in v}
+  if tag == "s":
+    return {_dec(e) for e in v}
+  if tag == "fs":
+    return frozenset(_dec(e) for e in v)
+  if tag == "b":
+    return bytes.fromhex(v)
+  if tag == "c":
+    return complex(_dec(v[0]), _dec(v[1]))
+  if tag == "f" and v in ("nan", "inf", "-inf"):
+    return float(v)
+  raise ValueError("bad value")
+def dumps(x):
+  return _json.dumps(_enc(x), allow_nan=False, separators=(",", ":"))
+def _no_constant(c):
+  raise ValueError("bad constant " + c)
+def loads(s):
+  return _dec(_json.loads(s, parse_constant=_no_constant))
 '''
 
+# The driver's JSON writer: the same text as _CODEC's dumps, without importing json (its regexes
+# cost ~20 ms per run on a busy host; _json's C string escaper costs nothing).
+_WRITER = r'''
+import _json
+_esc, _INF = _json.encode_basestring_ascii, float("inf")
+def write(x, depth=0):
+  if depth > 100:
+    raise ValueError("nested too deep")
+  t, d = type(x), depth + 1
+  if x is None:
+    return "null"
+  if t is bool:
+    return "true" if x else "false"
+  if t is int:
+    return str(x)
+  if t is str:
+    return _esc(x)
+  if t is float:
+    return repr(x) if -_INF < x < _INF else '{"f":"%r"}' % x
+  if t is list:
+    return "[" + ",".join([write(v, d) for v in x]) + "]"
+  if t is tuple:
+    return '{"t":[' + ",".join([write(v, d) for v in x]) + "]}"
+  if t is dict:
+    return '{"d":[' + ",".join(["[" + write(k, d) + "," + write(v, d) + "]"
+                               for k, v in x.items()]) + "]}"
+  if t is set or t is frozenset:
+    return '{"%s":[' % ("s" if t is set else "fs") + ",".join([write(v, d) for v in x]) + "]}"
+  if t is bytes:
+    return '{"b":"' + x.hex() + '"}'
+  if t is complex:
+    return '{"c":[' + write(x.real) + "," + write(x.imag) + "]}"
+  raise TypeError("not a plain value: " + t.__name__)
+'''
 
-@functools.lru_cache(maxsize=None)
-def _harness_path() -> str:
-  """The harness file, shared by all processes, world-readable (the sandbox uid runs it)."""
-  d = os.path.join(tempfile.gettempdir(), "magistral_jax_harness")
-  os.makedirs(d, mode=0o755, exist_ok=True)
-  path = os.path.join(d, hashlib.sha1(_HARNESS.encode()).hexdigest()[:12] + ".py")
-  if not os.path.exists(path):
-    tmp = f"{path}.{os.getpid()}"
-    _write(tmp, _HARNESS)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  return path
+# The sandboxed side: loads solution.py, then answers calls read from stdin. Our pipes are moved to
+# private fds first, so the candidate's prints go to stderr (drained and mostly dropped) and its
+# input() sees EOF. A request is a Python literal (id, function, args, kwargs) that we wrote from
+# values _CODEC accepted; an answer is one JSON line. Nothing here is secret: the candidate may
+# read, patch or replace all of it.
+_DRIVER = _WRITER + r'''
+import os
+_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set,
+             "frozenset": frozenset}
+def _main():
+  rfd, wfd = os.dup(0), os.dup(1)
+  null = os.open("/dev/null", os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(2, 1)
+  rin, wout = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
+  ns = {"__name__": "solution", "__builtins__": __builtins__}
+  def reply(text):
+    wout.write(text.encode() + b"\n")
+    wout.flush()
+  try:
+    with open("solution.py", encoding="utf-8") as f:
+      exec(compile(f.read(), "solution.py", "exec"), ns)
+  except BaseException as e:
+    reply('{"load_error":' + _esc(type(e).__name__ + ": " + str(e)[:300]) + "}")
+    return
+  items = [(k, v) for k, v in list(ns.items()) if type(k) is str and not k.startswith("__")]
+  reply('{"names":' + write(sorted(k for k, v in items if callable(v))) + ',"modules":'
+        + write([[k, v.__name__] for k, v in items if type(v) is type(os) and type(v.__name__) is str])
+        + "}")
+  for line in rin:
+    rid, fn, args, kwargs = eval(line, _LITERALS)
+    try:
+      result = ns[fn](*args, **kwargs)
+    except BaseException as e:
+      reply('{"id":%d,"err":[%s,%s]}' % (rid, _esc(type(e).__name__), _esc(str(e)[:300])))
+      continue
+    try:
+      reply('{"id":%d,"ok":%s}' % (rid, write(result)))
+    except BaseException as e:   # not a plain value: a failed call, not an exception to test for
+      reply('{"id":%d,"bad":%s}' % (rid, _esc(str(e)[:300])))
+_main()
+'''
+
+# A stdin/stdout Python program, run as __main__ by the interpreter that set up the sandbox (see
+# Sandbox.run's python_src). An uncaught exception exits non-zero with its traceback, as usual.
+_RUN_SOLUTION = """
+with open("solution.py", encoding="utf-8") as f:
+  src = f.read()
+exec(compile(src, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+_codec: dict = {}
+exec(_CODEC, _codec)
+encode_value, decode_value, _decode_parsed = _codec["dumps"], _codec["loads"], _codec["_dec"]
+_writer: dict = {}
+exec(_WRITER, _writer)
+driver_write = _writer["write"]     # for the tests: the driver's writer agrees with _CODEC
+
+
+_TEST_MODULES = frozenset({
+    "math", "cmath", "re", "string", "collections", "itertools", "functools", "operator", "heapq",
+    "bisect", "fractions", "decimal", "statistics", "copy", "datetime", "random"})
+
+
+class CandidateError(Exception):
+  """A call into the candidate failed: it raised something that is not a builtin exception,
+  returned a value that is not plain, died, or ran out of time or output."""
 
 
 @dataclasses.dataclass
@@ -183,12 +331,17 @@ def compile_cpp(sandbox: Sandbox, workdir: str, source: str, timeout_s: float,
   _write(os.path.join(workdir, "prog.cpp"), source)
   argv = ["g++", *CXX_FLAGS]
   pch = precompiled_header_dir() if use_pch else None
+  binds = []
   if pch:
-    argv.append(f"-I{pch}")
+    # The header dir is bound read-only into the private root (the host's /tmp is not there).
+    inside = "/pch" if sandbox.isolation in PRIVATE_FS else pch
+    binds.append((pch, inside))
+    argv.append(f"-I{inside}")
   argv += ["prog.cpp", "-o", "prog"]
+  # tmp_mb: g++ keeps its temporaries in the private /tmp (little with -pipe).
   limits = Limits(cpu_s=timeout_s, memory_mb=2048, file_size_mb=256, nproc=16, nofile=256,
-                  max_output_bytes=1 << 20)
-  r = sandbox.run(argv, workdir, limits, wall_s=timeout_s)
+                  max_output_bytes=1 << 20, tmp_mb=256)
+  r = sandbox.run(argv, workdir, limits, wall_s=timeout_s, ro_binds=binds)
   if r.timed_out:
     return False, f"compile timed out after {timeout_s}s"
   if r.returncode != 0:
@@ -198,9 +351,11 @@ def compile_cpp(sandbox: Sandbox, workdir: str, source: str, timeout_s: float,
 
 # ----------------------------------------------------------------------------- runners
 
-def _run_stdin_tests(sandbox, workdir, argv, tests, limits) -> CodeResult:
+def _run_stdin_tests(sandbox, workdir, argv, tests, limits, ro_binds=(), python_src=None
+                     ) -> CodeResult:
+  """One run per test; the output is compared here, in our process, to the expected one."""
   for k, t in enumerate(tests):
-    r = sandbox.run(argv, workdir, limits,
+    r = sandbox.run(argv, workdir, limits, ro_binds=ro_binds, python_src=python_src,
                     stdin=str(t["input"]).encode("utf-8", errors="replace"))
     if r.timed_out:
       return CodeResult(False, f"test {k}: time limit", k + 1)
@@ -214,21 +369,115 @@ def _run_stdin_tests(sandbox, workdir, argv, tests, limits) -> CodeResult:
   return CodeResult(True, "", len(tests))
 
 
+class _Candidate:
+  """Our end of the conversation with the driver: proxies that call the candidate's functions."""
+
+  def __init__(self, channel: Channel):
+    self.channel = channel
+    self.calls = 0
+    try:   # the driver speaks first, once the solution is loaded
+      hello = self._parse(channel.read_line())
+    except Channel.Closed as e:
+      raise CandidateError(f"solution did not load: {e}") from None
+    if "load_error" in hello:
+      raise CandidateError("solution does not load: " + str(hello["load_error"])[:300])
+    names = hello.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+      raise CandidateError("bad hello from the driver")
+    self.names = names
+    modules = hello.get("modules", [])
+    self.modules = {m[0]: m[1] for m in modules if isinstance(m, list) and len(m) == 2
+                    and all(isinstance(x, str) for x in m)} if isinstance(modules, list) else {}
+
+  @staticmethod
+  def _parse(line: bytes) -> dict:
+    try:
+      msg = json.loads(line)
+    except (ValueError, RecursionError):   # RecursionError: a line nested deeper than we parse
+      raise CandidateError("garbled answer") from None
+    if not isinstance(msg, dict):
+      raise CandidateError("garbled answer")
+    return msg
+
+  def call(self, fn: str, args: tuple, kwargs: dict):
+    self.calls += 1
+    try:
+      # Checked plain (exact types), then sent as a Python literal the driver can eval without
+      # builtins; the arguments are the tests' (ours), never the candidate's.
+      args, kwargs = decode_value(encode_value([list(args), dict(kwargs)]))
+      req = repr((self.calls, fn, args, kwargs)).encode()
+    except (TypeError, ValueError) as e:
+      raise CandidateError(f"argument not passable as plain data: {e}") from None
+    try:
+      msg = self._parse(self.channel.request(req))
+    except Channel.Closed as e:
+      raise CandidateError(f"call {fn}: {e}") from None
+    if msg.get("id") != self.calls:
+      raise CandidateError("answer out of sequence")
+    if "ok" in msg:
+      try:
+        return _decode_parsed(msg["ok"])
+      except (TypeError, ValueError, KeyError, IndexError, RecursionError) as e:
+        raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
+    if "bad" in msg:
+      raise CandidateError(f"returned a value that is not plain data: {str(msg['bad'])[:200]}")
+    err = msg.get("err")
+    if isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err):
+      # A builtin exception type is raised as itself, so tests that expect one work; anything
+      # else (SystemExit, the candidate's own classes) is a CandidateError.
+      cls = getattr(builtins, err[0], None)
+      if isinstance(cls, type) and issubclass(cls, Exception) and cls is not AssertionError:
+        raise cls(f"(in the candidate) {err[1]}")
+      raise CandidateError(f"{err[0]}: {err[1]}")
+    raise CandidateError("garbled answer")
+
+  def proxy(self, fn: str):
+    def call(*args, **kwargs):
+      return self.call(fn, args, kwargs)
+    call.__name__ = call.__qualname__ = fn
+    return call
+
+
 def _run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limits) -> CodeResult:
-  secret = secrets.token_hex(16)
+  """Runs the assert tests in OUR process against the candidate in a sandboxed one (see the module
+  docstring): passed only if every test statement ran without raising."""
   _write(os.path.join(workdir, "solution.py"), code)
-  _write(os.path.join(workdir, "tests.py"), test_src)
-  # One process runs all assertions, so the wall limit covers the whole test program. The entry
-  # point goes in argv; the secret goes through stdin, read before any candidate code runs.
-  r = sandbox.run([python, "-I", _harness_path(), entry_point or ""], workdir, limits,
-                  stdin=(secret + "\n").encode())
-  if r.timed_out:
-    return CodeResult(False, "time limit", 1)
-  lines = r.stdout.decode("utf-8", errors="replace").splitlines()
-  if r.returncode == 0 and secret in lines:
+  exe, binds = interpreter_binds(python)
+  # One process serves all calls, so the wall limit covers the whole test program.
+  start = time.monotonic()
+  proc = sandbox.start([exe], workdir, limits, ro_binds=binds, python_src=_DRIVER)
+  channel = Channel(proc, start + limits.cpu_s, limits.max_output_bytes)
+  try:
+    try:
+      cand = _Candidate(channel)
+    except CandidateError as e:
+      return CodeResult(False, f"{e}: " + bytes(channel.err).decode(errors="replace")[-300:], 1)
+    ns = {"__name__": "tests", "__builtins__": builtins}
+    for name in cand.names:
+      if not hasattr(builtins, name):
+        ns[name] = cand.proxy(name)
+    # Tests sometimes use a module only the solution imported (`math.isclose(...)`): the same
+    # stdlib module, imported here, where it is in _TEST_MODULES (the candidate names them; we
+    # import nothing else on its word).
+    for name, module in cand.modules.items():
+      if module in _TEST_MODULES and name not in ns and not hasattr(builtins, name):
+        ns[name] = importlib.import_module(module)
+    try:
+      exec(compile(test_src, "tests.py", "exec"), ns)
+      if entry_point:
+        if entry_point not in cand.names:
+          return CodeResult(False, f"entry point {entry_point!r} not defined", 1)
+        ns["check"](cand.proxy(entry_point))
+    except CandidateError as e:
+      return CodeResult(False, f"call failed: {e}: "
+                        + bytes(channel.err).decode(errors="replace")[-200:], 1)
+    except Exception as e:   # AssertionError and whatever a wrong value makes the tests raise
+      return CodeResult(False, f"test failed: {type(e).__name__}: {str(e)[:200]}", 1)
     return CodeResult(True, "", 1)
-  return CodeResult(False, f"exit code {r.returncode}, secret {'seen' if secret in lines else 'missing'}: "
-                    + r.stderr.decode(errors="replace")[-300:], 1)
+  except CandidateError as e:
+    return CodeResult(False, str(e), 1)
+  finally:
+    channel.close()
 
 
 def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox, num_tests: int,
@@ -251,11 +500,12 @@ def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox,
         ok, msg = compile_cpp(sandbox, workdir, code, compile_timeout_s)
         if not ok:
           return CodeResult(False, msg)
-        argv = ["./prog"]
+        argv, binds, src = ["./prog"], [], None
       else:
         _write(os.path.join(workdir, "solution.py"), code)
-        argv = [python, "-I", "solution.py"]
-      return _run_stdin_tests(sandbox, workdir, argv, chosen, limits)
+        exe, binds = interpreter_binds(python)
+        argv, src = [exe], _RUN_SOLUTION
+      return _run_stdin_tests(sandbox, workdir, argv, chosen, limits, binds, src)
     if want != "python":
       raise ValueError("assert tests (test_code / test_list) are Python only")
     if "test_code" in task:

@@ -38,6 +38,9 @@ class RewardConfig:
   compile_timeout_s: float = 10.0
   math_timeout_s: int = 5         # math-verify's own (SIGALRM) timeout, per parse and per verify
   python: str | None = None       # interpreter for sandboxed Python; None: a system python3
+  # Run generated code even where no private filesystem (mount namespace) can be made, in a weaker
+  # sandbox, with a loud warning (rewards/sandbox.py). Off: such a host refuses to run code.
+  allow_weak_sandbox: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "languages", tuple(self.languages))
@@ -130,7 +133,8 @@ def _compute(task, response, response_tokens, cfg, group_seed) -> RewardResult:
   else:
     lang, code = code_check.extract_code_block(f.answer, code_check.task_language(task))
     res = code_check.check_code(
-        task, lang, code, sandbox=sandbox.default_sandbox(), num_tests=cfg.num_tests,
+        task, lang, code, sandbox=sandbox.default_sandbox(cfg.allow_weak_sandbox),
+        num_tests=cfg.num_tests,
         test_timeout_s=cfg.test_timeout_s, memory_mb=cfg.memory_mb,
         compile_timeout_s=cfg.compile_timeout_s, python=cfg.python or code_check.default_python(),
         group_seed=group_seed)

@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 
+from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def _worker_main(conn, slot: int, uid: int, cfg: RewardConfig):
   signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
   from magistral_jax.rewards import sandbox
   from magistral_jax.rewards import math_check, language
-  sandbox.configure(uid=uid)
+  sandbox.configure(uid=uid, allow_weak=cfg.allow_weak_sandbox)
   try:   # warm the heavy imports before reporting ready
     math_check.math_equal("1", "1")
     language.detect_language("warm up")
@@ -216,6 +217,8 @@ class VerifierPool:
     if w.proc.is_alive():
       w.proc.kill()
       w.proc.join(1.0)
+    if not w.proc.is_alive():   # a killed worker leaves its run dir behind
+      sandbox.remove_leftovers(w.proc.pid)
     w.conn.close()
     w.retired = True
 

@@ -27,7 +27,7 @@ def _ray():
 class _Verifier:
   def __init__(self, uid: int, cfg: RewardConfig):
     from magistral_jax.rewards import sandbox
-    sandbox.configure(uid=uid)
+    sandbox.configure(uid=uid, allow_weak=cfg.allow_weak_sandbox)
     self.cfg = cfg
 
   def score(self, task, response, response_tokens, group_seed):

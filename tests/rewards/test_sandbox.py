@@ -44,10 +44,11 @@ def _assert_nothing_left(uid, wait_s=3.0):
   assert _uid_processes(uid) == []
 
 
-def test_isolation_level_is_namespaces_as_root():
-  if os.geteuid() != 0:
-    pytest.skip("namespaces need root; the fallback is tested by construction")
-  assert sandbox.isolation_level() == sandbox.ISOLATION_NAMESPACES
+def test_isolation_level_has_a_private_filesystem():
+  # As root: the per-slot uid; without root: a user namespace. Both have the private root; a host
+  # where neither works refuses to run code (tests/rewards/test_sandbox_hostile.py).
+  want = sandbox.ISOLATION_PRIVATE_FS if os.geteuid() == 0 else sandbox.ISOLATION_USERNS
+  assert sandbox.isolation_level() == want
 
 
 HOSTILE_CODE = {

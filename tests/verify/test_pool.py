@@ -1,6 +1,8 @@
 """The verifier pool: correct results, timeouts, crashes, recycling, back-pressure, clean exit."""
+import glob
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -118,9 +120,17 @@ def test_pool_survives_a_worker_killed_mid_task(pool):
     time.sleep(0.01)
   busy = [w for w in pool._workers if w.tid is not None]
   assert busy
-  os.kill(busy[0].proc.pid, signal.SIGKILL)
+  pid = busy[0].proc.pid
+  while not glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") and time.monotonic() < deadline:
+    time.sleep(0.01)   # kill it mid-run, with its run dir there
+  os.kill(pid, signal.SIGKILL)
   r = fut.result(timeout=60)
   assert r.reward == 0.0 and "died" in r.error
+  # Its run dir goes too (removed when the dispatcher replaces it, just after resolving).
+  deadline = time.monotonic() + 10
+  while glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert glob.glob(f"{tempfile.gettempdir()}/mj_sbx_{pid}_*") == []
   assert pool.metrics()["crashes"] == before + 1
   results = [f.result(timeout=60) for f in [pool.submit(MATH, _math(5)) for _ in range(4)]]
   assert all(x.reward == 1.0 for x in results)
@@ -172,6 +182,12 @@ def test_ray_backend_has_the_same_interface():
     with RayVerifierPool(2, CFG, task_timeout_s=30) as p:
       assert p.submit(MATH, _math(5)).result(timeout=120).reward == 1.0
       assert p.submit(STDIN, GOOD).result(timeout=120).reward == 1.0
-      assert p.metrics()["completed"] == 2
+      # The actors' sandbox is the same: a private filesystem, and a write to /tmp goes nowhere.
+      mark = f"mj_ray_{os.getpid()}"
+      leak = _code(f"open('/tmp/{mark}', 'w').write('x')\nprint(2 * int(input()))")
+      assert p.submit(STDIN, leak).result(timeout=120).reward == 1.0
+      assert not os.path.exists(f"/tmp/{mark}")
+      assert p.submit(STDIN, _code("import os\nos._exit(0)")).result(timeout=120).reward == 0.1
+      assert p.metrics()["completed"] == 4
   finally:
     ray.shutdown()
