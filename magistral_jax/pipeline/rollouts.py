@@ -277,8 +277,20 @@ class Rollouts:
       self.max_inflight = max(self.max_inflight, self._generating + self._queued)
       i = int(np.argmin(self._gen_load))
       self._gen_load[i] += self.group_size
-    self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, group_size=self.group_size,
-                                      metadata=task, seed=int(self._rng.integers(2**31))))
+    try:
+      self.generators[i].submit(Request(id=gid, prompt_tokens=prompt,
+                                        group_size=self.group_size, metadata=task,
+                                        seed=int(self._rng.integers(2**31))))
+    except ValueError as e:
+      # A prompt no generator can take (longer than engine.max_prefill_length with truncation
+      # off): one bad problem, not a reason to stop feeding. Skipped, counted, logged.
+      with self._lock:
+        self._groups.pending.pop(gid, None)
+        self._generating -= self.group_size
+        self._gen_load[i] -= self.group_size
+        self._groups.counters["prompts_skipped"] += 1
+      log.warning("skipping a problem the generators refuse (%d prompt tokens): %s; task %s",
+                  len(prompt), e, str(task)[:200])
     return True
 
   def _has_room(self) -> bool:
@@ -442,6 +454,8 @@ class Rollouts:
         "generator_decode_utilization": float(np.mean([o * d for o, d in zip(occ, decode_frac)])),
         "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
         "verifier_errors": float(self.counters["verifier_errors"]),
+        # Problems skipped because no generator would take their prompt (over its prefill limit).
+        "prompts_skipped": float(self.counters["prompts_skipped"]),
         # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
         # shared_prefix), over the run so far, all generators.
         "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),

@@ -222,3 +222,36 @@ def test_batch_timeout_fires_when_the_verifiers_never_answer():
       pipe.next_batch()
   assert time.time() - t < 15   # the timeout and a clean close, no hang
   assert not any(th.is_alive() for th in pipe._threads)
+
+
+class RefusingGenerator(ScriptedGenerator):
+  """Refuses prompts longer than its prefill limit at submit, as GeneratorLoop.submit does."""
+
+  def submit(self, request):
+    if len(request.prompt_tokens) > self.engine.max_prefill_length:
+      raise ValueError(f"request {request.id!r}: prompt of {len(request.prompt_tokens)} tokens "
+                       f"> max_prefill_length={self.engine.max_prefill_length}")
+    super().submit(request)
+
+
+def test_a_prompt_the_generators_refuse_is_skipped_and_the_run_goes_on(caplog):
+  """One over-long problem (a malformed row, a prompt past max_prefill_length) is skipped and
+  logged; the feeder keeps feeding and the batch forms from the others."""
+  def tasks():
+    for i in itertools.count():
+      t = math_task(i)
+      if i % 5 == 2:
+        t["problem"] = "x" * 200   # past the generator's 64-token prefill limit
+      yield t
+  pipe = Rollouts(generators=[RefusingGenerator(right_or_wrong)], pool=InlinePool(),
+                  tokenizer=TOK, prompts=tasks(), grpo_cfg=GRPO,
+                  cfg=PipelineConfig(n_async=16))
+  with caplog.at_level(logging.WARNING), pipe:
+    batch = pipe.next_batch()
+    pipe.done(batch)
+    batch = pipe.next_batch()
+  assert len(batch.groups) == GRPO.n_batch // GRPO.group_size
+  assert all(len(g.info[0].metadata["problem"]) < 64 for g in batch.groups)
+  assert pipe.counters["prompts_skipped"] >= 1
+  assert "skipping a problem the generators refuse" in caplog.text
+  assert not pipe._errors
