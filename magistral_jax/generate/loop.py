@@ -37,7 +37,9 @@ log-probs, versions) are those without overlap: tokens depend only on a sample's
 PRNG stream and position (tests/generate/test_engine_and_loop.py); only the schedule of refills,
 hence the step count and when a weights update reaches a sample, differs. The step in flight is
 recorded before the loop reports nothing to do, at the end of run_until_idle, when the loop
-thread stops, and before a KV recompute on update. overlap_host=False is the old synchronous
+thread stops, and before a KV recompute on update. Refills overlap too: the first tokens of
+samples inserted while a step is in flight are fetched and recorded with the next step's results
+(a sample finishing on its first token is known a step later, like any other finish). overlap_host=False is the old synchronous
 step (dispatch, fetch, record).
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
@@ -82,12 +84,15 @@ class _InFlight:
   res: its ResultTokens on the device; rows: for a compacted step, the slot of each result row
   (None: row i is slot i); slots: the slots active on the host when it was dispatched and
   owners: their SlotSamples then (a slot whose sample has since finished, or that holds another
-  one, is not recorded); version: the policy version of the weights it ran with."""
+  one, is not recorded); version: the policy version of the weights it ran with; firsts: the
+  first tokens of the samples inserted just before it (see GeneratorLoop._fill_slots), recorded
+  before its own tokens."""
   res: Any
   rows: np.ndarray | None
   slots: np.ndarray
   owners: list
   version: int
+  firsts: list
 
 
 def check_loop_prefill_below(fraction: float) -> float:
@@ -114,6 +119,9 @@ class GeneratorLoop:
     # (one step in flight; see the module docstring); False: dispatch, fetch, record in turn.
     self.overlap_host = bool(overlap_host)
     self._inflight: _InFlight | None = None
+    # First tokens of inserts not yet fetched: (slots, request ids, prefix versions, tokens on
+    # the device, log-probs on the device), recorded with the next step dispatched.
+    self._firsts: list[tuple] = []
     # With background_prefill, a worker thread prefills queued requests while the loop decodes
     # (prefill_worker.py), keeping about `prefill_ahead` prefilled samples ready for the next
     # free slots. The loop prefills itself when too few slots would decode (loop_prefill_below,
@@ -339,7 +347,7 @@ class GeneratorLoop:
       self.state = self._drain.maybe_compact(self.state, active)
     c = self.counters
     # The step in flight advances its slots one position past what the host has recorded.
-    window = self.engine.window_for(self._slots.positions(self._in_flight_mask()))
+    window = self.engine.window_for(self._slots.positions(self._in_flight_positions()))
     c.attended_positions += window
     t0 = time.perf_counter()
     slots = np.flatnonzero(active)
@@ -353,38 +361,53 @@ class GeneratorLoop:
     c.computed_slot_steps += eng.max_concurrent_decodes
     c.steps += 1
     c.decode_time_s += time.perf_counter() - t0
-    prev, self._inflight = self._inflight, _InFlight(res, rows, slots, owners, self.version)
+    firsts, self._firsts = self._firsts, []
+    prev, self._inflight = self._inflight, _InFlight(res, rows, slots, owners, self.version,
+                                                     firsts)
     if prev is not None:   # overlap_host: the previous step, while this one runs
       self._record(prev)
     if not self.overlap_host:
       self._flush()
     return True
 
-  def _in_flight_mask(self) -> np.ndarray | None:
-    """[slots] bool: the slots the step in flight advances for their current samples."""
+  def _in_flight_positions(self) -> np.ndarray | None:
+    """[slots] int: positions the device has advanced each slot past what the host recorded:
+    one for the step in flight (for the samples it advanced that still run), one for each first
+    token not yet fetched (an insert made while a step was in flight)."""
     d = self._inflight
-    if d is None:
+    if d is None and not self._firsts:
       return None
-    mask = np.zeros(self._slots.active.shape, bool)
-    samples = self._slots.samples
-    mask[[i for i, o in zip(d.slots, d.owners) if samples[i] is o]] = True
-    return mask
+    extra = np.zeros(self._slots.active.shape, np.int64)
+    if d is not None:
+      samples = self._slots.samples
+      extra[[i for i, o in zip(d.slots, d.owners) if samples[i] is o]] += 1
+      for f in d.firsts:
+        extra[f[0]] += 1
+    for f in self._firsts:
+      extra[f[0]] += 1
+    return extra
 
   def _flush(self) -> None:
     """Records the step in flight, if any."""
     d, self._inflight = self._inflight, None
     if d is not None:
       self._record(d)
+    if self._firsts:   # (only left by an insert that no step followed, e.g. after an error)
+      firsts, self._firsts = self._firsts, []
+      self._record_firsts(firsts)
 
   def _record(self, d: _InFlight) -> None:
     """Fetches a dispatched step's results and records the tokens of the samples it advanced
     that are still running (a sample that finished at the step before gets no more tokens)."""
     c = self.counters
     t0 = time.perf_counter()
-    res = jax.device_get(d.res)
+    res, firsts = jax.device_get((d.res, [f[3:] for f in d.firsts]))   # one transfer
+    firsts = [f[:3] + tuple(x) for f, x in zip(d.firsts, firsts)]
     if d.rows is not None:
       res = self._drain.scatter(res, d.rows)
     c.decode_time_s += time.perf_counter() - t0
+    if d.firsts:   # the inserts came before this step: their first tokens go first
+      self._record_firsts(firsts)
     samples = self._slots.samples
     idx = d.slots[np.array([samples[i] is o for i, o in zip(d.slots, d.owners)], bool)]
     c.active_slot_steps += idx.size
@@ -394,6 +417,24 @@ class GeneratorLoop:
                            f"version {d.version}; stopping instead of sampling garbage")
     c.generated_tokens += idx.size
     self._slots.record(idx, res.tokens[idx], res.logprobs[idx], np.full(idx.shape, d.version))
+
+  def _record_firsts(self, firsts) -> bool:
+    """Records the first tokens of inserted samples, `firsts` as in self._firsts; returns
+    whether a sample finished on its first token."""
+    finished = False
+    fetched = jax.device_get([f[3:] for f in firsts])   # one transfer (numpy: as it is)
+    for (slots, ids, versions, _, _), (tok, lp) in zip(firsts, fetched):
+      m = len(slots)
+      # The first token's log-prob is NaN when its prompt's last logits hold a NaN or a +Inf
+      # (the decode step checks every logit of the later tokens, -Inf included): stop rather
+      # than stream garbage.
+      bad = ~np.isfinite(lp[:m])
+      if bad.any():
+        raise NonFiniteError(f"non-finite prompt logits for requests "
+                             f"{[ids[j] for j in np.flatnonzero(bad)]} at policy version "
+                             f"{versions[0]}; stopping instead of sampling garbage")
+      finished |= self._slots.record(slots, tok[:m], lp[:m], versions)
+    return finished
 
   def _pending_work(self) -> bool:
     """Whether a request or a group sample is waiting for a slot."""
@@ -512,22 +553,16 @@ class GeneratorLoop:
             [e[1].prefix[1] for e in entries], np.stack([e[1].key for e in entries]),
             [e[2] for e in entries], slots.active)
         slots.device_active = slots.active.copy()
-        firsts.append((entries, tok, lp))
-      firsts = jax.device_get(firsts)  # one transfer for all first tokens
-      finished = False
-      for entries, tok, lp in firsts:
-        m = len(entries)
-        # The first token's log-prob is NaN when its prompt's last logits hold a NaN or a +Inf
-        # (the decode step checks every logit of the later tokens, -Inf included): stop rather
-        # than stream garbage.
-        bad = ~np.isfinite(lp[:m])
-        if bad.any():
-          ids = [entries[j][1].request.id for j in np.flatnonzero(bad)]
-          raise NonFiniteError(f"non-finite prompt logits for requests {ids} at policy version "
-                               f"{entries[0][1].prefix_version}; stopping instead of sampling "
-                               "garbage")
-        finished |= slots.record(np.array([e[0] for e in entries]), tok[:m], lp[:m],
-                                 np.array([e[1].prefix_version for e in entries]))
+        firsts.append((np.array([e[0] for e in entries]), [e[1].request.id for e in entries],
+                       np.array([e[1].prefix_version for e in entries]), tok, lp))
+      if self.overlap_host and self._inflight is not None:
+        # The inserts queue after the step in flight: their first tokens are fetched and
+        # recorded with the next step's results instead of waited for here, so refills overlap
+        # with the device too. A sample that finishes on its first token is then known a step
+        # later (that step's token for it is dropped), like a finish at any other step.
+        self._firsts.extend(firsts)
+        break
+      finished = self._record_firsts(firsts)   # one transfer for all first tokens
       if not finished:  # a sample can finish on its first token: refill its slot right away
         break
     if bg:

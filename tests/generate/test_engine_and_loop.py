@@ -1092,6 +1092,25 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   alone = run(GeneratorLoop(eng, params, overlap_host=False), [Request("y", p,
                                                                      max_new_tokens=10)])["y", 0]
   assert c.tokens == alone.tokens and len(c.tokens) == 10
+  # A refill while a step is in flight does not wait for the insert: the new sample's first
+  # token is fetched and recorded with the next step's results.
+  reqs = lambda: [Request(i, q, max_new_tokens=2 + i, seed=i)
+                  for i, q in enumerate(prompts(5, seed=23))]
+  r = GeneratorLoop(eng, params, compact_drain=False)
+  for q in reqs():
+    r.submit(q)
+  r.step()   # 4 slots filled (nothing in flight: first tokens fetched at once), step 1 dispatched
+  r.step()   # step 2 dispatched; step 1 recorded: request 0 (2 tokens) finished
+  assert r.completions.qsize() == 1 and not r._inflight.firsts
+  r.step()   # request 4 inserted into its slot, step 3 dispatched with its first token pending
+  slot = next(i for i, s in enumerate(r._slots.samples) if s and s.group.request.id == 4)
+  assert [f[0].tolist() for f in r._inflight.firsts] == [[slot]] and r._slots._count[slot] == 0
+  got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
+  want = run(GeneratorLoop(eng, params, compact_drain=False, overlap_host=False), reqs())
+  assert got.keys() == want.keys()
+  for k in want:
+    assert got[k].tokens == want[k].tokens and got[k].versions.tolist() == [0] * len(got[k].tokens)
+    np.testing.assert_allclose(got[k].logprobs, want[k].logprobs, atol=1e-5)
   # The thread: stop() records the step in flight before the thread ends.
   t = GeneratorLoop(eng, params, compact_drain=False)
   t.submit(Request("t", p, max_new_tokens=16))
