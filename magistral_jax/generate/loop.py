@@ -346,7 +346,8 @@ class GeneratorLoop:
     if self.compact_drain and not self._pending_work():
       self.state = self._drain.maybe_compact(self.state, active)
     c = self.counters
-    # The step in flight advances its slots one position past what the host has recorded.
+    # The device is ahead of what the host has recorded (the step in flight, first tokens not
+    # yet fetched): the window must hold the positions this step writes on the device.
     window = self.engine.window_for(self._slots.positions(self._in_flight_positions()))
     c.attended_positions += window
     t0 = time.perf_counter()
