@@ -16,7 +16,10 @@ the device's bandwidth. So:
   * `engine`: `Engine.generate` steps dispatched back to back, blocked on at the end (the device's
     decode rate);
   * `loop`: `GeneratorLoop.step` (the step, the device-to-host transfer of the tokens and
-    log-probs, and the loop's bookkeeping), which is what the RL pipeline gets.
+    log-probs, and the loop's bookkeeping), which is what the RL pipeline gets. By default the
+    loop overlaps its host work with the device (overlap_host: it dispatches step n+1 before it
+    fetches and records step n); `--no_overlap` times the synchronous loop (dispatch, fetch,
+    record in turn) for comparison.
   The two alternate in `--rounds` blocks; medians are reported.
 - Per model: bytes a step must move (weights read + KV cache read + new KV written + the fp32
   logits written and read), the roofline step time at the measured and at the spec bandwidth,
@@ -126,7 +129,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   embed_bytes = dev_params["embed"]["embedding"].nbytes
   itemsize = jnp.dtype(dtype).itemsize
 
-  loop = GeneratorLoop(eng, dev_params, compact_drain=False)
+  loop = GeneratorLoop(eng, dev_params, compact_drain=False, overlap_host=not args.no_overlap)
   rs = np.random.RandomState(0)
   for i in range(args.batch):
     loop.submit(Request(i, rs.randint(0, cfg.vocab_size, args.prompt).tolist(),
@@ -149,8 +152,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
   # then a block of engine steps on the loop's state, which stays the loop's (the loop does not
   # record the engine-timed tokens; nothing finishes, so that loses nothing measured).
-  def loop_step():
-    loop.step()
+  def loop_step():   # with overlap, a round ends on the step in flight: waiting for loop.state
+    loop.step()      # (the last step's output) times it to completion
     return loop.state
 
   def engine_step():
@@ -178,7 +181,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "attention_windows": list(eng.attention_windows), "live_positions": live_len,
       "sampling": "greedy" if args.greedy else "temperature 1",
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
-      "fill_s": fill_s,
+      "fill_s": fill_s, "overlap_host": loop.overlap_host,
       "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
       "engine_step_ms_per_round": [x * 1e3 for x in engine_ts],
       "loop_step_ms_per_round": [x * 1e3 for x in loop_ts],
@@ -211,6 +214,9 @@ def main():
                        "the timed steps only)")
   ap.add_argument("--attention_windows", type=int, default=1,
                   help="attention windows the engine compiles (1 = dense over the whole cache)")
+  ap.add_argument("--no_overlap", action="store_true",
+                  help="time the synchronous GeneratorLoop (overlap_host=False): dispatch, fetch "
+                       "and record each step in turn")
   ap.add_argument("--warm_steps", type=int, default=4)
   ap.add_argument("--loop_steps", type=int, default=32)
   ap.add_argument("--engine_steps", type=int, default=32)
@@ -240,6 +246,7 @@ def main():
   common.emit({
       "bench": "decode_roofline", "platform": platform, "device": kind,
       "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
+      "overlap_host": not args.no_overlap,
       "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
       "measured_stream_GBps": bw["stream_GBps"],
       "spec_GBps": spec, "cache_length": first["cache_length"],

@@ -74,6 +74,12 @@ class EngineConfig:
   # same samples up to float rounding). Used when that prefix has at least
   # generate.loop.SHARED_PREFIX_MIN_TOKENS tokens.
   shared_prefix_cache: bool = True
+  # The generator loop dispatches decode step n+1 before it fetches and records step n, so the
+  # device decodes while the host transfers tokens, does the bookkeeping and refills slots
+  # (GeneratorLoop overlap_host; one step in flight). Same samples; a finished sample's slot is
+  # refilled one step later. Measured on an H100, batch 256, the synchronous loop step took
+  # 1.7-1.9x the device step. False: dispatch, fetch, record in turn.
+  overlap_host: bool = True
 
   def __post_init__(self):
     try:   # the Engine's own check of the window count, before any engine is built

@@ -145,12 +145,22 @@ class Drain:
   def generate(self, params, window: int):
     """One step of the compacted state; returns (the child engine, its results scattered back
     to full-size per-slot numpy arrays)."""
+    child, r, slots = self.dispatch(params, window)
+    return child, self.scatter(jax.device_get(r), slots)
+
+  def dispatch(self, params, window: int):
+    """Dispatches one step of the compacted state (asynchronously); returns (the child engine,
+    its results on the device, the slot of each compacted row) for `scatter`."""
     slots, small, child = self.compacted
     small, r = child.generate(params, small, window)
     self.compacted = (slots, small, child)
-    r = jax.device_get(r)
+    return child, r, slots
+
+  def scatter(self, r, slots: np.ndarray):
+    """A compacted step's results (fetched to numpy) as full-size per-slot arrays; row i is slot
+    slots[i] (the compaction's slots when the step was dispatched)."""
     n = self.engine.max_concurrent_decodes
     res = type(r)(*(np.zeros((n,) + np.shape(a)[1:], np.asarray(a).dtype) for a in r))
     for full, part in zip(res, r):   # row i of the compacted step is slot slots[i]
       full[slots] = np.asarray(part)[:len(slots)]
-    return child, res
+    return res

@@ -54,10 +54,15 @@ class SlotTable:
     self._prompt_len[slot] = group.true_length
     self.active[slot] = True
 
-  def positions(self) -> int:
-    """Cache positions the next step writes below, over the active slots."""
+  def positions(self, in_flight: np.ndarray | None = None) -> int:
+    """Cache positions the next step writes below, over the active slots. `in_flight` [slots]
+    bool: the slots a dispatched step not yet recorded advances (GeneratorLoop's overlap_host),
+    each one position further than its recorded tokens say."""
     act = np.flatnonzero(self.active)
-    return int((self._prompt_len[act] + self._count[act]).max())
+    pos = self._prompt_len[act] + self._count[act]
+    if in_flight is not None:
+      pos = pos + in_flight[act]
+    return int(pos.max())
 
   def in_cache(self, slot: int) -> list[int]:
     """The tokens in a slot's cache: the prompt and all but the pending token."""
