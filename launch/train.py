@@ -169,7 +169,7 @@ def main(argv):
           background_prefill=scfg.engine.background_prefill,
           loop_prefill_below=scfg.engine.loop_prefill_below,
           shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt),
-          rules=generator_rules)
+          overlap_host=scfg.engine.overlap_host, rules=generator_rules)
       prompts = train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
       rollouts = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
                           grpo_cfg=srun.rl, cfg=srun.pipeline, system_prompt=system_prompt,

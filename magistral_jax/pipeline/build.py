@@ -155,7 +155,7 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     attention_windows: int = 1,
                     background_prefill: bool = False,
                     loop_prefill_below: float = 0.5,
-                    shared_prefix=None) -> list[GeneratorLoop]:
+                    shared_prefix=None, overlap_host: bool = True) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
@@ -165,7 +165,7 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
   `loop_prefill_below`: see GeneratorLoop (a worker thread prefills queued prompts while the loop
   decodes; the loop prefills itself when too few slots would decode). `shared_prefix`: token ids
   most prompts start with, prefilled once per weights version (GeneratorLoop; see
-  shared_prefix_for)."""
+  shared_prefix_for). `overlap_host`: GeneratorLoop's one decode step in flight."""
   loops = []
   for i, devs in enumerate(device_slices):
     shape = dict(mesh_shape or {"tensor": len(devs)})
@@ -176,7 +176,8 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
     loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
                          recompute_kv_on_update=recompute_kv_on_update, seed=seed + i,
                          background_prefill=background_prefill,
-                         loop_prefill_below=loop_prefill_below, shared_prefix=shared_prefix)
+                         loop_prefill_below=loop_prefill_below, shared_prefix=shared_prefix,
+                         overlap_host=overlap_host)
     if tune:
       engine.tune(loop.params)
     loops.append(loop)
