@@ -170,18 +170,12 @@ def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = 
                                       is_causal=True, implementation=implementation)
 
 
-# A packed row's segments are passed to cuDNN as a fixed number of (offset, length) slots per
-# row: T // CUDNN_TOKENS_PER_SEGMENT of them (at least 2), so rows whose sequences average at
-# least this many tokens fit; a row with more segments than slots takes the blockwise path.
-CUDNN_TOKENS_PER_SEGMENT = 128
-
-
-def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array, Array]:
+def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array]:
   """Packed segment ids [B, T] (each sequence's tokens contiguous; the padding tail, id 0, is a
-  run too) -> (lengths [B, M], offsets [B, M + 1], fits): cuDNN's packed layout, one entry per
-  run of equal ids, -1 past a row's last run. Padding is its own segment so that every output
-  position is computed (finite) like the blockwise path's, though the loss never reads it.
-  `fits`: every row has at most M = max_segments runs."""
+  run too) -> (lengths [B, M], offsets [B, M + 1]): cuDNN's packed layout, one entry per run of
+  equal ids, -1 past a row's last run. Padding is its own segment so that every output position
+  is computed (finite) like the blockwise path's, though the loss never reads it. A row must
+  have at most M = max_segments runs (M = T always holds)."""
   b, t = segments.shape
   start = jnp.concatenate([jnp.ones((b, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
   count = jnp.sum(start, axis=1)
@@ -190,27 +184,28 @@ def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array, Ar
   nxt = offsets[:, 1:]
   used = jnp.arange(max_segments)[None, :] < count[:, None]
   lengths = jnp.where(used, jnp.where(nxt >= 0, nxt, t) - offsets[:, :-1], -1)
-  return lengths.astype(jnp.int32), offsets, jnp.all(count <= max_segments)
+  return lengths.astype(jnp.int32), offsets
 
 
 def cudnn_packed_attention(q: Array, keys: Array, values: Array, segments: Array,
-                           fallback, kernel=None) -> Array:
+                           max_segments: int | None = None, kernel=None) -> Array:
   """Causal attention within each packed segment through cuDNN's packed layout: q [B, T, H, Dh],
-  keys/values [B, K, T, Dh], segments [B, T]. Rows with more segments than the layout has slots
-  run `fallback()` instead (a lax.cond: both are compiled, one runs). `kernel` replaces the
-  cuDNN call (tests check the layout on CPU with a reference that reads it)."""
+  keys/values [B, K, T, Dh], segments [B, T]. The layout has one slot per token (max_segments
+  = T), so no row can hold more segments than it has slots: a fallback for an overflowing row
+  under lax.cond would be compiled beside the kernel, and XLA materialised the blockwise
+  branch's O(T^2) scores there (130 GiB at T = 32K on an H100). `kernel` replaces the cuDNN call
+  (tests check the layout on CPU with a reference that reads it)."""
   t, dh = q.shape[1], q.shape[-1]
-  m = max(2, t // CUDNN_TOKENS_PER_SEGMENT)
-  lengths, offsets, fits = segment_layout(segments, m)
+  lengths, offsets = segment_layout(segments, max_segments or t)
   if kernel is None:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
     def kernel(q, k, v, lengths, offsets):
       return cudnn_fa.dot_product_attention(
           q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
           scale=1.0 / math.sqrt(dh), mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
           qkv_layout="BTNH")
-  k, v = keys.swapaxes(1, 2), values.swapaxes(1, 2)
-  return jax.lax.cond(fits, lambda: kernel(q, k, v, lengths, offsets), fallback)
+  return kernel(q, keys.swapaxes(1, 2), values.swapaxes(1, 2), lengths, offsets)
 
 
 def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
@@ -257,11 +252,7 @@ def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t:
   if impl == "dense":
     return dense_attention(q, keys, values, dense_mask(spec, window), keys_t)
   if impl == "cudnn" and spec.q_seg is not None:
-    return cudnn_packed_attention(
-        q, keys, values, spec.q_seg,
-        lambda: blockwise_attention(q, keys, values, spec, window=window,
-                                    block_q=cfg.attention_block_q,
-                                    block_k=cfg.attention_block_k, keys_t=keys_t))
+    return cudnn_packed_attention(q, keys, values, spec.q_seg)
   if impl == "cudnn":
     return cudnn_attention(q, keys, values)
   if impl == "tpu_flash":
