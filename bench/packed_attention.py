@@ -4,12 +4,10 @@ cuDNN's packed layout against the blockwise baseline, on an NVIDIA GPU (sm90+).
 For each T in --lengths, one row of T tokens holding sequences of random lengths (mean
 --mean_len) and a padding tail, the Llama-3.2-1B attention shape (32 query heads, 8 KV heads,
 head_dim 64), bf16:
-  check  the packed cuDNN output and its gradients (q, k, v) against blockwise's (beyond
-         --blockwise_max: against cuDNN with fewer layout slots), as
+  check  the packed cuDNN output and its gradients (q, k, v) against blockwise's, as
          ||got - want|| / ||want|| on the real (non-padding) tokens (bf16 operands: expect
          1e-3 to 1e-2; NaN fails).
-  time   forward + backward of each (the median of --repeats after a warm-up): cuDNN with the
-         model's layout (a slot per token), with T // 128 slots, and blockwise.
+  time   forward + backward of each (the median of --repeats after a warm-up).
 Last line: one JSON object with `rel_err_*`, `fwd_bwd_ms_cudnn` / `_blockwise` and
 `blockwise_over_cudnn_time` per T. Usage: python bench/packed_attention.py
 """
@@ -36,10 +34,9 @@ def packed_row(t: int, mean_len: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def main(argv=None):
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default="2048,8192,32768")
+  ap.add_argument("--lengths", default="2048,8192")
   ap.add_argument("--mean_len", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--blockwise_max", type=int, default=8192, help="longest T timed blockwise")
   args = ap.parse_args(argv)
   rng = np.random.default_rng(0)
   dev = jax.devices()[0]
@@ -55,23 +52,17 @@ def main(argv=None):
     ct = jax.random.normal(keys[3], q.shape, jnp.bfloat16) * jnp.asarray(seg > 0)[:, :, None, None]
     blockwise = lambda q, kk, v: blockwise_attention(q, kk, v, spec, window=None, block_q=512,
                                                      block_k=512)
-    cudnn = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg)
-    # The layout's slots: one per token (the model's), and few (what the kernel costs for
-    # unused slots).
-    few = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg, max(2, t // 128))
-    impls = [("cudnn", cudnn), ("cudnn_slots_t128", few)]
-    if t <= args.blockwise_max:   # blockwise's backward at 32K takes minutes
-      impls.append(("blockwise", blockwise))
+    cudnn = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg,
+                                                      lambda: blockwise(q, kk, v))
     fns = {}
-    for name, f in impls:
+    for name, f in (("cudnn", cudnn), ("blockwise", blockwise)):
       def fwd_bwd(q, kk, v, f=f):
         out, vjp = jax.vjp(f, q, kk, v)
         return (out,) + vjp(ct)
       fns[name] = jax.jit(fwd_bwd)
     real = np.asarray(seg > 0)[0]
     try:
-      got = fns["cudnn"](q, kk, v)
-      want = fns["blockwise" if "blockwise" in fns else "cudnn_slots_t128"](q, kk, v)
+      got, want = fns["cudnn"](q, kk, v), fns["blockwise"](q, kk, v)
       for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         if name in ("out", "dq"):
@@ -81,8 +72,7 @@ def main(argv=None):
                               args.repeats)
       for n, x in tm.items():
         result[f"{t}_fwd_bwd_ms_{n}"] = x.median * 1e3
-      if "blockwise" in tm:
-        result[f"{t}_blockwise_over_cudnn_time"] = tm["blockwise"].median / tm["cudnn"].median
+      result[f"{t}_blockwise_over_cudnn_time"] = tm["blockwise"].median / tm["cudnn"].median
       result[f"{t}_segments"] = int(seg.max())
     except Exception as e:   # report and go on to the next length
       result[f"{t}_error"] = f"{type(e).__name__}: {str(e)[:300]}"

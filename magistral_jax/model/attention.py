@@ -12,7 +12,8 @@ Implementations (ModelConfig.attention_impl):
              sequence per row (prefill from an empty cache, scoring without segment ids); for
              packed training rows (several sequences per row), cuDNN's packed layout (each
              row's segments as lengths and offsets, causal within each segment), which needs
-             compute capability 9.0 (Hopper) or newer. The public jax.nn entry point takes no
+             compute capability 9.0 (Hopper) or newer and rows of at most CUDNN_PACKED_MAX_T
+             tokens (its memory grows with T^2 beyond). The public jax.nn entry point takes no
              segments, so the packed call goes through the function behind it,
              jax._src.cudnn.fused_attention_stablehlo.dot_product_attention.
   tpu_flash  jax.experimental.pallas.ops.tpu.flash_attention on TPU: causal with segment ids,
@@ -99,10 +100,11 @@ def cudnn_applies(*, platform: str, dtype, head_dim: int, q_len: int, kv_len: in
                   capability: float = 9.0) -> bool:
   """cuDNN flash takes fp16/bf16, head_dim a multiple of 8 up to 128, and here only causal
   attention among a row's own tokens (self_only: no cached prefix) with no effective sliding
-  window; packed rows (segments) need its packed layout, compute capability 9.0 or newer."""
+  window; packed rows (segments) need its packed layout, compute capability 9.0 or newer, and
+  at most CUDNN_PACKED_MAX_T tokens."""
   return (platform == "cuda" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
           and head_dim % 8 == 0 and head_dim <= 128 and self_only
-          and (not segments or capability >= 9.0)
+          and (not segments or (capability >= 9.0 and q_len <= CUDNN_PACKED_MAX_T))
           and q_len == kv_len and _window_inert(window, q_len))
 
 
@@ -170,12 +172,23 @@ def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = 
                                       is_causal=True, implementation=implementation)
 
 
-def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array]:
+# A packed row's segments are passed to cuDNN as a fixed number of (offset, length) slots per
+# row: T // CUDNN_TOKENS_PER_SEGMENT of them (at least 2), so rows whose sequences average at
+# least this many tokens fit; a row with more segments than slots takes the blockwise path.
+# Measured on an H100 (bench/packed_attention.py, bench/train_mfu.py): the program's memory grows
+# with slots x T^2 (one slot per token asked 1 TiB at T = 8K; T // 128 slots, +10 GiB at 8K and
+# 130 GiB at 32K), so the packed layout is used up to CUDNN_PACKED_MAX_T and longer packed rows
+# take blockwise attention (linear memory).
+CUDNN_TOKENS_PER_SEGMENT = 128
+CUDNN_PACKED_MAX_T = 8192
+
+
+def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array, Array]:
   """Packed segment ids [B, T] (each sequence's tokens contiguous; the padding tail, id 0, is a
-  run too) -> (lengths [B, M], offsets [B, M + 1]): cuDNN's packed layout, one entry per run of
-  equal ids, -1 past a row's last run. Padding is its own segment so that every output position
-  is computed (finite) like the blockwise path's, though the loss never reads it. A row must
-  have at most M = max_segments runs (M = T always holds)."""
+  run too) -> (lengths [B, M], offsets [B, M + 1], fits): cuDNN's packed layout, one entry per
+  run of equal ids, -1 past a row's last run. Padding is its own segment so that every output
+  position is computed (finite) like the blockwise path's, though the loss never reads it.
+  `fits`: every row has at most M = max_segments runs."""
   b, t = segments.shape
   start = jnp.concatenate([jnp.ones((b, 1), bool), segments[:, 1:] != segments[:, :-1]], 1)
   count = jnp.sum(start, axis=1)
@@ -184,28 +197,27 @@ def segment_layout(segments: Array, max_segments: int) -> tuple[Array, Array]:
   nxt = offsets[:, 1:]
   used = jnp.arange(max_segments)[None, :] < count[:, None]
   lengths = jnp.where(used, jnp.where(nxt >= 0, nxt, t) - offsets[:, :-1], -1)
-  return lengths.astype(jnp.int32), offsets
+  return lengths.astype(jnp.int32), offsets, jnp.all(count <= max_segments)
 
 
 def cudnn_packed_attention(q: Array, keys: Array, values: Array, segments: Array,
-                           max_segments: int | None = None, kernel=None) -> Array:
+                           fallback, kernel=None) -> Array:
   """Causal attention within each packed segment through cuDNN's packed layout: q [B, T, H, Dh],
-  keys/values [B, K, T, Dh], segments [B, T]. The layout has one slot per token (max_segments
-  = T), so no row can hold more segments than it has slots: a fallback for an overflowing row
-  under lax.cond would be compiled beside the kernel, and XLA materialised the blockwise
-  branch's O(T^2) scores there (130 GiB at T = 32K on an H100). `kernel` replaces the cuDNN call
-  (tests check the layout on CPU with a reference that reads it)."""
+  keys/values [B, K, T, Dh], segments [B, T]. Rows with more segments than the layout has slots
+  run `fallback()` instead (a lax.cond: both are compiled, one runs). `kernel` replaces the
+  cuDNN call (tests check the layout on CPU with a reference that reads it)."""
   t, dh = q.shape[1], q.shape[-1]
-  lengths, offsets = segment_layout(segments, max_segments or t)
+  m = max(2, t // CUDNN_TOKENS_PER_SEGMENT)
+  lengths, offsets, fits = segment_layout(segments, m)
   if kernel is None:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
-
     def kernel(q, k, v, lengths, offsets):
       return cudnn_fa.dot_product_attention(
           q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
           scale=1.0 / math.sqrt(dh), mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
           qkv_layout="BTNH")
-  return kernel(q, keys.swapaxes(1, 2), values.swapaxes(1, 2), lengths, offsets)
+  k, v = keys.swapaxes(1, 2), values.swapaxes(1, 2)
+  return jax.lax.cond(fits, lambda: kernel(q, k, v, lengths, offsets), fallback)
 
 
 def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
@@ -252,7 +264,11 @@ def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t:
   if impl == "dense":
     return dense_attention(q, keys, values, dense_mask(spec, window), keys_t)
   if impl == "cudnn" and spec.q_seg is not None:
-    return cudnn_packed_attention(q, keys, values, spec.q_seg)
+    return cudnn_packed_attention(
+        q, keys, values, spec.q_seg,
+        lambda: blockwise_attention(q, keys, values, spec, window=window,
+                                    block_q=cfg.attention_block_q,
+                                    block_k=cfg.attention_block_k, keys_t=keys_t))
   if impl == "cudnn":
     return cudnn_attention(q, keys, values)
   if impl == "tpu_flash":

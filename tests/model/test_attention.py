@@ -174,6 +174,7 @@ def test_choose_impl_per_platform_and_mask():
   assert _choose(platform="cuda", q_len=100, kv_len=100) == "cudnn"
   assert _choose(platform="cuda", segments=True) == "cudnn"               # packed layout (sm90+)
   assert _choose(platform="cuda", segments=True, capability=8.0) == "blockwise"
+  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384) == "blockwise"
   assert _choose(platform="cuda", capability=8.0) == "cudnn"
   assert _choose(platform="cuda", self_only=False, kv_len=8192) == "blockwise"  # cached prefix
   assert _choose(platform="cuda", dtype=jnp.float32) == "blockwise"
@@ -214,15 +215,12 @@ def test_segment_layout_lists_each_run():
   seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0],     # three sequences and a padding tail
                      [1, 1, 1, 1, 1, 1, 1, 1],     # one sequence filling the row
                      [0, 0, 0, 0, 0, 0, 0, 0]])    # all padding
-  lengths, offsets = A.segment_layout(seg, 4)
+  lengths, offsets, fits = A.segment_layout(seg, 4)
   np.testing.assert_array_equal(lengths, [[3, 2, 1, 2], [8, -1, -1, -1], [8, -1, -1, -1]])
   np.testing.assert_array_equal(offsets, [[0, 3, 5, 6, -1], [0, -1, -1, -1, -1],
                                           [0, -1, -1, -1, -1]])
-  # The default layout has a slot per token: one-token segments fill it exactly.
-  ones = jnp.arange(1, 9)[None]
-  lengths, offsets = A.segment_layout(ones, 8)
-  np.testing.assert_array_equal(lengths, [[1] * 8])
-  np.testing.assert_array_equal(offsets, [list(range(8)) + [-1]])
+  assert bool(fits)
+  assert not bool(A.segment_layout(seg, 3)[2])     # row 0 has 4 runs
 
 
 def _layout_reference_kernel(q, k, v, lengths, offsets):
@@ -258,14 +256,24 @@ def test_cudnn_packed_layout_has_the_packed_mask(lengths):
   q, keys, values = _qkv(rng, 2, t, t, 4, 2, 16, jnp.float32)
   spec = A.packed_spec(jnp.asarray(pos), jnp.asarray(seg))
   want_fn = lambda q, k, v: A.dense_attention(q, k, v, A.dense_mask(spec, None), False)
-  got_fn = lambda q, k, v: A.cudnn_packed_attention(q, k, v, spec.q_seg,
-                                                     kernel=_layout_reference_kernel)
+  got_fn = lambda q, k, v: A.cudnn_packed_attention(
+      q, k, v, spec.q_seg, lambda: want_fn(q, k, v), kernel=_layout_reference_kernel)
   ct = jnp.asarray(rng.randn(*q.shape), jnp.float32)
   real = jnp.asarray(seg > 0)[:, :, None, None]    # padding rows: own segment, not compared
   got = _outputs_and_grads(got_fn, q, keys, values, ct * real)
   want = _outputs_and_grads(want_fn, q, keys, values, ct * real)
   _assert_close([got[0] * real] + list(got[1:]), [want[0] * real] + list(want[1:]), jnp.float32)
   assert np.all(np.isfinite(np.asarray(got[0])))
+
+
+def test_cudnn_packed_overflow_takes_the_fallback():
+  """A row with more segments than the layout's slots runs the fallback, not a wrong mask."""
+  t = 16   # 2 slots per row
+  seg = jnp.asarray(np.repeat(np.arange(1, 5), 4)[None])   # 4 segments
+  q, keys, values = _qkv(np.random.RandomState(6), 1, t, t, 2, 1, 8, jnp.float32)
+  boom = lambda *a: jnp.full(q.shape, jnp.nan, q.dtype)
+  got = A.cudnn_packed_attention(q, keys, values, seg, lambda: jnp.ones_like(q), kernel=boom)
+  np.testing.assert_array_equal(got, np.ones(q.shape, np.float32))
 
 
 @pytest.mark.parametrize("sharded", [False, True])
