@@ -62,7 +62,7 @@ def _div(value: int, divisor: int, what: str) -> int:
 
 def rehearsal_of(recipe: mlc.ConfigDict, *, length_divisor: int, batch_divisor: int,
                  group_divisor: int, batches_per_stage: int,
-                 sft_steps: int = 80, ramble_rate: float = 0.25) -> mlc.ConfigDict:
+                 sft_steps: int = 60, ramble_rate: float = 0.25) -> mlc.ConfigDict:
   """The CPU rehearsal of `recipe` (a copy; see the module docstring for what is kept)."""
   c = mlc.ConfigDict(recipe.to_dict())
   L, B = length_divisor, batch_divisor
@@ -81,7 +81,10 @@ def rehearsal_of(recipe: mlc.ConfigDict, *, length_divisor: int, batch_divisor: 
                 sft_ramble_rate=ramble_rate)
   # The cold start (launch/train.py runs it for init.source=random): configs/tiny.py's lr and
   # rows, few steps (see the module docstring).
-  c.sft.update(num_steps=sft_steps, batch_size=32, learning_rate=3e-3, row_len=256,
+  # The cold start's rows are the RL rows (prompt limit + max_new_tokens): a rambling trace fills
+  # one, so the policy has rambled at every position a completion can reach and runs on to
+  # max_new_tokens (with shorter rows it learned to stop soon past the row's end).
+  c.sft.update(num_steps=sft_steps, batch_size=16, learning_rate=3e-3, row_len=max_len,
                rows_per_micro=4)
 
   # ---- lengths ----
