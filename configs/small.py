@@ -13,7 +13,7 @@ TRAINER_DEVICES = 16
 
 # `configs/small.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/
 # rehearsal.py: every knob kept, tiny model, the char tokenizer on synthetic arithmetic).
-LENGTH_DIVISOR = 64        # prompt 4k -> 64, max_new_tokens 40k -> 640, l_max, l_cache, rows
+LENGTH_DIVISOR = 128       # prompt 4k -> 32, max_new_tokens 40k -> 320, l_max, l_cache, rows
 BATCH_DIVISOR = 256        # n_batch, n_mini, n_async
 GROUP_DIVISOR = 4          # group_size 16 -> 4
 REHEARSAL_BATCHES = 4      # batches per stage
