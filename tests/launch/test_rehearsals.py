@@ -107,6 +107,7 @@ def _changed_fraction(workdir, step_a, step_b):
   return changed / total, per_leaf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["medium", "small"])
 def test_rehearsal_runs_every_stage_resumes_and_learns(name, tmp_path):
   mod = _module(name)
