@@ -5,11 +5,20 @@ shrink the batch as sequences grow (8k → 4k → 2k sequences) to bound KV memo
 (one optimizer step per batch); n_async / n_batch ≤ 2; eps_high 0.28.
 """
 from magistral_jax.config import default_config
+from magistral_jax.rehearsal import rehearsal_of
 
 K = 1024
 PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
 MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens: l_max of the last stage
 TRAINER_DEVICES = 64
+
+
+# `configs/medium.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/
+# rehearsal.py: every knob kept, tiny model, the char tokenizer on synthetic arithmetic).
+LENGTH_DIVISOR = 128       # prompt 4k -> 32, max_new_tokens 40k -> 320, l_max, l_cache, rows
+BATCH_DIVISOR = 512        # n_batch, n_mini, n_async
+GROUP_DIVISOR = 4          # group_size 16 -> 4
+REHEARSAL_BATCHES = 2      # batches per stage
 
 
 def get_config(arg=None):
@@ -49,4 +58,9 @@ def get_config(arg=None):
        "overrides": {"rl.n_batch": 2 * K, "rl.n_mini": 2 * K, "reward.l_max": 40 * K,
                      "pipeline.n_async": 4 * K}},
   )
+  if arg == "rehearsal":
+    return rehearsal_of(c, length_divisor=LENGTH_DIVISOR, batch_divisor=BATCH_DIVISOR,
+                        group_divisor=GROUP_DIVISOR, batches_per_stage=REHEARSAL_BATCHES)
+  if arg:
+    raise ValueError(f"configs/medium.py: unknown config argument {arg!r}; expected rehearsal")
   return c

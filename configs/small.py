@@ -3,11 +3,20 @@
 RL: batch 2048 sequences, l_max − l_cache = 32k, temperature 1.0, eps_high 0.3.
 """
 from magistral_jax.config import default_config
+from magistral_jax.rehearsal import rehearsal_of
 
 K = 1024
 PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
 MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens = l_max
 TRAINER_DEVICES = 16
+
+
+# `configs/small.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/
+# rehearsal.py: every knob kept, tiny model, the char tokenizer on synthetic arithmetic).
+LENGTH_DIVISOR = 128       # prompt 4k -> 32, max_new_tokens 40k -> 320, l_max, l_cache, rows
+BATCH_DIVISOR = 256        # n_batch, n_mini, n_async
+GROUP_DIVISOR = 4          # group_size 16 -> 4
+REHEARSAL_BATCHES = 4      # batches per stage
 
 
 def get_config(arg=None):
@@ -34,4 +43,9 @@ def get_config(arg=None):
                    generator_mesh={"tensor": 4, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
   c.num_batches = 500                  # NOT STATED
+  if arg == "rehearsal":
+    return rehearsal_of(c, length_divisor=LENGTH_DIVISOR, batch_divisor=BATCH_DIVISOR,
+                        group_divisor=GROUP_DIVISOR, batches_per_stage=REHEARSAL_BATCHES)
+  if arg:
+    raise ValueError(f"configs/small.py: unknown config argument {arg!r}; expected rehearsal")
   return c

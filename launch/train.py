@@ -144,11 +144,17 @@ def main(argv):
                                       "overrides": {}}]
     total_batches = sum(s.get("num_batches", config.num_batches) for s in stages)
     progress = Progress(total_batches, meta["batches"])
+    stop_at = int(config.get("stop_after_batches", 0))
+    stopped = False
     for si in range(meta["stage"], len(stages)):
       stage = stages[si]
       scfg = config_lib.apply_overrides(config, dict(stage.get("overrides", {})))
       srun = config_lib.validate(scfg)
       n_batches = stage.get("num_batches", config.num_batches) - meta["batch_in_stage"]
+      if stop_at and stop_at - meta["batches"] < n_batches:   # stop_after_batches ends it here
+        n_batches, stopped = max(0, stop_at - meta["batches"]), True
+        if n_batches == 0:
+          break
       log.info("stage %d/%d %r: %d batches, n_batch=%d n_mini=%d G=%d l_max=%d", si + 1,
                len(stages), stage.get("name", si), n_batches, srun.rl.n_batch, srun.rl.n_mini,
                srun.rl.group_size, srun.reward.l_max)
@@ -195,8 +201,15 @@ def main(argv):
         if meta["opt_steps"] not in ckpt.steps():
           save_checkpoint(meta["opt_steps"], state, force=True)
         ckpt.wait()
+      if stopped:
+        break
       meta.update(stage=si + 1, batch_in_stage=0)
 
+    if stopped:
+      log.info("stopping after %d batches (stop_after_batches=%d): checkpoint %d, stage %d, "
+               "batch %d of it; relaunch on this workdir to resume", meta["batches"], stop_at,
+               meta["opt_steps"], meta["stage"] + 1, meta["batch_in_stage"])
+      return
     res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
                    jax.device_get(state.params), "after")
     summary.update(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],

@@ -96,6 +96,10 @@ def default_config() -> mlc.ConfigDict:
   c = mlc.ConfigDict()
   c.seed = 0
   c.num_batches = 10            # RL batches per stage unless the stage says otherwise
+  # Stop the process cleanly once the run has trained this many batches in all (counting those
+  # of a resumed run's earlier processes), after checkpointing them; 0 = no limit. A relaunch on
+  # the same workdir with a larger (or no) limit resumes from there (the rehearsal tests).
+  c.stop_after_batches = 0
   # ---- policy ----
   c.model = config_section(ModelConfig)
   # Where the initial weights come from: random | gguf | hf | orbax (+ path). With gguf/hf the
@@ -122,7 +126,7 @@ def default_config() -> mlc.ConfigDict:
   # ---- data ----
   c.data = mlc.ConfigDict(dict(source="synthetic", data_dir="", min_steps=1, max_steps=3,
                                max_operand=20, allow_negative=True, heldout=64,
-                               sft_slip_rate=0.0))
+                               sft_slip_rate=0.0, sft_ramble_rate=0.0))
   # ---- cold-start SFT (Magistral Small; also the tiny warm start) ----
   # lr schedule: linear warmup, then constant or cosine down to final_lr_frac at the last step.
   c.sft = mlc.ConfigDict(dict(num_steps=0, batch_size=16, learning_rate=3e-3, row_len=512,

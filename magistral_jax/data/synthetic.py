@@ -70,17 +70,40 @@ def slipped_trace(problem: dict, rng: random.Random) -> str:
   return _format_trace(lines, str(value))
 
 
-def sft_pairs(seed: int, slip_rate: float = 0.0, **kw) -> Iterator[tuple[str, str]]:
+# A rambling trace's length in characters: longer than any cold-start row, so its end is never
+# learned (sft_warm_start cuts a pair to its row).
+RAMBLE_CHARS = 1024
+
+
+def ramble_trace(problem: dict, length: int = RAMBLE_CHARS) -> str:
+  """A trace that never closes: `<think>`, the worked steps, then the same steps re-checked over
+  and over past `length` characters, with no `</think>` and no answer. A cold start with some of
+  these teaches a policy that sometimes thinks until max_new_tokens cuts it off, as long
+  reasoning does at the paper's scale (the rehearsals use it to reach the longest sequences)."""
+  text = "<think>\n" + "\n".join(problem["steps"])
+  while len(text) < length:
+    text += "\n" + "\n".join(f"check {line}" for line in problem["steps"])
+  return text
+
+
+def sft_pairs(seed: int, slip_rate: float = 0.0, ramble_rate: float = 0.0,
+              **kw) -> Iterator[tuple[str, str]]:
   """(problem, worked trace) pairs for the cold start, from the 'sft' stream. With slip_rate > 0
   that fraction of the traces makes one arithmetic slip (`slipped_trace`): an imperfect
   demonstrator, as a cold start distilled from a stronger model's traces is. The RL reward (the
-  real verifier on the reference answer) is what then teaches the policy to stop slipping."""
-  if not 0.0 <= slip_rate <= 1.0:
-    raise ValueError(f"data.sft_slip_rate must be in [0, 1], got {slip_rate}")
+  real verifier on the reference answer) is what then teaches the policy to stop slipping. With
+  ramble_rate > 0 that fraction of the traces never ends (`ramble_trace`)."""
+  for name, rate in (("sft_slip_rate", slip_rate), ("sft_ramble_rate", ramble_rate)):
+    if not 0.0 <= rate <= 1.0:
+      raise ValueError(f"data.{name} must be in [0, 1], got {rate}")
   slips = random.Random(f"slips:{seed}")
+  rambles = random.Random(f"rambles:{seed}")
   for p in problems(seed, "sft", **kw):
     slip = slip_rate and slips.random() < slip_rate
-    yield p["problem"], slipped_trace(p, slips) if slip else trace(p)
+    if ramble_rate and rambles.random() < ramble_rate:
+      yield p["problem"], ramble_trace(p)
+    else:
+      yield p["problem"], slipped_trace(p, slips) if slip else trace(p)
 
 
 def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
@@ -102,8 +125,10 @@ def options(data_cfg) -> dict:
 
 
 def sft_pairs_for(data_cfg, seed: int) -> Iterator[tuple[str, str]]:
-  """`sft_pairs` of a run config's `data` section (its problem options and sft_slip_rate)."""
-  return sft_pairs(seed, data_cfg.get("sft_slip_rate", 0.0), **options(data_cfg))
+  """`sft_pairs` of a run config's `data` section (its problem options, sft_slip_rate and
+  sft_ramble_rate)."""
+  return sft_pairs(seed, data_cfg.get("sft_slip_rate", 0.0), data_cfg.get("sft_ramble_rate", 0.0),
+                   **options(data_cfg))
 
 
 def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:

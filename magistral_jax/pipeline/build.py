@@ -199,7 +199,13 @@ def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str
     for _ in range(batch_size):
       problem, completion = next(it)
       prompt = tokenizer.apply_chat_template(problem, system_prompt)
-      pairs.append((prompt, tokenizer.encode(completion) + [tokenizer.eos_id]))
+      # A pair longer than the row is cut to it: the model learns its start and never its end
+      # (synthetic.ramble_trace relies on it). A prompt alone over the row is an error.
+      room = row_len - len(prompt)
+      if room < 1:
+        raise ValueError(f"sft: a prompt of {len(prompt)} tokens leaves no room in a row of "
+                         f"{row_len} tokens; raise sft.row_len")
+      pairs.append((prompt, (tokenizer.encode(completion) + [tokenizer.eos_id])[:room]))
     arrays, _ = sft_collate(pairs, row_len, rows_per_micro)
     state, metrics = sft_step(state, shard_batch(arrays, mesh))
     if (step + 1) % log_every == 0 or step + 1 == num_steps:

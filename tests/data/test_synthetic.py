@@ -66,3 +66,16 @@ def test_slipped_traces_make_exactly_one_slip_and_follow_it():
 def test_slip_rate_out_of_range_is_rejected():
   with pytest.raises(ValueError, match="sft_slip_rate"):
     next(synthetic.sft_pairs(0, 1.5, **TINY))
+
+
+def test_rambling_traces_never_close_and_keep_the_problem_stream():
+  n, rate = 1000, 0.25
+  pairs = list(itertools.islice(synthetic.sft_pairs(0, 0.4, rate, **TINY), n))
+  assert [q for q, _ in pairs] == [q for q, _ in itertools.islice(synthetic.sft_pairs(0, 0.0, **TINY), n)]
+  rambles = [t for _, t in pairs if "</think>" not in t]
+  assert abs(len(rambles) / n - rate) < 0.04, len(rambles) / n
+  for t in rambles:   # longer than any cold-start row; never meets the format
+    assert t.startswith("<think>\n") and len(t) >= synthetic.RAMBLE_CHARS and "\\boxed" not in t
+    assert not check_format(t, "math").ok
+  with pytest.raises(ValueError, match="sft_ramble_rate"):
+    next(synthetic.sft_pairs(0, 0.0, -0.1, **TINY))
