@@ -1,0 +1,731 @@
+"""Soak benchmark: the verifier pool under sustained hostile load (issue #33 item 4).
+
+Runs --tasks code tasks through a VerifierPool(--workers): about --hostile_share (20%) hostile
+programs and the rest split evenly between correct and wrong ones, every one with a known
+verdict. Task shapes are real: HumanEval functional tests (shipped humaneval_full.jsonl), MBPP
+assert lists (mbpp_sample20.jsonl), Python stdin/stdout problems, and --cpp_share (5%) C++
+stdin/stdout problems. Correct programs must get the pass reward; wrong and hostile ones must not.
+Every correct/wrong program is first run bare (subprocess, no sandbox) to confirm its known
+verdict; rows where the bare run disagrees are dropped (reported as catalog_dropped).
+
+Hostile programs: writes to /tmp, /dev/shm, /var/tmp, the home and the project dir; reads of a
+secret planted outside the run dir (the task's expected output IS the secret, so a read would
+pass), also at C++ compile time (#include); fork bombs; daemons that setsid and outlive the run;
+memory hogs; verdict forgeries (exit 0 early, sys.exit at load, patched print / sys.stdout,
+objects equal to anything, searching frames / gc / env / argv / files for a token, forged answer
+lines on every fd); sleeping past the timeout; killing the parent and everything in sight.
+
+Reported (last line, one JSON object):
+  verdict_accuracy (goal 1.0), wrong_verdicts (first few), tasks_lost = submitted - resolved
+  (goal 0), errors; leaked_processes (processes of the pool's sandbox uids, or children of this
+  process, after the pool closed), leaked_uids, leaked_files (new entries in /tmp, /dev/shm,
+  /var/tmp, home and the project dir that an attack named, that a sandbox uid owns, or that are
+  the pool's run dirs; new entries from other processes on the host are counted apart as
+  new_entries_unattributed), worker RSS at the start and the end, throughput_per_s of the mix,
+  and throughput_ratio = pool rate / bare rate on the same correct/wrong programs (a separate
+  phase of --ratio_tasks tasks, pool and bare interleaved in chunks, bare with --workers threads;
+  goal >= 0.5), isolation_level().
+
+  python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import glob
+import json
+import os
+import pwd
+import random
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import common
+
+import psutil
+
+from magistral_jax.rewards import RewardConfig, code_check, sandbox
+from magistral_jax.verify import VerifierPool
+
+SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
+PROJECT = common.ROOT
+HOME = os.path.expanduser("~")
+MARK = "mj_soak_" + secrets.token_hex(4)        # the name of every file an attack tries to leave
+SECRET = secrets.token_hex(16)                  # planted outside any run dir
+WRITE_TARGETS = ["/tmp", "/dev/shm", "/var/tmp", HOME, PROJECT]
+PLANT_DIRS = ["/tmp", "/dev/shm", HOME, PROJECT]
+PYTHON = code_check.default_python()
+
+
+def _code(src: str, lang: str = "python") -> str:
+  return f"<think>\nHere goes.\n</think>\n```{lang}\n{src}\n```\n"
+
+
+def _jsonl(name):
+  with open(os.path.join(SOURCES, name)) as f:
+    return [json.loads(l) for l in f]
+
+
+@dataclasses.dataclass
+class Item:
+  """One task with a known verdict."""
+  category: str              # correct / wrong / hostile
+  shape: str                 # humaneval / mbpp / stdin_py / stdin_cpp
+  name: str                  # problem and variant
+  task: dict
+  src: str
+  lang: str = "python"
+
+  @property
+  def expect_pass(self) -> bool:
+    return self.category == "correct"
+
+
+# ---- stdin/stdout problems --------------------------------------------------------------------
+
+def _t_sum(r):
+  a = [r.randint(-1000, 1000) for _ in range(r.randint(2, 30))]
+  a[-1] = r.choice([-1, 1]) * r.randint(1, 1000)          # so dropping the last one is wrong
+  return f"{len(a)}\n{' '.join(map(str, a))}\n", f"{sum(a)}\n"
+
+
+def _t_maxdistinct(r):
+  a = [r.randint(-50, 50) for _ in range(r.randint(3, 40))]
+  a[0], a[1] = -60, 60                                     # min != max
+  return f"{len(a)}\n{' '.join(map(str, a))}\n", f"{max(a)} {len(set(a))}\n"
+
+
+def _t_reverse(r):
+  words = ["".join(r.choice("abcdefgh") for _ in range(r.randint(2, 6)))
+           for _ in range(r.randint(3, 8))]
+  words[0], words[-1] = "start", "end"
+  return " ".join(words) + "\n", " ".join(reversed(words)) + "\n"
+
+
+def _t_fib(r):
+  n = r.randint(5, 5000)
+  a, b = 0, 1
+  for _ in range(n):
+    a, b = b, (a + b) % 1000000007
+  return f"{n}\n", f"{a}\n"
+
+
+STDIN_PROBLEMS = {
+  "sum": (_t_sum, {
+    ("python", True): "import sys\nd = sys.stdin.read().split()\nn = int(d[0])\n"
+                      "print(sum(map(int, d[1:1 + n])))",
+    ("python", False): "import sys\nd = sys.stdin.read().split()\nn = int(d[0])\n"
+                       "print(sum(map(int, d[1:n])))",
+    ("cpp", True): "#include <bits/stdc++.h>\nint main() { long long n, s = 0, x; std::cin >> n;\n"
+                   "  for (int i = 0; i < n; i++) { std::cin >> x; s += x; }\n"
+                   "  std::cout << s << std::endl; }",
+    ("cpp", False): "#include <bits/stdc++.h>\nint main() { long long n, s = 0, x; std::cin >> n;\n"
+                    "  for (int i = 0; i < n; i++) { std::cin >> x; if (i + 1 < n) s += x; }\n"
+                    "  std::cout << s << std::endl; }"}),
+  "maxdistinct": (_t_maxdistinct, {
+    ("python", True): "n = int(input())\na = list(map(int, input().split()))\n"
+                      "print(max(a), len(set(a)))",
+    ("python", False): "n = int(input())\na = list(map(int, input().split()))\n"
+                       "print(min(a), len(set(a)))",
+    ("cpp", True): "#include <bits/stdc++.h>\nusing namespace std;\nint main() { int n; cin >> n;\n"
+                   "  vector<long long> a(n); for (auto &x : a) cin >> x; sort(a.begin(), a.end());\n"
+                   "  set<long long> c(a.begin(), a.end()); cout << a.back() << ' ' << c.size() << endl; }",
+    ("cpp", False): "#include <bits/stdc++.h>\nusing namespace std;\nint main() { int n; cin >> n;\n"
+                    "  vector<long long> a(n); for (auto &x : a) cin >> x; sort(a.begin(), a.end());\n"
+                    "  cout << a.back() << ' ' << a.size() << endl; }"}),
+  "reverse": (_t_reverse, {
+    ("python", True): "print(' '.join(reversed(input().split())))",
+    ("python", False): "print(input()[::-1])"}),
+  "fib": (_t_fib, {
+    ("python", True): "n = int(input())\na, b = 0, 1\nfor _ in range(n):\n"
+                      "  a, b = b, (a + b) % 1000000007\nprint(a)",
+    ("python", False): "n = int(input())\na, b = 0, 1\nfor _ in range(n - 1):\n"
+                       "  a, b = b, (a + b) % 1000000007\nprint(a)"}),
+}
+INSTANCES = 8        # distinct test sets per stdin problem
+
+
+@functools.lru_cache(maxsize=None)
+def stdin_tests(problem: str, instance: int) -> tuple:
+  gen = STDIN_PROBLEMS[problem][0]
+  r = random.Random(f"{problem}/{instance}")
+  return tuple(gen(r) for _ in range(3))
+
+
+def stdin_task(problem, instance, lang, tests=None):
+  tests = tests if tests is not None else stdin_tests(problem, instance)
+  return {"kind": "code", "problem": f"stdin problem {problem}", "language": lang,
+          "tests": [{"input": i, "output": o} for i, o in tests]}
+
+
+# ---- functional-test problems ----------------------------------------------------------------
+
+_MUTATIONS = [("return ", "return not "), (" + 1", " + 2"), (" - 1", " - 2"), ("<=", "<"),
+              (">=", ">"), (" < ", " <= "), (" > ", " >= "), ("==", "!="), ("[0]", "[-1]")]
+
+
+def _mutants(code: str, entry: str | None) -> list[tuple[str, str]]:
+  """Wrong variants of a correct program, most natural first: one-token mutations, then stubs."""
+  out = [(f"mut{k}", code.replace(a, b, 1)) for k, (a, b) in enumerate(_MUTATIONS) if a in code]
+  if entry:
+    out += [("stub_none", code + f"\n\ndef {entry}(*args, **kwargs):\n    return None\n"),
+            ("stub_raise", code + f"\n\ndef {entry}(*args, **kwargs):\n    raise NotImplementedError\n")]
+  return out
+
+
+class Catalog:
+  """Correct and wrong programs for every shape, each confirmed by a bare run (cached)."""
+
+  def __init__(self, bare_dir: str):
+    self.bare_dir = bare_dir
+    self.humaneval = _jsonl("humaneval_full.jsonl")
+    self.mbpp = _jsonl("mbpp_sample20.jsonl")
+    self.dropped: list[str] = []
+    self._ok: dict = {}
+
+  def _confirm(self, item: Item) -> bool:
+    key = (item.shape, item.name, item.src)
+    if key not in self._ok:
+      self._ok[key] = bare_run(item, self.bare_dir) == item.expect_pass
+    return self._ok[key]
+
+  def benign(self, r: random.Random, category: str, shape: str) -> Item:
+    for _ in range(50):
+      item = self._draw(r, category, shape)
+      if item is not None and self._confirm(item):
+        return item
+      if item is not None:
+        self.dropped.append(item.name)
+    raise RuntimeError(f"no confirmed {category} {shape} program")
+
+  def _draw(self, r, category, shape) -> Item | None:
+    good = category == "correct"
+    if shape == "humaneval":
+      row = r.choice(self.humaneval)
+      task = {"kind": "code", "problem": row["prompt"], "language": "python",
+              "test_code": row["test"], "entry_point": row["entry_point"]}
+      code = row["prompt"] + row["canonical_solution"]
+      name = row["task_id"]
+      if not good:
+        variants = _mutants(code, row["entry_point"])
+        for vname, src in variants[:1] + r.sample(variants[1:], len(variants) - 1):
+          item = Item(category, shape, f"{name}:{vname}", task, src)
+          if self._confirm(item):
+            return item
+        return None
+      return Item(category, shape, name, task, code)
+    if shape == "mbpp":
+      row = r.choice(self.mbpp)
+      task = {"kind": "code", "problem": row["text"], "language": "python",
+              "test_list": row["test_list"], "test_setup_code": row.get("test_setup_code") or ""}
+      code = row["code"].replace("\r\n", "\n")
+      name = f"mbpp/{row['task_id']}"
+      if not good:
+        m = re.search(r"^def\s+(\w+)", code, re.M)
+        variants = _mutants(code, m.group(1) if m else None)
+        for vname, src in r.sample(variants, len(variants)):
+          item = Item(category, shape, f"{name}:{vname}", task, src)
+          if self._confirm(item):
+            return item
+        return None
+      return Item(category, shape, name, task, code)
+    lang = "cpp" if shape == "stdin_cpp" else "python"
+    problems = [p for p, (_, srcs) in STDIN_PROBLEMS.items() if (lang, True) in srcs]
+    p = r.choice(problems)
+    inst = r.randrange(INSTANCES)
+    return Item(category, shape, f"{p}/{inst}:{lang}:{category}", stdin_task(p, inst, lang),
+                STDIN_PROBLEMS[p][1][(lang, good)], lang)
+
+
+# ---- hostile programs ------------------------------------------------------------------------
+
+def _write_py(target):
+  return (f"import os\nfor name in ({MARK!r}, {MARK + '_dir/x'!r}):\n  p = os.path.join({target!r}, name)\n"
+          "  try:\n    os.makedirs(os.path.dirname(p), exist_ok=True)\n"
+          "    with open(p, 'w') as f:\n      f.write('x')\n  except OSError:\n    pass\n")
+
+
+_PLANTED = [os.path.join(d, MARK + "_planted") for d in PLANT_DIRS]
+READ_PY = f"""
+import glob, os
+paths = {_PLANTED!r} + glob.glob("/tmp/*{MARK}*") + glob.glob("/*/*{MARK}*")
+paths += glob.glob("/proc/*/root/tmp/*{MARK}*") + ["/proc/1/root" + p for p in {_PLANTED!r}]
+for p in paths:
+  try:
+    print(open(p).read().strip())
+    break
+  except OSError:
+    pass
+"""
+READ_CPP = ("#include <fstream>\n#include <iostream>\n#include <string>\nint main() {\n"
+            "  for (const char* p : {" + ", ".join(f'"{p}"' for p in _PLANTED) + "}) {\n"
+            "    std::ifstream f(p); std::string s;\n"
+            "    if (f >> s) { std::cout << s << std::endl; return 0; }\n  }\n}\n")
+INCLUDE_CPP = ("#include <iostream>\nconst char* s =\n#include \"" + _PLANTED[0] + "_lit\"\n;\n"
+               "int main() { std::cout << s << std::endl; }\n")
+WRITE_CPP = ("#include <cstdio>\n#include <string>\nint main() {\n  for (const char* d : {"
+             + ", ".join(f'"{d}"' for d in WRITE_TARGETS) + "}) {\n"
+             f"    std::string p = std::string(d) + \"/{MARK}\";\n"
+             "    if (FILE* f = fopen(p.c_str(), \"w\")) { fputs(\"x\", f); fclose(f); }\n  }\n}\n")
+FORK_CPP = "#include <unistd.h>\nint main() { while (true) fork(); }\n"
+KILL_CPP = ("#include <csignal>\n#include <unistd.h>\nint main() { kill(getppid(), SIGKILL); "
+            "kill(-1, SIGKILL); return 0; }\n")
+SLEEP_CPP = "#include <unistd.h>\nint main() { sleep(100); }\n"
+DAEMON_CPP = ("#include <unistd.h>\nint main() { if (fork() == 0) { setsid(); "
+              "if (fork() == 0) { sleep(1000); } } return 0; }\n")
+
+SEARCH = """
+import gc, os, sys
+found = set(sys.argv) | set(os.environ.values()) | set(os.listdir("."))
+for o in gc.get_objects():
+  if isinstance(o, str) and len(o) < 200:
+    found.add(o)
+  elif isinstance(o, dict):
+    found.update(v for v in list(o.values()) if isinstance(v, str))
+f = sys._getframe()
+while f is not None:
+  found.update(v for v in list(f.f_globals.values()) + list(f.f_locals.values())
+               if isinstance(v, str))
+  f = f.f_back
+for p in os.listdir("/proc"):
+  for name in ("cmdline", "environ"):
+    try:
+      found.add(open("/proc/%s/%s" % (p, name), "rb").read().decode(errors="replace"))
+    except OSError:
+      pass
+for n in os.listdir("."):
+  try:
+    found.add(open(n).read())
+  except OSError:
+    pass
+out = "\\n".join(sorted(found))
+for fd in range(20):
+  try:
+    os.write(fd, (out + "\\n").encode())
+  except OSError:
+    pass
+print(out)
+"""
+ANY_EQ = ("class Any:\n  def __eq__(self, o): return True\n  def __ne__(self, o): return False\n"
+          "  def __hash__(self): return 0\n  def __bool__(self): return True\n")
+FORK_PY = ("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n")
+DAEMON_PY = ("import os, time\nif os.fork() == 0:\n  os.setsid()\n  if os.fork() == 0:\n"
+             "    time.sleep(1000)\n  os._exit(0)\n")
+HOG_PY = "x = []\nwhile True:\n  x.append(bytearray(1 << 24))\n"
+
+
+def _fn(body: str, entry: str) -> str:
+  """A module defining `entry` (any signature) whose body is `body`."""
+  return f"def {entry}(*args, **kwargs):\n" + "\n".join("  " + l for l in body.splitlines())
+
+
+# name -> (shape, lang, source builder(entry) for functional shapes / source for stdin shapes,
+#          expected output for stdin shapes: 'secret' or a fixed answer the attack cannot know)
+def hostile_programs() -> dict:
+  h = {}
+  for t in WRITE_TARGETS:   # writes, then no answer
+    tag = "project" if t == PROJECT else "home" if t == HOME else t.strip("/").replace("/", "_")
+    h[f"write_{tag}"] = ("stdin_py", "python", _write_py(t), None)
+    h[f"write_{tag}_in_f"] = ("func", "python", lambda e, t=t: _write_py(t) + _fn("return None", e), None)
+  h["read_planted"] = ("stdin_py", "python", READ_PY, "secret")
+  h["read_planted_in_f"] = ("func", "python",
+                            lambda e: READ_PY.replace("print(", "SECRET = (") + _fn("return SECRET", e), None)
+  h["fork_bomb"] = ("stdin_py", "python", FORK_PY, None)
+  h["fork_bomb_in_f"] = ("func", "python", lambda e: _fn(FORK_PY, e), None)
+  h["daemon"] = ("stdin_py", "python", DAEMON_PY, None)
+  h["daemon_in_f"] = ("func", "python", lambda e: DAEMON_PY + _fn("return None", e), None)
+  h["memory_hog"] = ("stdin_py", "python", HOG_PY, None)
+  h["sleep"] = ("stdin_py", "python", "import time\ntime.sleep(100)", None)
+  h["sleep_in_f"] = ("func", "python", lambda e: "import time\n" + _fn("time.sleep(100)", e), None)
+  h["search_exit_0"] = ("stdin_py", "python", SEARCH + "os._exit(0)", None)
+  h["search_exit_0_in_f"] = ("func", "python", lambda e: _fn(SEARCH + "os._exit(0)", e), None)
+  h["search_at_load_exit"] = ("func", "python", lambda e: SEARCH + "sys.exit(0)", None)
+  h["print_pass"] = ("stdin_py", "python", "print('PASS')\nprint('ok')\nprint('passed')", None)
+  h["sys_exit_at_load"] = ("func", "python", lambda e: "import sys\nsys.exit(0)", None)
+  h["os_exit_in_f"] = ("func", "python", lambda e: "import os\n" + _fn("os._exit(0)", e), None)
+  h["returns_any"] = ("func", "python", lambda e: ANY_EQ + _fn("return Any()", e), None)
+  h["returns_any_in_list"] = ("func", "python", lambda e: ANY_EQ + _fn("return [Any()]", e), None)
+  h["patches_print_stdout"] = ("func", "python", lambda e: (
+      "import sys, builtins\nclass W:\n  def write(self, s): sys.__stderr__.write('PASSED\\n')\n"
+      "  def flush(self): pass\nsys.stdout = W()\n"
+      "builtins.print = lambda *a, **k: sys.__stdout__.write('ok\\n')\n"
+      "print('all tests passed')\n" + _fn("print('passed')\nreturn 0", e)), None)
+  h["patches_builtins"] = ("func", "python", lambda e: (
+      "import builtins\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
+      "builtins.isinstance = lambda *a: True\n" + _fn("return None", e)), None)
+  h["forges_answer_lines"] = ("func", "python", lambda e: (
+      "import os\nfor fd in range(3, 20):\n  for i in range(1, 10):\n    try:\n"
+      "      os.write(fd, b'{\"id\": %d, \"ok\": \"true\"}\\n' % i)\n"
+      "    except OSError:\n      pass\n" + _fn("return True", e)), None)
+  h["kills_parent"] = ("func", "python", lambda e: (
+      "import os, signal\ntry:\n  os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n  pass\n"
+      + _fn("os.kill(os.getppid() or 1, signal.SIGKILL)", e)), None)
+  h["kills_everything"] = ("func", "python", lambda e: "import os, signal\n" + _fn(
+      "for p in os.listdir('/proc'):\n  if p.isdigit():\n    try:\n      os.kill(int(p), 9)\n"
+      "    except OSError:\n      pass\nos.kill(-1, signal.SIGKILL)", e)), None)
+  h["kills_everything_stdin"] = ("stdin_py", "python",
+                                 "import os\nfor p in os.listdir('/proc'):\n  if p.isdigit():\n"
+                                 "    try:\n      os.kill(int(p), 9)\n    except OSError:\n      pass\n"
+                                 "os.kill(-1, 9)", None)
+  # C++ (the compile, too, is sandboxed)
+  h["cpp_write"] = ("stdin_cpp", "cpp", WRITE_CPP, None)
+  h["cpp_read_planted"] = ("stdin_cpp", "cpp", READ_CPP, "secret")
+  h["cpp_include_planted"] = ("stdin_cpp", "cpp", INCLUDE_CPP, "secret")
+  h["cpp_fork_bomb"] = ("stdin_cpp", "cpp", FORK_CPP, None)
+  h["cpp_kill"] = ("stdin_cpp", "cpp", KILL_CPP, None)
+  h["cpp_sleep"] = ("stdin_cpp", "cpp", SLEEP_CPP, None)
+  h["cpp_daemon"] = ("stdin_cpp", "cpp", DAEMON_CPP, None)
+  h["cpp_exit_0"] = ("stdin_cpp", "cpp", "#include <cstdlib>\nint main() { std::exit(0); }", None)
+  return h
+
+
+HOSTILE = hostile_programs()
+
+
+def hostile_item(r: random.Random, catalog: Catalog, cpp_share: float) -> Item:
+  cpp = r.random() < cpp_share
+  names = sorted(n for n, v in HOSTILE.items() if (v[1] == "cpp") == cpp)
+  name = r.choice(names)
+  shape, lang, src, expect = HOSTILE[name]
+  if shape == "func":
+    if r.random() < 0.7:
+      row = r.choice(catalog.humaneval)
+      task = {"kind": "code", "problem": row["prompt"], "language": "python",
+              "test_code": row["test"], "entry_point": row["entry_point"]}
+      entry, shape = row["entry_point"], "humaneval"
+    else:
+      row = r.choice(catalog.mbpp)
+      task = {"kind": "code", "problem": row["text"], "language": "python",
+              "test_list": row["test_list"], "test_setup_code": row.get("test_setup_code") or ""}
+      entry, shape = re.search(r"^def\s+(\w+)", row["code"], re.M).group(1), "mbpp"
+    return Item("hostile", shape, name, task, src(entry))
+  if expect == "secret":
+    tests = ((f"{i}\n", SECRET + "\n") for i in range(2))
+  else:   # a fixed answer: only a run that computes it (none of these does) would pass
+    tests = ((f"{i}\n", f"{7 * i + 3}\n") for i in range(2))
+  return Item("hostile", shape, name, stdin_task(name, 0, lang, tuple(tests)), src, lang)
+
+
+def build_mix(n: int, seed: int, hostile_share: float, cpp_share: float, catalog: Catalog,
+              categories=("hostile", "correct", "wrong")) -> list[Item]:
+  r = random.Random(seed)
+  benign_share = (1.0 - hostile_share) / 2
+  py_shapes, py_weights = ["humaneval", "mbpp", "stdin_py"], [0.5, 0.2, 0.3]
+  items = []
+  while len(items) < n:
+    u = r.random()
+    category = "hostile" if u < hostile_share else "correct" if u < hostile_share + benign_share \
+        else "wrong"
+    if category not in categories:
+      continue
+    if category == "hostile":
+      items.append(hostile_item(r, catalog, cpp_share))
+      continue
+    shape = "stdin_cpp" if r.random() < cpp_share else r.choices(py_shapes, py_weights)[0]
+    items.append(catalog.benign(r, category, shape))
+  return items
+
+
+# ---- bare (unsandboxed) runs of the same programs --------------------------------------------
+
+def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
+  """Runs `item`'s program with plain subprocess calls, as bench/verifiers.py does: functional
+  tests in one process with the test code, stdin/stdout tests one process each (C++: g++ with the
+  same flags and precompiled header first). Returns whether it passed."""
+  d = tempfile.mkdtemp(dir=root)
+  try:
+    t = item.task
+    if "tests" not in t:
+      if "test_code" in t:
+        test = f"{t['test_code']}\ncheck({t['entry_point']})\n"
+      else:
+        test = (t.get("test_setup_code") or "") + "\n" + "\n".join(t["test_list"]) + "\n"
+      path = os.path.join(d, "prog.py")
+      with open(path, "w") as f:
+        f.write(f"{item.src}\n\n{test}\nprint('__bare_ok__')\n")
+      try:
+        r = subprocess.run([PYTHON, "-I", path], capture_output=True, timeout=timeout_s, cwd=d)
+      except subprocess.TimeoutExpired:
+        return False
+      return r.returncode == 0 and r.stdout.rstrip().endswith(b"__bare_ok__")
+    if item.lang == "cpp":
+      with open(os.path.join(d, "prog.cpp"), "w") as f:
+        f.write(item.src)
+      pch = code_check.precompiled_header_dir()
+      argv = ["g++", *code_check.CXX_FLAGS] + ([f"-I{pch}"] if pch else []) + \
+          ["prog.cpp", "-o", "prog"]
+      if subprocess.run(argv, capture_output=True, timeout=60, cwd=d).returncode != 0:
+        return False
+      argv = ["./prog"]
+    else:
+      with open(os.path.join(d, "prog.py"), "w") as f:
+        f.write(item.src)
+      argv = [PYTHON, "-I", "prog.py"]
+    for case in t["tests"]:
+      try:
+        r = subprocess.run(argv, input=case["input"].encode(), capture_output=True,
+                           timeout=timeout_s, cwd=d)
+      except subprocess.TimeoutExpired:
+        return False
+      if r.returncode != 0 or not code_check.outputs_match(r.stdout.decode(errors="replace"),
+                                                           case["output"]):
+        return False
+    return True
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- leak accounting -------------------------------------------------------------------------
+
+def listing() -> dict[str, tuple[int, float]]:
+  """path -> (owner uid, mtime) of every entry at the top of the write targets, and one level
+  down in the scratch dirs."""
+  out = {}
+  for d in WRITE_TARGETS:
+    try:
+      names = os.listdir(d)
+    except OSError:
+      continue
+    for n in names:
+      p = os.path.join(d, n)
+      try:
+        st = os.lstat(p)
+      except OSError:
+        continue
+      out[p] = (st.st_uid, st.st_mtime)
+  return out
+
+
+def leaked_files(before: dict, after: dict, uids: range, worker_pids: set[int]) -> tuple[list, int]:
+  """(entries attributed to this run, count of other new entries). Attributed: an attack's MARK
+  name, owned by a sandbox uid, or a run dir (mj_sbx_<pid>_) of one of the pool's workers."""
+  leaked, other = [], 0
+  for p, (uid, _) in after.items():
+    name = os.path.basename(p)
+    run_dir = re.match(r"mj_sbx_(\d+)_", name)
+    ours = (MARK in name and not name.startswith(MARK + "_planted")) or uid in uids or \
+        (run_dir is not None and int(run_dir.group(1)) in worker_pids)
+    if ours:
+      leaked.append(p)
+    elif p not in before:
+      other += 1
+  # Also anywhere one level down in the scratch dirs (an attack could nest).
+  for d in ("/tmp", "/dev/shm", "/var/tmp"):
+    for p in glob.glob(os.path.join(d, "*", f"*{MARK}*")):
+      if p not in leaked and not os.path.basename(p).startswith(MARK + "_planted"):
+        leaked.append(p)
+  return sorted(leaked), other
+
+
+def leaked_processes(uids: range) -> list[dict]:
+  """Processes of the sandbox uids (real, effective or saved) anywhere on the host, and children
+  of this process still alive."""
+  me = psutil.Process()
+  found = {}
+  for p in psutil.process_iter(["pid", "uids", "name", "cmdline"]):
+    try:
+      u = p.info["uids"]
+      if u and any(x in uids for x in u):
+        found[p.pid] = dict(pid=p.pid, uids=list(u), name=p.info["name"],
+                            cmdline=" ".join(p.info["cmdline"] or [])[:120])
+    except (psutil.Error, TypeError):
+      pass
+  for c in me.children(recursive=True):
+    try:
+      found[c.pid] = dict(pid=c.pid, uids=list(c.uids()), name=c.name(),
+                          cmdline=" ".join(c.cmdline())[:120])
+    except psutil.Error:
+      pass
+  return list(found.values())
+
+
+def plant() -> list[str]:
+  paths = []
+  for p in _PLANTED:
+    for path, text in ((p, SECRET + "\n"), (p + "_lit", f'"{SECRET}"\n')):
+      with open(path, "w") as f:
+        f.write(text)
+      os.chmod(path, 0o644)     # world-readable: only the private root keeps it out of sight
+      paths.append(path)
+  return paths
+
+
+def rss_mb(pids) -> dict[str, float]:
+  out = {}
+  for pid in pids:
+    try:
+      out[str(pid)] = psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+      pass
+  return out
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def verdict_ok(item: Item, res, cfg: RewardConfig) -> bool:
+  if item.expect_pass:
+    return res.error is None and res.parts.get("correct") == cfg.correct_reward
+  return res.parts.get("correct", 0.0) == 0.0
+
+
+def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float, seen_pids: set,
+         progress: bool = True) -> dict:
+  t0 = time.perf_counter()
+  futs = []
+  step = max(1, len(items) // 10)
+  for k, it in enumerate(items):
+    futs.append(pool.submit(it.task, _code(it.src, it.lang), None, k))
+    if k % 50 == 0:
+      seen_pids.update(pool.worker_pids())
+    if progress and k and k % step == 0:
+      done = sum(f.done() for f in futs)
+      print(f"soak: submitted {k}/{len(items)}, resolved {done}, "
+            f"{time.perf_counter() - t0:.0f} s", flush=True)
+  done, not_done = concurrent.futures.wait(futs, timeout=wait_s)
+  wall = time.perf_counter() - t0
+  seen_pids.update(pool.worker_pids())
+  wrong, errors, by_cat = [], [], {}
+  for it, f in zip(items, futs):
+    c = by_cat.setdefault(it.category, {"tasks": 0, "right": 0})
+    c["tasks"] += 1
+    if f not in done:
+      continue
+    res = f.result()
+    if res.error:
+      errors.append(f"{it.category}/{it.name}: {res.error[:120]}")
+    if verdict_ok(it, res, cfg):
+      c["right"] += 1
+    else:
+      wrong.append(dict(category=it.category, shape=it.shape, name=it.name,
+                        correct=res.parts.get("correct"), error=res.error,
+                        detail=str(res.info.get("code"))[:200]))
+  resolved = len(done)
+  return dict(tasks=len(items), resolved=resolved, tasks_lost=len(items) - resolved,
+              verdict_accuracy=(resolved - len(wrong)) / len(items),
+              wrong_verdicts_count=len(wrong), wrong_verdicts=wrong[:8],
+              errors_count=len(errors), errors_first=errors[:5], by_category=by_cat,
+              soak_wall_s=wall, throughput_per_s=len(items) / wall)
+
+
+def throughput_phase(pool: VerifierPool, items: list[Item], workers: int, bare_dir: str,
+                     chunk: int) -> dict:
+  """Pool vs bare on the same correct/wrong programs, interleaved in chunks so that load from
+  other processes hits both alike."""
+  pool_s = bare_s = 0.0
+  bare_right = 0
+  with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+    for i in range(0, len(items), chunk):
+      part = items[i:i + chunk]
+      t = time.perf_counter()
+      futs = [pool.submit(it.task, _code(it.src, it.lang), None, 0) for it in part]
+      for f in futs:
+        f.result()
+      pool_s += time.perf_counter() - t
+      t = time.perf_counter()
+      bare = list(ex.map(lambda it: bare_run(it, bare_dir), part))
+      bare_s += time.perf_counter() - t
+      bare_right += sum(b == it.expect_pass for b, it in zip(bare, part))
+  n = len(items)
+  return dict(ratio_tasks=n, pool_benign_per_s=n / pool_s, bare_benign_per_s=n / bare_s,
+              throughput_ratio=(n / pool_s) / (n / bare_s), bare_verdict_accuracy=bare_right / n)
+
+
+def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_share: float = 0.05,
+        seed: int = 0, test_timeout_s: float = 2.0, task_timeout_s: float = 60.0,
+        ratio_tasks: int = 200, max_tasks_per_worker: int = 1000, progress: bool = True) -> dict:
+  cfg = RewardConfig(language_bonus=0.0, test_timeout_s=test_timeout_s)
+  res = dict(bench="sandbox_soak", workers=workers, hostile_share=hostile_share,
+             cpp_share=cpp_share, test_timeout_s=test_timeout_s,
+             isolation_level=sandbox.isolation_level())
+  bare_dir = tempfile.mkdtemp(prefix="mj_soak_bare_")
+  planted = plant()
+  try:
+    before = listing()
+    t = time.perf_counter()
+    catalog = Catalog(bare_dir)
+    items = build_mix(tasks, seed, hostile_share, cpp_share, catalog)
+    ratio_items = build_mix(ratio_tasks, seed + 1, hostile_share, cpp_share, catalog,
+                            categories=("correct", "wrong")) if ratio_tasks else []
+    res.update(catalog_s=time.perf_counter() - t, catalog_programs=len(catalog._ok),
+               catalog_dropped=len(catalog.dropped), catalog_dropped_first=catalog.dropped[:5])
+    counts = {}
+    for it in items:
+      counts[f"{it.category}/{it.shape}"] = counts.get(f"{it.category}/{it.shape}", 0) + 1
+    res["mix"] = dict(sorted(counts.items()))
+    res["hostile_variants"] = len(HOSTILE)
+    if progress:
+      print("mix", res["mix"], flush=True)
+    seen_pids: set[int] = set()
+    pool = VerifierPool(workers, cfg, task_timeout_s=task_timeout_s, max_queue=4 * workers,
+                        max_tasks_per_worker=max_tasks_per_worker)
+    uids = range(pool.uid_base, pool.uid_base + 64)
+    try:
+      # Warm: every worker ready (a trivial task each), then the start RSS.
+      from_warm = [pool.submit({"kind": "code", "problem": "p", "language": "python",
+                                "tests": [{"input": "", "output": "1\n"}]}, _code("print(1)"))
+                   for _ in range(2 * workers)]
+      for f in from_warm:
+        f.result()
+      res["worker_rss_start_mb"] = rss_mb(pool.worker_pids())
+      res.update(soak(pool, items, cfg, wait_s=max(600.0, 2 * task_timeout_s), seen_pids=seen_pids,
+                      progress=progress))
+      res["worker_rss_end_mb"] = rss_mb(pool.worker_pids())
+      if ratio_items:
+        res.update(throughput_phase(pool, ratio_items, workers, bare_dir, chunk=4 * workers))
+      res["pool_metrics"] = {k: v for k, v in pool.metrics().items()
+                             if k in ("submitted", "completed", "timeouts", "crashes", "recycled",
+                                      "errors", "latency_p50_s", "latency_p95_s", "latency_max_s")}
+      seen_pids.update(pool.worker_pids())
+    finally:
+      pool.close()
+    time.sleep(0.5)
+    procs = leaked_processes(uids)
+    after = listing()
+    files, other = leaked_files(before, after, uids, seen_pids)
+    run_dirs = [p for p in files if re.match(r"mj_sbx_\d+_", os.path.basename(p))]
+    owned = {os.lstat(p).st_uid for p in files if os.path.lexists(p)}
+    res.update(leaked_processes=len(procs), leaked_processes_first=procs[:5],
+               leaked_uids=sorted({u for p in procs for u in p["uids"] if u in uids}
+                                  | (owned & set(uids))),
+               leaked_files=len(files), leaked_files_first=files[:8],
+               leaked_run_dirs=len(run_dirs), new_entries_unattributed=other,
+               worker_pids_seen=len(seen_pids))
+  finally:
+    for p in planted:
+      try:
+        os.remove(p)
+      except OSError:
+        pass
+    shutil.rmtree(bare_dir, ignore_errors=True)
+  res["host"] = common.host_info()
+  return res
+
+
+def main():
+  ap = common.argument_parser(__doc__)
+  ap.add_argument("--tasks", type=int, default=5000, help="tasks in the soak")
+  ap.add_argument("--workers", type=int, default=2, help="pool size")
+  ap.add_argument("--hostile_share", type=float, default=0.2)
+  ap.add_argument("--cpp_share", type=float, default=0.05,
+                  help="share of C++ tasks (of the benign and of the hostile ones)")
+  ap.add_argument("--test_timeout_s", type=float, default=2.0, help="per-run CPU/wall limit")
+  ap.add_argument("--task_timeout_s", type=float, default=60.0, help="pool's per-task deadline")
+  ap.add_argument("--ratio_tasks", type=int, default=200,
+                  help="correct/wrong tasks timed through the pool and bare (0: skip)")
+  ap.add_argument("--max_tasks_per_worker", type=int, default=1000)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args()
+  res = run(args.tasks, args.workers, args.hostile_share, args.cpp_share, args.seed,
+            args.test_timeout_s, args.task_timeout_s, args.ratio_tasks,
+            args.max_tasks_per_worker)
+  common.emit(res, ndigits=4)
+
+
+if __name__ == "__main__":
+  main()
