@@ -368,7 +368,7 @@ def hostile_programs() -> dict:
       + _fn("os.kill(os.getppid() or 1, signal.SIGKILL)", e)), None)
   h["kills_everything"] = ("func", "python", lambda e: "import os, signal\n" + _fn(
       "for p in os.listdir('/proc'):\n  if p.isdigit():\n    try:\n      os.kill(int(p), 9)\n"
-      "    except OSError:\n      pass\nos.kill(-1, signal.SIGKILL)", e)), None)
+      "    except OSError:\n      pass\nos.kill(-1, signal.SIGKILL)", e), None)
   h["kills_everything_stdin"] = ("stdin_py", "python",
                                  "import os\nfor p in os.listdir('/proc'):\n  if p.isdigit():\n"
                                  "    try:\n      os.kill(int(p), 9)\n    except OSError:\n      pass\n"
@@ -528,17 +528,22 @@ def leaked_processes(uids: range) -> list[dict]:
   of this process still alive."""
   me = psutil.Process()
   found = {}
-  for p in psutil.process_iter(["pid", "uids", "name", "cmdline"]):
+  for p in psutil.process_iter(["pid", "ppid", "uids", "name", "cmdline", "status",
+                                 "create_time"]):
     try:
       u = p.info["uids"]
       if u and any(x in uids for x in u):
-        found[p.pid] = dict(pid=p.pid, uids=list(u), name=p.info["name"],
+        found[p.pid] = dict(pid=p.pid, ppid=p.info["ppid"], uids=list(u), name=p.info["name"],
+                            status=p.info["status"], age_s=time.time() - p.info["create_time"],
                             cmdline=" ".join(p.info["cmdline"] or [])[:120])
     except (psutil.Error, TypeError):
       pass
   for c in me.children(recursive=True):
     try:
-      found[c.pid] = dict(pid=c.pid, uids=list(c.uids()), name=c.name(),
+      if "multiprocessing.resource_tracker" in " ".join(c.cmdline()):
+        continue   # multiprocessing's own helper of this process, alive until it exits
+      found[c.pid] = dict(pid=c.pid, ppid=c.ppid(), uids=list(c.uids()), name=c.name(),
+                          status=c.status(), age_s=time.time() - c.create_time(),
                           cmdline=" ".join(c.cmdline())[:120])
     except psutil.Error:
       pass
@@ -659,6 +664,11 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
       counts[f"{it.category}/{it.shape}"] = counts.get(f"{it.category}/{it.shape}", 0) + 1
     res["mix"] = dict(sorted(counts.items()))
     res["hostile_variants"] = len(HOSTILE)
+    # The reading attacks are real: run bare (no sandbox) they print the secret and pass.
+    res["read_attacks_pass_bare"] = {
+        n: bare_run(Item("hostile", HOSTILE[n][0], n, stdin_task(n, 0, HOSTILE[n][1], (
+            ("0\n", SECRET + "\n"),)), HOSTILE[n][2], HOSTILE[n][1]), bare_dir)
+        for n in ("read_planted", "cpp_read_planted", "cpp_include_planted")}
     if progress:
       print("mix", res["mix"], flush=True)
     seen_pids: set[int] = set()
@@ -684,8 +694,16 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
       seen_pids.update(pool.worker_pids())
     finally:
       pool.close()
-    time.sleep(0.5)
-    procs = leaked_processes(uids)
+    # A sandboxed process killed with its namespace at the end can stay a few moments as a
+    # zombie waiting for the host's init to reap it: wait for the count to settle (10 s at most).
+    for _ in range(20):
+      procs = leaked_processes(uids)
+      if not procs:
+        break
+      time.sleep(0.5)
+    zombies = [p for p in procs if p["status"] == psutil.STATUS_ZOMBIE]
+    procs = [p for p in procs if p["status"] != psutil.STATUS_ZOMBIE]
+    res["zombies_unreaped"] = len(zombies)   # dead, holding only a pid entry (host init's to reap)
     after = listing()
     files, other = leaked_files(before, after, uids, seen_pids)
     run_dirs = [p for p in files if re.match(r"mj_sbx_\d+_", os.path.basename(p))]
