@@ -484,8 +484,8 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
 # ---- leak accounting -------------------------------------------------------------------------
 
 def listing() -> dict[str, tuple[int, float]]:
-  """path -> (owner uid, mtime) of every entry at the top of the write targets, and one level
-  down in the scratch dirs."""
+  """path -> (owner uid, mtime) of every entry at the top of the write targets (leaked_files also
+  looks one level down in the scratch dirs for an attack's name)."""
   out = {}
   for d in WRITE_TARGETS:
     try:

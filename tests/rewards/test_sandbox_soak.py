@@ -43,3 +43,28 @@ def test_nothing_is_left_behind(result):
 def test_the_reading_attacks_would_pass_without_the_sandbox(result):
   # So their failing in the sandbox means the secret was out of reach, not a broken attack.
   assert all(result["read_attacks_pass_bare"].values()), result["read_attacks_pass_bare"]
+
+
+def test_the_leak_checks_see_a_leak(tmp_path):
+  # Negative controls, without a pool: a file an attack named, a run dir of a worker pid, a live
+  # child of ours, and a wrong verdict are all counted.
+  import subprocess
+  from magistral_jax.rewards import RewardResult
+  before = sandbox_soak.listing()
+  made = [os.path.join("/tmp", sandbox_soak.MARK + "_control"), "/tmp/mj_sbx_999999999_control"]
+  for p in made:
+    open(p, "w").close()
+  child = subprocess.Popen(["sleep", "30"])
+  try:
+    files, _ = sandbox_soak.leaked_files(before, sandbox_soak.listing(), range(0), {999999999})
+    assert sorted(made) == [f for f in files if f in made]
+    assert child.pid in [p["pid"] for p in sandbox_soak.leaked_processes(range(0))]
+  finally:
+    child.kill()
+    child.wait()
+    for p in made:
+      os.remove(p)
+  item = sandbox_soak.Item("hostile", "stdin_py", "x", {}, "")
+  cfg = sandbox_soak.RewardConfig(language_bonus=0.0)
+  assert not sandbox_soak.verdict_ok(item, RewardResult(1.0, {"correct": 0.9}), cfg)
+  assert sandbox_soak.verdict_ok(item, RewardResult(0.1, {"correct": 0.0}), cfg)
