@@ -36,11 +36,11 @@ import functools
 import glob
 import json
 import os
-import pwd
 import random
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -739,6 +739,8 @@ def main():
   ap.add_argument("--max_tasks_per_worker", type=int, default=1000)
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args()
+  # SIGTERM (e.g. from `timeout`) unwinds through run()'s cleanup: the planted files go.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   res = run(args.tasks, args.workers, args.hostile_share, args.cpp_share, args.seed,
             args.test_timeout_s, args.task_timeout_s, args.ratio_tasks,
             args.max_tasks_per_worker)
