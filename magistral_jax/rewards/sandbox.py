@@ -468,8 +468,23 @@ class Sandbox:
 
   @staticmethod
   def _kill(proc):
-    # Killing `unshare` makes the kernel kill the namespace (--kill-child); the group kill covers
-    # the fallback mode.
+    # The namespace's first process (unshare's child) first, so that `unshare` reaps it before it
+    # exits: killed together, the child outlives its parent for an instant and is left as a
+    # zombie of the slot uid under the machine's init, which need not reap it soon. Such zombies
+    # count against the slot uid's RLIMIT_NPROC: 29 of them after the HumanEval calls made the
+    # next C++ compile fail with EAGAIN. Then killing `unshare` kills whatever is left of the
+    # namespace (--kill-child), and the group kill covers the fallback mode.
+    children = _children(proc.pid)
+    for pid in children:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError, OSError):
+        pass
+    if children:
+      try:
+        proc.wait(timeout=0.5)
+      except subprocess.TimeoutExpired:
+        pass
     for fn in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
       try:
         fn()
@@ -547,6 +562,15 @@ class Channel:
       self.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
       pass
+
+
+def _children(pid: int) -> list[int]:
+  """The direct children of `pid` (from /proc; empty where it cannot be read)."""
+  try:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+      return [int(x) for x in f.read().split()]
+  except (OSError, ValueError):
+    return []
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

@@ -51,6 +51,33 @@ def test_all_humaneval_canonical_solutions_pass():
   assert not failed
 
 
+def _processes_of_uid(uid):
+  found = []
+  for d in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{d}/status") as f:
+        fields = dict(l.split(":", 1) for l in f if ":" in l)
+    except (OSError, ValueError):
+      continue
+    if int(fields["Uid"].split()[0]) == uid:
+      found.append((d, fields["State"].strip()))
+  return found
+
+
+def test_functional_calls_leave_no_process_of_the_sandbox_uid():
+  """Each functional test's driver is killed when its calls are done; the namespace's first
+  process must be reaped then, not left as a zombie of the slot uid (zombies count against its
+  RLIMIT_NPROC: 29 of them once made the next C++ compile fail with EAGAIN)."""
+  from magistral_jax.rewards import sandbox
+  if "uid" not in sandbox.isolation_level():
+    pytest.skip("the program runs under our own uid here")
+  for p in HUMANEVAL[:20]:
+    r = compute_reward(_humaneval_task(p), _answer(p["prompt"] + p["canonical_solution"]), None, CFG)
+    assert r.reward == pytest.approx(1.0)
+  uid = sandbox.DEFAULT_UID_BASE + os.getpid() % 5000
+  assert _processes_of_uid(uid) == []
+
+
 def test_mutated_humaneval_solutions_fail():
   sample = random.Random(0).sample(HUMANEVAL, 30)
   passed = []
