@@ -51,6 +51,7 @@ import common
 import psutil
 
 from magistral_jax.rewards import RewardConfig, code_check, sandbox
+from magistral_jax.rewards.attacks import SEARCH
 from magistral_jax.verify import VerifierPool
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
@@ -280,38 +281,6 @@ SLEEP_CPP = "#include <unistd.h>\nint main() { sleep(100); }\n"
 DAEMON_CPP = ("#include <unistd.h>\nint main() { if (fork() == 0) { setsid(); "
               "if (fork() == 0) { sleep(1000); } } return 0; }\n")
 
-SEARCH = """
-import gc, os, sys
-found = set(sys.argv) | set(os.environ.values()) | set(os.listdir("."))
-for o in gc.get_objects():
-  if isinstance(o, str) and len(o) < 200:
-    found.add(o)
-  elif isinstance(o, dict):
-    found.update(v for v in list(o.values()) if isinstance(v, str))
-f = sys._getframe()
-while f is not None:
-  found.update(v for v in list(f.f_globals.values()) + list(f.f_locals.values())
-               if isinstance(v, str))
-  f = f.f_back
-for p in os.listdir("/proc"):
-  for name in ("cmdline", "environ"):
-    try:
-      found.add(open("/proc/%s/%s" % (p, name), "rb").read().decode(errors="replace"))
-    except OSError:
-      pass
-for n in os.listdir("."):
-  try:
-    found.add(open(n).read())
-  except OSError:
-    pass
-out = "\\n".join(sorted(found))
-for fd in range(20):
-  try:
-    os.write(fd, (out + "\\n").encode())
-  except OSError:
-    pass
-print(out)
-"""
 ANY_EQ = ("class Any:\n  def __eq__(self, o): return True\n  def __ne__(self, o): return False\n"
           "  def __hash__(self): return 0\n  def __bool__(self): return True\n")
 FORK_PY = ("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n")

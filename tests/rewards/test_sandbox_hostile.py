@@ -13,6 +13,7 @@ import pytest
 
 import magistral_jax
 from magistral_jax.rewards import RewardConfig, code_check, compute_reward, sandbox
+from magistral_jax.rewards.attacks import SEARCH
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=3.0)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(magistral_jax.__file__)))
@@ -189,39 +190,7 @@ def test_the_dataset_and_its_answers_are_not_visible(sbx):
 
 # ----------------------------------------------------------------------------- forged verdicts
 
-# Every place a token could hide in the candidate's process, printed, then a clean exit.
-SEARCH = """
-import gc, os, sys
-found = set(sys.argv) | set(os.environ.values()) | set(os.listdir("."))
-for o in gc.get_objects():
-  if isinstance(o, str) and len(o) < 200:
-    found.add(o)
-  elif isinstance(o, dict):
-    found.update(v for v in list(o.values()) if isinstance(v, str))
-f = sys._getframe()
-while f is not None:
-  found.update(v for v in list(f.f_globals.values()) + list(f.f_locals.values())
-               if isinstance(v, str))
-  f = f.f_back
-for p in os.listdir("/proc"):
-  for name in ("cmdline", "environ"):
-    try:
-      found.add(open("/proc/%s/%s" % (p, name), "rb").read().decode(errors="replace"))
-    except OSError:
-      pass
-for n in os.listdir("."):
-  try:
-    found.add(open(n).read())
-  except OSError:
-    pass
-out = "\\n".join(sorted(found))
-for fd in range(20):
-  try:
-    os.write(fd, (out + "\\n").encode())
-  except OSError:
-    pass
-print(out)
-"""
+# SEARCH (rewards/attacks.py): every place a token could hide in the candidate's process, printed.
 
 ANY_EQ = """
 class Any:
