@@ -19,8 +19,13 @@ is the prompt RL and evaluation use, and the format it describes is what the tra
 
 Arguments (comma-separated): `sft` (the SFT run), `ci` (CI-sized: a short SFT with `sft,ci`, one
 small RL batch with `ci`), `gpu` (a 2-accelerator host's sizes, with or without `sft`; not run
-here), `init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model), `batches=N`,
-`sft_steps=N`, `heldout=N`.
+here), `colocated` (one device: the trainer and one generator share it and take turns; with
+`gpu`, the one-GPU recipe of the README), `init=PATH` (RL start: an SFT params dir, or `gguf` for
+the raw model), `batches=N`, `sft_steps=N`, `heldout=N`.
+
+One GPU (README, "One GPU"):
+  python launch/sft.py   --config=configs/smollm2.py:sft,gpu,colocated --workdir=runs/smollm2_sft
+  python launch/train.py --config=configs/smollm2.py:gpu,colocated --workdir=runs/smollm2_rl
 """
 from magistral_jax.config import default_config
 from magistral_jax.model.gguf_file import default_gguf_path
@@ -109,6 +114,12 @@ def get_config(arg=None):
       c.data.heldout = HELDOUT_EXCLUDED
       c.num_batches = 100
 
+  if "colocated" in args:
+    # One device for everything: the generator runs on the trainer's device between train
+    # phases, its weights copy and KV cache freed while the trainer steps (pipeline/rollouts.py).
+    c.devices.update(trainer=1, colocated=True)
+    c.pipeline.mode = "sync"
+
   if "init" in args:
     v = args["init"]
     c.init.update(source="gguf", path="") if v == "gguf" else c.init.update(source="orbax", path=v)
@@ -128,11 +139,11 @@ def _parse(arg):
     if not item:
       continue
     key, eq, value = item.partition("=")
-    if key in ("sft", "ci", "gpu") and not eq:
+    if key in ("sft", "ci", "gpu", "colocated") and not eq:
       out[key] = True
     elif key in ("init", "batches", "sft_steps", "heldout") and eq and value:
       out[key] = value
     else:
       raise ValueError(f"configs/smollm2.py: bad config argument {item!r}; expected sft, ci, gpu, "
-                       "init=PATH|gguf, batches=N, sft_steps=N, heldout=N")
+                       "colocated, init=PATH|gguf, batches=N, sft_steps=N, heldout=N")
   return out

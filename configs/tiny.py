@@ -5,7 +5,12 @@ Magistral format, then trained with the full async pipeline (trainer on 4 simula
 generators on 2 each) and the full Magistral reward through the real math verifier.
 
 Variants: configs/tiny.py:adv_norm=group, :mode=sync, :eps_high=0.2, :n_mini_per_batch=4,
-:batches=20, :sft_steps=100 (see _apply_arg).
+:batches=20, :sft_steps=100 (see _apply_arg); combined with commas.
+
+`configs/tiny.py:colocated` is the one-device layout: the trainer and one generator share one
+device and take turns (generation phase, then training; pipeline/rollouts.py), for
+`XLA_FLAGS=--xla_force_host_platform_device_count=1` or one GPU. `:colocated,mode=async` keeps
+generating one batch ahead with the previous weights while a batch trains.
 """
 from magistral_jax.config import default_config
 
@@ -57,7 +62,8 @@ def _apply_arg(c, arg):
   """`configs/tiny.py:adv_norm=group,mode=sync,eps_high=0.2,n_mini=8,batches=4`."""
   if not arg:
     return
-  for item in arg.split(","):
+  items = arg.split(",")   # colocated first: a mode=... given with it wins
+  for item in sorted(items, key=lambda i: i != "colocated"):
     key, _, value = item.partition("=")
     if key in ("adv_norm", "eps_high", "eps_low", "n_mini", "n_batch", "loss_agg", "group_size"):
       c.rl[key] = type(c.rl[key])(value)
@@ -68,6 +74,9 @@ def _apply_arg(c, arg):
       c.rl.n_mini = c.rl.n_batch // int(value)
     elif key == "mode":
       c.pipeline.mode = value
+    elif key == "colocated":   # one device: trainer and generator share it and take turns
+      c.devices.update(trainer=1, colocated=True)
+      c.pipeline.mode = "sync"
     elif key == "batches":
       c.num_batches = int(value)
     elif key == "slip":   # fraction of cold-start traces with one arithmetic slip

@@ -46,7 +46,7 @@ def load_policy(config, workdir, which: str, model_cfg, init_params, run):
   import jax
   from magistral_jax.model import transformer as tfm
   from magistral_jax.parallel import make_mesh
-  from magistral_jax.pipeline.build import split_devices
+  from magistral_jax.pipeline.build import run_devices
   from magistral_jax.train.checkpointing import RunCheckpointer
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.step import TrainState, state_shardings
@@ -60,7 +60,7 @@ def load_policy(config, workdir, which: str, model_cfg, init_params, run):
     raise FileNotFoundError(f"no checkpoints in {ck_dir}; pass --checkpoint=init to evaluate the "
                             "config's initial weights")
   # The restore target: the trainer's TrainState layout, built abstractly (nothing allocated).
-  tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
+  tdev, _ = run_devices(config)
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   tx = make_optimizer(run.optimizer)
   shapes = tfm.param_shapes(model_cfg)
@@ -110,7 +110,7 @@ def main(argv):
   from magistral_jax.generate.sampling import SamplingConfig
   from magistral_jax.parallel import make_mesh
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, shared_prefix_for,
-                                            split_devices, system_prompt_for)
+                                            run_devices, system_prompt_for)
   from magistral_jax.verify import VerifierPool
 
   run = config_lib.validate(config, jax.device_count())
@@ -124,7 +124,7 @@ def main(argv):
   tok, model_cfg, init_params = build_tokenizer_and_model(config)
   params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params, run)
   system_prompt = system_prompt_for(config.system_prompt)
-  _, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
+  _, gdevs = run_devices(config)
   gen_mesh = make_mesh(dict(config.devices.generator_mesh), gdevs[0])
   pool = VerifierPool(config.verifier.num_workers, run.reward,
                       task_timeout_s=config.verifier.task_timeout_s,

@@ -85,7 +85,7 @@ def main(argv):
   from magistral_jax.parallel import make_mesh
   from magistral_jax.data.prompts import heldout_problems
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, sft_optimizer_config,
-                                            split_devices, system_prompt_for)
+                                            run_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer
@@ -122,7 +122,7 @@ def main(argv):
   writer = MetricsWriter(workdir)
   tok, model_cfg, init_params = build_tokenizer_and_model(config)
   system_prompt = system_prompt_for(config.system_prompt)
-  tdev, _ = split_devices(config.devices.trainer, list(config.devices.generators))
+  tdev, _ = run_devices(config)
   mesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   tx = make_optimizer(sft_optimizer_config(config))
   state = init_state(model_cfg, tx, jax.random.PRNGKey(config.seed), mesh, rules,

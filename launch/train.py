@@ -48,7 +48,7 @@ def main(argv):
   from magistral_jax.pipeline import Rollouts
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, make_generators,
                                             sft_optimizer_config, sft_warm_start,
-                                            shared_prefix_for, split_devices, system_prompt_for)
+                                            shared_prefix_for, run_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer, learning_rate_schedule
@@ -70,10 +70,13 @@ def main(argv):
   shared_prefix = shared_prefix_for(config.engine, tok, system_prompt)
   log.info("shared prompt prefix: %s", f"{len(shared_prefix)} tokens, prefilled once per weights "
            "version" if shared_prefix else "off")
-  tdev, gdevs = split_devices(config.devices.trainer, list(config.devices.generators))
+  colocated = bool(config.devices.get("colocated", False))
+  tdev, gdevs = run_devices(config)
   tmesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
-           dict(tmesh.shape), [len(g) for g in gdevs])
+           dict(tmesh.shape), f"colocated on the trainer's {len(tdev)} device(s), "
+           f"{'taking turns' if config.pipeline.mode == 'sync' else 'one batch ahead'}"
+           if colocated else [len(g) for g in gdevs])
   rl_tx = make_optimizer(run.optimizer)
   state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh, trainer_rules,
                      params=init_params)
@@ -164,22 +167,27 @@ def main(argv):
       step_fn = make_grpo_step(model_cfg, srun.rl, rl_tx, tmesh, trainer_rules,
                                temperature=sampling.temperature,
                                lr_schedule=learning_rate_schedule(srun.optimizer))
+      # Colocated: the generator loads the trainer's params where they are (same devices, no
+      # host round trip) and is stepped in this thread between train phases (no background
+      # prefill thread) when the two take turns.
+      alternate = colocated and scfg.pipeline.mode == "sync"
       gens = make_generators(
-          model_cfg, jax.device_get(state.params), gdevs, sampling,
+          model_cfg, state.params if colocated else jax.device_get(state.params), gdevs,
+          sampling,
           mesh_shape=dict(scfg.devices.generator_mesh),
           max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
           max_prefill_length=scfg.engine.max_prefill_length,
           max_decode_length=sampling.max_new_tokens, version=meta["version"],
           recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
           tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
-          background_prefill=scfg.engine.background_prefill,
+          background_prefill=scfg.engine.background_prefill and not alternate,
           loop_prefill_below=scfg.engine.loop_prefill_below,
           shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt),
           overlap_host=scfg.engine.overlap_host, rules=generator_rules)
       prompts = train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
       rollouts = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
                           grpo_cfg=srun.rl, cfg=srun.pipeline, system_prompt=system_prompt,
-                          seed=config.seed + si)
+                          seed=config.seed + si, colocated=colocated)
       trainer = Trainer(step_fn, state, tmesh, trainer_rules, version=meta["version"],
                         opt_steps=meta["opt_steps"], batches=meta["batches"])
 

@@ -118,9 +118,12 @@ def default_config() -> mlc.ConfigDict:
   c.verifier = mlc.ConfigDict(dict(num_workers=2, task_timeout_s=60.0, max_tasks_per_worker=500))
   # ---- pipeline, devices and sharding (SPEC §5): pipeline/rollouts.py PipelineConfig ----
   c.pipeline = config_section(PipelineConfig)
-  # Device layout: the first `trainer` devices train; then one slice per generator.
+  # Device layout: the first `trainer` devices train; then one slice per generator (the paper's
+  # disaggregated layout). colocated=True: one generator on the trainer's own devices
+  # (`generators` unused), generation and training taking turns (pipeline.mode sync) or
+  # generating one batch ahead while a batch trains (async); pipeline/rollouts.py.
   c.devices = mlc.ConfigDict(dict(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
-                                  generator_mesh={"tensor": -1}))
+                                  generator_mesh={"tensor": -1}, colocated=False))
   # Logical axis -> mesh axes tables of the trainer and the generators (parallel/sharding.py).
   c.sharding = config_section(ShardingConfig)
   # ---- data ----
@@ -228,7 +231,8 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
   run.pipeline.bounds(run.rl)
   run.rl.check_row_fits(run.engine.max_prefill_length, config.sampling.max_new_tokens)
   if num_devices is not None:
-    check_device_layout(config.devices.trainer, config.devices.generators, num_devices)
+    check_device_layout(config.devices.trainer, config.devices.generators, num_devices,
+                        bool(config.devices.get("colocated", False)))
   return run
 
 

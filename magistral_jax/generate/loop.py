@@ -309,6 +309,45 @@ class GeneratorLoop:
     Engine.precompile(existing_prefix=...) takes to compile the programs that continue it."""
     return self._shared.get(self.params, self.version) if self._shared else None
 
+  # ---- colocated phases (pipeline.rollouts: generation and training take turns) ---------------
+  def release(self) -> None:
+    """Frees the device memory the loop holds between generation phases: its weights (the
+    serving-dtype, decode-layout copy), its KV cache (the decode state) and the shared prefix's
+    cache, so that a trainer on the same devices has them for its step. Only when the loop
+    thread is not running and every submitted request is done; `reload` brings weights and an
+    empty cache back."""
+    if self._thread is not None:
+      raise RuntimeError("release: the loop thread is running; release is for loops stepped by "
+                         "their caller between phases (stop() it first)")
+    self._flush()
+    if not self.idle():
+      raise RuntimeError(f"release: the loop still has work ({self.num_active} active slots, "
+                         f"{self._requests.qsize()} queued requests); finish it first")
+    with self._lock:
+      self.params, self._pending = None, None
+      if self._shared:
+        self._shared.clear()
+    self.state = None
+    self._drain.compacted = None
+    self._firsts.clear()
+
+  @property
+  def released(self) -> bool:
+    return self.state is None
+
+  def reload(self, params, version: int) -> None:
+    """After `release`: the weights of policy `version` (validated, cast and laid out as
+    update_params does: the engine's serving dtype on its mesh) and an empty KV cache."""
+    if not self.released:
+      raise RuntimeError("reload: the loop holds its weights and cache; use update_params")
+    if int(version) < self.version:
+      raise ValueError(f"reload: version {version} is older than the loop's {self.version}")
+    params = self.engine.load_params(params)
+    with self._lock:
+      self.params, self.version = params, int(version)
+    self.state = self.engine.init_decode_state()
+    self._slots.device_active = np.zeros_like(self._slots.device_active)
+
   # ---- the loop ------------------------------------------------------------------------------
   def _run(self):
     try:

@@ -55,6 +55,11 @@ class SharedPrefixCache:
     self._lock, self._current_version, self._counters = lock, current_version, counters
     self._cached: tuple[int, Prefix] | None = None   # (version, Prefix under its weights)
 
+  def clear(self) -> None:
+    """Drops the cached Prefix (its KV cache); the next `get` prefills again. Caller holds the
+    loop's lock."""
+    self._cached = None
+
   def rest_length(self, prompt: list[int]) -> int:
     """Tokens of `prompt` after the shared prefix when it starts with it and goes on, else 0."""
     p = len(self.tokens)

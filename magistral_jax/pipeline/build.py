@@ -17,10 +17,22 @@ from magistral_jax.parallel.sharding import GENERATOR_RULES, make_mesh
 log = logging.getLogger(__name__)
 
 
+COLOCATED_HINT = ("for fewer devices use the colocated layout, where the trainer and one "
+                  "generator share the trainer's devices and take turns: --config=<recipe>:"
+                  "colocated (configs/tiny.py, configs/smollm2.py) or "
+                  "--config.devices.colocated=True --config.devices.trainer=<devices>")
+
+
 def check_device_layout(trainer_devices: int, generator_devices: Sequence[int],
-                        num_devices: int) -> None:
-  """Raises a clear error unless the trainer and every generator get >= 1 of `num_devices`."""
+                        num_devices: int, colocated: bool = False) -> None:
+  """Raises a clear error unless the trainer and every generator get >= 1 of `num_devices`
+  (colocated: the trainer's devices alone, which the generator shares)."""
   generator_devices = tuple(generator_devices)
+  if colocated:
+    if not 1 <= trainer_devices <= num_devices:
+      raise ValueError(f"devices: colocated on trainer={trainer_devices} devices, but this "
+                       f"machine has {num_devices} ({jax.default_backend()})")
+    return
   if trainer_devices < 1 or not generator_devices or any(n < 1 for n in generator_devices):
     raise ValueError(f"device layout needs >= 1 device for the trainer and each generator, got "
                      f"trainer={trainer_devices}, generators={generator_devices}")
@@ -28,21 +40,30 @@ def check_device_layout(trainer_devices: int, generator_devices: Sequence[int],
   if need > num_devices:
     raise ValueError(f"devices: trainer={trainer_devices} + generators={generator_devices} = "
                      f"{need} devices, but this machine has {num_devices} "
-                     f"({jax.default_backend()})")
+                     f"({jax.default_backend()}); {COLOCATED_HINT}")
 
 
 def split_devices(trainer_devices: int, generator_devices: Sequence[int],
-                  devices: Sequence[jax.Device] | None = None):
+                  devices: Sequence[jax.Device] | None = None, colocated: bool = False):
   """Disjoint device slices: the first `trainer_devices` for the trainer, then one slice per
-  generator. E.g. on 8 devices: split_devices(4, [2, 2]) -> 4 | 2 | 2."""
+  generator. E.g. on 8 devices: split_devices(4, [2, 2]) -> 4 | 2 | 2. Colocated: one generator
+  on the trainer's own devices, split_devices(1, ..., colocated=True) -> [d0], [[d0]]."""
   devices = list(jax.devices() if devices is None else devices)
-  check_device_layout(trainer_devices, generator_devices, len(devices))
+  check_device_layout(trainer_devices, generator_devices, len(devices), colocated)
   trainer = devices[:trainer_devices]
+  if colocated:
+    return trainer, [trainer]
   gens, i = [], trainer_devices
   for n in generator_devices:
     gens.append(devices[i:i + n])
     i += n
   return trainer, gens
+
+
+def run_devices(config):
+  """split_devices for a run config's `devices` section: (trainer devices, generator slices)."""
+  return split_devices(config.devices.trainer, list(config.devices.generators),
+                       colocated=bool(config.devices.get("colocated", False)))
 
 
 def system_prompt_for(name: str) -> str | None:

@@ -30,6 +30,25 @@ Sync (for comparison and ablations): the same code path with a barrier. Exactly 
 one batch are generated under one policy version (topped up if groups are dropped), every
 generation finishes, then the trainer runs and pushes, then generation resumes. Tokens in a batch
 therefore all carry one version.
+
+Colocated (`colocated=True`, config devices.colocated): the generators run on the trainer's own
+devices, for a run on one GPU or one TPU VM whose chips should not be split. Two schedules:
+- sync, the default (generation and training take turns): there are no generator threads; a
+  generation phase steps each generator in the trainer's thread until its work is done (still
+  continuous batching over its slots; the verifier pool scores completions as they finish), and
+  at its end each generator releases its weights copy and its KV cache (GeneratorLoop.release),
+  so that the train step's activations have the memory the cache had. `push` only notes the
+  newest params; the next phase reloads them (cast to the generators' dtype and laid out for
+  decoding: the one copy a generator holds, only while it generates), so there is no second copy
+  of the weights during training and no device-to-device transfer.
+- async (one batch of lookahead): the generator threads keep generating with the previous
+  weights while a batch trains, bounded by n_async exactly as across devices; pushes copy the
+  params (the trainer donates its state), and weights copy and KV cache stay resident beside
+  the trainer's step, so both must fit together.
+The colocated sync phases report their memory (`memory/generate_peak_bytes`, the bytes in use on
+the devices at the end of a generation phase, when the weights copy, the KV cache and the shared
+prefix cache are all allocated; `memory/generation_released_bytes`, what the release freed); the
+trainer reports `memory/train_peak_bytes` in every layout (train.rl_loop.Trainer).
 """
 from __future__ import annotations
 
@@ -46,6 +65,7 @@ import jax
 import numpy as np
 
 from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.parallel.memory import bytes_in_use
 from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
 from magistral_jax.rewards.reward import RewardResult, failed_result
@@ -123,12 +143,13 @@ class Rollouts:
     grpo_cfg: group size, n_batch and the group-drop rule. cfg: the pipeline's bounds and mode.
     system_prompt: the prompt template ({problem} placeholder); None = the bare problem.
     seed: draws each request's sampling seed.
+    colocated: the generators share the trainer's devices (see the module docstring).
   """
 
   def __init__(self, *, generators: Sequence[GeneratorLoop], pool, tokenizer,
                prompts: Iterator[dict], grpo_cfg: GRPOConfig,
                cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None,
-               seed: int = 0):
+               seed: int = 0, colocated: bool = False):
     if not generators:
       raise ValueError("Rollouts needs at least one generator")
     self.grpo_cfg, self.cfg = grpo_cfg, cfg
@@ -161,6 +182,16 @@ class Rollouts:
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
+    # Colocated sync: generation and training take turns on the same devices (module docstring).
+    self.colocated = bool(colocated)
+    self.alternate = self.colocated and cfg.mode == "sync"
+    if self.alternate:
+      for g in self.generators:
+        if g.background_prefill:
+          raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
+                           "build them with background_prefill=False")
+    self._latest: tuple | None = None        # (params, version) of the newest push, not loaded
+    self._phase_metrics: dict[str, float] = {}
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, i=i: self._generated.put((i, c)))
 
@@ -171,8 +202,9 @@ class Rollouts:
     self._started = True
     self._last_metrics_t = time.time()
     self._gen_t0 = [self._gen_counters(g) for g in self.generators]
-    for g in self.generators:
-      g.start()
+    if not self.alternate:
+      for g in self.generators:
+        g.start()
     threads = [("collector", self._collect)]
     if self.cfg.mode == "async":
       threads.append(("feeder", self._feed))
@@ -199,7 +231,13 @@ class Rollouts:
 
     The params are cast to the generators' weight dtype (bf16 under fp32 master weights and bf16
     compute, ModelConfig.serving_param_dtype) on the trainer's devices first, once per dtype,
-    so the transfer moves half the bytes."""
+    so the transfer moves half the bytes.
+
+    Colocated sync: the params are only noted; the next generation phase loads them (0 s here,
+    its load time is the metric `weight_reload_s`)."""
+    if self.alternate:
+      self._latest = (params, int(version))
+      return 0.0
     t = time.time()
     cast = {}
     for g in self.generators:
@@ -396,20 +434,57 @@ class Rollouts:
     if self.cfg.mode == "sync":
       # Barrier: generate exactly the missing groups under the current version, wait for every
       # one of them to be scored, top up if some were dropped.
+      if self.alternate:
+        self._begin_generation_phase()
       while len(ready) < need:
         for _ in range(need - len(ready)):
           if not self._submit_group():
             break
         if not pending and self._prompts_exhausted:
           raise StopIteration
+        if self.alternate:   # the generation phase, in this thread; scoring runs alongside
+          for g in self.generators:
+            g.run_until_idle()
         while pending:
           tick()
+      if self.alternate:
+        self._end_generation_phase()
     else:
       while len(ready) < need:
         tick()
         if (self._prompts_exhausted and not pending and self._scored.empty()
             and len(ready) < need):
           raise StopIteration
+
+  # ---- colocated phases ----------------------------------------------------------------------
+  def _devices(self) -> list:
+    return list(dict.fromkeys(d for g in self.generators
+                              for d in g.engine.mesh.devices.flat))
+
+  def _begin_generation_phase(self):
+    """Colocated sync: the generators get the newest pushed params and an empty KV cache."""
+    t = time.time()
+    for g in self.generators:
+      if g.released:
+        if self._latest is None:
+          raise PipelineError("colocated generation phase: the generators released their "
+                              "weights and no push has brought new ones (call push(params, "
+                              "version) after each training phase)")
+        g.reload(*self._latest)
+    self._latest = None
+    jax.block_until_ready([g.params for g in self.generators])
+    self._phase_metrics["weight_reload_s"] = time.time() - t
+
+  def _end_generation_phase(self):
+    """Colocated sync: measures the phase's memory, then frees the generators' weights copies
+    and KV caches for the training phase."""
+    devices = self._devices()
+    peak = bytes_in_use(devices)
+    for g in self.generators:
+      g.release()
+    self._phase_metrics.update({"memory/generate_peak_bytes": float(peak),
+                                "memory/generation_released_bytes":
+                                    float(peak - bytes_in_use(devices))})
 
   # ---- metrics -------------------------------------------------------------------------------
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
@@ -461,4 +536,5 @@ class Rollouts:
         "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),
         "generating_completions": float(self._generating),
         "queued_completions": float(self._queued),
+        **self._phase_metrics,
     }

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import numpy as np
 
+from magistral_jax.parallel.memory import backend_peak_bytes, bytes_in_use, compiled_temp_bytes
 from magistral_jax.parallel.sharding import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
@@ -44,12 +45,30 @@ class Trainer:
   batches: int = 0
 
   def step(self, minibatch: Minibatch) -> dict:
-    """One optimizer step on one minibatch; returns its metrics (on the host)."""
-    self.state, metrics = self.step_fn(self.state, shard_batch(minibatch.arrays, self.mesh,
-                                                                 self.rules))
+    """One optimizer step on one minibatch; returns its metrics (on the host), with the step's
+    device memory: `memory/train_peak_bytes` = the bytes in use on the trainer's devices as it
+    starts (state, batch, and anything else there, e.g. a colocated generator's) + the compiled
+    step's temporaries (parallel.memory); `memory/device_peak_bytes`, the backend's lifetime
+    high-water mark, where it keeps one (GPU/TPU)."""
+    batch = shard_batch(minibatch.arrays, self.mesh, self.rules)
+    devices = self._devices()
+    start = bytes_in_use(devices)
+    self.state, metrics = self.step_fn(self.state, batch)
     self.opt_steps += 1
     self.version += 1
-    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    out = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    temp = compiled_temp_bytes(self.step_fn, self.state, batch)
+    if temp is not None:
+      out["memory/train_peak_bytes"] = float(start + temp)
+    peak = backend_peak_bytes(devices)
+    if peak is not None:
+      out["memory/device_peak_bytes"] = float(peak)
+    return out
+
+  def _devices(self) -> list:
+    if self.mesh is not None:
+      return list(self.mesh.devices.flat)
+    return list(jax.tree.leaves(self.state.params)[0].sharding.device_set)
 
 
 def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: int, *,
@@ -74,8 +93,10 @@ def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: 
     trainer.batches += 1
     train_s = time.time() - t_train
 
-    # Per batch: the mean over its optimizer steps; a *_max / *_min metric is the batch's own.
-    pool = lambda k: np.max if k.endswith("_max") else np.min if k.endswith("_min") else np.mean
+    # Per batch: the mean over its optimizer steps; a *_max / *_min / *peak* metric is the
+    # batch's own.
+    pool = lambda k: (np.max if k.endswith("_max") or "peak" in k else
+                      np.min if k.endswith("_min") else np.mean)
     m = {k: float(pool(k)([s[k] for s in steps])) for k in steps[0]}
     m.update(rollouts.metrics(batch, trained_version))
     m.update(weight_push_s=push_s / len(steps), train_time_s=train_s, trainer_idle_s=batch.wait_s,

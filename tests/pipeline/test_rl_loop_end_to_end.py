@@ -1,6 +1,7 @@
 """The RL loop end to end on 8 simulated devices (Rollouts + Trainer + rl_loop.train): trainer on
 4, two generators on 2 each, the real verifier pool, the real math verifier, a tiny model
-warm-started by SFT on the synthetic task."""
+warm-started by SFT on the synthetic task. The colocated layout (one generator on the trainer's
+own devices, taking turns with it) against the disaggregated one at the end."""
 import json
 import os
 import time
@@ -16,6 +17,7 @@ from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import TRAINER_RULES, make_mesh
+from magistral_jax.parallel.memory import bytes_in_use
 from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
 from magistral_jax.pipeline.build import make_generators, sft_warm_start, split_devices
 from magistral_jax.rewards import RewardConfig
@@ -55,22 +57,25 @@ class Run:
   """One RL run's parts: the Trainer, the Rollouts, and the loop over them."""
 
   def __init__(self, s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0,
-               tune=False):
+               tune=False, tmesh=None, gdevs=None, colocated=False):
     rl_tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
-    state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), s["tmesh"], TRAINER_RULES,
+    tmesh = tmesh or s["tmesh"]
+    state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES,
                        params=s["params"])
-    self.trainer = Trainer(make_grpo_step(s["cfg"], GRPO, rl_tx, s["tmesh"], TRAINER_RULES),
-                           state, s["tmesh"], TRAINER_RULES)
-    gens = make_generators(s["cfg"], s["params"], s["gdevs"],
+    self.trainer = Trainer(make_grpo_step(s["cfg"], GRPO, rl_tx, tmesh, TRAINER_RULES),
+                           state, tmesh, TRAINER_RULES)
+    gens = make_generators(s["cfg"], s["params"], gdevs or s["gdevs"],
                            SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW,
                                           eos_id=s["tok"].eos_id),
                            max_concurrent_decodes=8, max_prefill_length=64,
-                           max_decode_length=MAX_NEW, seed=seed, tune=tune)
+                           max_decode_length=MAX_NEW, seed=seed, tune=tune,
+                           background_prefill=not (colocated and mode == "sync"))
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
                              cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
                                                 batch_timeout_s=300),
-                             system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=seed)
+                             system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=seed,
+                             colocated=colocated)
     self.writer = MetricsWriter(workdir) if workdir else None
     self.on_batch = None
 
@@ -218,3 +223,81 @@ def test_verifier_failures_drop_their_group_and_the_run_continues(setup):
   assert len(history) == 2
   assert pipe.counters["verifier_errors"] > 0
   assert pipe.counters["groups_verifier_error"] > 0   # their groups dropped, not trained on
+
+
+def _two_device_layouts():
+  """The trainer on devices 0-1 (FSDP); a generator on the same two (colocated) or on 2-3."""
+  devs = jax.devices()
+  return make_mesh({"fsdp": 2}, devs[:2]), [devs[:2]], [devs[2:4]]
+
+
+def test_colocated_step_equals_the_disaggregated_step(setup):
+  # Same seeds, the sync schedule, engines of the same shape: the generator on the trainer's
+  # devices samples the same completions as one on devices of its own, so the batch and the
+  # params after its optimizer steps are the same, bit for bit.
+  tmesh, colocated_devs, own_devs = _two_device_layouts()
+  results = {}
+  for name, gdevs in (("disaggregated", own_devs), ("colocated", colocated_devs)):
+    run = Run(setup, "sync", tmesh=tmesh, gdevs=gdevs, colocated=name == "colocated")
+    tokens = []
+    real_take = run.rollouts._groups.take
+
+    def take(*a, real_take=real_take, tokens=tokens):
+      batch = real_take(*a)
+      tokens.append([c.completion_tokens.tolist() for g in batch.groups for c in g.completions])
+      return batch
+    run.rollouts._groups.take = take
+    history = run.run(1)
+    assert len(history) == 1 and run.trainer.opt_steps == GRPO.num_minibatches
+    results[name] = (tokens, jax.device_get(run.trainer.state.params), history[0])
+  (tok_d, params_d, h_d), (tok_c, params_c, h_c) = results["disaggregated"], results["colocated"]
+  assert tok_d == tok_c and len(tok_d[0]) == GRPO.n_batch
+  jax.tree.map(np.testing.assert_array_equal, params_c, params_d)
+  assert h_c["reward"] == h_d["reward"]
+  # Colocated pushes move nothing (the next phase loads the params where they are).
+  assert h_c["weight_push_s"] == 0.0 and h_d["weight_push_s"] > 0.0
+
+
+def test_colocated_generation_frees_its_kv_cache_and_weights_before_each_train_step(setup):
+  tmesh, colocated_devs, _ = _two_device_layouts()
+  run = Run(setup, "sync", tmesh=tmesh, gdevs=colocated_devs, colocated=True)
+  gen = run.rollouts.generators[0]
+  kv_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.state.cache))
+  cache_shapes = {x.shape for x in jax.tree.leaves(gen.state.cache)}
+  weights_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+  assert kv_bytes > 0
+  real, seen = run.trainer.step_fn, []
+  devices = list(tmesh.devices.flat)
+
+  def kv_cache_bytes_alive():
+    return sum(a.nbytes for a in jax.live_arrays()
+               if a.shape in cache_shapes and a.sharding.device_set & set(devices))
+
+  def step(state, batch):
+    # What the devices hold as the train step starts: nothing of the generator's.
+    seen.append((gen.released, kv_cache_bytes_alive(), bytes_in_use(devices)))
+    return real(state, batch)
+  step.lower = real.lower   # the compiled step's own memory account (Trainer.step)
+  run.trainer.step_fn = step
+  history = run.run(2)
+  assert len(history) == 2 and len(seen) == 2 * GRPO.num_minibatches
+  assert all(released and kv == 0 for released, kv, _ in seen), seen
+  for h in history:
+    # The release freed the cache and the weights copy (and the shared prefix's cache, if any).
+    assert h["memory/generation_released_bytes"] >= kv_bytes + weights_bytes
+    assert h["memory/generate_peak_bytes"] >= kv_bytes + weights_bytes
+    assert h["memory/train_peak_bytes"] > max(b for _, _, b in seen)   # + the step's temporaries
+    assert h["weight_reload_s"] > 0
+  # The second generation phase reloaded the trainer's newest params (version = optimizer steps).
+  assert gen.version == GRPO.num_minibatches and history[1]["versions_in_batch"] == 1
+  assert kv_cache_bytes_alive() == 0   # after the run too: between phases
+
+
+def test_a_released_colocated_generator_needs_a_push_before_it_generates(setup):
+  tmesh, colocated_devs, _ = _two_device_layouts()
+  run = Run(setup, "sync", tmesh=tmesh, gdevs=colocated_devs, colocated=True)
+  with run.rollouts as pipe:
+    assert pipe.next_batch() is not None
+    assert pipe.generators[0].released
+    with pytest.raises(PipelineError, match="no push has brought new ones"):
+      pipe.next_batch()
