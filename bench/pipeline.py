@@ -51,6 +51,13 @@ weight pushes per batch), group size 4; 8 decode slots per generator (16 slots =
    devices, in the pushing thread; the loop keeps decoding meanwhile), and
    `push_plus_load_over_copy_time`.
 
+Colocated (`--colocated`): one generator on the trainer's own devices (`--layout N`, default 1),
+as `--config.devices.colocated=True` runs. Then "sync" is the schedule in which generation and
+training take turns (the generator frees its weights copy and KV cache for each train phase) and
+"async" is one batch of lookahead (the generator keeps generating with the previous weights while
+a batch trains, n_async = 2 n_batch); async_over_sync_throughput says whether the lookahead pays on
+this host. The push figures are skipped (a colocated run pushes nothing).
+
 Options: `--layout` (default 4,2,2: trainer devices, then each generator's), `--trainer_axis`
 (fsdp, the default, or data) and `--gen_axis` (tensor, the default, or data: slots split over the
 generator's devices, weights replicated) change the throughput runs' placement; the push figures
@@ -137,7 +144,12 @@ def main():
   ap.add_argument("--gen_axis", choices=("tensor", "data"), default="tensor",
                   help="mesh axis of each generator's slice: tensor parallel, or data parallel "
                        "over decode slots with replicated weights")
+  ap.add_argument("--colocated", action="store_true",
+                  help="one generator on the trainer's devices: sync = taking turns, async = "
+                       "one batch of lookahead (--layout N: the trainer's device count)")
   args = ap.parse_args()
+  if args.colocated and args.layout == "4,2,2":
+    args.layout = "1"
   if args.batches < 2:
     ap.error("--batches must be >= 2 (throughput is measured from the end of batch 1)")
   logging.basicConfig(level=logging.WARNING)
@@ -171,7 +183,7 @@ def main():
   grpo = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=2048, microbatch_rows=8)
   try:   # split_devices checks the counts (a trainer, >= 1 generator, enough devices)
     layout = [int(x) for x in args.layout.split(",")]
-    tdev, gdevs = split_devices(layout[0], layout[1:])
+    tdev, gdevs = split_devices(layout[0], layout[1:], colocated=args.colocated)
   except ValueError as e:
     ap.error(f"--layout {args.layout!r}: comma-separated device counts, trainer first: {e}")
   tmesh = make_mesh({args.trainer_axis: len(tdev)}, tdev)
@@ -209,7 +221,8 @@ def main():
     pipe = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=problems(args.seed),
                     grpo_cfg=grpo,
                     cfg=PipelineConfig(mode=mode, batch_timeout_s=300),
-                    system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=args.seed)
+                    system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=args.seed,
+                    colocated=args.colocated)
     if lengths is not None:   # record every generated completion's length (dropped groups too)
       for g in gens:
         g.callback = (lambda c, f=g.callback: (lengths.append(len(c.tokens)), f(c)))
@@ -248,6 +261,7 @@ def main():
         "decode_step_ms": 1e3 * sum(g.decode_time_s for g in gens) / max(1, sum(g.steps for g in gens)),
         "tokens_per_decode_step": sum(g.generated_tokens for g in gens) / max(1, sum(g.steps for g in gens)),
         "verifier_latency_s": float(np.mean([h["verifier_latency_s"] for h in history[1:]])),
+        **{k: float(np.max([h[k] for h in history])) for k in history[0] if "peak" in k},
     }
 
   out = {}
@@ -298,6 +312,17 @@ def main():
       response_length_spread_p90_over_p10=float(np.percentile(L, 90) / np.percentile(L, 10)),
       response_length_spread_max_over_min=float(L.max() / L.min()),
       batches_per_mode=args.batches, repeats=args.repeats, sft_s=sft_s, warmup_s=warm_s)
+
+  out["colocated"] = args.colocated
+  if args.colocated:
+    for m in runs:
+      for k in runs[m][0]:
+        if "peak" in k:
+          out[f"{m}_{k.replace('/', '_')}"] = float(np.median([x[k] for x in runs[m]]))
+    out["total_wall_s"] = time.time() - t_start
+    out["devices"] = f"{len(tdev)} of {jax.device_count()} x {jax.default_backend()}, colocated"
+    common.emit(out, ndigits=4)
+    return
 
   # ---- weight push vs same-layout copy ------------------------------------------------------
   # Always trainer FSDP-4 -> generator TP-2, whatever --layout the throughput runs used.

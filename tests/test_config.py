@@ -210,3 +210,25 @@ def test_paper_recipes_train_on_45k_token_sequences(name):
   for stage in c.stages or ({"overrides": {}},):
     run = config_lib.validate(config_lib.apply_overrides(c, dict(stage["overrides"])))
     assert first_fit([longest.num_tokens] * 3, run.rl.row_len) == [[0], [1], [2]]
+
+
+def test_one_device_runs_the_colocated_variants_and_the_error_names_them():
+  # The default (disaggregated) layout on one device: the error says which variant fits.
+  with pytest.raises(ValueError, match=r"has 1 .*configs/tiny.py.*colocated"):
+    config_lib.validate(_load("tiny"), num_devices=1)
+  for name, arg in (("tiny", "colocated"), ("tiny", "colocated,mode=async,batches=3"),
+                    ("smollm2", "colocated"), ("smollm2", "gpu,colocated"),
+                    ("smollm2", "sft,gpu,colocated")):
+    c = _load(name, arg)
+    assert c.devices.colocated and c.devices.trainer == 1, (name, arg)
+    config_lib.validate(c, num_devices=1)
+  assert _load("tiny", "colocated").pipeline.mode == "sync"   # taking turns by default
+  assert _load("tiny", "mode=async,colocated").pipeline.mode == "async"   # lookahead, if asked
+  # The same from the command line, on any recipe.
+  c = _flags(["train", f"--config={ROOT}/configs/tiny.py", "--config.devices.colocated=True",
+              "--config.devices.trainer=1", "--config.pipeline.mode=sync"])
+  config_lib.validate(c, num_devices=1)
+  with pytest.raises(ValueError, match="colocated on trainer=2 devices, but this machine has 1"):
+    config_lib.validate(_flags(["train", f"--config={ROOT}/configs/tiny.py",
+                                "--config.devices.colocated=True"] + [
+                                    "--config.devices.trainer=2"]), num_devices=1)
