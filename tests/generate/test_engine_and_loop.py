@@ -1134,3 +1134,34 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   n.step()   # dispatches the NaN step, records the good one
   with pytest.raises(NonFiniteError, match="non-finite logits in slots"):
     n.step()
+
+
+def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(params, mesh):
+  # The colocated schedule's turn-taking (pipeline.rollouts): between generation phases the
+  # loop holds no device memory; reloaded with new weights it samples what a fresh loop on them
+  # samples, without recompiling.
+  eng = engine(mesh, sampling=SAMPLED)
+  new = jax.tree.map(lambda x: x * 0.5, params)
+  ps = shared_prompts(4, seed=31)
+  reqs = lambda: [Request(i, x, max_new_tokens=6, seed=100 + i) for i, x in enumerate(ps)]
+  fresh = run(GeneratorLoop(eng, new, 3, shared_prefix=SHARED), reqs())
+  loop = GeneratorLoop(eng, params, shared_prefix=SHARED)
+  run(loop, reqs()[:2])
+  compiled = eng.compile_counts()
+  held = {id(x) for x in jax.tree.leaves((loop.state, loop.params))}
+  loop.release()
+  assert loop.released and loop.params is None
+  assert not [a for a in jax.live_arrays() if id(a) in held]   # freed, not merely unreferenced
+  with pytest.raises(RuntimeError, match="use update_params"):
+    GeneratorLoop(eng, params).reload(new, 1)
+  with pytest.raises(ValueError, match="older"):
+    loop.reload(new, -1)
+  loop.reload(new, 3)
+  out = run(loop, reqs())
+  for k, c in out.items():
+    assert c.tokens == fresh[k].tokens and set(c.versions.tolist()) == {3}
+    np.testing.assert_allclose(c.logprobs, fresh[k].logprobs, rtol=1e-6)
+  assert eng.compile_counts() == compiled
+  loop.submit(reqs()[0])
+  with pytest.raises(RuntimeError, match="still has work"):
+    loop.release()
