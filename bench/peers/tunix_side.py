@@ -1,0 +1,295 @@
+"""The tunix side of bench/vs_tunix.py: google-tunix 0.1.7's GRPO on the shared workload.
+
+Runs under the peer's own interpreter (bench/peers/.venv-tunix/bin/python), never ours: it imports
+nothing of magistral_jax. `python tunix_side.py --spec=SPEC.json` reads the workload written by
+bench/vs_tunix.py, runs tunix's own loop, GRPOLearner.train over an RLCluster (vanilla rollout,
+actor and rollout on one mesh of one device, so they share one model), and prints one JSON
+object as its last line: the same per-iteration figures as our side.
+
+What it builds from the spec:
+- the policy: tunix.models.llama3 (Llama3, weight_tying for tied embeddings), loaded from the
+  shared HF safetensors directory with tunix's loader (models.llama3.params);
+- the tokenizer: the shared tokenizer.json (HF `tokenizers`), behind the encode / decode /
+  bos_id / eos_id / pad_id interface tunix's TokenizerAdapter accepts; the sampler tokenizes the
+  rendered prompt text itself, and this script checks the ids equal the spec's;
+- RolloutConfig: max_tokens_to_generate = max_new_tokens, max_prompt_length, the temperature,
+  top_p 1.0 (plain categorical sampling), eos_tokens = [an id the model cannot produce] (so no
+  completion ends early), kv_cache_size = prompt + new tokens;
+- GRPOConfig: num_generations = G, num_iterations 1, beta 0 (no KL, no reference model),
+  epsilon 0.2 (epsilon_high 0.28 where the config takes it), loss_agg_mode token-mean;
+  RLTrainingConfig: one mini-batch = the whole batch of prompts, AdamW as ours
+  (clip_by_global_norm 1.0, b1 0.9, b2 0.95, eps 1e-8, no weight decay), no checkpoints;
+- the reward: the rule our side's verifier pool runs with (vs_tunix.reward_config): the format
+  gate, then 0.1 + 0.9 if the boxed answer equals the reference (here compared as strings; ours
+  with math-verify), plus the shared tie-breaker (see vs_tunix.py).
+
+Timing hooks (wrappers on the instances; they change nothing but waiting where noted):
+RLCluster.generate (rollout), GRPOLearner._compute_rewards (scoring), RLCluster.update_actor
+(train step; the wrapper waits for the updated weights, so the figure is the step's own and
+not the next rollout's), RLCluster.sync_weights (weight sync). An iteration ends when its
+update_actor returns.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import zlib
+
+
+def jitter(text: str) -> float:
+  """The tie-breaker of bench/vs_tunix.py (the same definition, in this process)."""
+  return (zlib.crc32(text.encode("utf-8")) % 1000) / 1e5
+
+
+def boxed(text: str) -> str | None:
+  """The content of the last \\boxed{...} in `text` (balanced braces), or None."""
+  start = text.rfind("\\boxed{")
+  if start < 0:
+    return None
+  depth, i = 1, start + len("\\boxed{")
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i:j]
+  return None
+
+
+def reward_fn(prompts, completions, answer, **_):
+  """The rule our side's verifier is configured to (SPEC §2's format gate: the completion starts
+  with <think>, has one <think> and one </think>, and a \\boxed{} answer after </think>; then
+  0.1 for the format + 0.9 if the boxed answer equals the reference, here as strings), plus the
+  shared tie-breaker."""
+  del prompts
+  out = []
+  for completion, ref in zip(completions, answer):
+    completion, r = str(completion), 0.0
+    if (completion.startswith("<think>") and completion.count("<think>") == 1
+        and completion.count("</think>") == 1):
+      got = boxed(completion.split("</think>", 1)[1])
+      if got is not None:
+        r = 0.1 + 0.9 * (got.strip() == str(ref).strip())
+    out.append(r + jitter(completion))
+  return out
+
+
+class SharedTokenizer:
+  """The shared tokenizer.json, with the interface tunix's TokenizerAdapter accepts."""
+
+  def __init__(self, path: str, bos: int | None, eos: int, pad: int):
+    from tokenizers import Tokenizer
+    self._tok = Tokenizer.from_file(path)
+    self._bos, self._eos, self._pad = bos, eos, pad
+
+  def encode(self, text: str, **_) -> list[int]:
+    return self._tok.encode(str(text), add_special_tokens=False).ids   # np.str_ from the learner
+
+  def decode(self, ids, **_) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def bos_id(self):
+    return self._bos
+
+  def eos_id(self):
+    return self._eos
+
+  def pad_id(self):
+    return self._pad
+
+
+def weights_checksum(leaves) -> list[float]:
+  import numpy as np
+  s = q = 0.0
+  for x in leaves:
+    x = np.asarray(x, np.float64)
+    s += float(x.sum())
+    q += float((x * x).sum())
+  return [s, q]
+
+
+def peak_memory_bytes():
+  import jax
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      return int(stats["peak_bytes_in_use"]), f"{dev.platform} peak_bytes_in_use"
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          "process peak RSS (ru_maxrss)")
+
+
+def side_summary(iters, spec, warmup):
+  """The same summary as vs_tunix.side_summary (kept in step with it)."""
+  med = lambda k: float(statistics.median(x[k] for x in iters))
+  n = spec["prompts_per_iteration"] * spec["group_size"]
+  return {
+      "completions_per_s": n / med("iteration_s"),
+      "rollout_tokens_per_s": float(statistics.median(x["generated_tokens"] / x["rollout_s"]
+                                                      for x in iters)),
+      "iteration_s_median": med("iteration_s"), "rollout_s": med("rollout_s"),
+      "scoring_s": med("scoring_s"), "train_step_s": med("train_step_s"),
+      "weight_sync_s": med("weight_sync_s"),
+      "other_s": med("iteration_s") - med("rollout_s") - med("scoring_s") - med("train_step_s")
+      - med("weight_sync_s"),
+      "iteration_s": [round(x["iteration_s"], 4) for x in iters],
+      "rollout_s_all": [round(x["rollout_s"], 4) for x in iters],
+      "train_step_s_all": [round(x["train_step_s"], 4) for x in iters],
+      "warmup_iteration_s": [round(x["iteration_s"], 3) for x in warmup],
+      "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
+      "completions_per_iteration": [x["completions"] for x in iters],
+  }
+
+
+def run(spec: dict) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+  from tunix.models.llama3 import model as llama_lib
+  from tunix.models.llama3 import params as llama_params
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+  from tunix.utils import mesh as tunix_mesh
+
+  t_setup = time.perf_counter()
+  m = spec["model"]
+  dtype = jnp.dtype(spec["dtype"])
+  B, G = spec["prompts_per_iteration"], spec["group_size"]
+  N, P = spec["max_new_tokens"], spec["max_prompt_length"]
+  total = spec["warmup"] + spec["iterations"]
+  mesh = tunix_mesh.create_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1])
+  config = llama_lib.ModelConfig(
+      num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
+      hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
+      num_kv_heads=m["num_kv_heads"], rope_theta=int(m["rope_theta"]),
+      norm_eps=m["rms_norm_eps"], weight_tying=m["tie_word_embeddings"])
+  with mesh:
+    model = llama_params.create_model_from_safe_tensors(spec["weights_dir"], config, mesh,
+                                                        dtype=dtype)
+  checksum = weights_checksum(jax.tree.leaves(nnx.state(model, nnx.Param)))
+  # pad: an id the model cannot produce (tunix masks every token equal to it, generated ones too).
+  tokenizer = SharedTokenizer(spec["tokenizer_json"], spec["bos_id"], spec["eos_id"],
+                              pad=spec["never_id"])
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(spec["learning_rate"], b1=0.9, b2=0.95, eps=1e-8,
+                               weight_decay=0.0))
+  cluster_config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                    rl_cluster_lib.Role.ROLLOUT: mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=total,
+          mini_batch_size=B, train_micro_batch_size=B, rollout_micro_batch_size=B,
+          compute_logps_micro_batch_size=B, pbar_description=None),
+      rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=N, max_prompt_length=P, kv_cache_size=P + N,
+          temperature=spec["temperature"], top_p=1.0, top_k=None,
+          eos_tokens=[spec["never_id"]], seed=int(spec["seed"])))
+  cluster = rl_cluster_lib.RLCluster(actor=model, reference=None, tokenizer=tokenizer,
+                                     cluster_config=cluster_config)
+  algo = grpo_learner.GRPOConfig(num_generations=G, num_iterations=1, beta=0.0, epsilon=0.2,
+                                 loss_agg_mode="token-mean")
+  try:
+    algo.epsilon_high = 0.28
+    eps_high = 0.28
+  except AttributeError:   # a slots dataclass without the field: the loss uses epsilon for both
+    eps_high = None
+  learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[reward_fn])
+
+  # The sampler must tokenize the spec's prompt text to the spec's ids.
+  sampler = cluster.rollout._sampler   # pylint: disable=protected-access
+  for p in spec["prompts"]:
+    got = [int(i) for i in sampler.tokenize(p["text"])]
+    if got != p["ids"]:
+      raise RuntimeError(f"tunix tokenizes prompt {p['id']} to {len(got)} ids, the spec has "
+                         f"{len(p['ids'])}: {got[:12]} vs {p['ids'][:12]}")
+  setup_s = time.perf_counter() - t_setup
+
+  ev = {"generate": [], "tokens": [], "completions": [], "rewards": [], "update": [],
+        "sync": [], "iter_end": []}
+
+  def timed(obj, name, key, after=None):
+    fn = getattr(obj, name)
+
+    def run_timed(*a, **kw):
+      t = time.perf_counter()
+      out = fn(*a, **kw)
+      if after is not None:
+        after(out)
+      ev[key].append((t, time.perf_counter()))
+      return out
+    setattr(obj, name, run_timed)
+
+  def count(out):
+    ev["tokens"].append(int(sum(len(t) for t in out.tokens)))
+    ev["completions"].append(len(out.tokens))
+
+  def wait_for_weights(_):
+    jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
+    ev["iter_end"].append(time.perf_counter())
+
+  timed(cluster, "generate", "generate", count)
+  timed(learner, "_compute_rewards", "rewards")
+  timed(cluster, "update_actor", "update", wait_for_weights)
+  timed(cluster, "sync_weights", "sync")
+
+  # Arrays, as tunix's data pipelines give them (the learner repeats each leaf G times along
+  # axis 0; a Python list would be a pytree of single strings).
+  dataset = [{"prompts": np.array([p["text"] for p in spec["prompts"][i * B:(i + 1) * B]]),
+              "answer": np.array([p["answer"] for p in spec["prompts"][i * B:(i + 1) * B]])}
+             for i in range(total)]
+  t0 = time.perf_counter()
+  with mesh:
+    learner.train(dataset)
+  if len(ev["iter_end"]) != total:
+    raise RuntimeError(f"tunix ran {len(ev['iter_end'])} of {total} iterations")
+
+  iters = []
+  starts = [t0] + ev["iter_end"][:-1]
+  for i in range(total):
+    s, e = starts[i], ev["iter_end"][i]
+    within = lambda key: sum(b - a for a, b in ev[key] if s <= a < e)
+    iters.append({"iteration_s": e - s, "rollout_s": within("generate"),
+                  "scoring_s": within("rewards"), "train_step_s": within("update"),
+                  "weight_sync_s": within("sync"),
+                  "generated_tokens": ev["tokens"][i], "completions": ev["completions"][i]})
+  mem, mem_kind = peak_memory_bytes()
+  out = side_summary(iters[spec["warmup"]:], spec, iters[:spec["warmup"]])
+  out.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind, setup_s=setup_s,
+             weights_checksum=checksum, optimizer_steps=int(cluster.actor_trainer.train_steps),
+             epsilon_high=eps_high,
+             device=f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
+             versions={n: _version(n) for n in ("google-tunix", "jax", "jaxlib", "flax",
+                                                "optax")})
+  return out
+
+
+def _version(name):
+  try:
+    return md.version(name)
+  except md.PackageNotFoundError:
+    return None
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--spec", required=True)
+  args = ap.parse_args()
+  with open(args.spec) as f:
+    spec = json.load(f)
+  if spec["platform"] == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  print(json.dumps(run(spec)), flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
