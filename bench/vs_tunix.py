@@ -39,9 +39,9 @@ The workload, the same for both sides (written once to a temporary directory tha
   decay, clip 1.0), `--learning_rate`, clip eps 0.2 / 0.28, token-mean loss, no KL and no
   reference model, entropy computed (both do), the sampler's log-probs as pi_old (tunix:
   num_iterations=1, so its pi_old is the stop-gradient of pi_theta; no extra forward on either).
-- layout: one device for everything ("colocated"): ours, one generator whose device slice is the
-  trainer's device (`make_rollouts`); tunix, one mesh for actor and rollout (its rollout shares
-  the actor's model, no weight sync).
+- layout: one device for everything ("colocated"): ours, Rollouts(colocated=True) in sync mode,
+  one generator on the trainer's device taking turns with it (`make_rollouts`); tunix, one mesh
+  for actor and rollout (its rollout shares the actor's model, no weight sync).
 - `--warmup` untimed iterations (compilation), then `--iterations` timed ones, in one run of
   each framework's own loop (ours: train.rl_loop.train over Rollouts in sync mode; tunix:
   GRPOLearner.train), timed from hooks on the loop's parts.
@@ -54,7 +54,8 @@ Figures (per side; each the median over the timed iterations of all rounds):
   detokenizes);
 - scoring_s; train_step_s (ours: Trainer.step, the jitted step with its input sharding and
   metrics fetch; tunix: RLCluster.update_actor, waited for); weight_sync_s (ours:
-  Rollouts.push; tunix: sync_weights, not called when actor and rollout share a model);
+  Rollouts.push, which colocated only notes the params: the next rollout reloads them, in its
+  time; tunix: sync_weights, not called when actor and rollout share a model);
 - peak_memory_bytes: the side's process (CPU: ru_maxrss; GPU: the device's peak_bytes_in_use).
 Ratios: speedup_vs_tunix (whole iteration), rollout_speedup_vs_tunix,
 train_step_speedup_vs_tunix (tunix seconds / ours) and memory_ratio (ours / tunix).
@@ -218,8 +219,10 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, tasks,
                   grpo, system_prompt, seed):
-  """Our colocated layout: ONE generator whose device slice is the trainer's own devices, in sync
-  mode. (The one place to switch to Rollouts' `colocated=True` once it exists.) The generator is
+  """Our colocated layout (Rollouts colocated=True, the run config's devices.colocated): ONE
+  generator on the trainer's own devices, taking turns with the trainer (sync: it generates the
+  batch in the trainer's thread, then frees its weights copy and KV cache for the train step, and
+  the next iteration reloads the newest params where they are). The generator is
   built as launch/train.py builds it (pipeline.build.make_generators with the run config's
   engine defaults, slots for the whole batch, max_prefill_length = the workload's prompt
   length), then every program it can run is compiled (Engine.precompile), so no timed
@@ -241,7 +244,7 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
       max_concurrent_decodes=e.max_concurrent_decodes, max_prefill_length=e.max_prefill_length,
       max_decode_length=sampling.max_new_tokens, seed=seed,
       recompute_kv_on_update=e.recompute_kv_on_update, tune=e.tune,
-      attention_windows=e.attention_windows, background_prefill=e.background_prefill,
+      attention_windows=e.attention_windows, background_prefill=False,   # stepped in turn
       loop_prefill_below=e.loop_prefill_below,
       shared_prefix=shared, overlap_host=e.overlap_host)
   for g in gens:   # only the prefill buckets this workload's prompts take (whole, or their rest)
@@ -251,7 +254,7 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
     g.engine.precompile(g.params, buckets, tune=False, existing_prefix=g.shared_prefix_cache())
   return Rollouts(generators=gens, pool=pool, tokenizer=tokenizer, prompts=iter(tasks),
                   grpo_cfg=grpo, cfg=PipelineConfig(mode="sync", batch_timeout_s=1800),
-                  system_prompt=system_prompt, seed=seed)
+                  system_prompt=system_prompt, seed=seed, colocated=True)
 
 
 def reward_config(max_new_tokens: int):

@@ -77,6 +77,12 @@ def _apply_arg(c, arg):
     elif key == "colocated":   # one device: trainer and generator share it and take turns
       c.devices.update(trainer=1, colocated=True)
       c.pipeline.mode = "sync"
+      # One CPU device runs each step on about one core (the disaggregated layout's 8 simulated
+      # devices keep both busy), so the cold start and the RL run are shortened to fit 15
+      # minutes on 2 cores: 500 SFT steps leave held-out pass@1 ~0.26 (800: ~0.52), and 140
+      # batches take it to ~0.54 (BENCHMARKS.md "One device, colocated"). Later arguments
+      # (sft_steps=, batches=) still override these.
+      c.sft.num_steps, c.num_batches = 500, 140
     elif key == "batches":
       c.num_batches = int(value)
     elif key == "slip":   # fraction of cold-start traces with one arithmetic slip
