@@ -36,11 +36,12 @@ def _train(workdir, *extra):
 def test_one_device_colocated_run_learns_and_resumes(tmp_path):
   first = _train(tmp_path, f"--config.stop_after_batches={STOP_AT}")
   assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-  assert "colocated on the trainer's 1 device(s), taking turns" in first.stdout
-  assert f"stopping after {STOP_AT} batches" in first.stdout
+  log = first.stdout + first.stderr
+  assert "colocated on the trainer's 1 device(s), taking turns" in log
+  assert f"stopping after {STOP_AT} batches" in log
   second = _train(tmp_path)
   assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-  assert f"resumed from checkpoint {STOP_AT}" in second.stdout
+  assert f"resumed from checkpoint {STOP_AT}" in second.stdout + second.stderr
   assert "held-out pass@1" in second.stdout
 
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
