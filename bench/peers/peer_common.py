@@ -1,0 +1,60 @@
+"""What both sides of bench/vs_tunix.py compute alike: the reward tie-breaker, the weights
+checksum, peak memory and a side's summary. Imported by bench/vs_tunix.py (our venv) and by
+bench/peers/tunix_side.py (the peer's venv), so it imports nothing of either framework: only the
+standard library, and numpy / jax (both venvs have them) inside the functions that need them."""
+from __future__ import annotations
+
+import resource
+import statistics
+import zlib
+
+
+def jitter(text: str) -> float:
+  """The deterministic tie-breaker both sides add to each reward (see bench/vs_tunix.py)."""
+  return (zlib.crc32(text.encode("utf-8")) % 1000) / 1e5
+
+
+def weights_checksum(leaves) -> list[float]:
+  """[sum, sum of squares] over every weight, in float64: equal on both sides when they hold the
+  same numbers, whatever their layouts."""
+  import numpy as np
+  s = q = 0.0
+  for x in leaves:
+    x = np.asarray(x, np.float64)
+    s += float(x.sum())
+    q += float((x * x).sum())
+  return [s, q]
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+  """The process's peak memory: the accelerator's peak_bytes_in_use, else the peak RSS."""
+  import jax
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+      return int(stats["peak_bytes_in_use"]), f"{dev.platform} peak_bytes_in_use"
+  return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          "process peak RSS (ru_maxrss)")
+
+
+def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
+  """A side's figures from its per-iteration records (the same code for both sides)."""
+  med = lambda k: float(statistics.median(x[k] for x in iters))
+  n = spec["prompts_per_iteration"] * spec["group_size"]
+  return {
+      "completions_per_s": n / med("iteration_s"),
+      "rollout_tokens_per_s": float(statistics.median(x["generated_tokens"] / x["rollout_s"]
+                                                      for x in iters)),
+      "iteration_s_median": med("iteration_s"), "rollout_s": med("rollout_s"),
+      "scoring_s": med("scoring_s"), "train_step_s": med("train_step_s"),
+      "weight_sync_s": med("weight_sync_s"),
+      "other_s": med("iteration_s") - med("rollout_s") - med("scoring_s") - med("train_step_s")
+      - med("weight_sync_s"),
+      "iteration_s": [round(x["iteration_s"], 4) for x in iters],
+      "rollout_s_all": [round(x["rollout_s"], 4) for x in iters],
+      "train_step_s_all": [round(x["train_step_s"], 4) for x in iters],
+      "warmup_iteration_s": [round(x["iteration_s"], 3) for x in warmup],
+      "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
+      "completions_per_iteration": [x["completions"] for x in iters],
+  }
