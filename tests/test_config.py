@@ -78,6 +78,7 @@ def test_tuple_and_optional_fields_are_overridable_from_the_command_line():
           "--config.rl.dual_clip_c=3.0",
           "--config.reward.languages=('en', 'fr')",
           "--config.sharding.generator_rules=(('embed', None), ('heads', 'tensor'))",
+          "--config.sharding.trainer_rules=(('embed', 'fsdp'), ('act_batch', ('data', 'fsdp')))",
           "--config.stages=({'name': 'a', 'num_batches': 2, 'overrides': {'rl.n_batch': 32}},)"]
   c = _flags(argv)
   assert c.devices.generators == (1,)
@@ -85,6 +86,7 @@ def test_tuple_and_optional_fields_are_overridable_from_the_command_line():
   assert run.rl.dual_clip_c == 3.0
   assert run.reward.languages == ("en", "fr")
   assert run.sharding.generator_rules == (("embed", None), ("heads", "tensor"))
+  assert run.sharding.trainer_rules == (("embed", "fsdp"), ("act_batch", ("data", "fsdp")))
   assert config_lib.apply_overrides(c, c.stages[0]["overrides"]).rl.n_batch == 32
   with pytest.raises(ValueError, match="has 5"):
     config_lib.validate(_flags(argv[:2] + ["--config.devices.generators=(2, 2)"]), 5)
