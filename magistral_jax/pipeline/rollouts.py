@@ -65,8 +65,8 @@ import jax
 import numpy as np
 
 from magistral_jax.generate.loop import GeneratorLoop
-from magistral_jax.parallel.memory import bytes_in_use
 from magistral_jax.generate.requests import Request, Sample
+from magistral_jax.parallel.memory import bytes_in_use
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
@@ -470,9 +470,8 @@ class Rollouts:
           raise PipelineError("colocated generation phase: the generators released their "
                               "weights and no push has brought new ones (call push(params, "
                               "version) after each training phase)")
-        g.reload(*self._latest)
+        g.reload(*self._latest)   # waits for the load: its finiteness check reads every weight
     self._latest = None
-    jax.block_until_ready([g.params for g in self.generators])
     self._phase_metrics["weight_reload_s"] = time.time() - t
 
   def _end_generation_phase(self):

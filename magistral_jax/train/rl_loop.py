@@ -43,6 +43,9 @@ class Trainer:
   version: int = 0
   opt_steps: int = 0
   batches: int = 0
+  # The compiled step's temporaries per minibatch shape (parallel.memory.compiled_temp_bytes):
+  # looked up once per shape, not on every step.
+  _temp_bytes: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def step(self, minibatch: Minibatch) -> dict:
     """One optimizer step on one minibatch; returns its metrics (on the host), with the step's
@@ -57,7 +60,10 @@ class Trainer:
     self.opt_steps += 1
     self.version += 1
     out = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
-    temp = compiled_temp_bytes(self.step_fn, self.state, batch)
+    shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
+    if shape not in self._temp_bytes:
+      self._temp_bytes[shape] = compiled_temp_bytes(self.step_fn, self.state, batch)
+    temp = self._temp_bytes[shape]
     if temp is not None:
       out["memory/train_peak_bytes"] = float(start + temp)
     peak = backend_peak_bytes(devices)
