@@ -11,6 +11,10 @@ Variants: configs/tiny.py:adv_norm=group, :mode=sync, :eps_high=0.2, :n_mini_per
 device and take turns (generation phase, then training; pipeline/rollouts.py), for
 `XLA_FLAGS=--xla_force_host_platform_device_count=1` or one GPU. `:colocated,mode=async` keeps
 generating one batch ahead with the previous weights while a batch trains.
+
+`configs/tiny.py:multihost` is the many-host layout rehearsed as 3 local processes of 2 devices:
+`python launch/local_cluster.py --num_processes=3 --devices_per_process=2 -- launch/train.py
+--config=configs/tiny.py:multihost --workdir=W` (parallel/multihost.py).
 """
 from magistral_jax.config import default_config
 
@@ -83,6 +87,10 @@ def _apply_arg(c, arg):
       # batches take it to ~0.54 (BENCHMARKS.md "One device, colocated"). Later arguments
       # (sft_steps=, batches=) still override these.
       c.sft.num_steps, c.num_batches = 500, 140
+    elif key == "multihost":   # 3 processes x 2 devices: launch/local_cluster.py
+      # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2 (2-way
+      # tensor parallel). One generator instead of two: BENCHMARKS.md "Many hosts".
+      c.devices.update(trainer_processes=2)
     elif key == "batches":
       c.num_batches = int(value)
     elif key == "slip":   # fraction of cold-start traces with one arithmetic slip

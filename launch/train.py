@@ -6,8 +6,11 @@ scored groups from the Rollouts -> minibatches -> optimizer steps -> weight push
 generators), checkpoints, and a final evaluation. Any config field can be overridden: `--config.rl.eps_high=0.3`. A run resumes from the
 latest checkpoint in --workdir automatically.
 
-Multi-host (TPU pods, GPU clusters): add `--distributed` to call `jax.distributed.initialize()`
-first; see README.md ("Launching on TPU VMs and GPU hosts").
+Many hosts (TPU pods, GPU clusters): one process per host, all with `--distributed` and a config
+that gives them roles (`devices.trainer_processes`): the trainer processes train (SPMD) and the
+leader among them runs the pipeline; each other process serves one generator
+(`run_generator_process`). On one machine: `python launch/local_cluster.py --num_processes=3 --
+launch/train.py --config=configs/tiny.py:multihost --workdir=W`. See README.md ("Many hosts").
 """
 from __future__ import annotations
 
@@ -35,16 +38,103 @@ def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, pa
   return res
 
 
+def stage_list(config) -> list[dict]:
+  return list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
+                                  "overrides": {}}]
+
+
+def stage_sampling(scfg, tok):
+  from magistral_jax.generate.sampling import SamplingConfig
+  return SamplingConfig(temperature=scfg.sampling.temperature, top_p=scfg.sampling.top_p,
+                        top_k=scfg.sampling.top_k, max_new_tokens=scfg.sampling.max_new_tokens,
+                        eos_id=tok.eos_id)
+
+
+def generator_options(scfg, tok, system_prompt, alternate: bool = False) -> dict:
+  """make_generators' keywords for a stage's config (on the leader and generator processes)."""
+  from magistral_jax.pipeline.build import shared_prefix_for
+  return dict(mesh_shape=dict(scfg.devices.generator_mesh),
+              max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
+              max_prefill_length=scfg.engine.max_prefill_length,
+              max_decode_length=scfg.sampling.max_new_tokens,
+              recompute_kv_on_update=scfg.engine.recompute_kv_on_update,
+              tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
+              background_prefill=scfg.engine.background_prefill and not alternate,
+              loop_prefill_below=scfg.engine.loop_prefill_below,
+              shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt),
+              overlap_host=scfg.engine.overlap_host)
+
+
+def eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix):
+  """params -> a GeneratorLoop with the evaluation's sampling, on `devices`."""
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.parallel import make_mesh
+  sampling = SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
+                            greedy=config.eval.greedy, max_new_tokens=config.eval.max_new_tokens,
+                            eos_id=tok.eos_id)
+  engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), devices), rules,
+                  max_concurrent_decodes=config.engine.max_concurrent_decodes,
+                  max_prefill_length=config.engine.max_prefill_length,
+                  max_decode_length=config.eval.max_new_tokens, sampling=sampling,
+                  attention_windows=config.engine.attention_windows)
+  return lambda params: GeneratorLoop(engine, params, seed=config.seed,
+                                      background_prefill=config.engine.background_prefill,
+                                      loop_prefill_below=config.engine.loop_prefill_below,
+                                      shared_prefix=shared_prefix)
+
+
+def make_pool(config, run):
+  from magistral_jax.verify import VerifierPool
+  return VerifierPool(config.verifier.num_workers, run.reward,
+                      task_timeout_s=config.verifier.task_timeout_s,
+                      max_tasks_per_worker=config.verifier.max_tasks_per_worker)
+
+
+def run_generator_process(config, run, layout, tok, model_cfg, system_prompt, shared_prefix):
+  """A generator process of a many-host run: one generator on this process's devices, driven
+  by the trainer leader (pipeline.remote.serve_generator), scoring evaluations with its own
+  verifier pool. Its weights only ever come from the trainer, by device-to-device transfer."""
+  from magistral_jax import config as config_lib
+  from magistral_jax.parallel import make_mesh
+  from magistral_jax.parallel.multihost import Mailbox
+  from magistral_jax.pipeline.build import make_generators
+  from magistral_jax.pipeline.remote import serve_generator, weight_transfer
+  rules = run.sharding.generator_rules
+  devices = layout.generator_devices()[layout.generator_index]
+  mesh = make_mesh(dict(config.devices.generator_mesh), devices)
+  transfer = weight_transfer(model_cfg, mesh, rules, layout.trainer_devices())
+  stages = stage_list(config)
+  eval_loop = eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix)
+  pool = make_pool(config, run)
+
+  def make_loop(si, params, version):
+    scfg = config_lib.apply_overrides(config, dict(stages[si].get("overrides", {})))
+    [loop] = make_generators(model_cfg, params, [devices], stage_sampling(scfg, tok),
+                             version=version, seed=config.seed + si, rules=rules,
+                             **generator_options(scfg, tok, system_prompt))
+    return loop
+
+  def make_eval(tag, params, problems):
+    return run_eval(eval_loop, pool, tok, problems, config, system_prompt, params, tag)
+
+  log.info("process %d: %s on %d device(s)", layout.process_id, layout.role, len(devices))
+  try:
+    serve_generator(layout, Mailbox("run"), make_loop=make_loop, make_eval=make_eval,
+                    transfer=transfer)
+  finally:
+    pool.close()
+
+
 def main(argv):
   del argv
   config = cli.start_run()
   import jax
   from magistral_jax import config as config_lib
-  from magistral_jax.generate.loop import GeneratorLoop
-  from magistral_jax.generate.engine import Engine
-  from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.parallel import make_mesh
   from magistral_jax.data.prompts import heldout_problems, train_prompts
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.parallel import make_mesh, multihost
   from magistral_jax.pipeline import Rollouts
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, make_generators,
                                             sft_optimizer_config, sft_warm_start,
@@ -55,34 +145,49 @@ def main(argv):
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
-  from magistral_jax.verify import VerifierPool
 
   t_start = time.time()
-  run = config_lib.validate(config, jax.device_count())   # every config error, before any work
+  layout = multihost.process_layout(config)   # None: one process
+  # every config error, before any work
+  run = config_lib.validate(config, None if layout else jax.device_count())
   trainer_rules, generator_rules = run.sharding.trainer_rules, run.sharding.generator_rules
+  leader = layout is None or layout.is_leader   # writes the run's files, runs the pipeline
   workdir = cli.workdir()
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json(indent=1))
-  writer = MetricsWriter(workdir)
-  tok, model_cfg, init_params = build_tokenizer_and_model(config)
+  if leader:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=1))
+  tok, model_cfg, init_params = build_tokenizer_and_model(
+      config, load_weights=layout is None or layout.is_trainer)
   system_prompt = system_prompt_for(config.system_prompt)
   shared_prefix = shared_prefix_for(config.engine, tok, system_prompt)
+  if layout is not None and not layout.is_trainer:
+    return run_generator_process(config, run, layout, tok, model_cfg, system_prompt,
+                                 shared_prefix)
+  writer = MetricsWriter(workdir) if leader else None
   log.info("shared prompt prefix: %s", f"{len(shared_prefix)} tokens, prefilled once per weights "
            "version" if shared_prefix else "off")
   colocated = bool(config.devices.get("colocated", False))
-  tdev, gdevs = run_devices(config)
+  if layout is None:
+    tdev, gdevs = run_devices(config)
+  else:
+    tdev, gdevs = layout.trainer_devices(), layout.generator_devices()
   tmesh = make_mesh(dict(config.devices.trainer_mesh), tdev)
   log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
            dict(tmesh.shape), f"colocated on the trainer's {len(tdev)} device(s), "
            f"{'taking turns' if config.pipeline.mode == 'sync' else 'one batch ahead'}"
            if colocated else [len(g) for g in gdevs])
+  if layout is not None:
+    log.info("process %d of %d: %s | trainer processes %s | generator processes %s",
+             layout.process_id, layout.num_processes, layout.role, layout.trainer_processes,
+             layout.generator_processes)
   rl_tx = make_optimizer(run.optimizer)
   state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh, trainer_rules,
                      params=init_params)
   ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                          keep_every=config.checkpoint.keep_every,
-                         async_save=config.checkpoint.async_save)
+                         async_save=config.checkpoint.async_save,
+                         processes=layout and layout.trainer_processes)
   restored = ckpt.restore_latest(abstract_like(state))
   meta = {"stage": 0, "batch_in_stage": 0, "batches": 0, "version": 0, "opt_steps": 0,
           "data": {"consumed": 0}, "rng": None}
@@ -99,24 +204,27 @@ def main(argv):
     meta["wall_time_s"] = elapsed()
     ckpt.save(step, train_state, dict(meta), force=force)
 
-  pool = VerifierPool(config.verifier.num_workers, run.reward,
-                      task_timeout_s=config.verifier.task_timeout_s,
-                      max_tasks_per_worker=config.verifier.max_tasks_per_worker)
-  eval_sampling = SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
-                                 greedy=config.eval.greedy,
-                                 max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
-  eval_engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), gdevs[0]),
-                       generator_rules, max_concurrent_decodes=config.engine.max_concurrent_decodes,
-                       max_prefill_length=config.engine.max_prefill_length,
-                       max_decode_length=config.eval.max_new_tokens, sampling=eval_sampling,
-                       attention_windows=config.engine.attention_windows)
-  eval_loop = lambda params: GeneratorLoop(eval_engine, params, seed=config.seed,
-                                           background_prefill=config.engine.background_prefill,
-                                           loop_prefill_below=config.engine.loop_prefill_below,
-                                           shared_prefix=shared_prefix)
-  heldout = heldout_problems(config, workdir)
+  # Many processes: the generator processes get weights (stage starts, pushes, evaluations) by
+  # device-to-device transfers that every trainer process takes part in, one per generator.
+  mailbox = transfers = None
+  if layout is not None:
+    from magistral_jax.pipeline.remote import RemoteGenerator, remote_eval, weight_transfer
+    mailbox = multihost.Mailbox("run")
+    transfers = [weight_transfer(model_cfg, make_mesh(dict(config.devices.generator_mesh), g),
+                                 generator_rules, tdev) for g in gdevs]
+  pool = make_pool(config, run) if leader else None
+  eval_loop = (eval_loop_factory(config, model_cfg, gdevs[0], generator_rules, tok, shared_prefix)
+               if layout is None else None)
+  heldout = heldout_problems(config, workdir) if leader else []
   summary_path = os.path.join(workdir, "summary.json")
-  summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+  summary = json.load(open(summary_path)) if leader and os.path.exists(summary_path) else {}
+
+  def evaluate(params, tag):
+    """Held-out pass@1 etc. of `params` (None on trainer processes other than the leader)."""
+    if layout is None:
+      return run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
+                      jax.device_get(params), tag)
+    return remote_eval(layout, mailbox, transfers[0], params, tag, heldout)
 
   try:
     if restored is None:
@@ -136,15 +244,14 @@ def main(argv):
         state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh,
                            trainer_rules, params=sft_state.params)
         del sft_state
-      res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
-                     jax.device_get(state.params), "before")
-      summary.update(heldout_accuracy_before=res["pass@1"],
-                     format_rate_before=res["format_rate"])
-      json.dump(summary, open(summary_path, "w"), indent=1)
+      res = evaluate(state.params, "before")
+      if leader:
+        summary.update(heldout_accuracy_before=res["pass@1"],
+                       format_rate_before=res["format_rate"])
+        json.dump(summary, open(summary_path, "w"), indent=1)
       save_checkpoint(0, state, force=True)
 
-    stages = list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
-                                      "overrides": {}}]
+    stages = stage_list(config)
     total_batches = sum(s.get("num_batches", config.num_batches) for s in stages)
     progress = Progress(total_batches, meta["batches"])
     stop_at = int(config.get("stop_after_batches", 0))
@@ -161,9 +268,7 @@ def main(argv):
       log.info("stage %d/%d %r: %d batches, n_batch=%d n_mini=%d G=%d l_max=%d", si + 1,
                len(stages), stage.get("name", si), n_batches, srun.rl.n_batch, srun.rl.n_mini,
                srun.rl.group_size, srun.reward.l_max)
-      sampling = SamplingConfig(temperature=scfg.sampling.temperature, top_p=scfg.sampling.top_p,
-                                top_k=scfg.sampling.top_k,
-                                max_new_tokens=scfg.sampling.max_new_tokens, eos_id=tok.eos_id)
+      sampling = stage_sampling(scfg, tok)
       step_fn = make_grpo_step(model_cfg, srun.rl, rl_tx, tmesh, trainer_rules,
                                temperature=sampling.temperature,
                                lr_schedule=learning_rate_schedule(srun.optimizer))
@@ -171,31 +276,54 @@ def main(argv):
       # host round trip) and is stepped in this thread between train phases (no background
       # prefill thread) when the two take turns.
       alternate = colocated and scfg.pipeline.mode == "sync"
-      gens = make_generators(
-          model_cfg, state.params if colocated else jax.device_get(state.params), gdevs,
-          sampling,
-          mesh_shape=dict(scfg.devices.generator_mesh),
-          max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
-          max_prefill_length=scfg.engine.max_prefill_length,
-          max_decode_length=sampling.max_new_tokens, version=meta["version"],
-          recompute_kv_on_update=scfg.engine.recompute_kv_on_update, seed=config.seed + si,
-          tune=scfg.engine.tune, attention_windows=scfg.engine.attention_windows,
-          background_prefill=scfg.engine.background_prefill and not alternate,
-          loop_prefill_below=scfg.engine.loop_prefill_below,
-          shared_prefix=shared_prefix_for(scfg.engine, tok, system_prompt),
-          overlap_host=scfg.engine.overlap_host, rules=generator_rules)
-      prompts = train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
-      rollouts = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=prompts,
-                          grpo_cfg=srun.rl, cfg=srun.pipeline, system_prompt=system_prompt,
-                          seed=config.seed + si, colocated=colocated)
+      options = generator_options(scfg, tok, system_prompt, alternate)
+      if layout is None:
+        gens = make_generators(
+            model_cfg, state.params if colocated else jax.device_get(state.params), gdevs,
+            sampling, version=meta["version"], seed=config.seed + si, rules=generator_rules,
+            **options)
+      else:   # the generator processes start the stage on the trainer's weights
+        gens = []
+        if leader:
+          for g, devs in enumerate(gdevs):
+            engine = Engine(model_cfg, make_mesh(options["mesh_shape"], devs), generator_rules,
+                            max_concurrent_decodes=options["max_concurrent_decodes"],
+                            max_prefill_length=options["max_prefill_length"],
+                            max_decode_length=options["max_decode_length"], sampling=sampling)
+            gens.append(RemoteGenerator(mailbox, g, layout.generator_processes[g], engine,
+                                        transfers[g]).start())
+            gens[-1].send(("stage", si, meta["version"]))
+        for transfer in transfers:
+          transfer.send(state.params)
+        for g, transfer in zip(gens, transfers):
+          g.wait_for(("stage", si), f"the start of stage {si}")
+        for transfer in transfers:
+          transfer.done()
       trainer = Trainer(step_fn, state, tmesh, trainer_rules, version=meta["version"],
                         opt_steps=meta["opt_steps"], batches=meta["batches"])
+      rollouts_kw = dict(generators=gens, pool=pool, tokenizer=tok, grpo_cfg=srun.rl,
+                         cfg=srun.pipeline, system_prompt=system_prompt, seed=config.seed + si)
+      prompts = (train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
+                 if leader else None)
+      if layout is None:
+        rollouts = Rollouts(prompts=prompts, colocated=colocated, **rollouts_kw)
+      elif leader:
+        from magistral_jax.pipeline.remote import LeaderRollouts
+        rollouts = LeaderRollouts(mailbox=mailbox, followers=len(layout.trainer_processes) - 1,
+                                  stage=si, prompts=prompts, **rollouts_kw)
+      else:
+        from magistral_jax.pipeline.remote import FollowerRollouts
+        rollouts = FollowerRollouts(mailbox=mailbox, follower=layout.process_id - 1, stage=si,
+                                    transfers=transfers, tokenizer=tok,
+                                    batch_timeout_s=srun.pipeline.batch_timeout_s)
 
       def on_batch(trainer, m, si=si):
         meta.update(stage=si, batch_in_stage=meta["batch_in_stage"] + 1,
                     batches=trainer.batches, version=trainer.version,
-                    opt_steps=trainer.opt_steps, data=prompts.state())
-        log.info(progress.line(meta["batches"], m))
+                    opt_steps=trainer.opt_steps,
+                    data=prompts.state() if prompts is not None else meta["data"])
+        if leader:
+          log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
           save_checkpoint(trainer.opt_steps, trainer.state)
 
@@ -218,8 +346,9 @@ def main(argv):
                "batch %d of it; relaunch on this workdir to resume", meta["batches"], stop_at,
                meta["opt_steps"], meta["stage"] + 1, meta["batch_in_stage"])
       return
-    res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
-                   jax.device_get(state.params), "after")
+    res = evaluate(state.params, "after")
+    if not leader:
+      return
     summary.update(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],
                    response_length_mean_after=res["response_length_mean"],
                    batches=meta["batches"], optimizer_steps=meta["opt_steps"],
@@ -234,9 +363,17 @@ def main(argv):
           + f" | format rate {summary['format_rate']:.3f} | wall time {summary['wall_time_s']:.0f}s"
           f" | {summary_path}", flush=True)
   finally:
+    if layout is not None and leader:   # the generator processes end with the leader
+      for g in range(len(layout.generator_processes)):
+        try:
+          mailbox.send(f"gen{g}/in", ("exit",))
+        except Exception as e:
+          log.warning("could not stop generator %d: %s", g, e)
     ckpt.close()
-    pool.close()
-    writer.close()
+    if pool is not None:
+      pool.close()
+    if writer is not None:
+      writer.close()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from ml_collections import config_flags  # noqa: E402
 
 CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Run configuration file.")
 WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Checkpoints, metrics and summary.json.")
-DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
+DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "One of many processes: jax.distributed.initialize() first, from the "
+    "MAGISTRAL_* variables launch/local_cluster.py sets, else JAX's cluster auto-detection.")
 
 
 def workdir() -> str:
@@ -34,7 +36,7 @@ def start_run():
                       format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  if DISTRIBUTED.value:
-    import jax
-    jax.distributed.initialize()
+  if DISTRIBUTED.value:   # one process per host: see parallel/multihost.py
+    from magistral_jax.parallel import multihost
+    multihost.initialize()
   return CONFIG.value

@@ -122,8 +122,12 @@ def default_config() -> mlc.ConfigDict:
   # disaggregated layout). colocated=True: one generator on the trainer's own devices
   # (`generators` unused), generation and training taking turns (pipeline.mode sync) or
   # generating one batch ahead while a batch trains (async); pipeline/rollouts.py.
+  # trainer_processes > 0: a run of many JAX processes (one per host, parallel/multihost.py):
+  # processes 0..trainer_processes-1 train on all their devices, every other process serves one
+  # generator on its own devices (`trainer` and `generators` unused).
   c.devices = mlc.ConfigDict(dict(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
-                                  generator_mesh={"tensor": -1}, colocated=False))
+                                  generator_mesh={"tensor": -1}, colocated=False,
+                                  trainer_processes=0))
   # Logical axis -> mesh axes tables of the trainer and the generators (parallel/sharding.py).
   c.sharding = config_section(ShardingConfig)
   # ---- data ----

@@ -211,6 +211,7 @@ def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str
   """Cold-start SFT: `num_steps` steps of next-token loss on (problem, completion) pairs, the
   prompt built with the tokenizer's chat template and masked out of the loss."""
   from magistral_jax.train.sft import sft_collate
+  from magistral_jax.parallel.multihost import to_host
   from magistral_jax.train.step import shard_batch
   it = iter(examples)
   t0 = time.time()
@@ -230,7 +231,7 @@ def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str
     arrays, _ = sft_collate(pairs, row_len, rows_per_micro)
     state, metrics = sft_step(state, shard_batch(arrays, mesh))
     if (step + 1) % log_every == 0 or step + 1 == num_steps:
-      metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+      metrics = {k: float(v) for k, v in to_host(metrics).items()}
       rate = (step + 1) / (time.time() - t0)
       log.info("sft step %d/%d | %.2f steps/s | nll/token %.4f", step + 1, num_steps, rate,
                metrics.get("nll_per_token", float("nan")))

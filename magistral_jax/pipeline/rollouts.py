@@ -241,6 +241,9 @@ class Rollouts:
     t = time.time()
     cast = {}
     for g in self.generators:
+      if hasattr(g, "push"):   # a generator in another process (pipeline.remote)
+        g.push(params, version)
+        continue
       new = transfer_params(params, g.engine, cast)
       jax.block_until_ready(new)
       g.update_params(new, version)

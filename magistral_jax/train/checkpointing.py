@@ -20,13 +20,21 @@ log = logging.getLogger(__name__)
 
 class RunCheckpointer:
   def __init__(self, directory: str, *, keep: int = 3, keep_every: int = 0,
-               async_save: bool = True):
+               async_save: bool = True, processes: tuple[int, ...] | None = None):
+    """`processes`: in a run of many processes, the ones that hold the state (the trainer's);
+    they save and restore together, the first writing the metadata. None: every process."""
     if keep < 1:
       raise ValueError(f"checkpoint keep={keep}: keep at least the latest checkpoint")
     self.directory = os.path.abspath(directory)
+    if processes:   # orbax leaves the directory of a subset of processes to them
+      os.makedirs(self.directory, exist_ok=True)
+    multi = ocp.options.MultiprocessingOptions(
+        primary_host=processes[0], active_processes=set(processes),
+        barrier_sync_key_prefix="trainer") if processes else ocp.options.MultiprocessingOptions()
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=keep, keep_period=keep_every or None,
-        enable_async_checkpointing=async_save, create=True)
+        enable_async_checkpointing=async_save, create=not processes,
+        multiprocessing_options=multi)
     self.manager = ocp.CheckpointManager(self.directory, options=opts,
                                          item_names=("state", "meta"))
 

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from magistral_jax.parallel.memory import backend_peak_bytes, bytes_in_use, compiled_temp_bytes
+from magistral_jax.parallel.multihost import local_devices, to_host
 from magistral_jax.parallel.sharding import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
@@ -59,7 +60,7 @@ class Trainer:
     self.state, metrics = self.step_fn(self.state, batch)
     self.opt_steps += 1
     self.version += 1
-    out = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    out = {k: float(v) for k, v in to_host(metrics).items()}
     shape = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if shape not in self._temp_bytes:
       self._temp_bytes[shape] = compiled_temp_bytes(self.step_fn, self.state, batch)
@@ -72,9 +73,10 @@ class Trainer:
     return out
 
   def _devices(self) -> list:
+    """This process's trainer devices (with many processes, each reports its own)."""
     if self.mesh is not None:
-      return list(self.mesh.devices.flat)
-    return list(jax.tree.leaves(self.state.params)[0].sharding.device_set)
+      return local_devices(self.mesh.devices.flat)
+    return local_devices(jax.tree.leaves(self.state.params)[0].sharding.device_set)
 
 
 def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: int, *,

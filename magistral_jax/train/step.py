@@ -163,7 +163,11 @@ def shard_batch(batch: dict, mesh=None, rules=DEFAULT_RULES) -> dict:
     if v.shape[1] % dp:
       raise ValueError(f"batch[{k!r}] has {v.shape[1]} rows per microbatch, not a multiple of the "
                        f"trainer's data-parallel size {dp}: set GRPOConfig.microbatch_rows accordingly")
-  return jax.device_put(batch, sh)
+  if sh.is_fully_addressable:
+    return jax.device_put(batch, sh)
+  # Many processes: each puts only the rows of its own devices.
+  return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
+          for k, v in batch.items()}
 
 
 # ---- GRPO --------------------------------------------------------------------------------------
