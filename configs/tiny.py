@@ -66,8 +66,8 @@ def _apply_arg(c, arg):
   """`configs/tiny.py:adv_norm=group,mode=sync,eps_high=0.2,n_mini=8,batches=4`."""
   if not arg:
     return
-  items = arg.split(",")   # colocated first: a mode=... given with it wins
-  for item in sorted(items, key=lambda i: i != "colocated"):
+  items = arg.split(",")   # colocated/multihost first: a mode=... given with them wins
+  for item in sorted(items, key=lambda i: i not in ("colocated", "multihost")):
     key, _, value = item.partition("=")
     if key in ("adv_norm", "eps_high", "eps_low", "n_mini", "n_batch", "loss_agg", "group_size"):
       c.rl[key] = type(c.rl[key])(value)
@@ -89,8 +89,12 @@ def _apply_arg(c, arg):
       c.sft.num_steps, c.num_batches = 500, 140
     elif key == "multihost":   # 3 processes x 2 devices: launch/local_cluster.py
       # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2 (2-way
-      # tensor parallel). One generator instead of two: BENCHMARKS.md "Many hosts".
+      # tensor parallel). Three processes on 2 cores run a train step at about half the speed of
+      # one process (collectives between processes over gloo) with half the generators, so the
+      # cold start and the RL run are shortened, as for `colocated` (BENCHMARKS.md "Many
+      # hosts"). Later arguments (sft_steps=, batches=) still override these.
       c.devices.update(trainer_processes=2)
+      c.sft.num_steps, c.num_batches = 500, 120
     elif key == "batches":
       c.num_batches = int(value)
     elif key == "slip":   # fraction of cold-start traces with one arithmetic slip

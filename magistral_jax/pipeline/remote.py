@@ -186,12 +186,12 @@ class LeaderRollouts(Rollouts):
     return batch
 
   def close(self):
+    super().close()   # the feeder first: no request may follow the end of the stage
     for g in self.generators:
       try:
         g.send(("end",))
       except Exception as e:   # a dead service: the processes are going down anyway
         log.warning("could not end %s: %s", g.name, e)
-    super().close()
 
 
 class FollowerRollouts:
@@ -308,6 +308,8 @@ def serve_generator(layout, mailbox: Mailbox, *, make_loop, make_eval, transfer:
         continue
       kind = msg[0]
       if kind == "requests":
+        if loop is None:   # sent before the stage ended: nobody waits for them any more
+          continue
         for r in msg[1]:
           loop.submit(r)
       elif kind == "push":

@@ -87,7 +87,8 @@ def test_every_process_gets_its_own_id_and_port(tmp_path, monkeypatch):
   assert len(set(transfers)) == 3 and all(t.startswith("127.0.0.1:") for t in transfers)
   assert envs[0]["MAGISTRAL_COORDINATOR"] not in transfers
   for e in envs:
-    assert e["XLA_FLAGS"].split() == ["--xla_foo=1", f"{DEVICE_FLAG}=2"]
+    assert e["XLA_FLAGS"].split() == ["--xla_foo=1", f"{DEVICE_FLAG}=2",
+                                      *local_cluster.ONE_CPU_THREAD]
     assert e["PYTHONUNBUFFERED"] == "1"
   for i in range(3):
     assert seen[i]["argv"] == ["--x=1", "--distributed"]

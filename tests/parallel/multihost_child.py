@@ -1,0 +1,92 @@
+"""One process of the 3-process checks in test_multihost.py (started by launch/local_cluster.py:
+processes 0 and 1 are the trainer, 2 a generator; 2 CPU devices each).
+
+    transfer          two pushes of a model's params from the trainer's FSDP mesh (4 devices, 2
+                      processes) to the generator's tensor-parallel mesh (2 devices, process 2):
+                      the generator checks every value, dtype and shard against its own copy
+    generator_raises  the generator process fails while starting a stage: the trainer leader
+                      gets the error with its traceback
+"""
+import sys
+
+from magistral_jax.parallel import multihost
+
+multihost.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from magistral_jax.model import transformer as T  # noqa: E402
+from magistral_jax.model.config import ModelConfig  # noqa: E402
+from magistral_jax.parallel import make_mesh  # noqa: E402
+from magistral_jax.parallel.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings  # noqa: E402
+from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,  # noqa: E402
+                                           serve_generator, weight_transfer)
+from magistral_jax.pipeline.rollouts import PipelineError  # noqa: E402
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64, param_dtype="float32",
+                  dtype="bfloat16")   # serving dtype bf16: the push casts
+
+
+def host_params(version):
+  rng = np.random.default_rng(0)
+  return jax.tree.map(lambda s: version * rng.standard_normal(s.shape).astype(np.float32),
+                      T.param_shapes(CFG))
+
+
+def main(scenario):
+  layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
+  gmesh = make_mesh({"tensor": -1}, layout.generator_devices()[0])
+  transfer = weight_transfer(CFG, gmesh, GENERATOR_RULES, layout.trainer_devices())
+  mailbox = multihost.Mailbox("test")
+  if layout.is_trainer:
+    tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
+    shardings = param_shardings(T.param_logical_axes(CFG), tmesh, TRAINER_RULES,
+                                T.param_shapes(CFG))
+
+    def on_trainer(version):
+      return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
+                          host_params(version), shardings)
+
+    if scenario == "transfer":
+      for version in (1, 2):
+        if layout.is_leader:
+          mailbox.send(in_stream(0), ("push", version))
+        transfer.send(on_trainer(version))
+        if layout.is_leader:
+          assert mailbox.receive(out_stream(0), 120) == ("ack", version)
+        transfer.done()
+      print("OK: pushed", flush=True)
+    elif scenario == "generator_raises":
+      gen = RemoteGenerator(mailbox, 0, 2, None, transfer).start() if layout.is_leader else None
+      if gen is not None:
+        gen.send(("stage", 0, 0))
+      transfer.send(on_trainer(1))
+      if gen is not None:
+        try:
+          gen.wait_for(("stage", 0), "the stage start", timeout_s=120)
+        except PipelineError as e:
+          print("OK: the leader got:", repr(str(e)), flush=True)
+        gen.stop()
+  elif scenario == "transfer":
+    for version in (1, 2):
+      assert mailbox.receive(in_stream(0), 120) == ("push", version)
+      got = transfer.receive()
+      want = host_params(version)
+      for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                         jax.tree.leaves(transfer.dst_shardings)):
+        assert g.dtype == CFG.jnp_serving_param_dtype and g.sharding == s, (g.dtype, g.sharding)
+        for shard in g.addressable_shards:
+          np.testing.assert_array_equal(np.asarray(shard.data, np.float32),
+                                        w[shard.index].astype(g.dtype).astype(np.float32))
+      mailbox.send(out_stream(0), ("ack", version))
+    print("OK: received", flush=True)
+  elif scenario == "generator_raises":
+    def make_loop(stage, params, version):
+      raise RuntimeError("boom: the generator could not start")
+    serve_generator(layout, mailbox, make_loop=make_loop, make_eval=None, transfer=transfer)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
