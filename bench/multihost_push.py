@@ -1,0 +1,137 @@
+"""Benchmark: the weight push across processes (many hosts), against a local copy of the same bytes.
+
+Three JAX processes of 2 CPU devices on this machine (launch/local_cluster.py), the layout of
+configs/tiny.py:multihost: the trainer on processes 0-1 (FSDP over 4 devices, `--param_dtype`
+master weights), one generator on process 2 (2-way tensor parallel, `--gen_dtype` weights).
+Model: the SmolLM2-135M shapes (`--model`: smollm2, llama1b or tiny; random init: timing does not
+depend on the values).
+Timed, alternating, median of `--reps` rounds after a warm-up round:
+  cross_process_push  what a multihost run does after each optimizer step for one generator
+        (pipeline.remote.RemoteGenerator.push): the leader's push message, the cast and layout
+        program on the trainer's mesh (both trainer processes), the cross-host transfer
+        (parallel.multihost.WeightTransfer: device to device over the transfer server), the
+        generator's receive, and its acknowledgement back to the leader.
+  local_copy  the baseline: in the generator process, a device-to-device copy of the same bytes
+        (the received params, each shard moved to the other local device), until ready.
+`cross_process_over_local_copy` = the ratio; `cross_process_GBps` counts the generator's bytes.
+
+Last line: one JSON object. Usage: python bench/multihost_push.py [--model smollm2|llama1b|tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+import common  # noqa: E402
+
+
+def child(args) -> None:
+  from magistral_jax.parallel import multihost
+  multihost.initialize()
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  import numpy as np
+  from magistral_jax.model import transformer as T
+  from magistral_jax.parallel.sharding import (GENERATOR_RULES, TRAINER_RULES, make_mesh,
+                                               param_shardings)
+  from magistral_jax.pipeline.remote import in_stream, out_stream, weight_transfer
+
+  if args.model == "tiny":   # configs/tiny.py's 0.8M-parameter policy: latency, not bandwidth
+    from configs import tiny
+    from magistral_jax.model.config import ModelConfig
+    cfg = ModelConfig.from_config_dict(tiny.get_config().model).replace(
+        param_dtype=args.param_dtype)
+    source = "random init (configs/tiny.py shapes)"
+  else:
+    cfg, _, source, _ = common.load_model(args.model, args.param_dtype, weights="random")
+  cfg = cfg.replace(dtype=args.gen_dtype)   # serving dtype: the narrower of the two
+  layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
+  gdevs = layout.generator_devices()[0]
+  transfer = weight_transfer(cfg, make_mesh({"tensor": -1}, gdevs), GENERATOR_RULES,
+                             layout.trainer_devices())
+  mailbox = multihost.Mailbox("bench")
+  rounds = args.reps + 1
+  if layout.is_trainer:
+    tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
+    shardings = param_shardings(T.param_logical_axes(cfg), tmesh, TRAINER_RULES,
+                                T.param_shapes(cfg))
+    params = common.random_params(cfg, shardings)
+    jax.block_until_ready(params)
+    push_s = []
+    for r in range(rounds):
+      t = time.perf_counter()
+      if layout.is_leader:
+        mailbox.send(in_stream(0), ("push", r + 1))
+      transfer.send(params)
+      if layout.is_leader:
+        assert mailbox.receive(out_stream(0), 600) == ("ack", r + 1)
+      transfer.done()
+      push_s.append(time.perf_counter() - t)
+    if layout.is_leader:
+      copy_s, nbytes = mailbox.receive(out_stream(0), 600)
+      push, copy = statistics.median(push_s[1:]), statistics.median(copy_s[1:])
+      common.emit({
+          "bench": "multihost_push", "model": args.model, "source": source,
+          "params_M": round(cfg.num_params() / 1e6, 1), "param_dtype": args.param_dtype,
+          "gen_dtype": args.gen_dtype, "bytes_pushed": nbytes,
+          "layout": "trainer 2 processes x 2 devices (FSDP) -> generator 1 process x 2 "
+                    "devices (tensor parallel)",
+          "cross_process_push_s": push, "local_copy_s": copy,
+          "cross_process_over_local_copy": push / copy,
+          "cross_process_GBps": nbytes / push / 1e9, "local_copy_GBps": nbytes / copy / 1e9,
+          "rounds_push_s": [round(x, 4) for x in push_s],
+          "rounds_copy_s": [round(x, 4) for x in copy_s], "reps": args.reps,
+          **common.host_info()})
+  else:
+    mesh = make_mesh({"tensor": -1}, gdevs)
+    swapped = Mesh(np.asarray(list(mesh.devices.flat)[::-1], dtype=object).reshape(
+        mesh.devices.shape), mesh.axis_names)
+    copy_s, nbytes = [], 0
+    for r in range(rounds):
+      assert mailbox.receive(in_stream(0), 600) == ("push", r + 1)
+      got = transfer.receive()
+      mailbox.send(out_stream(0), ("ack", r + 1))
+      nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(got))
+      other = jax.tree.map(lambda x: NamedSharding(swapped, x.sharding.spec), got)
+      t = time.perf_counter()
+      jax.block_until_ready(jax.device_put(got, other, may_alias=False))
+      copy_s.append(time.perf_counter() - t)
+      del got
+    mailbox.send(out_stream(0), (copy_s, nbytes))
+
+
+def main() -> None:
+  p = common.argument_parser(__doc__)
+  p.add_argument("--model", default="smollm2", choices=("smollm2", "llama1b", "tiny"))
+  p.add_argument("--param_dtype", default="float32")
+  p.add_argument("--gen_dtype", default="bfloat16")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
+  args = p.parse_args()
+  if args.distributed:
+    return child(args)
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  from local_cluster import run_cluster
+  out = io.StringIO()
+  argv = [os.path.abspath(__file__)] + sys.argv[1:]
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rc = run_cluster(argv, num_processes=3, devices_per_process=2, grace_s=30, out=out,
+                   handle_signals=False)
+  text = out.getvalue()
+  lines = [l[len("[p0] "):] for l in text.splitlines() if l.startswith("[p0] {")]
+  if rc != 0 or not lines:
+    sys.stderr.write(text[-8000:])
+    raise SystemExit(f"multihost_push: the 3-process run failed (exit code {rc})")
+  print(json.dumps(json.loads(lines[-1])), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,182 @@
+"""The RL run as 3 JAX processes (launch/local_cluster.py, configs/tiny.py:multihost: trainer =
+processes 0-1, FSDP over their 4 devices; generator = process 2), with its faults and resumes:
+
+1. kill -9 the generator process mid-run: every process stops within a bounded time, the error
+   names the dead process, and nothing is left running (no worker, no sandbox);
+2. the same command resumes from the last checkpoint; kill -9 a trainer process: the same;
+3. the same command resumes again and completes: the reward rose over the run (the short form of
+   the full run in BENCHMARKS.md "Many hosts", as test_tiny_learns.py is of the one-process
+   run), and the trainer's checkpoint, saved by two processes, restores onto another topology
+   (one process, a 2-device mesh).
+
+The task is narrowed as in test_tiny_learns.py so that a short run learns. Not a timing test:
+the bounds are generous multiples of the heartbeat timeout (10 s here).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HEARTBEAT_S = 10
+BATCHES = 14
+
+
+def _command(workdir):
+  return [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
+          "--devices_per_process=2", "--grace_s=60", "--",
+          os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
+          f"--config=configs/tiny.py:multihost,sft_steps=50,batches={BATCHES},slip=0,"
+          "n_batch=128,n_mini_per_batch=1",
+          "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
+          "--config.data.max_operand=4", "--config.data.max_steps=2",
+          "--config.checkpoint.every=2"]
+
+
+def _env():
+  return dict(os.environ, MAGISTRAL_HEARTBEAT_TIMEOUT_S=str(HEARTBEAT_S))
+
+
+def _rl_rows(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  for line in open(path):
+    try:
+      row = json.loads(line)
+    except ValueError:   # a line being written
+      continue
+    if "reward" in row:
+      rows.append(row)
+  return rows
+
+
+def _process(process_id, session):
+  """The pid of the run's process `process_id`, among the processes of the launcher's children."""
+  for pid in _pids_of(session):
+    try:
+      env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+      cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+      continue
+    if b"launch/train.py" in cmd and f"MAGISTRAL_PROCESS_ID={process_id}".encode() in env:
+      return pid
+  return None
+
+
+def _pids_of(launcher_pid):
+  """Every live process whose parent chain reaches the launcher (its children and theirs)."""
+  parents = {}
+  for d in os.listdir("/proc"):
+    if d.isdigit():
+      try:
+        stat = open(f"/proc/{d}/stat").read()
+        parents[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
+      except (OSError, ValueError):
+        continue
+  out = []
+  for pid in parents:
+    p = pid
+    while p in parents and p != 1:
+      p = parents[p]
+      if p == launcher_pid:
+        out.append(pid)
+        break
+  return out
+
+
+def _alive(pid):
+  try:
+    state = [l for l in open(f"/proc/{pid}/status") if l.startswith("State:")][0]
+    return "Z" not in state
+  except (OSError, IndexError):
+    return False
+
+
+def _run_and_kill(workdir, victim, after_rows):
+  """Starts the run, kill -9s process `victim` once `after_rows` RL batches are logged; returns
+  (launcher exit code, its output, seconds from the kill to the launcher's exit, the run's
+  process tree just before the kill)."""
+  launcher = subprocess.Popen(_command(workdir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 900
+    while len(_rl_rows(workdir)) < after_rows:
+      assert launcher.poll() is None, launcher.stdout.read()[-5000:]
+      assert time.time() < deadline, "the run did not reach the batch to kill at"
+      time.sleep(1)
+    tree = _pids_of(launcher.pid)
+    pid = _process(victim, launcher.pid)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.time()
+    out, _ = launcher.communicate(timeout=300)
+    return launcher.returncode, out, time.time() - t_kill, tree
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+
+
+def _assert_stopped_cleanly(rc, out, took, tree, victim):
+  assert rc != 0, out[-5000:]
+  assert f"process {victim} exited with code -9 (killed by SIGKILL)" in out, out[-5000:]
+  # The survivors stop by themselves: the coordination service names the dead task (or a
+  # collective with it fails first).
+  assert any(m in out for m in ("stopped sending heartbeats", "unhealthy", "Gloo", "gloo",
+                                "UNAVAILABLE")), out[-8000:]
+  assert took < 6 * HEARTBEAT_S + 60, took
+  time.sleep(1)
+  assert not [p for p in tree if _alive(p)], "orphans: " + ", ".join(
+      open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in tree if _alive(p))
+
+
+@pytest.mark.slow
+def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
+  workdir = str(tmp_path / "run")
+  # 1. The generator process dies.
+  rc, out, took, tree = _run_and_kill(workdir, victim=2, after_rows=3)
+  _assert_stopped_cleanly(rc, out, took, tree, victim=2)
+  # 2. Resume; a trainer process dies.
+  rc, out, took, tree = _run_and_kill(workdir, victim=1, after_rows=len(_rl_rows(workdir)) + 3)
+  assert "resumed from checkpoint" in out, out[-5000:]
+  _assert_stopped_cleanly(rc, out, took, tree, victim=1)
+  # 3. Resume to the end.
+  r = subprocess.run(_command(workdir), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                     timeout=1200)
+  assert r.returncode == 0, r.stdout[-6000:]
+  assert "resumed from checkpoint" in r.stdout and "held-out pass@1" in r.stdout, r.stdout[-3000:]
+  # Batches redone after a resume are logged again: the last record of each counts.
+  by_batch = {int(row["batch"]): row for row in _rl_rows(workdir)}
+  assert sorted(by_batch) == list(range(1, BATCHES + 1))
+  reward = np.asarray([by_batch[b]["reward"] for b in sorted(by_batch)])
+  assert reward[-5:].mean() > reward[:5].mean() + 0.01, reward.round(3)
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  assert summary["batches"] == BATCHES and "heldout_accuracy_after" in summary
+
+  # The checkpoint two processes saved restores in one, on another mesh.
+  import jax
+  sys.path.insert(0, ROOT)
+  from configs import tiny
+  from magistral_jax import config as config_lib
+  from magistral_jax.parallel import make_mesh
+  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
+  from magistral_jax.train.optimizer import make_optimizer
+  from magistral_jax.train.step import init_state
+  config = tiny.get_config("multihost")
+  _, model_cfg, _ = build_tokenizer_and_model(config, load_weights=False)
+  mesh = make_mesh({"fsdp": 2}, jax.devices()[:2])
+  state = init_state(model_cfg, make_optimizer(config_lib.validate(config).optimizer),
+                     jax.random.PRNGKey(1), mesh)
+  ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"))
+  step, restored, meta = ckpt.restore_latest(abstract_like(state))
+  ckpt.close()
+  assert step == summary["optimizer_steps"] and meta["batches"] == BATCHES
+  for x in jax.tree.leaves(restored.params):
+    assert x.sharding.mesh.devices.size == 2 and bool(np.isfinite(np.asarray(x)).all())
