@@ -3,11 +3,11 @@ processes 0-1, FSDP over their 4 devices; generator = process 2), with its fault
 
 1. kill -9 the generator process mid-run: every process stops within a bounded time, the error
    names the dead process, and nothing is left running (no worker, no sandbox);
-2. the same command resumes from the last checkpoint; kill -9 a trainer process: the same;
-3. the same command resumes again and completes: the reward rose over the run (the short form of
-   the full run in BENCHMARKS.md "Many hosts", as test_tiny_learns.py is of the one-process
-   run), and the trainer's checkpoint, saved by two processes, restores onto another topology
-   (one process, a 2-device mesh).
+2. the same command resumes from the last checkpoint and completes: the reward rose over the run
+   (the short form of the full run in BENCHMARKS.md "Many hosts", as test_tiny_learns.py is of
+   the one-process run), and the trainer's checkpoint, saved by two processes, restores onto
+   another topology (one process, a 2-device mesh).
+A killed trainer process: tests/parallel/test_multihost.py (the same stop, without a run).
 
 The task is narrowed as in test_tiny_learns.py so that a short run learns. Not a timing test:
 the bounds are generous multiples of the heartbeat timeout (10 s here).
@@ -142,11 +142,7 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   # 1. The generator process dies.
   rc, out, took, tree = _run_and_kill(workdir, victim=2, after_rows=3)
   _assert_stopped_cleanly(rc, out, took, tree, victim=2)
-  # 2. Resume; a trainer process dies.
-  rc, out, took, tree = _run_and_kill(workdir, victim=1, after_rows=len(_rl_rows(workdir)) + 3)
-  assert "resumed from checkpoint" in out, out[-5000:]
-  _assert_stopped_cleanly(rc, out, took, tree, victim=1)
-  # 3. Resume to the end.
+  # 2. Resume to the end.
   r = subprocess.run(_command(workdir), cwd=ROOT, env=_env(), capture_output=True, text=True,
                      timeout=1200)
   assert r.returncode == 0, r.stdout[-6000:]

@@ -6,23 +6,25 @@ processes 0 and 1 are the trainer, 2 a generator; 2 CPU devices each).
                       the generator checks every value, dtype and shard against its own copy
     generator_raises  the generator process fails while starting a stage: the trainer leader
                       gets the error with its traceback
+    trainer_killed    after one push, trainer process 1 kill -9s itself while the others wait
+                      for messages; the generator holds a verifier pool (worker processes, whose
+                      pids it writes to argv[2]/pids)
 """
+import multiprocessing
+import os
+import signal
 import sys
 
-from magistral_jax.parallel import multihost
+import jax
+import numpy as np
 
-multihost.initialize()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from magistral_jax.model import transformer as T  # noqa: E402
-from magistral_jax.model.config import ModelConfig  # noqa: E402
-from magistral_jax.parallel import make_mesh  # noqa: E402
-from magistral_jax.parallel.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings  # noqa: E402
-from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,  # noqa: E402
+from magistral_jax.model import transformer as T
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel import make_mesh, multihost
+from magistral_jax.parallel.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
+from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,
                                            serve_generator, weight_transfer)
-from magistral_jax.pipeline.rollouts import PipelineError  # noqa: E402
+from magistral_jax.pipeline.rollouts import PipelineError
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64, param_dtype="float32",
@@ -35,7 +37,8 @@ def host_params(version):
                       T.param_shapes(CFG))
 
 
-def main(scenario):
+def main(scenario, tmp=None):
+  multihost.initialize()   # here, not at import: the verifier pool's workers import this module
   layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
   gmesh = make_mesh({"tensor": -1}, layout.generator_devices()[0])
   transfer = weight_transfer(CFG, gmesh, GENERATOR_RULES, layout.trainer_devices())
@@ -49,8 +52,8 @@ def main(scenario):
       return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
                           host_params(version), shardings)
 
-    if scenario == "transfer":
-      for version in (1, 2):
+    if scenario in ("transfer", "trainer_killed"):
+      for version in ((1, 2) if scenario == "transfer" else (1,)):
         if layout.is_leader:
           mailbox.send(in_stream(0), ("push", version))
         transfer.send(on_trainer(version))
@@ -58,6 +61,14 @@ def main(scenario):
           assert mailbox.receive(out_stream(0), 120) == ("ack", version)
         transfer.done()
       print("OK: pushed", flush=True)
+      if scenario == "trainer_killed":
+        if layout.is_leader:   # once the generator's pool is up, process 1 dies
+          assert mailbox.receive(out_stream(0), 120) == ("ready",)
+          mailbox.send("go", True)
+        else:
+          mailbox.receive("go", 120)
+          os.kill(os.getpid(), signal.SIGKILL)
+        mailbox.receive("never", 600)   # the coordination service stops this process first
     elif scenario == "generator_raises":
       gen = RemoteGenerator(mailbox, 0, 2, None, transfer).start() if layout.is_leader else None
       if gen is not None:
@@ -69,8 +80,8 @@ def main(scenario):
         except PipelineError as e:
           print("OK: the leader got:", repr(str(e)), flush=True)
         gen.stop()
-  elif scenario == "transfer":
-    for version in (1, 2):
+  elif scenario in ("transfer", "trainer_killed"):
+    for version in ((1, 2) if scenario == "transfer" else (1,)):
       assert mailbox.receive(in_stream(0), 120) == ("push", version)
       got = transfer.receive()
       want = host_params(version)
@@ -82,6 +93,15 @@ def main(scenario):
                                         w[shard.index].astype(g.dtype).astype(np.float32))
       mailbox.send(out_stream(0), ("ack", version))
     print("OK: received", flush=True)
+    if scenario == "trainer_killed":
+      from magistral_jax.rewards import RewardConfig
+      from magistral_jax.verify import VerifierPool
+      pool = VerifierPool(1, RewardConfig())
+      with open(os.path.join(tmp, "pids"), "w") as f:
+        f.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
+      mailbox.send(out_stream(0), ("ready",))
+      mailbox.receive("never", 600)
+      pool.close()
   elif scenario == "generator_raises":
     def make_loop(stage, params, version):
       raise RuntimeError("boom: the generator could not start")
@@ -89,4 +109,4 @@ def main(scenario):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[1], *[a for a in sys.argv[2:3] if not a.startswith("--")])

@@ -1,10 +1,12 @@
 """Many hosts, rehearsed as 3 real JAX processes of 2 CPU devices (launch/local_cluster.py):
-the weight push across processes (parallel.multihost.WeightTransfer) and a generator process's
-error reaching the trainer with its traceback (pipeline.remote). The whole run across processes,
-its faults and its resume: tests/launch/test_multihost_run.py."""
+the weight push across processes (parallel.multihost.WeightTransfer), a generator process's
+error reaching the trainer with its traceback (pipeline.remote), and a trainer process killed
+with -9: the others stop within a bounded time, leaving no worker process behind. The whole run
+across processes, a killed generator and the resume: tests/launch/test_multihost_run.py."""
 import io
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -12,14 +14,14 @@ sys.path.insert(0, os.path.join(ROOT, "launch"))
 from local_cluster import run_cluster  # noqa: E402
 
 
-def _cluster(scenario):
+def _cluster(*args):
   out = io.StringIO()
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              MAGISTRAL_HEARTBEAT_TIMEOUT_S="10")
   old = dict(os.environ)
   os.environ.update(env)
   try:
-    rc = run_cluster([os.path.join(HERE, "multihost_child.py"), scenario], num_processes=3,
+    rc = run_cluster([os.path.join(HERE, "multihost_child.py"), *args], num_processes=3,
                      devices_per_process=2, grace_s=30, out=out, handle_signals=False)
   finally:
     os.environ.clear()
@@ -40,3 +42,25 @@ def test_a_generator_process_error_reaches_the_trainer_with_its_traceback():
   assert line is not None, out[-5000:]
   assert "generator 0 (process 2) failed" in line and "Traceback" in line, line
   assert "boom: the generator could not start" in line and "make_loop" in line, line
+
+
+def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_path):
+  t = time.time()
+  rc, out = _cluster("trainer_killed", str(tmp_path))
+  took = time.time() - t
+  assert rc != 0 and "process 1 exited with code -9 (killed by SIGKILL)" in out, out[-5000:]
+  assert "[p2] OK: received" in out, out[-5000:]
+  # Processes 0 and 2 were waiting for messages: the coordination service stopped them (10 s
+  # heartbeat timeout here), naming the dead task, well before the launcher's 30 s grace.
+  assert "stopped sending heartbeats" in out or "unhealthy" in out, out[-5000:]
+  assert "SIGTERM to the processes still running" not in out, out[-5000:]
+  assert took < 90, took
+  pids = [int(p) for p in open(tmp_path / "pids").read().split()]
+  assert pids   # the generator's verifier pool worker
+  time.sleep(1)
+  for pid in pids:
+    try:
+      state = [l for l in open(f"/proc/{pid}/status") if l.startswith("State:")][0]
+    except OSError:
+      continue   # gone
+    assert "Z" in state, f"verifier worker {pid} outlived its process: {state}"
