@@ -208,8 +208,11 @@ def main(argv):
   # device-to-device transfers that every trainer process takes part in, one per generator.
   mailbox = transfers = None
   if layout is not None:
-    from magistral_jax.pipeline.remote import RemoteGenerator, remote_eval, weight_transfer
+    from magistral_jax.pipeline.remote import (RemoteGenerator, remote_eval,
+                                               wait_for_generators, weight_transfer)
     mailbox = multihost.Mailbox("run")
+    if leader:
+      wait_for_generators(layout, mailbox)
     transfers = [weight_transfer(model_cfg, make_mesh(dict(config.devices.generator_mesh), g),
                                  generator_rules, tdev) for g in gdevs]
   pool = make_pool(config, run) if leader else None
@@ -226,6 +229,7 @@ def main(argv):
                       jax.device_get(params), tag)
     return remote_eval(layout, mailbox, transfers[0], params, tag, heldout)
 
+  finished = False   # the run's work ended without an exception (in this process)
   try:
     if restored is None:
       if config.sft.num_steps > 0 and config.init.source == "random":
@@ -345,8 +349,10 @@ def main(argv):
       log.info("stopping after %d batches (stop_after_batches=%d): checkpoint %d, stage %d, "
                "batch %d of it; relaunch on this workdir to resume", meta["batches"], stop_at,
                meta["opt_steps"], meta["stage"] + 1, meta["batch_in_stage"])
+      finished = True
       return
     res = evaluate(state.params, "after")
+    finished = True
     if not leader:
       return
     summary.update(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],
@@ -363,12 +369,20 @@ def main(argv):
           + f" | format rate {summary['format_rate']:.3f} | wall time {summary['wall_time_s']:.0f}s"
           f" | {summary_path}", flush=True)
   finally:
-    if layout is not None and leader:   # the generator processes end with the leader
-      for g in range(len(layout.generator_processes)):
+    # Every process ends with the leader: it tells the generator processes and the other
+    # trainer processes, which wait for it once their own work is done (their exit would
+    # otherwise wait at jax.distributed's shutdown barrier for as long as the final evaluation
+    # takes). After an exception they do not wait: the coordination service stops the rest.
+    if layout is not None and leader:
+      ends = [f"gen{g}/in" for g in range(len(layout.generator_processes))]
+      for stream in ends + [f"trainer{p}/end" for p in layout.trainer_processes[1:]]:
         try:
-          mailbox.send(f"gen{g}/in", ("exit",))
+          mailbox.send(stream, ("exit",))
         except Exception as e:
-          log.warning("could not stop generator %d: %s", g, e)
+          log.warning("could not end the run's %s: %s", stream, e)
+    elif layout is not None and finished:
+      mailbox.receive(f"trainer{layout.process_id}/end", 7 * 24 * 3600,
+                      what="the trainer leader's end of the run")
     ckpt.close()
     if pool is not None:
       pool.close()

@@ -57,14 +57,16 @@ def initialize() -> None:
     address = f"{socket.gethostbyname(socket.gethostname())}:{env[ENV_TRANSFER_PORT]}"
   if address:
     jax.config.update("jax_cross_host_transfer_socket_address", address)
+  # A transfer's two ends meet through the coordination service; the default minute is short for
+  # a generator host busy decoding on a loaded machine.
+  jax.config.update("jax_cross_host_transfer_timeout_seconds", 600)
   kwargs: dict[str, Any] = {}
   if env.get(ENV_COORDINATOR):
     kwargs = dict(coordinator_address=env[ENV_COORDINATOR],
                   num_processes=int(env[ENV_NUM_PROCESSES]),
                   process_id=int(env[ENV_PROCESS_ID]))
   heartbeat = int(env.get(ENV_HEARTBEAT_TIMEOUT_S, "60"))
-  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat,
-                             shutdown_timeout_seconds=max(30, 2 * heartbeat))
+  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat)
   log.info("jax.distributed: process %d of %d, %d local / %d global devices%s",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count(), f", transfers on {address}" if address else "")
@@ -116,6 +118,11 @@ def process_layout(config) -> ProcessLayout | None:
   t = int(config.devices.get("trainer_processes", 0))
   n = jax.process_count()
   if n == 1:
+    if t:
+      raise ValueError(f"devices.trainer_processes={t} is a layout of many processes, but this "
+                       "is one: start it with launch/local_cluster.py --num_processes=N -- "
+                       "launch/train.py ... (one machine) or one process per host with "
+                       "--distributed (README.md \"Many hosts\")")
     return None
   if t == 0:
     raise ValueError(f"this run has {n} JAX processes: set devices.trainer_processes (e.g. "

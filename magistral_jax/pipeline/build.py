@@ -6,7 +6,6 @@ import time
 from typing import Iterable, Sequence
 
 import jax
-import numpy as np
 
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import GeneratorLoop, common_prefix, useful_shared_prefix
@@ -61,7 +60,12 @@ def split_devices(trainer_devices: int, generator_devices: Sequence[int],
 
 
 def run_devices(config):
-  """split_devices for a run config's `devices` section: (trainer devices, generator slices)."""
+  """split_devices for a run config's `devices` section: (trainer devices, generator slices).
+  One process's layouts only (launch/train.py takes many: parallel.multihost)."""
+  if jax.process_count() > 1:
+    raise ValueError(f"this launcher runs in one process, but this is a run of "
+                     f"{jax.process_count()}; across processes, launch/train.py with "
+                     "devices.trainer_processes (README.md \"Many hosts\")")
   return split_devices(config.devices.trainer, list(config.devices.generators),
                        colocated=bool(config.devices.get("colocated", False)))
 

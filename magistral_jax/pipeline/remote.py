@@ -254,6 +254,18 @@ def remote_eval(layout, mailbox, transfer: WeightTransfer, params, tag: str, pro
   return result[0]
 
 
+def wait_for_generators(layout, mailbox: Mailbox, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+  """The leader, once, before anything else goes to the generator processes: each says it is
+  serving (it may still be starting up, e.g. importing or starting its verifier pool)."""
+  for g, process in enumerate(layout.generator_processes):
+    msg = mailbox.receive(out_stream(g), timeout_s,
+                          what=f"generator {g} (process {process}) to start")
+    if msg[0] == "error":
+      raise PipelineError(f"generator {g} (process {process}) failed:\n{msg[1]}")
+    if msg != ("ready",):
+      raise PipelineError(f"generator {g} (process {process}): expected ready, got {msg[0]!r}")
+
+
 def _eval_reader(mailbox, layout) -> RemoteGenerator:
   return RemoteGenerator(mailbox, 0, layout.generator_processes[0], None, None).start()
 
@@ -297,6 +309,9 @@ def serve_generator(layout, mailbox: Mailbox, *, make_loop, make_eval, transfer:
   out = _Outbox(mailbox, g)
   stream = in_stream(g)
   loop = None
+  # From here on this process answers (wait_for_generators): a transfer never starts before
+  # its receiver is listening.
+  mailbox.send(out.stream, ("ready",))
   try:
     while True:
       msg = mailbox.poll(stream)

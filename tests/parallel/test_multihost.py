@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -64,3 +66,17 @@ def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_pat
     except OSError:
       continue   # gone
     assert "Z" in state, f"verifier worker {pid} outlived its process: {state}"
+
+
+def test_the_layout_of_one_process_and_its_errors():
+  sys.path.insert(0, ROOT)
+  from configs import tiny
+  from magistral_jax.parallel import multihost
+  assert multihost.process_layout(tiny.get_config()) is None   # one process: split_devices
+  with pytest.raises(ValueError, match="many processes, but this is one.*local_cluster"):
+    multihost.process_layout(tiny.get_config("multihost"))
+  with pytest.raises(ValueError, match="1 <= trainer_processes < num_processes"):
+    multihost.check_process_layout(3, 3)
+  layout = multihost.ProcessLayout(2, 4, (0, 1), (2, 3))
+  assert layout.role == "generator 0" and not layout.is_trainer and layout.generator_index == 0
+  assert multihost.ProcessLayout(0, 4, (0, 1), (2, 3)).role == "trainer leader"
