@@ -37,12 +37,28 @@ def live_array_bytes(devices: Iterable[jax.Device]) -> int:
   return total
 
 
-def bytes_in_use(devices: Iterable[jax.Device]) -> int:
-  """Device memory held on `devices`: the backend's count (GPU/TPU), else live array bytes."""
+def tree_bytes_on(tree, devices: Iterable[jax.Device]) -> int:
+  """Bytes of the shards of `tree`'s arrays that live on `devices`."""
+  devs = set(devices)
+  total = 0
+  for a in jax.tree.leaves(tree):
+    if isinstance(a, jax.Array):
+      on = sum(1 for d in a.sharding.device_set if d in devs)
+      total += on * int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+  return total
+
+
+def bytes_in_use(devices: Iterable[jax.Device], arrays=None) -> int:
+  """Device memory held on `devices`: the backend's count (GPU/TPU), else the bytes of `arrays`
+  (a tree) where given, else of every live array. A caller whose devices other threads use
+  passes `arrays`: walking jax.live_arrays() while other threads create and free arrays is
+  not safe."""
   devices = list(devices)
   stats = _stats(devices)
   if stats is not None:
     return int(sum(s["bytes_in_use"] for s in stats))
+  if arrays is not None:
+    return tree_bytes_on(arrays, devices)
   return live_array_bytes(devices)
 
 

@@ -51,12 +51,15 @@ class Trainer:
   def step(self, minibatch: Minibatch) -> dict:
     """One optimizer step on one minibatch; returns its metrics (on the host), with the step's
     device memory: `memory/train_peak_bytes` = the bytes in use on the trainer's devices as it
-    starts (state, batch, and anything else there, e.g. a colocated generator's) + the compiled
+    starts (GPU/TPU: everything there, e.g. a colocated generator's; CPU, which keeps no count:
+    the state and the batch) + the compiled
     step's temporaries (parallel.memory); `memory/device_peak_bytes`, the backend's lifetime
     high-water mark, where it keeps one (GPU/TPU)."""
     batch = shard_batch(minibatch.arrays, self.mesh, self.rules)
     devices = self._devices()
-    start = bytes_in_use(devices)
+    # Where the backend keeps no count (CPU): the step's own inputs (generator threads may be
+    # creating and freeing arrays meanwhile).
+    start = bytes_in_use(devices, arrays=(self.state, batch))
     self.state, metrics = self.step_fn(self.state, batch)
     self.opt_steps += 1
     self.version += 1
