@@ -23,15 +23,19 @@ def _stats(devices) -> list[dict] | None:
   return stats if all(s and "bytes_in_use" in s for s in stats) else None
 
 
+def _shard_bytes_on(a: jax.Array, devs: set) -> int:
+  """Bytes of the shards of `a` that live on `devs`."""
+  on = sum(1 for d in a.sharding.device_set if d in devs)
+  return on * int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+
+
 def live_array_bytes(devices: Iterable[jax.Device]) -> int:
   """Bytes of the live (not deleted) jax arrays' shards on `devices`."""
   devs = set(devices)
   total = 0
   for a in jax.live_arrays():
     try:
-      on = sum(1 for d in a.sharding.device_set if d in devs)
-      if on:
-        total += on * int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+      total += _shard_bytes_on(a, devs)
     except Exception:   # an array deleted while we walk (another thread donated it)
       continue
   return total
@@ -40,12 +44,7 @@ def live_array_bytes(devices: Iterable[jax.Device]) -> int:
 def tree_bytes_on(tree, devices: Iterable[jax.Device]) -> int:
   """Bytes of the shards of `tree`'s arrays that live on `devices`."""
   devs = set(devices)
-  total = 0
-  for a in jax.tree.leaves(tree):
-    if isinstance(a, jax.Array):
-      on = sum(1 for d in a.sharding.device_set if d in devs)
-      total += on * int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-  return total
+  return sum(_shard_bytes_on(a, devs) for a in jax.tree.leaves(tree) if isinstance(a, jax.Array))
 
 
 def bytes_in_use(devices: Iterable[jax.Device], arrays=None) -> int:
