@@ -318,7 +318,7 @@ def main(argv):
       else:
         from magistral_jax.pipeline.remote import FollowerRollouts
         rollouts = FollowerRollouts(mailbox=mailbox, follower=layout.process_id - 1, stage=si,
-                                    transfers=transfers, tokenizer=tok,
+                                    transfers=transfers,
                                     batch_timeout_s=srun.pipeline.batch_timeout_s)
 
       def on_batch(trainer, m, si=si):

@@ -30,7 +30,7 @@ from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
-from magistral_jax.pipeline.groups import RolloutBatch, batch_metrics, describe
+from magistral_jax.pipeline.groups import RolloutBatch, batch_metrics
 from magistral_jax.pipeline.rollouts import PipelineError, Rollouts
 
 log = logging.getLogger(__name__)
@@ -198,9 +198,10 @@ class FollowerRollouts:
   """Rollouts as trainer processes 1..T-1 see them: the leader's batches, and their part of
   every push (the staging program runs on the whole trainer mesh)."""
 
-  def __init__(self, *, mailbox: Mailbox, follower: int, stage: int, transfers, tokenizer,
+  def __init__(self, *, mailbox: Mailbox, follower: int, stage: int, transfers,
                batch_timeout_s: float):
-    self.mailbox, self.transfers, self.tokenizer = mailbox, transfers, tokenizer
+    """No metrics writer runs on these processes (the leader's writes), hence no sample_text."""
+    self.mailbox, self.transfers = mailbox, transfers
     self.stream = f"stage{stage}/batch/{follower}"
     self.batch_timeout_s = batch_timeout_s
 
@@ -226,10 +227,6 @@ class FollowerRollouts:
 
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
     return batch_metrics(batch, trained_version)
-
-  def sample_text(self, batch: RolloutBatch) -> str:
-    g = batch.groups[0]
-    return describe(g.info[0], g.results[0], self.tokenizer.decode)
 
   def __enter__(self):
     return self
