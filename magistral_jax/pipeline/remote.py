@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # evaluation before it stops with an error naming the process (a dead process is reported
 # sooner, by the coordination service's heartbeats).
 REPLY_TIMEOUT_S = 600.0
+ERROR_LINGER_S = 60.0   # how long a failed generator process waits for the leader to read its error
 FLUSH_S = 0.05   # a generator process sends its finished samples at least this often
 
 
@@ -295,6 +296,20 @@ class _Outbox:
     self.mailbox.send(self.stream, ("samples", samples, counters))
 
 
+def _await_exit(mailbox: Mailbox, stream: str, timeout_s: float = ERROR_LINGER_S) -> None:
+  """After sending its error, a generator process stays until the leader answers ("exit",) (or
+  `timeout_s`): a process that exits at once can take the coordination service's connection down
+  before the leader has read the error, which then arrives as "lost contact", without traceback."""
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    try:
+      msg = mailbox.receive(stream, max(0.1, deadline - time.time()))
+    except TimeoutError:
+      return
+    if msg == ("exit",):
+      return
+
+
 def serve_generator(layout, mailbox: Mailbox, *, make_loop, make_eval, transfer: WeightTransfer,
                     poll_s: float = 0.01) -> None:
   """The life of a generator process: obey its "in" stream until ("exit",).
@@ -353,6 +368,7 @@ def serve_generator(layout, mailbox: Mailbox, *, make_loop, make_eval, transfer:
     log.error("generator %d failed:\n%s", g, tb)
     try:
       mailbox.send(out.stream, ("error", f"(process {layout.process_id})\n{tb}"))
+      _await_exit(mailbox, stream)
     except Exception:
       pass
     raise

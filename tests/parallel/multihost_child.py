@@ -80,6 +80,7 @@ def main(scenario, tmp=None):
         except PipelineError as e:
           print("OK: the leader got:", repr(str(e)), flush=True)
         gen.stop()
+        mailbox.send(in_stream(0), ("exit",))   # as launch/train.py's leader does on its way out
   elif scenario in ("transfer", "trainer_killed"):
     for version in ((1, 2) if scenario == "transfer" else (1,)):
       assert mailbox.receive(in_stream(0), 120) == ("push", version)
