@@ -136,8 +136,8 @@ def main(argv):
   from magistral_jax.generate.engine import Engine
   from magistral_jax.parallel import make_mesh, multihost
   from magistral_jax.pipeline import Rollouts
-  from magistral_jax.pipeline.build import (build_tokenizer_and_model, make_generators,
-                                            sft_optimizer_config, sft_warm_start,
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, is_colocated,
+                                            make_generators, sft_optimizer_config, sft_warm_start,
                                             shared_prefix_for, run_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
@@ -167,7 +167,7 @@ def main(argv):
   writer = MetricsWriter(workdir) if leader else None
   log.info("shared prompt prefix: %s", f"{len(shared_prefix)} tokens, prefilled once per weights "
            "version" if shared_prefix else "off")
-  colocated = bool(config.devices.get("colocated", False))
+  colocated = is_colocated(config)
   if layout is None:
     tdev, gdevs = run_devices(config)
   else:

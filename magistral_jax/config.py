@@ -27,7 +27,7 @@ from magistral_jax.generate.loop import check_loop_prefill_below
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingConfig
-from magistral_jax.pipeline.build import check_device_layout
+from magistral_jax.pipeline.build import check_device_layout, is_colocated
 from magistral_jax.pipeline.rollouts import PipelineConfig
 from magistral_jax.rewards.reward import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
@@ -236,7 +236,7 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
   run.rl.check_row_fits(run.engine.max_prefill_length, config.sampling.max_new_tokens)
   if num_devices is not None:
     check_device_layout(config.devices.trainer, config.devices.generators, num_devices,
-                        bool(config.devices.get("colocated", False)))
+                        is_colocated(config))
   return run
 
 

@@ -59,6 +59,12 @@ def split_devices(trainer_devices: int, generator_devices: Sequence[int],
   return trainer, gens
 
 
+def is_colocated(config) -> bool:
+  """Whether a run config shares its devices between trainer and generator (devices.colocated;
+  absent in configs written before the mode existed)."""
+  return bool(config.devices.get("colocated", False))
+
+
 def run_devices(config):
   """split_devices for a run config's `devices` section: (trainer devices, generator slices).
   One process's layouts only (launch/train.py takes many: parallel.multihost)."""
@@ -67,7 +73,7 @@ def run_devices(config):
                      f"{jax.process_count()}; across processes, launch/train.py with "
                      "devices.trainer_processes (README.md \"Many hosts\")")
   return split_devices(config.devices.trainer, list(config.devices.generators),
-                       colocated=bool(config.devices.get("colocated", False)))
+                       colocated=is_colocated(config))
 
 
 def system_prompt_for(name: str) -> str | None:
