@@ -26,29 +26,3 @@ if _cache != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-
-# `make test` runs the suite in two parts: every test but these on 2 pytest-xdist workers (most
-# tests wait on single-threaded XLA compiles, so two at once keep both cores busy: 1.5x on
-# tests/model + tests/rl), then these alone, one at a time. They bound wall times (heartbeat and
-# sandbox timeouts: a second test on the same 2 cores would slow them past their bounds) or scan
-# the whole host for leftovers (a neighbour's sandbox would read as a leak).
-SERIAL = {
-    "tests/parallel/test_multihost.py": "processes on a 10 s heartbeat timeout",
-    "tests/launch/test_multihost_run.py": "processes on a 10 s heartbeat timeout",
-    "tests/launch/test_local_cluster.py": "bounded stop times",
-    "tests/bench/test_multihost_push.py": "processes on heartbeat timeouts",
-    "tests/launch/test_signals.py": "bounded shutdown times",
-    "tests/rewards/test_sandbox.py": "1.5 s test timeouts",
-    "tests/rewards/test_sandbox_hostile.py": "scans the host for escaped files and processes",
-    "tests/rewards/test_sandbox_soak.py": "scans the host for leaked sandboxes",
-    "tests/verify/test_pool.py": "task timeouts and leak checks",
-    "tests/data/test_code_filter.py": "4 s sandbox timeouts",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-  import pytest
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  for item in items:
-    if os.path.relpath(str(item.path), root) in SERIAL:
-      item.add_marker(pytest.mark.serial)
