@@ -79,11 +79,12 @@ def get_config(arg=None):
       c.sft.update(num_steps=8, batch_size=4, learning_rate=1e-4, row_len=512)
       c.checkpoint.update(every=100, async_save=False)
   elif "ci" in args:
-    # One batch of 2 prompts x G=4 after the short SFT. 128 new tokens let short answers close
-    # the format while long ones are cut off (measured: ~50% of samples at T=0.7, ~20% at 96
-    # tokens and T=1), so groups have non-zero advantages. Rows of 640 tokens: the 512-token
-    # prompt limit + 128 new tokens.
-    c.rl.update(n_batch=8, n_mini=8, group_size=4, microbatch_tokens=4 * 640, microbatch_rows=4)
+    # One batch of 1 prompt x G=4 after the short SFT (the train step, compute-bound on CPU,
+    # costs in proportion to its rows). 128 new tokens let short answers close the format while
+    # long ones are cut off (measured: ~50% of samples at T=0.7, ~20% at 96 tokens and T=1), so
+    # groups have non-zero advantages (a group without is dropped and the next prompt taken).
+    # Rows of 640 tokens: the 512-token prompt limit + 128 new tokens.
+    c.rl.update(n_batch=4, n_mini=4, group_size=4, microbatch_tokens=4 * 640, microbatch_rows=4)
     c.optimizer.update(learning_rate=1e-5)
     c.sampling.max_new_tokens = 128
     c.engine.update(max_concurrent_decodes=8)

@@ -12,7 +12,8 @@ device and take turns (generation phase, then training; pipeline/rollouts.py), f
 `XLA_FLAGS=--xla_force_host_platform_device_count=1` or one GPU. `:colocated,mode=async` keeps
 generating one batch ahead with the previous weights while a batch trains.
 
-`configs/tiny.py:multihost` is the many-host layout rehearsed as 3 local processes of 2 devices:
+`configs/tiny.py:multihost` is the many-host layout rehearsed as 3 local processes of 2 devices
+(the generator process generates on one of them):
 `python launch/local_cluster.py --num_processes=3 --devices_per_process=2 -- launch/train.py
 --config=configs/tiny.py:multihost --workdir=W` (parallel/multihost.py).
 """
@@ -88,12 +89,19 @@ def _apply_arg(c, arg):
       # (sft_steps=, batches=) still override these.
       c.sft.num_steps, c.num_batches = 500, 140
     elif key == "multihost":   # 3 processes x 2 devices: launch/local_cluster.py
-      # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2 (2-way
-      # tensor parallel). Three processes on 2 cores run a train step at about half the speed of
-      # one process (collectives between processes over gloo) with half the generators, so the
-      # cold start and the RL run are shortened, as for `colocated` (BENCHMARKS.md "Many
-      # hosts"). Later arguments (sft_steps=, batches=) still override these.
-      c.devices.update(trainer_processes=2)
+      # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2, on one of
+      # its devices. Once jax.distributed is up, XLA:CPU runs every collective over gloo, even
+      # between two devices of one process (TCP to itself): a 2-way tensor-parallel generator
+      # spent 70% of a core in the kernel, and the run took twice as long (BENCHMARKS.md "Many
+      # hosts"). The cross-process push to a tensor-parallel generator is tested on its own
+      # (tests/parallel/test_multihost.py). Fewer, longer microbatches mean fewer FSDP
+      # gathers: 16 of the cold start's 32 rows, 8 RL rows of 256 tokens (the sequences are
+      # < 128). Three processes on 2 cores still train at about half the speed of one process,
+      # so the cold start and the RL run are shortened, as for `colocated`. Later arguments
+      # (sft_steps=, batches=) still override these.
+      c.devices.update(trainer_processes=2, generator_process_devices=1)
+      c.sft.rows_per_micro = 16
+      c.rl.update(microbatch_tokens=2048, microbatch_rows=8)
       c.sft.num_steps, c.num_batches = 500, 120
     elif key == "batches":
       c.num_batches = int(value)

@@ -124,10 +124,11 @@ def default_config() -> mlc.ConfigDict:
   # generating one batch ahead while a batch trains (async); pipeline/rollouts.py.
   # trainer_processes > 0: a run of many JAX processes (one per host, parallel/multihost.py):
   # processes 0..trainer_processes-1 train on all their devices, every other process serves one
-  # generator on its own devices (`trainer` and `generators` unused).
+  # generator on its own devices (`trainer` and `generators` unused): on all of them, or on its
+  # first `generator_process_devices` (> 0).
   c.devices = mlc.ConfigDict(dict(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
                                   generator_mesh={"tensor": -1}, colocated=False,
-                                  trainer_processes=0))
+                                  trainer_processes=0, generator_process_devices=0))
   # Logical axis -> mesh axes tables of the trainer and the generators (parallel/sharding.py).
   c.sharding = config_section(ShardingConfig)
   # ---- data ----

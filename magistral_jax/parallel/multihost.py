@@ -6,7 +6,8 @@ gives them roles (`devices.trainer_processes = T`):
     processes 0 .. T-1   the trainer: their devices together form the trainer mesh (e.g. FSDP
                          across hosts); every one of them runs the same train step (SPMD), and
                          process 0, the leader, also runs the pipeline (prompts, verifiers, batches)
-    processes T .. H-1   one generator each, on that process's own devices
+    processes T .. H-1   one generator each, on that process's own devices (all of them, or
+                         the first `devices.generator_process_devices`)
 
 Only the processes that own a mesh's devices run that mesh's programs: the trainer processes the
 train step, a generator process its engine's.
@@ -81,6 +82,7 @@ class ProcessLayout:
   num_processes: int
   trainer_processes: tuple[int, ...]
   generator_processes: tuple[int, ...]
+  generator_process_devices: int = 0   # > 0: a generator uses only that many of its devices
 
   @property
   def is_trainer(self) -> bool:
@@ -103,13 +105,19 @@ class ProcessLayout:
     return [d for d in jax.devices() if d.process_index in self.trainer_processes]
 
   def generator_devices(self) -> list[list[jax.Device]]:
-    return [[d for d in jax.devices() if d.process_index == p] for p in self.generator_processes]
+    k = self.generator_process_devices or None
+    return [[d for d in jax.devices() if d.process_index == p][:k]
+            for p in self.generator_processes]
 
 
-def check_process_layout(trainer_processes: int, num_processes: int) -> None:
+def check_process_layout(trainer_processes: int, num_processes: int,
+                         generator_process_devices: int = 0, local_devices: int = 1) -> None:
   if not 1 <= trainer_processes < num_processes:
     raise ValueError(f"devices.trainer_processes={trainer_processes}: a run of {num_processes} "
                      "processes needs 1 <= trainer_processes < num_processes (the rest generate)")
+  if not 0 <= generator_process_devices <= local_devices:
+    raise ValueError(f"devices.generator_process_devices={generator_process_devices}: a "
+                     f"generator process has {local_devices} device(s) (0 means all of them)")
 
 
 def process_layout(config) -> ProcessLayout | None:
@@ -130,8 +138,9 @@ def process_layout(config) -> ProcessLayout | None:
   if config.devices.get("colocated", False):
     raise ValueError("devices.colocated is a one-process layout; a run of many processes gives "
                      "the generators processes of their own (devices.trainer_processes)")
-  check_process_layout(t, n)
-  return ProcessLayout(jax.process_index(), n, tuple(range(t)), tuple(range(t, n)))
+  k = int(config.devices.get("generator_process_devices", 0))
+  check_process_layout(t, n, k, jax.local_device_count())
+  return ProcessLayout(jax.process_index(), n, tuple(range(t)), tuple(range(t, n)), k)
 
 
 # ---- values on the host --------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_pat
 
 
 def test_the_layout_of_one_process_and_its_errors():
+  import jax
   sys.path.insert(0, ROOT)
   from configs import tiny
   from magistral_jax.parallel import multihost
@@ -77,6 +78,13 @@ def test_the_layout_of_one_process_and_its_errors():
     multihost.process_layout(tiny.get_config("multihost"))
   with pytest.raises(ValueError, match="1 <= trainer_processes < num_processes"):
     multihost.check_process_layout(3, 3)
+  with pytest.raises(ValueError, match="generator_process_devices=3: a generator process has 2"):
+    multihost.check_process_layout(2, 3, 3, 2)
+  # A generator on the first of its process's devices (configs/tiny.py:multihost): here every
+  # device is process 0's.
+  one = multihost.ProcessLayout(1, 2, (1,), (0,), generator_process_devices=1)
+  assert one.generator_devices() == [jax.devices()[:1]]
+  assert multihost.ProcessLayout(1, 2, (1,), (0,)).generator_devices() == [jax.devices()]
   layout = multihost.ProcessLayout(2, 4, (0, 1), (2, 3))
   assert layout.role == "generator 0" and not layout.is_trainer and layout.generator_index == 0
   assert multihost.ProcessLayout(0, 4, (0, 1), (2, 3)).role == "trainer leader"
