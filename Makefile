@@ -22,7 +22,7 @@ answer: setup
 	.venv/bin/python launch/main.py --workdir=$(WORKDIR)
 
 test: setup-test
-	.venv/bin/python -m pytest -q --durations=25 tests $(PYTEST_ARGS)
+	tools/test.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv runs
