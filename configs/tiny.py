@@ -92,8 +92,8 @@ def _apply_arg(c, arg):
       # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2, on one of
       # its devices. Once jax.distributed is up, XLA:CPU runs every collective over gloo, even
       # between two devices of one process (TCP to itself): a 2-way tensor-parallel generator
-      # spent 70% of a core in the kernel, and the run took twice as long (BENCHMARKS.md "Many
-      # hosts"). The cross-process push to a tensor-parallel generator is tested on its own
+      # spent 70% of a core in the kernel, and a short run took 1.7x as long (BENCHMARKS.md
+      # "Many hosts"). The cross-process push to a tensor-parallel generator is tested on its own
       # (tests/parallel/test_multihost.py). Fewer, longer microbatches mean fewer FSDP
       # gathers: 16 of the cold start's 32 rows, 8 RL rows of 256 tokens (the sequences are
       # < 128). Three processes on 2 cores still train at about half the speed of one process,
