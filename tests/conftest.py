@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The second flag: XLA:CPU aborts the process ("Termination timeout ... Exiting to ensure a
 # consistent program state") when a simulated device's thread is late to a collective by more
 # than a fixed timeout. A 2-core host running a test beside another can starve one device's
-# thread that long; a real deadlock is still stopped, by the tests' own timeouts.
+# thread that long. A real deadlock now waits 20 min before that abort (or CI's own limit).
 for _flag in ("--xla_force_host_platform_device_count=8",
               "--xla_cpu_collective_call_terminate_timeout_seconds=1200"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
