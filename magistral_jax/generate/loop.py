@@ -39,8 +39,9 @@ hence the step count and when a weights update reaches a sample, differs. The st
 recorded before the loop reports nothing to do, at the end of run_until_idle, when the loop
 thread stops, and before a KV recompute on update. Refills overlap too: the first tokens of
 samples inserted while a step is in flight are fetched and recorded with the next step's results
-(a sample finishing on its first token is known a step later, like any other finish). overlap_host=False is the old synchronous
-step (dispatch, fetch, record).
+(a sample finishing on its first token is known a step later, like any other finish);
+inflight.DeviceLead keeps that lead. overlap_host=False is the old synchronous step (dispatch,
+fetch, record).
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
 exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
@@ -49,7 +50,6 @@ cause) by `check()`, `get()` and `submit()`, so callers never hang on a dead gen
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -63,36 +63,19 @@ import numpy as np
 from magistral_jax.generate.compaction import Drain
 from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.inflight import DeviceLead
 from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_requests
 from magistral_jax.generate.prefix_cache import (SHARED_PREFIX_MIN_TOKENS, SharedPrefixCache,
                                                  common_prefix, useful_shared_prefix)
 from magistral_jax.generate.requests import GeneratorError, Request, RequestSamples, Sample
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.generate.slots import SlotTable
-from magistral_jax.generate.weights import NonFiniteError
 
 log = logging.getLogger(__name__)
 
 # Re-exported: callers import these from the loop.
 __all__ = ["GeneratorLoop", "GeneratorError", "Request", "Sample", "SHARED_PREFIX_MIN_TOKENS",
            "check_loop_prefill_below", "common_prefix", "useful_shared_prefix"]
-
-
-@dataclasses.dataclass
-class _InFlight:
-  """A dispatched decode step whose results are not yet recorded (GeneratorLoop overlap_host).
-  res: its ResultTokens on the device; rows: for a compacted step, the slot of each result row
-  (None: row i is slot i); slots: the slots active on the host when it was dispatched and
-  owners: their SlotSamples then (a slot whose sample has since finished, or that holds another
-  one, is not recorded); version: the policy version of the weights it ran with; firsts: the
-  first tokens of the samples inserted just before it (see GeneratorLoop._fill_slots), recorded
-  before its own tokens."""
-  res: Any
-  rows: np.ndarray | None
-  slots: np.ndarray
-  owners: list
-  version: int
-  firsts: list
 
 
 def check_loop_prefill_below(fraction: float) -> float:
@@ -118,10 +101,6 @@ class GeneratorLoop:
     # With overlap_host, step() dispatches decode step n+1 before recording step n's results
     # (one step in flight; see the module docstring); False: dispatch, fetch, record in turn.
     self.overlap_host = bool(overlap_host)
-    self._inflight: _InFlight | None = None
-    # First tokens of inserts not yet fetched: (slots, request ids, prefix versions, tokens on
-    # the device, log-probs on the device), recorded with the next step dispatched.
-    self._firsts: list[tuple] = []
     # With background_prefill, a worker thread prefills queued requests while the loop decodes
     # (prefill_worker.py), keeping about `prefill_ahead` prefilled samples ready for the next
     # free slots. The loop prefills itself when too few slots would decode (loop_prefill_below,
@@ -170,6 +149,8 @@ class GeneratorLoop:
     self._groups: collections.deque[RequestSamples] = collections.deque()
     self._slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length,
                             self.sampling, detokenize, self._emit)
+    # The step in flight and the first tokens of inserts not yet fetched (inflight.py).
+    self._ahead = DeviceLead(self._slots, self._drain, self.counters)
     self._pending: tuple[Any, int] | None = None
     self._pending_since_step = 0
     self._stop = threading.Event()
@@ -329,7 +310,7 @@ class GeneratorLoop:
         self._shared.clear()
     self.state = None
     self._drain.compacted = None
-    self._firsts.clear()
+    self._ahead.firsts.clear()
 
   @property
   def released(self) -> bool:
@@ -387,7 +368,7 @@ class GeneratorLoop:
     c = self.counters
     # The device is ahead of what the host has recorded (the step in flight, first tokens not
     # yet fetched): the window must hold the positions this step writes on the device.
-    window = self.engine.window_for(self._slots.positions(self._in_flight_positions()))
+    window = self.engine.window_for(self._slots.positions(self._ahead.positions()))
     c.attended_positions += window
     t0 = time.perf_counter()
     slots = np.flatnonzero(active)
@@ -401,80 +382,15 @@ class GeneratorLoop:
     c.computed_slot_steps += eng.max_concurrent_decodes
     c.steps += 1
     c.decode_time_s += time.perf_counter() - t0
-    firsts, self._firsts = self._firsts, []
-    prev, self._inflight = self._inflight, _InFlight(res, rows, slots, owners, self.version,
-                                                     firsts)
-    if prev is not None:   # overlap_host: the previous step, while this one runs
-      self._record(prev)
+    # overlap_host: the previous step is recorded while this one runs.
+    self._ahead.dispatched(res, rows, slots, owners, self.version)
     if not self.overlap_host:
       self._flush()
     return True
 
-  def _in_flight_positions(self) -> np.ndarray | None:
-    """[slots] int: positions the device has advanced each slot past what the host recorded:
-    one for the step in flight (for the samples it advanced that still run), one for each first
-    token not yet fetched (an insert made while a step was in flight)."""
-    d = self._inflight
-    if d is None and not self._firsts:
-      return None
-    extra = np.zeros(self._slots.active.shape, np.int64)
-    if d is not None:
-      samples = self._slots.samples
-      extra[[i for i, o in zip(d.slots, d.owners) if samples[i] is o]] += 1
-      for f in d.firsts:
-        extra[f[0]] += 1
-    for f in self._firsts:
-      extra[f[0]] += 1
-    return extra
-
   def _flush(self) -> None:
-    """Records the step in flight, if any."""
-    d, self._inflight = self._inflight, None
-    if d is not None:
-      self._record(d)
-    if self._firsts:   # (only left by an insert that no step followed, e.g. after an error)
-      firsts, self._firsts = self._firsts, []
-      self._record_firsts(firsts)
-
-  def _record(self, d: _InFlight) -> None:
-    """Fetches a dispatched step's results and records the tokens of the samples it advanced
-    that are still running (a sample that finished at the step before gets no more tokens)."""
-    c = self.counters
-    t0 = time.perf_counter()
-    res, firsts = jax.device_get((d.res, [f[3:] for f in d.firsts]))   # one transfer
-    firsts = [f[:3] + tuple(x) for f, x in zip(d.firsts, firsts)]
-    if d.rows is not None:
-      res = self._drain.scatter(res, d.rows)
-    c.decode_time_s += time.perf_counter() - t0
-    if d.firsts:   # the inserts came before this step: their first tokens go first
-      self._record_firsts(firsts)
-    samples = self._slots.samples
-    idx = d.slots[np.array([samples[i] is o for i, o in zip(d.slots, d.owners)], bool)]
-    c.active_slot_steps += idx.size
-    bad = ~res.finite[idx]
-    if bad.any():
-      raise NonFiniteError(f"non-finite logits in slots {idx[bad].tolist()} at policy "
-                           f"version {d.version}; stopping instead of sampling garbage")
-    c.generated_tokens += idx.size
-    self._slots.record(idx, res.tokens[idx], res.logprobs[idx], np.full(idx.shape, d.version))
-
-  def _record_firsts(self, firsts) -> bool:
-    """Records the first tokens of inserted samples, `firsts` as in self._firsts; returns
-    whether a sample finished on its first token."""
-    finished = False
-    fetched = jax.device_get([f[3:] for f in firsts])   # one transfer (numpy: as it is)
-    for (slots, ids, versions, _, _), (tok, lp) in zip(firsts, fetched):
-      m = len(slots)
-      # The first token's log-prob is NaN when its prompt's last logits hold a NaN or a +Inf
-      # (the decode step checks every logit of the later tokens, -Inf included): stop rather
-      # than stream garbage.
-      bad = ~np.isfinite(lp[:m])
-      if bad.any():
-        raise NonFiniteError(f"non-finite prompt logits for requests "
-                             f"{[ids[j] for j in np.flatnonzero(bad)]} at policy version "
-                             f"{versions[0]}; stopping instead of sampling garbage")
-      finished |= self._slots.record(slots, tok[:m], lp[:m], versions)
-    return finished
+    """Records the step in flight, if any (and first tokens left unfetched)."""
+    self._ahead.flush()
 
   def _pending_work(self) -> bool:
     """Whether a request or a group sample is waiting for a slot."""
@@ -595,14 +511,14 @@ class GeneratorLoop:
         slots.device_active = slots.active.copy()
         firsts.append((np.array([e[0] for e in entries]), [e[1].request.id for e in entries],
                        np.array([e[1].prefix_version for e in entries]), tok, lp))
-      if self.overlap_host and self._inflight is not None:
+      if self.overlap_host and self._ahead.step is not None:
         # The inserts queue after the step in flight: their first tokens are fetched and
         # recorded with the next step's results instead of waited for here, so refills overlap
         # with the device too. A sample that finishes on its first token is then known a step
         # later (that step's token for it is dropped), like a finish at any other step.
-        self._firsts.extend(firsts)
+        self._ahead.firsts.extend(firsts)
         break
-      finished = self._record_firsts(firsts)   # one transfer for all first tokens
+      finished = self._ahead.record_firsts(firsts)   # one transfer for all first tokens
       if not finished:  # a sample can finish on its first token: refill its slot right away
         break
     if bg:

@@ -1064,7 +1064,7 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   for overlap, loop in loops.items():
     assert loop.generated_tokens == loop.active_slot_steps == decoded, overlap
     assert loop.update_pause_steps == [0] and loop.version == 1
-    assert loop._inflight is None and loop.idle()
+    assert loop._ahead.step is None and loop.idle()
     if not compact:
       assert loop.computed_slot_steps == slots * loop.steps
       assert loop.attended_positions == eng.cache_length * loop.steps
@@ -1081,11 +1081,11 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   loop = GeneratorLoop(eng, params, compact_drain=False)
   loop.submit(Request("x", p, max_new_tokens=10))
   loop.step()   # prefill + first token; decode step 1 dispatched, not recorded
-  assert loop._inflight is not None and loop.generated_tokens == 0 and loop.steps == 1
+  assert loop._ahead.step is not None and loop.generated_tokens == 0 and loop.steps == 1
   loop.step()   # step 2 dispatched, step 1 recorded
   assert loop.generated_tokens == 1 and loop.steps == 2
   loop.run_until_idle(max_steps=2)   # steps 3, 4; all four recorded on return
-  assert loop._inflight is None and loop.generated_tokens == 4
+  assert loop._ahead.step is None and loop.generated_tokens == 4
   slot = next(i for i, s in enumerate(loop._slots.samples) if s is not None)
   assert loop._slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
@@ -1101,10 +1101,10 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
     r.submit(q)
   r.step()   # 4 slots filled (nothing in flight: first tokens fetched at once), step 1 dispatched
   r.step()   # step 2 dispatched; step 1 recorded: request 0 (2 tokens) finished
-  assert r.completions.qsize() == 1 and not r._inflight.firsts
+  assert r.completions.qsize() == 1 and not r._ahead.step.firsts
   r.step()   # request 4 inserted into its slot, step 3 dispatched with its first token pending
   slot = next(i for i, s in enumerate(r._slots.samples) if s and s.group.request.id == 4)
-  assert [f[0].tolist() for f in r._inflight.firsts] == [[slot]] and r._slots._count[slot] == 0
+  assert [f[0].tolist() for f in r._ahead.step.firsts] == [[slot]] and r._slots._count[slot] == 0
   got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
   want = run(GeneratorLoop(eng, params, compact_drain=False, overlap_host=False), reqs())
   assert got.keys() == want.keys()
@@ -1119,7 +1119,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   while t.generated_tokens < 3 and time.monotonic() < deadline:
     time.sleep(0.001)
   t.stop()
-  assert t._inflight is None
+  assert t._ahead.step is None
   assert t.generated_tokens == t.active_slot_steps
   # Every dispatched step is recorded: one token each while the sample runs (a step dispatched
   # after its last token, before that was known, is dropped).
