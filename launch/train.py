@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
 from magistral_jax import cli  # noqa: F401  (before jax: the CPU device count)
@@ -127,8 +128,17 @@ def run_generator_process(config, run, layout, tok, model_cfg, system_prompt, sh
     pool.close()
 
 
+def _on_sigint(signum, frame):
+  """Ctrl-C: KeyboardInterrupt as usual, and a flag the batch wait checks in case the exception
+  lands in a finalizer, where Python drops it (pipeline/rollouts.py INTERRUPTED)."""
+  from magistral_jax.pipeline import rollouts
+  rollouts.INTERRUPTED.set()
+  raise KeyboardInterrupt
+
+
 def main(argv):
   del argv
+  signal.signal(signal.SIGINT, _on_sigint)
   config = cli.start_run()
   import jax
   from magistral_jax import config as config_lib

@@ -73,6 +73,11 @@ from magistral_jax.rl.config import GRPOConfig
 
 log = logging.getLogger(__name__)
 
+# Set by a Ctrl-C handler (launch/train.py). Python raises KeyboardInterrupt at whatever bytecode
+# the main thread is on, and one raised inside a finalizer (an array's __del__ during garbage
+# collection) is printed and dropped; the batch wait checks this flag, so the run still stops.
+INTERRUPTED = threading.Event()
+
 
 class PipelineError(RuntimeError):
   """A component (generator thread, feeder, collector) failed; the cause carries the traceback."""
@@ -421,6 +426,8 @@ class Rollouts:
 
     def tick():
       nonlocal last_log
+      if INTERRUPTED.is_set():
+        raise KeyboardInterrupt("interrupted (SIGINT) while waiting for a batch")
       self.check()
       self._drain_scored(0.05)
       if self._groups.stalled():

@@ -29,7 +29,13 @@ def test_ctrl_c_mid_run_shuts_down_cleanly(tmp_path):
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "the verifier pool should have worker processes"
     proc.send_signal(signal.SIGINT)
-    rest, _ = proc.communicate(timeout=120)
+    try:
+      rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      rest, _ = proc.communicate()
+      raise AssertionError("no exit within 120 s of SIGINT; the run's last output:\n"
+                           + rest[-6000:]) from None
   finally:
     if proc.poll() is None:
       proc.kill()
