@@ -138,7 +138,6 @@ def _on_sigint(signum, frame):
 
 def main(argv):
   del argv
-  signal.signal(signal.SIGINT, _on_sigint)
   config = cli.start_run()
   import jax
   from magistral_jax import config as config_lib
@@ -155,6 +154,9 @@ def main(argv):
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
+  # After the imports: the handler's own import of the pipeline is then a lookup, never an
+  # import of jax inside a signal handler (a Ctrl-C before here is Python's default).
+  signal.signal(signal.SIGINT, _on_sigint)
 
   t_start = time.time()
   layout = multihost.process_layout(config)   # None: one process
