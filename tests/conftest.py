@@ -32,14 +32,20 @@ if _cache != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-# `make test` runs the suite in two parts (tools/test.sh): first every test that is neither
-# marked slow nor listed here, on 2 pytest-xdist workers (they mostly wait on single-threaded XLA
-# compiles, so two at once keep both cores busy: 1.5x on tests/model + tests/rl); then the slow
-# ones (end-to-end runs, compute-bound: beside another test they ran 1.7-2.3x slower) and these,
-# one at a time. These bound wall times (heartbeat and sandbox timeouts: a second test on the
-# same 2 cores would slow them past their bounds) or scan the whole host for leftovers (a
-# neighbour's sandbox would read as a leak).
+# `make test` runs the suite in two parts (tools/test.sh): first every test not listed here, on 2
+# pytest-xdist workers (most wait on single-threaded XLA compiles, so two at once keep both cores
+# busy: 1.5x on tests/model + tests/rl); then these, one at a time. They are either end-to-end
+# runs that are compute-bound (beside another test they ran 1.7-2.3x slower, so running them two
+# at a time gains nothing), or they bound wall times (heartbeat and sandbox timeouts: a second
+# test on the same 2 cores would slow them past their bounds), or they scan the whole host for
+# leftovers (a neighbour's sandbox would read as a leak). The `slow` marker is independent: it
+# names the long tests (`-m "not slow"` for a quick run); the slow ones not listed here are
+# compile-bound and share part 1's workers.
 SERIAL = {
+    "tests/launch/test_smollm2_rl.py": "compute-bound: SFT and RL on the 135M model",
+    "tests/launch/test_tiny_learns.py": "compute-bound end-to-end run",
+    "tests/launch/test_colocated.py": "compute-bound end-to-end run",
+    "tests/launch/test_rehearsals.py": "compute-bound end-to-end runs",
     "tests/parallel/test_multihost.py": "processes on a 10 s heartbeat timeout",
     "tests/launch/test_multihost_run.py": "processes on a 10 s heartbeat timeout",
     "tests/launch/test_local_cluster.py": "bounded stop times",

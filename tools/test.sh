@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test suite in two parts (tests/conftest.py says which tests go where, and why):
-#   1. the tests neither marked slow nor serial, on 2 pytest-xdist workers; a file's tests stay
-#      on one worker, so module fixtures run once;
-#   2. the slow (end-to-end) and serial (wall-time-bounded, host-scanning) tests, one at a time.
+#   1. the tests not marked serial, on 2 pytest-xdist workers; a file's tests stay on one worker,
+#      so module fixtures run once;
+#   2. the serial ones (compute-bound end-to-end runs, wall-time-bounded and host-scanning
+#      tests), one at a time.
 # Both parts share one XLA compilation cache (unless MAGISTRAL_TEST_XLA_CACHE is set: a directory
 # to keep, or 0 for none), removed at the end. Both parts always run; the suite fails if either
 # does. Extra arguments go to both (a part they leave empty counts as passed).
@@ -19,7 +20,7 @@ part() {
   return "$rc"
 }
 start=$(date +%s)
-part --durations=25 -n 2 --dist loadfile -m "not slow and not serial" tests "$@"; a=$?
-part --durations=25 -m "slow or serial" tests "$@"; b=$?
+part --durations=25 -n 2 --dist loadfile -m "not serial" tests "$@"; a=$?
+part --durations=25 -m serial tests "$@"; b=$?
 echo "tools/test.sh: part 1 exit $a, part 2 exit $b, $(( $(date +%s) - start )) s in all"
 [ "$a" -eq 0 ] && [ "$b" -eq 0 ]
