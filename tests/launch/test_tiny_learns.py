@@ -18,6 +18,9 @@ the first 8; RL here sharpens arithmetic facts the cold start half knows, BENCHM
   (lr 1e-3 on 8 prompts a batch is noisy; one run lost its format at the end);
 - the narrowed task, 128 completions per batch (this test): +0.077 and +0.091 (train accuracy
   0.17 -> 0.25 both times, held-out pass@1 0.19 -> 0.27 over 128 problems x 8 samples), 230-240 s.
+
+The run is made in two launches (10 batches, then resumed to 20), so it also checks what a run
+writes (summary, metrics, TensorBoard, checkpoints) and that a larger budget resumes it.
 """
 import json
 import os
@@ -28,26 +31,51 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BATCHES, HALF = 20, 10
+
+
+def _train(workdir, batches):
+  r = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
+       f"--config=configs/tiny.py:sft_steps=50,batches={batches},slip=0,n_batch=128,"
+       "n_mini_per_batch=1",
+       "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
+       "--config.data.max_operand=4", "--config.data.max_steps=2",
+       "--config.checkpoint.every=5"],
+      cwd=ROOT, capture_output=True, text=True, timeout=1500)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  return r.stdout + r.stderr
 
 
 @pytest.mark.slow
 def test_tiny_default_reward_improves_over_its_first_batches(tmp_path):
-  r = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "launch/train.py"), f"--workdir={tmp_path}",
-       "--config=configs/tiny.py:sft_steps=50,batches=20,slip=0,n_batch=128,n_mini_per_batch=1",
-       "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
-       "--config.data.max_operand=4", "--config.data.max_steps=2",
-       "--config.checkpoint.every=100"],
-      cwd=ROOT, capture_output=True, text=True, timeout=1500)
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  """Run in two launches, the second with a larger budget (what a user does to train longer):
+  besides the learning, the run's outputs and its resume are checked here."""
+  out = _train(tmp_path, HALF)
+  first = json.load(open(tmp_path / "summary.json"))
+  assert first["batches"] == HALF
+  for key in ("heldout_accuracy_before", "heldout_accuracy_after", "format_rate", "wall_time_s"):
+    assert key in first
+  # The tiny system prompt (35 of its ~50-token prompts) is prefilled once per weights version
+  # and every training prompt continues it (engine.shared_prefix_cache, on by default).
+  assert "shared prompt prefix: 35 tokens" in out
+  assert os.listdir(tmp_path / "tb")
+  steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+  assert steps == list(range(0, HALF + 1, 5)) and first["optimizer_steps"] == HALF
+
+  out = _train(tmp_path, BATCHES)   # resumes from its checkpoint, not from scratch
+  assert f"resumed from checkpoint {HALF}" in out and "cold-start SFT" not in out
+  assert "held-out pass@1" in out   # the before -> after line the README promises
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["batches"] == BATCHES
+  # Wall time adds up across the two processes (the checkpoint carries the first one's).
+  assert summary["wall_time_s"] > first["wall_time_s"]
+
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   rl = [row for row in rows if "reward" in row]
-  assert len(rl) == 20
+  assert [int(row["batch"]) for row in rl] == list(range(1, BATCHES + 1))   # none lost or redone
+  assert max(row.get("generator_shared_prefix_hits", 0) for row in rl) > 0
   reward = np.asarray([row["reward"] for row in rl])
   fmt = np.asarray([row["format_rate"] for row in rl])
   assert reward[-8:].mean() > reward[:8].mean() + 0.01, reward.round(3)
   assert fmt[-8:].mean() > 0.5, fmt.round(2)   # the format is learned (cold start, then RL)
-  summary = json.load(open(tmp_path / "summary.json"))
-  for key in ("heldout_accuracy_before", "heldout_accuracy_after", "format_rate", "wall_time_s"):
-    assert key in summary
-  assert "held-out pass@1" in r.stdout   # the before -> after line the README promises
