@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BATCHES, HALF = 20, 10
+BATCHES, HALF, EVERY = 20, 10, 5   # batches in all, in the first launch; checkpoint every
 
 
 def _train(workdir, batches):
@@ -41,7 +41,7 @@ def _train(workdir, batches):
        "n_mini_per_batch=1",
        "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
        "--config.data.max_operand=4", "--config.data.max_steps=2",
-       "--config.checkpoint.every=5"],
+       f"--config.checkpoint.every={EVERY}"],
       cwd=ROOT, capture_output=True, text=True, timeout=1500)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   return r.stdout + r.stderr
@@ -61,7 +61,7 @@ def test_tiny_default_reward_improves_over_its_first_batches(tmp_path):
   assert "shared prompt prefix: 35 tokens" in out
   assert os.listdir(tmp_path / "tb")
   steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
-  assert steps == list(range(0, HALF + 1, 5)) and first["optimizer_steps"] == HALF
+  assert steps == list(range(0, HALF + 1, EVERY)) and first["optimizer_steps"] == HALF
 
   out = _train(tmp_path, BATCHES)   # resumes from its checkpoint, not from scratch
   assert f"resumed from checkpoint {HALF}" in out and "cold-start SFT" not in out
