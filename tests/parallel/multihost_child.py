@@ -78,7 +78,11 @@ def main(scenario, tmp=None):
         try:
           gen.wait_for(("stage", 0), "the stage start", timeout_s=120)
         except PipelineError as e:
-          print("OK: the leader got:", repr(str(e)), flush=True)
+          # The reader thread logs the error to stderr, which shares this process's pipe: join
+          # it first, then print the line in one write, so no log line lands inside it.
+          gen.stop()
+          sys.stdout.write(f"OK: the leader got: {str(e)!r}\n")
+          sys.stdout.flush()
         gen.stop()
         mailbox.send(in_stream(0), ("exit",))   # as launch/train.py's leader does on its way out
   elif scenario in ("transfer", "trainer_killed"):
