@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The second flag: XLA:CPU aborts the process ("Termination timeout ... Exiting to ensure a
 # consistent program state") when a simulated device's thread is late to a collective by more
 # than a fixed timeout. A 2-core host running a test beside another can starve one device's
-# thread that long. A real deadlock now waits 20 min before that abort (or CI's own limit).
+# thread that long. A real deadlock is ended sooner, by the per-test timeout below.
 for _flag in ("--xla_force_host_platform_device_count=8",
               "--xla_cpu_collective_call_terminate_timeout_seconds=1200"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -65,3 +65,67 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if os.path.relpath(str(item.path), root) in SERIAL:
       item.add_marker(pytest.mark.serial)
+
+
+# A test that hangs fails in 15 minutes, not at CI's limit: pytest.ini sets pytest-timeout
+# (`timeout`, thread method: it also ends a test blocked in native code, e.g. a device_get
+# waiting on a collective, which a signal cannot interrupt) and pytest's `faulthandler_timeout`
+# (every thread's Python stack, half a minute before). A minute before the end this writes
+# every thread's native stack (gdb, where the host has it: XLA's threads show who holds a
+# rendezvous) and kills the test's child processes, so a launch subprocess does not outlive it.
+import threading
+
+import pytest
+
+_STDERR = []   # the terminal's stderr, as pytest's faulthandler plugin takes it
+
+
+def pytest_configure(config):
+  from _pytest.faulthandler import get_stderr_fileno
+  _STDERR.append(os.dup(get_stderr_fileno()))
+
+
+def _test_timeout(item) -> float:
+  marker = item.get_closest_marker("timeout")
+  if marker is not None and marker.args:
+    return float(marker.args[0])
+  return float(item.config.getini("timeout") or 0)
+
+
+def _report_hang(nodeid: str, after_s: float):
+  import subprocess
+  import psutil
+  out = os.fdopen(os.dup(_STDERR[0]), "w")
+  out.write(f"\n===== {nodeid} still running after {after_s:.0f} s: native stacks, then its "
+            f"child processes killed =====\n")
+  out.flush()
+  gdb = shutil.which("gdb")
+  if gdb:
+    try:
+      subprocess.run([gdb, "-batch", "-nx", "-iex", "set auto-load off", "-p", str(os.getpid()),
+                      "-ex", "thread apply all bt 25"], stdout=out, stderr=subprocess.STDOUT,
+                     stdin=subprocess.DEVNULL, timeout=120)
+    except Exception as e:   # no ptrace here, or gdb itself hung: the Python stacks still come
+      out.write(f"gdb failed: {e!r}\n")
+  for child in psutil.Process().children(recursive=True):
+    try:
+      out.write(f"killing child {child.pid}: {' '.join(child.cmdline())[:200]}\n")
+      child.kill()
+    except psutil.Error:
+      pass
+  out.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  timeout = _test_timeout(item)
+  timer = None
+  if timeout > 60:
+    timer = threading.Timer(timeout - 60, _report_hang, args=(item.nodeid, timeout - 60))
+    timer.daemon = True
+    timer.start()
+  try:
+    yield
+  finally:
+    if timer is not None:
+      timer.cancel()
