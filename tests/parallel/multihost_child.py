@@ -75,15 +75,17 @@ def main(scenario, tmp=None):
         gen.send(("stage", 0, 0))
       transfer.send(on_trainer(1))
       if gen is not None:
+        error = None
         try:
           gen.wait_for(("stage", 0), "the stage start", timeout_s=120)
         except PipelineError as e:
-          # The reader thread logs the error to stderr, which shares this process's pipe: join
-          # it first, then print the line in one write, so no log line lands inside it.
-          gen.stop()
-          sys.stdout.write(f"OK: the leader got: {str(e)!r}\n")
-          sys.stdout.flush()
+          error = e
+        # The reader thread logs the error to stderr, which shares this process's pipe: it is
+        # joined first, and the line is printed in one write, so no log line lands inside it.
         gen.stop()
+        if error is not None:
+          sys.stdout.write(f"OK: the leader got: {str(error)!r}\n")
+          sys.stdout.flush()
         mailbox.send(in_stream(0), ("exit",))   # as launch/train.py's leader does on its way out
   elif scenario in ("transfer", "trainer_killed"):
     for version in ((1, 2) if scenario == "transfer" else (1,)):
