@@ -59,11 +59,38 @@ SERIAL = {
 }
 
 
+# XLA:CPU optimises its LLVM code fully by default. Most tests run their programs a few times on tiny
+# shapes, so compiling is most of their work: for them jax_disable_most_optimizations (LLVM -O0,
+# no expensive LLVM passes; the HLO passes, and so the programs' semantics, are unchanged) cut CPU
+# time by a quarter to a half (docs/perf_log.md "Test suite time"). These keep the default, as a
+# user's run has it: the compute-bound end-to-end runs, and the real 135M model's parity tests
+# (slower or no faster without the optimisation). The launch/*.py subprocesses a test starts
+# follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
+FULL_OPTIMIZATION = {
+    "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
+    "tests/launch/test_colocated.py", "tests/launch/test_rehearsals.py",
+    "tests/launch/test_multihost_run.py", "tests/model/test_smollm2_parity.py",
+    "tests/generate/test_smollm2_decode.py", "tests/model/test_checkpoint_gguf.py",
+}
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rel(item) -> str:
+  return os.path.relpath(str(item.path), _ROOT)
+
+
+def _set_optimization(full: bool):
+  import jax
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if full else "1"
+  jax.config.update("jax_disable_most_optimizations", not full)
+
+
 def pytest_collection_modifyitems(config, items):
   import pytest
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for item in items:
-    if os.path.relpath(str(item.path), root) in SERIAL:
+    if _rel(item) in SERIAL:
       item.add_marker(pytest.mark.serial)
 
 
@@ -118,6 +145,7 @@ def _report_hang(nodeid: str, after_s: float):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+  _set_optimization(_rel(item) in FULL_OPTIMIZATION)   # before the test's fixtures compile
   timeout = _test_timeout(item)
   timer = None
   if timeout > 60:
