@@ -59,18 +59,21 @@ SERIAL = {
 }
 
 
-# XLA:CPU optimises its LLVM code fully by default. Most tests run their programs a few times on tiny
-# shapes, so compiling is most of their work: for them jax_disable_most_optimizations (LLVM -O0,
+# XLA:CPU optimises its LLVM code fully by default. Most tests run their programs a few times on
+# tiny shapes, so compiling is most of their work: for them jax_disable_most_optimizations (LLVM -O0,
 # no expensive LLVM passes; the HLO passes, and so the programs' semantics, are unchanged) cut CPU
 # time by a quarter to a half (docs/perf_log.md "Test suite time"). These keep the default, as a
 # user's run has it: the compute-bound end-to-end runs, and the real 135M model's parity tests
-# (slower or no faster without the optimisation). The launch/*.py subprocesses a test starts
-# follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
+# (slower or no faster without the optimisation), and the notebooks' tiny run: it compiles the
+# tiny default's programs, which test_tiny_learns then finds in the cache (the cache key holds the
+# optimisation level; compiled at -O0 they cost test_tiny_learns 62 s). The launch/*.py
+# subprocesses a test starts follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
 FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
     "tests/launch/test_colocated.py", "tests/launch/test_rehearsals.py",
     "tests/launch/test_multihost_run.py", "tests/model/test_smollm2_parity.py",
     "tests/generate/test_smollm2_decode.py", "tests/model/test_checkpoint_gguf.py",
+    "tests/notebooks/test_notebooks.py",
 }
 
 
