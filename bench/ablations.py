@@ -45,9 +45,14 @@ ABLATIONS = {
 
 
 def run(argv, log_path):
+  # No persistent compilation cache (config.compilation_cache_dir) unless the caller set one:
+  # every variant and seed compiles its own programs, so wall times compare.
+  env = dict(os.environ)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", "")
   with open(log_path, "w") as log:
     t = time.time()
-    rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                        env=env).returncode
   if rc:
     tail = open(log_path).read()[-3000:]
     raise RuntimeError(f"{' '.join(argv)} failed (exit {rc}); log {log_path}:\n{tail}")

@@ -29,9 +29,28 @@ def workdir() -> str:
   return os.path.abspath(WORKDIR.value)
 
 
+def compilation_cache(config) -> str | None:
+  """Turns on JAX's persistent compilation cache at config.compilation_cache_dir (with its size
+  limit), unless JAX_COMPILATION_CACHE_DIR is set: then JAX already follows that variable ("" =
+  off). Returns the directory in use (None: off)."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
+  path = config.get("compilation_cache_dir", "")
+  if not path:
+    return None
+  import jax
+  path = os.path.abspath(os.path.expanduser(path))
+  max_gb = float(config.get("compilation_cache_max_gb", 0.0))
+  if max_gb < 0:
+    raise ValueError(f"compilation_cache_max_gb must be >= 0 (0 = no limit), got {max_gb}")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_compilation_cache_max_size", int(max_gb * 2**30) if max_gb else -1)
+  return path
+
+
 def start_run():
-  """Logging to stdout (libraries quieted), optional jax.distributed initialisation, and the
-  parsed --config."""
+  """Logging to stdout (libraries quieted), optional jax.distributed initialisation, JAX's
+  persistent compilation cache (compilation_cache), and the parsed --config."""
   logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                       format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
   for noisy in ("absl", "jax._src.xla_bridge", "orbax"):
@@ -39,4 +58,7 @@ def start_run():
   if DISTRIBUTED.value:   # one process per host: see parallel/multihost.py
     from magistral_jax.parallel import multihost
     multihost.initialize()
-  return CONFIG.value
+  config = CONFIG.value
+  cache = compilation_cache(config)
+  logging.getLogger("cli").info("XLA compilation cache: %s", cache or "off")
+  return config

@@ -100,6 +100,14 @@ def default_config() -> mlc.ConfigDict:
   # of a resumed run's earlier processes), after checkpointing them; 0 = no limit. A relaunch on
   # the same workdir with a larger (or no) limit resumes from there (the rehearsal tests).
   c.stop_after_batches = 0
+  # JAX's persistent compilation cache, for every launch/*.py: a relaunch that compiles the same
+  # programs (a resumed run, an evaluation of its checkpoint) loads them from here instead of
+  # compiling them again. An entry's key holds the program, the jax/XLA versions, the XLA flags
+  # and the devices, so other shapes or versions never load it. "" = off. The least recently
+  # used entries go above compilation_cache_max_gb (0 = no limit). JAX_COMPILATION_CACHE_DIR,
+  # when set (the tests set it; "" = off), wins over both.
+  c.compilation_cache_dir = "~/.cache/magistral_jax/xla"
+  c.compilation_cache_max_gb = 20.0
   # ---- policy ----
   c.model = config_section(ModelConfig)
   # Where the initial weights come from: random | gguf | hf | orbax (+ path). With gguf/hf the

@@ -19,7 +19,9 @@ for _flag in ("--xla_force_host_platform_device_count=8",
 # same programs (the tiny model's train step, prefill and decode step on the same meshes) through
 # different jit objects, which JAX's in-memory cache cannot share. The directory is fresh for each
 # session and removed at its end, so no test sees another run's executables. Set
-# MAGISTRAL_TEST_XLA_CACHE=0 to compile everything (as before), or to a directory to keep one.
+# MAGISTRAL_TEST_XLA_CACHE=0 to compile everything, or to a directory to keep one. Either way the
+# launch scripts never use a user's cache (config.compilation_cache_dir): the variable, set here
+# ("" = off), wins over it.
 import atexit
 import shutil
 import tempfile
@@ -31,6 +33,7 @@ if _cache != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 
 # `make test` runs the suite in two parts (tools/test.sh): first every test not listed here, on 2
 # pytest-xdist workers (most wait on single-threaded XLA compiles, so two at once keep both cores

@@ -1,0 +1,97 @@
+"""Benchmark: a launch with JAX's persistent compilation cache (config.compilation_cache_dir),
+against the same launch without it.
+
+The same short run (`launch/train.py`, configs/tiny.py by default: a cold start, evaluations,
+RL batches through two generators) is launched three times, each in a fresh workdir, one after
+the other:
+  off   JAX_COMPILATION_CACHE_DIR="": every program compiled (the baseline);
+  cold  an empty cache directory: every program compiled and written;
+  warm  the same directory again: what a relaunch (a resumed run, a rerun) pays.
+Reported: each launch's wall time (process start to exit) and, from JAX's own counters, the
+seconds it spent compiling programs or loading them from the cache, and its cache hits (JAX
+caches a program only when compiling it took at least jax_persistent_cache_min_compile_time_secs,
+1 s by default). `warm_over_off` is the ratio a user sees.
+
+Last line: one JSON object. Usage: python bench/compilation_cache.py [--config=...] [-- flags]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Run inside each launch (through PYTHONPATH): JAX's compile and cache counters, at exit.
+SITECUSTOMIZE = """
+import atexit, json, os
+from jax._src import monitoring   # jax reads its JAX_* variables here; no backend starts yet
+_totals = {"compile_s": 0.0, "compiles": 0, "cache_hits": 0}
+def _on_duration(event, duration, **kw):
+  if event == "/jax/core/compile/backend_compile_duration":
+    _totals["compile_s"] += duration
+    _totals["compiles"] += 1
+def _on_event(event, **kw):
+  if event == "/jax/compilation_cache/cache_hits":
+    _totals["cache_hits"] += 1
+monitoring.register_event_duration_secs_listener(_on_duration)
+monitoring.register_event_listener(_on_event)
+# One file per process: the launch's own verifier workers run this too.
+atexit.register(lambda: open(os.path.join(os.environ["BENCH_COUNTERS"], str(os.getpid())),
+                             "w").write(json.dumps(_totals)))
+"""
+
+
+def launch(args, cache_dir: str, scratch: str, tag: str) -> dict:
+  workdir = os.path.join(scratch, f"run_{tag}")
+  counters = os.path.join(scratch, f"counters_{tag}")
+  os.makedirs(counters)
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, BENCH_COUNTERS=counters,
+             PYTHONPATH=os.pathsep.join([os.path.join(scratch, "site")] +
+                                        [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  cmd = [sys.executable, os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
+         f"--config={args.config}", *args.flags]
+  t = time.perf_counter()
+  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+  wall = time.perf_counter() - t
+  if r.returncode != 0:
+    raise SystemExit(f"launch {tag} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+  # The launch process is the one that compiled the most (its workers compile nothing).
+  out = max((json.load(open(os.path.join(counters, f))) for f in os.listdir(counters)),
+            key=lambda c: c["compiles"])
+  out["wall_s"] = round(wall, 1)
+  out["compile_s"] = round(out["compile_s"], 1)
+  print(f"{tag:5s} wall {out['wall_s']:7.1f} s | {out['compiles']} programs compiled or loaded in "
+        f"{out['compile_s']:.1f} s | cache hits {out['cache_hits']}", flush=True)
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default="configs/tiny.py:sft_steps=20,batches=3")
+  p.add_argument("flags", nargs="*", default=["--config.data.heldout=16"],
+                 help="more launch/train.py flags (after --)")
+  args = p.parse_args()
+  with tempfile.TemporaryDirectory(prefix="bench_compilation_cache_") as scratch:
+    os.makedirs(os.path.join(scratch, "site"))
+    with open(os.path.join(scratch, "site", "sitecustomize.py"), "w") as f:
+      f.write(SITECUSTOMIZE)
+    cache = os.path.join(scratch, "xla")
+    off = launch(args, "", scratch, "off")
+    cold = launch(args, cache, scratch, "cold")
+    warm = launch(args, cache, scratch, "warm")
+    cache_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache)
+                   for f in fs) / 2**20
+  print(json.dumps({"bench": "compilation_cache", "config": args.config, "flags": args.flags,
+                    "off": off, "cold": cold, "warm": warm, "cache_MB": round(cache_mb, 1),
+                    "cold_over_off": round(cold["wall_s"] / off["wall_s"], 3),
+                    "warm_over_off": round(warm["wall_s"] / off["wall_s"], 3)}))
+
+
+if __name__ == "__main__":
+  main()
