@@ -105,7 +105,9 @@ def default_config() -> mlc.ConfigDict:
   # compiling them again. An entry's key holds the program, the jax/XLA versions, the XLA flags
   # and the devices, so other shapes or versions never load it. "" = off. The least recently
   # used entries go above compilation_cache_max_gb (0 = no limit). JAX_COMPILATION_CACHE_DIR,
-  # when set (the tests set it; "" = off), wins over both.
+  # when set (the tests set it; "" = off), wins over both. Of many processes, only process 0
+  # writes (JAX's rule): the others load its entries where they see its directory (a shared
+  # file system) and their devices match the key (always on GPU, whose key leaves them out).
   c.compilation_cache_dir = "~/.cache/magistral_jax/xla"
   c.compilation_cache_max_gb = 20.0
   # ---- policy ----
