@@ -16,7 +16,6 @@ Last line: one JSON object. Usage: python bench/compilation_cache.py [--config=.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,8 +23,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+ROOT = common.ROOT
 
 # Run inside each launch (through PYTHONPATH): JAX's compile and cache counters, at exit.
 SITECUSTOMIZE = """
@@ -72,7 +73,7 @@ def launch(args, cache_dir: str, scratch: str, tag: str) -> dict:
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = common.argument_parser(__doc__)
   p.add_argument("--config", default="configs/tiny.py:sft_steps=20,batches=3")
   p.add_argument("flags", nargs="*", default=["--config.data.heldout=16"],
                  help="more launch/train.py flags (after --)")
@@ -87,10 +88,10 @@ def main():
     warm = launch(args, cache, scratch, "warm")
     cache_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache)
                    for f in fs) / 2**20
-  print(json.dumps({"bench": "compilation_cache", "config": args.config, "flags": args.flags,
-                    "off": off, "cold": cold, "warm": warm, "cache_MB": round(cache_mb, 1),
-                    "cold_over_off": round(cold["wall_s"] / off["wall_s"], 3),
-                    "warm_over_off": round(warm["wall_s"] / off["wall_s"], 3)}))
+  common.emit({"bench": "compilation_cache", "config": args.config, "flags": args.flags,
+               "off": off, "cold": cold, "warm": warm, "cache_MB": cache_mb,
+               "cold_over_off": cold["wall_s"] / off["wall_s"],
+               "warm_over_off": warm["wall_s"] / off["wall_s"], **common.host_info()}, ndigits=3)
 
 
 if __name__ == "__main__":

@@ -56,21 +56,17 @@ def test_the_environment_variable_wins_and_an_empty_one_turns_the_cache_off(tmp_
   assert got["path"] is None and not mine.exists()
 
 
-def test_off_and_no_limit_and_a_bad_limit():
+def test_off_and_a_bad_limit(monkeypatch):
   from magistral_jax import cli
   from magistral_jax.config import default_config
   c = default_config()
   assert c.compilation_cache_dir == "~/.cache/magistral_jax/xla"
   c.compilation_cache_dir = ""
-  saved = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
-  try:
-    assert cli.compilation_cache(c) is None
-    c.compilation_cache_dir, c.compilation_cache_max_gb = "/nonexistent/xla", -1.0
-    with pytest.raises(ValueError, match="compilation_cache_max_gb"):
-      cli.compilation_cache(c)
-  finally:
-    if saved is not None:
-      os.environ["JAX_COMPILATION_CACHE_DIR"] = saved
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  assert cli.compilation_cache(c) is None
+  c.compilation_cache_dir, c.compilation_cache_max_gb = "/nonexistent/xla", -1.0
+  with pytest.raises(ValueError, match="compilation_cache_max_gb"):
+    cli.compilation_cache(c)
 
 
 def test_no_limit(tmp_path):
