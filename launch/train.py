@@ -66,21 +66,24 @@ def generator_options(scfg, tok, system_prompt, alternate: bool = False) -> dict
               overlap_host=scfg.engine.overlap_host)
 
 
-def eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix):
-  """params -> a GeneratorLoop with the evaluation's sampling, on `devices`."""
-  from magistral_jax.generate.engine import Engine
+def eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix, engines=None):
+  """params -> a GeneratorLoop with the evaluation's sampling, on `devices`. Its engine is the
+  generators' on those devices where they match (`engines`, build.engine_for: same lengths and
+  compiled-in sampling; the evaluation's temperature is an input), so evaluating compiles
+  nothing the run has not."""
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.parallel import make_mesh
+  from magistral_jax.pipeline.build import engine_for
   sampling = SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
                             greedy=config.eval.greedy, max_new_tokens=config.eval.max_new_tokens,
                             eos_id=tok.eos_id)
-  engine = Engine(model_cfg, make_mesh(dict(config.devices.generator_mesh), devices), rules,
-                  max_concurrent_decodes=config.engine.max_concurrent_decodes,
-                  max_prefill_length=config.engine.max_prefill_length,
-                  max_decode_length=config.eval.max_new_tokens, sampling=sampling,
-                  attention_windows=config.engine.attention_windows)
-  return lambda params: GeneratorLoop(engine, params, seed=config.seed,
+  engine = engine_for(model_cfg, devices, sampling, engines=engines,
+                      mesh_shape=dict(config.devices.generator_mesh), rules=rules,
+                      max_concurrent_decodes=config.engine.max_concurrent_decodes,
+                      max_prefill_length=config.engine.max_prefill_length,
+                      max_decode_length=config.eval.max_new_tokens,
+                      attention_windows=config.engine.attention_windows)
+  return lambda params: GeneratorLoop(engine, params, sampling=sampling, seed=config.seed,
                                       background_prefill=config.engine.background_prefill,
                                       loop_prefill_below=config.engine.loop_prefill_below,
                                       shared_prefix=shared_prefix)
@@ -107,13 +110,14 @@ def run_generator_process(config, run, layout, tok, model_cfg, system_prompt, sh
   mesh = make_mesh(dict(config.devices.generator_mesh), devices)
   transfer = weight_transfer(model_cfg, mesh, rules, layout.trainer_devices())
   stages = stage_list(config)
-  eval_loop = eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix)
+  engines = {}   # build.engine_for: the evaluation and every stage share an engine where they can
+  eval_loop = eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix, engines)
   pool = make_pool(config, run)
 
   def make_loop(si, params, version):
     scfg = config_lib.apply_overrides(config, dict(stages[si].get("overrides", {})))
     [loop] = make_generators(model_cfg, params, [devices], stage_sampling(scfg, tok),
-                             version=version, seed=config.seed + si, rules=rules,
+                             version=version, seed=config.seed + si, rules=rules, engines=engines,
                              **generator_options(scfg, tok, system_prompt))
     return loop
 
@@ -228,8 +232,9 @@ def main(argv):
     transfers = [weight_transfer(model_cfg, make_mesh(dict(config.devices.generator_mesh), g),
                                  generator_rules, tdev) for g in gdevs]
   pool = make_pool(config, run) if leader else None
-  eval_loop = (eval_loop_factory(config, model_cfg, gdevs[0], generator_rules, tok, shared_prefix)
-               if layout is None else None)
+  engines = {}   # build.engine_for: the evaluation and every stage share an engine where they can
+  eval_loop = (eval_loop_factory(config, model_cfg, gdevs[0], generator_rules, tok, shared_prefix,
+                                 engines) if layout is None else None)
   heldout = heldout_problems(config, workdir) if leader else []
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if leader and os.path.exists(summary_path) else {}
@@ -297,7 +302,7 @@ def main(argv):
         gens = make_generators(
             model_cfg, state.params if colocated else jax.device_get(state.params), gdevs,
             sampling, version=meta["version"], seed=config.seed + si, rules=generator_rules,
-            **options)
+            engines=engines, **options)
       else:   # the generator processes start the stage on the trainer's weights
         gens = []
         if leader:

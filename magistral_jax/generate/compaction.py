@@ -40,7 +40,8 @@ def _gather(state: DecodeState, idx, valid) -> DecodeState:
   take = lambda a: jnp.take(a, idx, axis=0)
   cache = T.KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)),
                     take(state.cache.lengths))
-  return DecodeState(cache, take(state.tokens), take(state.keys), take(state.active) & valid)
+  return DecodeState(cache, take(state.tokens), take(state.keys), take(state.active) & valid,
+                     take(state.temperature))
 
 
 def _scatter(state: DecodeState, small: DecodeState, idx) -> DecodeState:
@@ -49,7 +50,7 @@ def _scatter(state: DecodeState, small: DecodeState, idx) -> DecodeState:
                     tuple(map(put, state.cache.v, small.cache.v)),
                     put(state.cache.lengths, small.cache.lengths))
   return DecodeState(cache, put(state.tokens, small.tokens), put(state.keys, small.keys),
-                     put(state.active, small.active))
+                     put(state.active, small.active), put(state.temperature, small.temperature))
 
 
 class Compaction:

@@ -215,7 +215,8 @@ class Engine:
                          per_layer=True)
     return DecodeState(cache, jnp.zeros((self._slots,), jnp.int32),
                        jnp.zeros((self._slots, 2), jnp.uint32),
-                       jnp.zeros((self._slots,), bool))
+                       jnp.zeros((self._slots,), bool),
+                       jnp.full((self._slots,), self.sampling.temperature, jnp.float32))
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
@@ -294,8 +295,10 @@ class Engine:
                       state.cache.lengths.at[slot].set(prefix.true_length))
     if cache_only:
       return state._replace(cache=cache)
+    # The prefix's first token was drawn at the engine's temperature: the slot goes on at it.
     return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
-                       state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True))
+                       state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True),
+                       state.temperature.at[slot].set(self.sampling.temperature))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Copies a prefix into `slot` (donating decode_state) and activates it."""
@@ -354,13 +357,14 @@ class Engine:
     return self._prefill_many(params, padded_tokens, true_lengths, *prefix)
 
   def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
-                        sample_index, count, active):
+                        sample_index, count, active, temperature):
     # Draw every entry's first token from its row's logits with its own stream (the key for
     # sample i of a request is fold_in(request_key, i), as `resample` would have it).
     slot_keys = jax.vmap(jax.random.fold_in)(keys, sample_index)
     lg = prefixes.logits[rows]
     true_len = prefixes.true_length[rows]
-    tok, lp = S.sample(lg, slot_keys, true_len, self.sampling)
+    temps = jnp.full(slots.shape, temperature, jnp.float32)
+    tok, lp = S.sample(lg, slot_keys, true_len, self.sampling, temps)
 
     def copy_one(i, kv):
       # Entries past `count` are padding and never run; each real one copies one prompt cache
@@ -376,15 +380,20 @@ class Engine:
     # Padding entries carry slot index = number of slots: out of range, so these writes drop.
     put = lambda a, x: put_rows(a, slots, x)
     cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
-    new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active)
+    new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active,
+                      put(state.temperature, temps))
     return new, tok, lp
 
   def insert_many(self, prefixes: Prefixes, decode_state: DecodeState, slots, rows, keys,
-                  sample_index, active) -> tuple[DecodeState, Array, Array]:
+                  sample_index, active, temperature: float | None = None
+                  ) -> tuple[DecodeState, Array, Array]:
     """Copies prefix rows `rows[j]` into slots `slots[j]` (several slots may share a row) in one
     call, donating decode_state. Entry j's slot stream is fold_in(keys[j], sample_index[j]) and
     its first token is drawn from the row's logits at position true_length with that stream.
     `active` [slots] bool becomes the new activity mask (so frees and inserts are one call).
+    `temperature` (default: the engine's sampling temperature) is the entries' sampling
+    temperature, for their first token and, kept in their slots, for every later one: an input of
+    the program, so loops sampling at different temperatures share this engine's programs.
     Returns (decode_state, first tokens [max_concurrent_decodes], their log-probs): entry j's
     are at index j; entries past len(slots) are padding."""
     m = len(slots)
@@ -404,8 +413,11 @@ class Engine:
                            np.zeros((pad, 2), np.uint32)])
     sample_index = np.concatenate([np.asarray(sample_index, np.int32).reshape(m),
                                    np.zeros((pad,), np.int32)])
+    t = self.sampling.temperature if temperature is None else float(temperature)
+    if not t > 0:
+      raise ValueError(f"insert_many temperature must be > 0, got {t}")
     return self._insert_many(prefixes, decode_state, slots, rows, keys, sample_index,
-                             np.int32(m), np.asarray(active, bool))
+                             np.int32(m), np.asarray(active, bool), np.float32(t))
 
   def _generate_impl(self, params, state: DecodeState, window: int):
     active = state.active
@@ -415,9 +427,9 @@ class Engine:
     lg = T.logits(params, self.cfg, hidden[:, 0])
     finite = jnp.all(jnp.isfinite(lg), axis=-1)
     # The sampled token will sit at position cache.lengths (the stream's key is folded with it).
-    tok, lp = S.sample(lg, state.keys, cache.lengths, self.sampling)
+    tok, lp = S.sample(lg, state.keys, cache.lengths, self.sampling, state.temperature)
     tok = jnp.where(active, tok, state.tokens)
-    new_state = DecodeState(cache, tok, state.keys, active)
+    new_state = state._replace(cache=cache, tokens=tok)
     return new_state, ResultTokens(tok, lp, active, cache.lengths, finite)
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None):

@@ -120,10 +120,11 @@ class GeneratorLoop:
     # engine's compact_sizes, they are decoded on that smaller engine (compaction.Drain).
     self.compact_drain = compact_drain
     self._drain = Drain(engine)
-    # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side, so a loop may set its
-    # own; what the compiled step uses (temperature, top-p, top-k, greedy) must match the engine.
+    # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side and the temperature an
+    # input of the engine's programs (each slot carries its own), so a loop may set its own; what
+    # the programs compile in (top-p, top-k, greedy) must match the engine.
     self.sampling = sampling or engine.sampling
-    for f in ("temperature", "top_p", "top_k", "greedy"):
+    for f in ("top_p", "top_k", "greedy"):
       if getattr(self.sampling, f) != getattr(engine.sampling, f):
         raise ValueError(f"sampling.{f}={getattr(self.sampling, f)!r} differs from the engine's "
                          f"{getattr(engine.sampling, f)!r} (it is compiled into the engine)")
@@ -507,7 +508,7 @@ class GeneratorLoop:
         self.state, tok, lp = self.engine.insert_many(
             entries[0][1].prefix[0], self.state, [e[0] for e in entries],
             [e[1].prefix[1] for e in entries], np.stack([e[1].key for e in entries]),
-            [e[2] for e in entries], slots.active)
+            [e[2] for e in entries], slots.active, temperature=self.sampling.temperature)
         slots.device_active = slots.active.copy()
         firsts.append((np.array([e[0] for e in entries]), [e[1].request.id for e in entries],
                        np.array([e[1].prefix_version for e in entries]), tok, lp))

@@ -24,13 +24,16 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """How tokens are drawn. Static per engine (part of the compiled decode step).
+  """How tokens are drawn. top_p, top_k and greedy are compiled into an engine's programs; the
+  temperature is an input of them (each decode slot carries the one its sample was started
+  with); the rest are host-side.
 
   temperature: divides the logits (also defines the log-prob reported, see module doc).
   top_p: nucleus mass kept (1.0 = off). top_k: keep the k most likely tokens (0 = off).
@@ -57,15 +60,25 @@ class SamplingConfig:
     object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
 
+def _tempered(logits: Array, temperature) -> Array:
+  """logits / T in float32. T: a float, or an array of one temperature per row (logits'
+  shape without the vocabulary axis, e.g. each decode slot's)."""
+  t = temperature
+  if isinstance(t, (jax.Array, np.ndarray)) and t.ndim:
+    t = t.astype(jnp.float32)[..., None]
+  return logits.astype(jnp.float32) / t
+
+
 def tempered_logprobs(logits: Array, temperature: float) -> Array:
   """log_softmax(logits / T) in float32, written as token_logprobs writes it (lg/T - lse)."""
-  lg = logits.astype(jnp.float32) / temperature
+  lg = _tempered(logits, temperature)
   return lg - jax.nn.logsumexp(lg, axis=-1, keepdims=True)
 
 
-def token_logprob(logits: Array, tokens: Array, temperature: float) -> Array:
-  """log π_T(tokens) for logits [..., V] and tokens [...]: the π_old the loss uses."""
-  lg = logits.astype(jnp.float32) / temperature
+def token_logprob(logits: Array, tokens: Array, temperature) -> Array:
+  """log π_T(tokens) for logits [..., V] and tokens [...]: the π_old the loss uses. T: a float
+  or one per row ([...])."""
+  lg = _tempered(logits, temperature)
   lse = jax.nn.logsumexp(lg, axis=-1)
   return jnp.take_along_axis(lg, tokens[..., None], axis=-1)[..., 0] - lse
 
@@ -211,10 +224,15 @@ def draw(keys: Array, lg: Array) -> Array:
   return (blk * DRAW_BLOCK + jnp.minimum(idx, last)).astype(jnp.int32)
 
 
-def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig):
+def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig,
+           temperature=None):
   """Draws one token per row. logits [B, V] (any float dtype), keys [B] typed PRNG keys,
-  positions [B] (folded into the key). Returns (tokens [B] int32, logprobs [B] fp32)."""
-  lg = logits.astype(jnp.float32) / cfg.temperature
+  positions [B] (folded into the key). `temperature`: cfg.temperature (None), or fp32 [B], one
+  per row (each decode slot's, an input of the engine's programs, so one engine serves loops
+  that sample at different temperatures: training and evaluation). Returns (tokens [B] int32,
+  logprobs [B] fp32)."""
+  t = cfg.temperature if temperature is None else temperature
+  lg = _tempered(logits, t)
   if cfg.greedy:
     tokens = argmax(lg)
   else:
@@ -222,4 +240,4 @@ def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig):
     step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
     tokens = draw(step_keys, masked)
   tokens = tokens.astype(jnp.int32)
-  return tokens, token_logprob(logits, tokens, cfg.temperature)
+  return tokens, token_logprob(logits, tokens, t)

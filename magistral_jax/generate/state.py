@@ -48,11 +48,13 @@ class Prefixes(NamedTuple):
 class DecodeState(NamedTuple):
   """All slots. cache: per-layer KVCache, L x [B, K, Dh, S] keys and [B, K, S, Dh] values;
   tokens [B]: the next input token of each slot (sampled, not yet in the cache); keys [B, 2]:
-  per-slot PRNG keys; active [B] bool."""
+  per-slot PRNG keys; active [B] bool; temperature [B] fp32: each slot's sampling temperature
+  (set when its sample is inserted, so one engine's programs serve any temperature)."""
   cache: T.KVCache
   tokens: Array
   keys: Array
   active: Array
+  temperature: Array
 
 
 class ResultTokens(NamedTuple):
@@ -72,7 +74,8 @@ def state_shardings(shard: ShardingCtx, shapes: DecodeState) -> DecodeState:
                        T.cache_logical_axes(per_layer=len(shapes.cache.k)), shapes.cache,
                        is_leaf=is_logical_axes)
   batch = shard.sharding(("cache_batch",), (slots,))
-  return DecodeState(cache, batch, shard.sharding(("cache_batch", None), (slots, 2)), batch)
+  return DecodeState(cache, batch, shard.sharding(("cache_batch", None), (slots, 2)), batch,
+                     batch)
 
 
 def put_rows(a: Array, idx: Array, x: Array) -> Array:

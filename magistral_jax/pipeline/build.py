@@ -178,6 +178,27 @@ def shared_prefix_for(engine_cfg, tokenizer, system_prompt: str | None) -> list[
                               int(engine_cfg.max_prefill_length))
 
 
+def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig, *,
+               engines: dict | None = None, mesh_shape: dict | None = None,
+               rules=GENERATOR_RULES, **shape) -> Engine:
+  """An Engine on `devices` (mesh `mesh_shape`, default tensor parallel over them) with Engine's
+  shape keywords `shape`. With `engines` (a run's dict of the engines it has built) the one built
+  before with the same mesh, rules, shapes and compiled-in sampling (top-p, top-k, greedy) is
+  reused, so the run's evaluation and each stage's generators on those devices share its
+  compiled programs: the sampling temperature is an input of them, and a loop brings its own
+  (GeneratorLoop's `sampling`). Without a match (or without `engines`) a new one is built."""
+  mesh = make_mesh(dict(mesh_shape or {"tensor": len(devices)}), devices)
+  key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape,
+         repr(tuple(rules)), sampling.top_p, sampling.top_k, sampling.greedy,
+         tuple(sorted(shape.items())))
+  if engines is not None and key in engines:
+    return engines[key]
+  engine = Engine(model_cfg, mesh, rules, sampling=sampling, **shape)
+  if engines is not None:
+    engines[key] = engine
+  return engine
+
+
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig, *,
                     mesh_shape: dict | None = None, max_concurrent_decodes: int,
                     max_prefill_length: int, max_decode_length: int, version: int = 0,
@@ -186,7 +207,8 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
                     attention_windows: int = 1,
                     background_prefill: bool = False,
                     loop_prefill_below: float = 0.5,
-                    shared_prefix=None, overlap_host: bool = True) -> list[GeneratorLoop]:
+                    shared_prefix=None, overlap_host: bool = True,
+                    engines: dict | None = None) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default).
   With `tune` each engine times its decode step with both CPU dot libraries and keeps the faster,
   for its drain (compact) steps too (Engine.tune; CPU only, a no-op on accelerators). It costs
@@ -196,15 +218,15 @@ def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: Sam
   `loop_prefill_below`: see GeneratorLoop (a worker thread prefills queued prompts while the loop
   decodes; the loop prefills itself when too few slots would decode). `shared_prefix`: token ids
   most prompts start with, prefilled once per weights version (GeneratorLoop; see
-  shared_prefix_for). `overlap_host`: GeneratorLoop's one decode step in flight."""
+  shared_prefix_for). `overlap_host`: GeneratorLoop's one decode step in flight. `engines`: see
+  engine_for (a run passes its dict, so an engine built before on a slice is reused)."""
   loops = []
   for i, devs in enumerate(device_slices):
-    shape = dict(mesh_shape or {"tensor": len(devs)})
-    mesh = make_mesh(shape, devs)
-    engine = Engine(model_cfg, mesh, rules, max_concurrent_decodes=max_concurrent_decodes,
-                    max_prefill_length=max_prefill_length, max_decode_length=max_decode_length,
-                    sampling=sampling, attention_windows=attention_windows)
-    loop = GeneratorLoop(engine, params, version, detokenize=detokenize,
+    engine = engine_for(model_cfg, devs, sampling, engines=engines, mesh_shape=mesh_shape,
+                        rules=rules, max_concurrent_decodes=max_concurrent_decodes,
+                        max_prefill_length=max_prefill_length,
+                        max_decode_length=max_decode_length, attention_windows=attention_windows)
+    loop = GeneratorLoop(engine, params, version, sampling=sampling, detokenize=detokenize,
                          recompute_kv_on_update=recompute_kv_on_update, seed=seed + i,
                          background_prefill=background_prefill,
                          loop_prefill_below=loop_prefill_below, shared_prefix=shared_prefix,

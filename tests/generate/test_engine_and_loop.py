@@ -301,8 +301,8 @@ def test_stop_on_eos_and_stop_strings(params, mesh):
   sc = SamplingConfig(greedy=True, stop_strings=(stop,))
   with pytest.raises(ValueError, match="detokenize"):
     GeneratorLoop(engine(mesh), params, sampling=sc)
-  with pytest.raises(ValueError, match="temperature"):
-    GeneratorLoop(engine(mesh), params, sampling=SamplingConfig(greedy=True, temperature=0.5))
+  with pytest.raises(ValueError, match="top_p"):   # compiled into the engine's programs
+    GeneratorLoop(engine(mesh), params, sampling=SamplingConfig(greedy=True, top_p=0.5))
   c = run(GeneratorLoop(engine(mesh), params, sampling=sc, detokenize=detok),
           [Request("s", p, max_new_tokens=8)])["s", 0]
   assert c.finish_reason == "stop" and stop in detok(c.tokens) and len(c.tokens) <= 3
@@ -1165,3 +1165,34 @@ def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(
   loop.submit(reqs()[0])
   with pytest.raises(RuntimeError, match="still has work"):
     loop.release()
+
+
+def test_one_engine_samples_at_each_loops_temperature(params, mesh):
+  """The temperature is an input of the engine's programs, carried per slot: loops at T = 0.7 and
+  1.3 on one engine (built at 0.7) draw exactly what an engine built at each temperature draws,
+  log-probs included, also when both loops' slots take turns on it; no program is compiled for
+  the second temperature."""
+  cold, hot = (SamplingConfig(temperature=t, top_p=0.9, top_k=20, max_new_tokens=8)
+               for t in (0.7, 1.3))
+  reqs = [Request(f"r{i}", p, group_size=2, max_new_tokens=8, seed=i) for i, p in enumerate(prompts(3, 9))]
+  own = {name: run(GeneratorLoop(engine(mesh, sampling=sc), params, seed=1), reqs)
+         for name, sc in (("cold", cold), ("hot", hot))}
+  shared = engine(mesh, sampling=cold)
+  run(GeneratorLoop(shared, params, seed=1, sampling=hot), reqs[:1])   # compile everything once
+  before = {f: getattr(shared, f)._cache_size() for f in ("_prefill_many", "_insert_many")}
+  before["step"] = shared._step.cache_size()
+  for name, sc in (("hot", hot), ("cold", cold), ("hot", hot)):
+    got = run(GeneratorLoop(shared, params, seed=1, sampling=sc), reqs)
+    assert got.keys() == own[name].keys()
+    for k, c in got.items():
+      assert c.tokens == own[name][k].tokens, (name, k)
+      np.testing.assert_allclose(c.logprobs, own[name][k].logprobs, rtol=0, atol=1e-6)
+  assert any(own["cold"][k].tokens != own["hot"][k].tokens for k in own["cold"])
+  after = {f: getattr(shared, f)._cache_size() for f in ("_prefill_many", "_insert_many")}
+  after["step"] = shared._step.cache_size()
+  assert after == before
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    st = shared.init_decode_state()
+    pre = shared.prefill_many(params, np.ones((1, 8), np.int32), np.ones((1,), np.int32))
+    shared.insert_many(pre, st, [0], [0], np.zeros((1, 2), np.uint32), [0], np.ones(4, bool),
+                       temperature=0.0)

@@ -87,3 +87,33 @@ def test_every_recipe_validates(name):
   if name == "small":
     assert run.rl.eps_high == 0.3 and run.rl.n_batch == 2048
     assert run.reward.l_max - run.reward.l_cache == 32768
+
+
+def test_the_evaluation_and_every_stage_share_the_generators_engine():
+  """launch/train.py builds its engines through build.engine_for with one dict per run: the
+  tiny default's evaluation (T=0.7) runs on the first generator's engine (T=1.0), and a later
+  stage with the same shapes reuses it, so neither compiles programs of its own. An evaluation
+  whose compiled-in sampling differs (greedy) gets its own engine."""
+  import jax
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  import train
+  from magistral_jax.model import transformer as T
+  from magistral_jax.parallel.sharding import GENERATOR_RULES
+  from magistral_jax.pipeline.build import build_tokenizer_and_model, make_generators
+  c = _load()
+  tok, model_cfg, _ = build_tokenizer_and_model(c, load_weights=False)
+  params = T.init_params(model_cfg, jax.random.PRNGKey(0))
+  devs = jax.devices()[4:6]
+  engines = {}
+  evaluation = train.eval_loop_factory(c, model_cfg, devs, GENERATOR_RULES, tok, None, engines)
+  kw = dict(rules=GENERATOR_RULES, engines=engines,
+            **train.generator_options(c, tok, None))
+  stage_1 = make_generators(model_cfg, params, [devs], train.stage_sampling(c, tok), **kw)
+  stage_2 = make_generators(model_cfg, params, [devs], train.stage_sampling(c, tok), **kw)
+  loop = evaluation(params)
+  assert len(engines) == 1 and loop.engine is stage_1[0].engine is stage_2[0].engine
+  assert (loop.sampling.temperature, stage_1[0].sampling.temperature) == (0.7, 1.0)
+  greedy = _load()
+  greedy.eval.greedy = True
+  train.eval_loop_factory(greedy, model_cfg, devs, GENERATOR_RULES, tok, None, engines)
+  assert len(engines) == 2
