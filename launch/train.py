@@ -146,10 +146,9 @@ def main(argv):
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.data.prompts import heldout_problems, train_prompts
-  from magistral_jax.generate.engine import Engine
   from magistral_jax.parallel import make_mesh, multihost
   from magistral_jax.pipeline import Rollouts
-  from magistral_jax.pipeline.build import (build_tokenizer_and_model, is_colocated,
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, engine_for, is_colocated,
                                             make_generators, sft_optimizer_config, sft_warm_start,
                                             shared_prefix_for, run_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
@@ -307,10 +306,11 @@ def main(argv):
         gens = []
         if leader:
           for g, devs in enumerate(gdevs):
-            engine = Engine(model_cfg, make_mesh(options["mesh_shape"], devs), generator_rules,
-                            max_concurrent_decodes=options["max_concurrent_decodes"],
-                            max_prefill_length=options["max_prefill_length"],
-                            max_decode_length=options["max_decode_length"], sampling=sampling)
+            engine = engine_for(model_cfg, devs, sampling, mesh_shape=options["mesh_shape"],
+                                rules=generator_rules,
+                                max_concurrent_decodes=options["max_concurrent_decodes"],
+                                max_prefill_length=options["max_prefill_length"],
+                                max_decode_length=options["max_decode_length"])
             gens.append(RemoteGenerator(mailbox, g, layout.generator_processes[g], engine,
                                         transfers[g]).start())
             gens[-1].send(("stage", si, meta["version"]))

@@ -1174,13 +1174,15 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
   the second temperature."""
   cold, hot = (SamplingConfig(temperature=t, top_p=0.9, top_k=20, max_new_tokens=8)
                for t in (0.7, 1.3))
-  reqs = [Request(f"r{i}", p, group_size=2, max_new_tokens=8, seed=i) for i, p in enumerate(prompts(3, 9))]
+  reqs = [Request(f"r{i}", p, group_size=2, max_new_tokens=8, seed=i)
+          for i, p in enumerate(prompts(3, 9))]
   own = {name: run(GeneratorLoop(engine(mesh, sampling=sc), params, seed=1), reqs)
          for name, sc in (("cold", cold), ("hot", hot))}
   shared = engine(mesh, sampling=cold)
+  programs = lambda: (shared._prefill_many._cache_size(), shared._insert_many._cache_size(),
+                      shared._step.cache_size())
   run(GeneratorLoop(shared, params, seed=1, sampling=hot), reqs[:1])   # compile everything once
-  before = {f: getattr(shared, f)._cache_size() for f in ("_prefill_many", "_insert_many")}
-  before["step"] = shared._step.cache_size()
+  before = programs()
   for name, sc in (("hot", hot), ("cold", cold), ("hot", hot)):
     got = run(GeneratorLoop(shared, params, seed=1, sampling=sc), reqs)
     assert got.keys() == own[name].keys()
@@ -1188,9 +1190,7 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
       assert c.tokens == own[name][k].tokens, (name, k)
       np.testing.assert_allclose(c.logprobs, own[name][k].logprobs, rtol=0, atol=1e-6)
   assert any(own["cold"][k].tokens != own["hot"][k].tokens for k in own["cold"])
-  after = {f: getattr(shared, f)._cache_size() for f in ("_prefill_many", "_insert_many")}
-  after["step"] = shared._step.cache_size()
-  assert after == before
+  assert programs() == before
   with pytest.raises(ValueError, match="temperature must be > 0"):
     st = shared.init_decode_state()
     pre = shared.prefill_many(params, np.ones((1, 8), np.int32), np.ones((1,), np.int32))
