@@ -34,6 +34,11 @@ if _cache != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
+# As in the launch scripts (cli.start_run): a program compiled on one slice of the simulated
+# devices is loaded, not compiled again, on another (magistral_jax/cache_keys.py).
+from magistral_jax.cache_keys import share_cpu_executables_across_devices  # noqa: E402
+
+share_cpu_executables_across_devices()
 
 # `make test` runs the suite in two parts (tools/test.sh): first every test not listed here, on 2
 # pytest-xdist workers (most wait on single-threaded XLA compiles, so two at once keep both cores

@@ -1,11 +1,13 @@
 """JAX's persistent compilation cache in the launch scripts (cli.compilation_cache): a second
 process that compiles the same program loads it from config.compilation_cache_dir, and
-JAX_COMPILATION_CACHE_DIR, when set, wins over the config."""
+JAX_COMPILATION_CACHE_DIR, when set, wins over the config; on CPU a program compiled on one slice
+of devices is loaded on another (magistral_jax/cache_keys.py)."""
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,3 +73,58 @@ def test_off_and_a_bad_limit(monkeypatch):
 
 def test_no_limit(tmp_path):
   assert _child(tmp_path / "xla", max_gb=0.0)["max_size"] == -1
+
+
+# One process, 8 CPU devices: the same program (collectives whose result depends on each device's
+# place in the mesh) on three 2-device slices, the last in reverse order.
+SLICES = """
+import json, sys
+import numpy as np
+from magistral_jax.cache_keys import share_cpu_executables_across_devices
+shared = sys.argv[2] == "1" and share_cpu_executables_across_devices()
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax._src import monitoring
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+events = []
+monitoring.register_event_listener(
+    lambda e, **kw: events.append(e.rsplit("/", 1)[-1])
+    if e.startswith("/jax/compilation_cache/cache_") else None)
+def f(x):
+  y = jax.lax.psum(x, "t") * (1 + jax.lax.axis_index("t"))
+  return jax.lax.ppermute(y, "t", [(0, 1), (1, 0)]) + jax.lax.all_gather(x, "t", tiled=True)[:2]
+out = []
+for ids in ([0, 1], [2, 3], [5, 4]):
+  mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("t",))
+  x = jax.device_put(jnp.arange(16.0).reshape(4, 4), NamedSharding(mesh, P("t")))
+  n = len(events)
+  y = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("t"), out_specs=P("t")))(x)
+  out.append({"hit": "cache_hits" in events[n:], "y": np.asarray(y).tolist(),
+              "devices": [s.device.id for s in sorted(y.addressable_shards,
+                                                      key=lambda s: s.index[0].start)]})
+print(json.dumps({"shared": shared, "slices": out}))
+"""
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_program_compiled_on_one_device_slice_loads_on_another(tmp_path, share):
+  """cache_keys.share_cpu_executables_across_devices: on CPU the cache key leaves out which
+  devices run the program, so a second slice (even in another order) loads the first slice's
+  executable, binds it to its own devices and computes the same values. Without it (JAX's own
+  keys) each slice compiles its own."""
+  e = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
+  e.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu",
+           XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  r = subprocess.run([sys.executable, "-c", SLICES, str(tmp_path / "xla"), str(int(share))],
+                     cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  assert got["shared"] == share
+  first, *others = got["slices"]
+  assert [s["hit"] for s in got["slices"]] == [False, share, share]
+  assert [s["devices"] for s in got["slices"]] == [[0, 1], [2, 3], [5, 4]]
+  x = np.arange(16.0).reshape(4, 4)
+  total = x[:2] + x[2:]
+  want = np.concatenate([2 * total + x[:2], total + x[:2]])   # shard 0 receives shard 1's, etc.
+  for s in got["slices"]:
+    np.testing.assert_array_equal(np.asarray(s["y"]), want)
