@@ -13,6 +13,7 @@ Other platforms keep JAX's keys. This patches two functions of jax._src.cache_ke
 functions differ it does nothing and says so (the cache stays correct, only less shared).
 """
 import functools
+import inspect
 import logging
 import threading
 
@@ -26,9 +27,10 @@ def share_cpu_executables_across_devices() -> bool:
   from jax._src import cache_key
   get = getattr(cache_key, "get", None)
   hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
-  if get is None or hash_options is None:
-    _log.warning("this JAX's cache_key module has no get/_hash_serialized_compile_options: "
-                 "persistent-cache entries stay per device assignment on CPU")
+  if (get is None or hash_options is None or "strip_device_assignment" not in
+      inspect.signature(hash_options).parameters):
+    _log.warning("this JAX's cache_key.get/_hash_serialized_compile_options are not the ones "
+                 "cache_keys.py wraps: persistent-cache entries stay per device assignment on CPU")
     return False
   if getattr(get, "_magistral_cpu_shared", False):
     return True

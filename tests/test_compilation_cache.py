@@ -128,3 +128,13 @@ def test_a_program_compiled_on_one_device_slice_loads_on_another(tmp_path, share
   want = np.concatenate([2 * total + x[:2], total + x[:2]])   # shard 0 receives shard 1's, etc.
   for s in got["slices"]:
     np.testing.assert_array_equal(np.asarray(s["y"]), want)
+
+
+def test_a_jax_without_the_wrapped_functions_keeps_its_own_keys(monkeypatch):
+  from jax._src import cache_key
+  from magistral_jax import cache_keys
+  assert cache_keys.share_cpu_executables_across_devices()   # installed (conftest) and idempotent
+  monkeypatch.setattr(cache_key, "get", lambda *a, **k: None)
+  monkeypatch.setattr(cache_key, "_hash_serialized_compile_options", lambda h, o: None)
+  assert not cache_keys.share_cpu_executables_across_devices()
+  assert cache_key.get.__name__ == "<lambda>"   # left as it was
