@@ -26,14 +26,14 @@ def share_cpu_executables_across_devices() -> bool:
   is in effect."""
   from jax._src import cache_key
   get = getattr(cache_key, "get", None)
+  if getattr(get, "_magistral_cpu_shared", False):
+    return True
   hash_options = getattr(cache_key, "_hash_serialized_compile_options", None)
   if (get is None or hash_options is None or "strip_device_assignment" not in
       inspect.signature(hash_options).parameters):
     _log.warning("this JAX's cache_key.get/_hash_serialized_compile_options are not the ones "
                  "cache_keys.py wraps: persistent-cache entries stay per device assignment on CPU")
     return False
-  if getattr(get, "_magistral_cpu_shared", False):
-    return True
 
   @functools.wraps(get)
   def keyed(module, devices, compile_options, backend, *args, **kwargs):
