@@ -18,10 +18,11 @@ reward with the paper's system prompt (kept for the SFT too: ~250 of a row's ~36
 is the prompt RL and evaluation use, and the format it describes is what the traces teach).
 
 Arguments (comma-separated): `sft` (the SFT run), `ci` (CI-sized: a short SFT with `sft,ci`, one
-small RL batch with `ci`), `gpu` (a 2-accelerator host's sizes, with or without `sft`; not run
-here), `colocated` (one device: the trainer and one generator share it and take turns; with
-`gpu`, the one-GPU recipe of the README), `init=PATH` (RL start: an SFT params dir, or `gguf` for
-the raw model), `batches=N`, `sft_steps=N`, `heldout=N`.
+small RL batch with `ci`), `gpu` (an accelerator's sizes, with or without `sft`; on 2 devices
+as it stands), `colocated` (one device: the trainer and one generator share it and take turns;
+with `gpu`, the one-GPU recipe of the README, run on an H100: BENCHMARKS.md "One GPU"),
+`init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model), `batches=N`,
+`sft_steps=N`, `heldout=N`.
 
 One GPU (README, "One GPU"):
   python launch/sft.py   --config=configs/smollm2.py:sft,gpu,colocated --workdir=runs/smollm2_sft
@@ -103,10 +104,11 @@ def get_config(arg=None):
     c.num_batches = 1
 
   if "gpu" in args:
-    # A 2-accelerator host (the trainer and the generator need disjoint devices): the sizes of
-    # a 20-30 min run. NOT RUN here (no accelerator in this project's CI); estimates only.
+    # Accelerator sizes: 2 devices (the trainer and the generator on their own), or one with
+    # `colocated` (run on one H100: BENCHMARKS.md "One GPU"; the 2-device layout was not run).
     c.devices.update(trainer=1, generators=(1,))
-    c.model.update(remat="none")
+    # fp32 master weights, bf16 compute (and a bf16 generator), as the paper-scale recipes.
+    c.model.update(remat="none", dtype="bfloat16")
     if "sft" in args:   # ~3 epochs of the 1191 traces, 16 rows of 640 tokens a step
       c.sft.update(num_steps=0, epochs=3, batch_size=16, rows_per_micro=16)
     else:

@@ -233,8 +233,10 @@ def _two_device_layouts():
 
 def test_colocated_step_equals_the_disaggregated_step(setup):
   # Same seeds, the sync schedule, engines of the same shape: the generator on the trainer's
-  # devices samples the same completions as one on devices of its own, so the batch and the
-  # params after its optimizer steps are the same, bit for bit.
+  # devices samples the same completions as one on devices of its own, so the batch is the same
+  # and so are the params after its optimizer steps. Not bit for bit: a dropped group's
+  # replacement joins the slots when its scores arrive, so prompts share a prefill batch
+  # differently and the log-probs can differ in the last bit.
   tmesh, colocated_devs, own_devs = _two_device_layouts()
   results = {}
   for name, gdevs in (("disaggregated", own_devs), ("colocated", colocated_devs)):
@@ -252,7 +254,8 @@ def test_colocated_step_equals_the_disaggregated_step(setup):
     results[name] = (tokens, jax.device_get(run.trainer.state.params), history[0])
   (tok_d, params_d, h_d), (tok_c, params_c, h_c) = results["disaggregated"], results["colocated"]
   assert tok_d == tok_c and len(tok_d[0]) == GRPO.n_batch
-  jax.tree.map(np.testing.assert_array_equal, params_c, params_d)
+  jax.tree.map(lambda c, d: np.testing.assert_allclose(c, d, rtol=0, atol=1e-6), params_c,
+               params_d)
   assert h_c["reward"] == h_d["reward"]
   # Colocated pushes move nothing (the next phase loads the params where they are).
   assert h_c["weight_push_s"] == 0.0 and h_d["weight_push_s"] > 0.0

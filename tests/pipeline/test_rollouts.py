@@ -20,7 +20,7 @@ from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
 from magistral_jax.rewards import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
-from magistral_jax.rl.advantages import VERIFIER_ERROR
+from magistral_jax.rl.advantages import VERIFIER_ERROR, ZERO_ADVANTAGE
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.verify import VerifierPool
 
@@ -74,10 +74,13 @@ class ScriptedGenerator:
       except queue.Empty:
         continue
       time.sleep(self.delay_s)
-      for i in range(r.group_size):
-        tokens = TOK.encode(self.respond(r.metadata, i))
-        self.callback(Sample(r.id, i, list(r.prompt_tokens), tokens, np.zeros(len(tokens)),
-                             np.zeros(len(tokens), np.int32), "eos", r.metadata))
+      self._answer(r)
+
+  def _answer(self, r):
+    for i in range(r.group_size):
+      tokens = TOK.encode(self.respond(r.metadata, i))
+      self.callback(Sample(r.id, i, list(r.prompt_tokens), tokens, np.zeros(len(tokens)),
+                           np.zeros(len(tokens), np.int32), "eos", r.metadata))
 
 
 class InlinePool:
@@ -99,6 +102,44 @@ def rollouts(respond, pool, prompts=None, delay_s=0.0, **pipeline):
   return Rollouts(generators=[ScriptedGenerator(respond, delay_s)], pool=pool, tokenizer=TOK,
                   prompts=prompts or map(math_task, itertools.count()), grpo_cfg=GRPO,
                   cfg=PipelineConfig(**pipeline))
+
+
+def test_sync_mode_replaces_a_dropped_group_while_the_others_still_generate():
+  # Group 0 is slow, group 1 is dropped at once (all four answers wrong: no advantage). Its
+  # replacement, group 2, must be submitted while group 0 still generates, not after it: a
+  # generator that answers each request on its own thread (like slots) holds group 0 back until
+  # group 2 arrives, or 10 s.
+  arrived = threading.Event()
+  held = []
+
+  class Slots(ScriptedGenerator):
+    def start(self):
+      pass
+
+    def stop(self, timeout=None):
+      pass
+
+    def submit(self, r):
+      if r.id == 2:
+        arrived.set()
+      threading.Thread(target=self._hold_then_answer, args=(r,), daemon=True).start()
+
+    def _hold_then_answer(self, r):
+      if r.id == 0:
+        held.append(arrived.wait(10.0))
+      self._answer(r)
+
+  def respond(task, index):
+    return right_or_wrong(task, 1 if task["id"] == "m1" else index)
+
+  pipe = Rollouts(generators=[Slots(respond)], pool=InlinePool(), tokenizer=TOK,
+                  prompts=map(math_task, itertools.count()), grpo_cfg=GRPO,
+                  cfg=PipelineConfig(mode="sync"))
+  with pipe:
+    batch = pipe.next_batch()
+  assert held == [True]
+  assert sorted(g.group_id for g in batch.groups) == [0, 2]
+  assert [(g.group_id, g.dropped) for g in batch.dropped] == [(1, ZERO_ADVANTAGE)]
 
 
 def test_a_crashed_verifier_worker_drops_its_group_instead_of_scoring_it_zero(caplog):
