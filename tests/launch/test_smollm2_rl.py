@@ -88,8 +88,10 @@ def test_sft_config_excludes_the_rl_heldout_problems(tmp_path):
     rl_cfg.data.data_dir = str(tmp_path / "data")
     held = {p["id"] for p in heldout_problems(rl_cfg)}
     assert len(held) == rl_cfg.data.heldout and not held & built
-  # Every variant is a valid run configuration (gpu: a 2-accelerator layout).
-  for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2)):
+  # Every variant is a valid run configuration (gpu: a 2-accelerator layout, or one GPU
+  # colocated: the README's recipe).
+  for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2),
+                       ("gpu,colocated", 1), ("sft,gpu,colocated", 1)):
     config_lib.validate(smollm2.get_config(arg), devices)
   assert smollm2.get_config("ci,init=/x/params").init.to_dict() == {"source": "orbax",
                                                                      "path": "/x/params"}
