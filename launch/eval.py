@@ -152,8 +152,8 @@ def main(argv):
                            background_prefill=config.engine.background_prefill,
                            loop_prefill_below=config.engine.loop_prefill_below,
                            shared_prefix=shared_prefix_for(config.engine, tok, system_prompt))
-      res = evaluate(loop, pool, tok, probs,
-                     k=k, system_prompt=system_prompt, seed=config.seed)
+      res = evaluate(loop, pool, tok, probs, k=k, system_prompt=system_prompt,
+                     seed=config.seed, tag=f"{name} @ {step}")
       res["kind"] = kind
       res["wall_time_s"] = time.time() - t
       results[name] = res

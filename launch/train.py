@@ -32,7 +32,7 @@ def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, pa
   loop = engine_loop_factory(params)
   t = time.time()
   res = evaluate(loop, pool, tok, problems, k=config.eval.k, system_prompt=system_prompt,
-                 seed=config.seed)
+                 seed=config.seed, tag=tag)
   log.info("[eval %s] pass@1=%.3f maj@%d=%.3f format=%.3f len=%.1f (%d problems, %.1fs)", tag,
            res["pass@1"], config.eval.k, res[f"maj@{config.eval.k}"], res["format_rate"],
            res["response_length_mean"], res["num_problems"], time.time() - t)

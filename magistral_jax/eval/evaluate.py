@@ -6,23 +6,49 @@
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from typing import Sequence
 
 import numpy as np
 
 from magistral_jax.generate.loop import GeneratorLoop, Request
 
+log = logging.getLogger(__name__)
+
+# Steps between progress checks: each check waits for the step in flight (GeneratorLoop's
+# overlap), so it is rare enough to cost nothing measurable.
+_STEPS_PER_CHECK = 64
+
 
 def evaluate(loop: GeneratorLoop, pool, tokenizer, problems: Sequence[dict], *, k: int = 1,
-             system_prompt: str | None = None, seed: int = 0) -> dict:
+             system_prompt: str | None = None, seed: int = 0, tag: str = "",
+             log_every_s: float = 30.0) -> dict:
   """Generates k samples per problem with `loop` (stepped in this thread) and scores them with
-  `pool`. Returns summary metrics plus per-problem rows."""
+  `pool`. Returns summary metrics plus per-problem rows. Logs a line when it starts and one every
+  `log_every_s` while generating (samples done, rate, ETA): a first launch on a GPU spends minutes
+  compiling the generator's programs here before its first sample."""
   if not problems:
     raise ValueError("evaluate: no problems")
   for i, p in enumerate(problems):
     prompt = tokenizer.apply_chat_template(p["problem"], system_prompt)
     loop.submit(Request(id=i, prompt_tokens=prompt, group_size=k, metadata=p, seed=seed + i))
-  completions = loop.run_until_idle()
+  name = f"[eval {tag}]" if tag else "[eval]"
+  total = len(problems) * k
+  log.info("%s generating %d samples (%d problems x k=%d)", name, total, len(problems), k)
+  completions, t0 = [], time.time()
+  last = t0
+  while True:
+    completions += loop.run_until_idle(max_steps=_STEPS_PER_CHECK)
+    if loop.idle():
+      break
+    now = time.time()
+    if now - last >= log_every_s:
+      last = now
+      rate = len(completions) / (now - t0)
+      eta = f"{(total - len(completions)) / rate:.0f}s" if rate > 0 else "?"
+      log.info("%s %d/%d samples in %.0fs (%.1f/s, ETA %s)", name, len(completions), total,
+               now - t0, rate, eta)
   futures = [(c, pool.submit(c.metadata, tokenizer.decode(c.tokens), len(c.tokens), 0))
              for c in completions]
   per = collections.defaultdict(list)
