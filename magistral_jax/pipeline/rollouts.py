@@ -444,8 +444,8 @@ class Rollouts:
     if self.cfg.mode == "sync":
       # Barrier: the missing groups, under the current version, stay in flight until enough are
       # kept. A dropped group is replaced as soon as it is scored, not once the whole round is:
-      # rounds would wait on each one's longest completion while the slots empty (on one H100,
-      # SmolLM2 with 2 of 3 groups dropped: 14% of the decode slots busy).
+      # rounds would wait on each one's longest completion while the slots empty (BENCHMARKS.md
+      # "One GPU": most decode slots idle when most groups are dropped).
       if self.alternate:
         self._begin_generation_phase()
       while len(ready) < need:
