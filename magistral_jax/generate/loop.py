@@ -260,9 +260,11 @@ class GeneratorLoop:
           raise queue.Empty("generator loop is not running and has no work left")
 
   def idle(self) -> bool:
+    """No request queued, no sample waiting for a slot or a prefill, no slot decoding. A request
+    whose samples all went into slots stays queued until a free slot pops it: not work."""
     with self._lock:  # the worker takes requests and counts them in flight under this lock
-      return (self._requests.empty() and not self._groups and not self._prefiller.holds_work()
-              and self._slots.empty())
+      return (self._requests.empty() and not any(g.waiting > 0 for g in self._groups)
+              and not self._prefiller.holds_work() and self._slots.empty())
 
   def run_until_idle(self, max_steps: int | None = None) -> list[Sample]:
     """Steps in the calling thread until all submitted work is done; returns the samples."""
@@ -307,6 +309,7 @@ class GeneratorLoop:
                          f"{self._requests.qsize()} queued requests); finish it first")
     with self._lock:
       self.params, self._pending = None, None
+      self._groups.clear()   # requests whose samples are all out: their prompts' KV goes too
       if self._shared:
         self._shared.clear()
     self.state = None

@@ -1167,6 +1167,26 @@ def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(
     loop.release()
 
 
+def test_a_loop_is_idle_once_its_last_sample_is_out(params, mesh):
+  # The colocated sync phase steps the loop itself and ends as soon as its batch's last sample
+  # is scored. The request's bookkeeping, still queued after its last sample went into a slot
+  # (here all 4 slots: no free one to pop it), is no work: the loop is idle and can release.
+  got = []
+  loop = GeneratorLoop(engine(mesh, sampling=SAMPLED), params, callback=got.append)
+  loop.submit(Request(0, prompts(1, seed=7)[0], group_size=4, max_new_tokens=4, seed=1))
+  steps = 0
+  while len(got) < 4:
+    assert not loop.idle()
+    loop.step()
+    steps += 1
+    assert steps < 50
+  assert loop.idle()
+  prefix = {id(x) for x in jax.tree.leaves(loop._groups[0].prefix) if isinstance(x, jax.Array)}
+  assert prefix
+  loop.release()
+  assert loop.released and not [a for a in jax.live_arrays() if id(a) in prefix]
+
+
 def test_one_engine_samples_at_each_loops_temperature(params, mesh):
   """The temperature is an input of the engine's programs, carried per slot: loops at T = 0.7 and
   1.3 on one engine (built at 0.7) draw exactly what an engine built at each temperature draws,
