@@ -125,7 +125,8 @@ def get_config(arg=None):
 
   if "colocated" in args:
     # One device for everything: the generator runs on the trainer's device between train
-    # phases, its weights copy and KV cache freed while the trainer steps (pipeline/rollouts.py).
+    # phases, its weights copy and KV cache freed while the trainer steps
+    # (pipeline/taking_turns.py).
     c.devices.update(trainer=1, colocated=True)
     c.pipeline.mode = "sync"
 

@@ -8,7 +8,7 @@ Variants: configs/tiny.py:adv_norm=group, :mode=sync, :eps_high=0.2, :n_mini_per
 :batches=20, :sft_steps=100 (see _apply_arg); combined with commas.
 
 `configs/tiny.py:colocated` is the one-device layout: the trainer and one generator share one
-device and take turns (generation phase, then training; pipeline/rollouts.py), for
+device and take turns (generation phase, then training; pipeline/taking_turns.py), for
 `XLA_FLAGS=--xla_force_host_platform_device_count=1` or one GPU. `:colocated,mode=async` keeps
 generating one batch ahead with the previous weights while a batch trains.
 

@@ -293,7 +293,7 @@ class GeneratorLoop:
     Engine.precompile(existing_prefix=...) takes to compile the programs that continue it."""
     return self._shared.get(self.params, self.version) if self._shared else None
 
-  # ---- colocated phases (pipeline.rollouts: generation and training take turns) ---------------
+  # ---- colocated phases (pipeline.taking_turns: generation and training take turns) -----------
   def release(self) -> None:
     """Frees the device memory the loop holds between generation phases: its weights (the
     serving-dtype, decode-layout copy), its KV cache (the decode state) and the shared prefix's

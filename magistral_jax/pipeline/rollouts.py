@@ -33,22 +33,14 @@ Tokens in a batch therefore all carry one version.
 
 Colocated (`colocated=True`, config devices.colocated): the generators run on the trainer's own
 devices, for a run on one GPU or one TPU VM whose chips should not be split. Two schedules:
-- sync, the default (generation and training take turns): there are no generator threads; a
-  generation phase steps each generator in the trainer's thread until its work is done (still
-  continuous batching over its slots; the verifier pool scores completions as they finish), and
-  at its end each generator releases its weights copy and its KV cache (GeneratorLoop.release),
-  so that the train step's activations have the memory the cache had. `push` only notes the
-  newest params; the next phase reloads them (cast to the generators' dtype and laid out for
-  decoding: the one copy a generator holds, only while it generates), so there is no second copy
-  of the weights during training and no device-to-device transfer.
+- sync, the default: generation and training take turns (pipeline.taking_turns: the trainer's
+  thread steps the generators, which free their weights copy and KV cache before each train
+  step and reload the newest params after it; the phases report their memory);
 - async (one batch of lookahead): the generator threads keep generating with the previous
   weights while a batch trains, bounded by n_async exactly as across devices; pushes copy the
   params (the trainer donates its state), and weights copy and KV cache stay resident beside
   the trainer's step, so both must fit together.
-The colocated sync phases report their memory (`memory/generate_peak_bytes`, the bytes in use on
-the devices at the end of a generation phase, when the weights copy, the KV cache and the shared
-prefix cache are all allocated; `memory/generation_released_bytes`, what the release freed); the
-trainer reports `memory/train_peak_bytes` in every layout (train.rl_loop.Trainer).
+The trainer reports `memory/train_peak_bytes` in every layout (train.rl_loop.Trainer).
 """
 from __future__ import annotations
 
@@ -66,8 +58,9 @@ import numpy as np
 
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.generate.requests import Request, Sample
-from magistral_jax.parallel.memory import bytes_in_use
+from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
+from magistral_jax.pipeline.taking_turns import TakingTurns
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
 
@@ -77,10 +70,6 @@ log = logging.getLogger(__name__)
 # the main thread is on, and one raised inside a finalizer (an array's __del__ during garbage
 # collection) is printed and dropped; the batch wait checks this flag, so the run still stops.
 INTERRUPTED = threading.Event()
-
-
-class PipelineError(RuntimeError):
-  """A component (generator thread, feeder, collector) failed; the cause carries the traceback."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +178,8 @@ class Rollouts:
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
-    self.alternate = self.colocated and cfg.mode == "sync"
-    if self.alternate:
-      for g in self.generators:
-        if g.background_prefill:
-          raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
-                           "build them with background_prefill=False")
-    self._latest: tuple | None = None        # (params, version) of the newest push, not loaded
-    self._phase_metrics: dict[str, float] = {}
+    self._turns = (TakingTurns(self.generators) if self.colocated and cfg.mode == "sync"
+                   else None)
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, i=i: self._generated.put((i, c)))
 
@@ -207,7 +190,7 @@ class Rollouts:
     self._started = True
     self._last_metrics_t = time.time()
     self._gen_t0 = [self._gen_counters(g) for g in self.generators]
-    if not self.alternate:
+    if self._turns is None:
       for g in self.generators:
         g.start()
     threads = [("collector", self._collect)]
@@ -240,8 +223,8 @@ class Rollouts:
 
     Colocated sync: the params are only noted; the next generation phase loads them (0 s here,
     its load time is the metric `weight_reload_s`)."""
-    if self.alternate:
-      self._latest = (params, int(version))
+    if self._turns is not None:
+      self._turns.push(params, version)
       return 0.0
     t = time.time()
     cast = {}
@@ -446,61 +429,25 @@ class Rollouts:
       # kept. A dropped group is replaced as soon as it is scored, not once the whole round is:
       # rounds would wait on each one's longest completion while the slots empty (BENCHMARKS.md
       # "One GPU": most decode slots idle when most groups are dropped).
-      if self.alternate:
-        self._begin_generation_phase()
+      if self._turns is not None:
+        self._turns.begin()
       while len(ready) < need:
         while len(ready) + len(pending) < need and self._submit_group():
           pass
         if not pending and self._prompts_exhausted:
           raise StopIteration
-        if self.alternate:   # the generation phase, in this thread; scoring runs alongside
-          busy = False
-          for g in self.generators:
-            if g.idle():
-              g.run_until_idle()   # records its step in flight, if any: the last samples
-            else:
-              g.step()
-              busy = True
-          tick(0.0 if busy else 0.05)
+        if self._turns is not None:   # the generation phase, in this thread; scoring alongside
+          tick(0.0 if self._turns.step() else 0.05)
         else:
           tick()
-      if self.alternate:
-        self._end_generation_phase()
+      if self._turns is not None:
+        self._turns.end()
     else:
       while len(ready) < need:
         tick()
         if (self._prompts_exhausted and not pending and self._scored.empty()
             and len(ready) < need):
           raise StopIteration
-
-  # ---- colocated phases ----------------------------------------------------------------------
-  def _devices(self) -> list:
-    return list(dict.fromkeys(d for g in self.generators
-                              for d in g.engine.mesh.devices.flat))
-
-  def _begin_generation_phase(self):
-    """Colocated sync: the generators get the newest pushed params and an empty KV cache."""
-    t = time.time()
-    for g in self.generators:
-      if g.released:
-        if self._latest is None:
-          raise PipelineError("colocated generation phase: the generators released their "
-                              "weights and no push has brought new ones (call push(params, "
-                              "version) after each training phase)")
-        g.reload(*self._latest)   # waits for the load: its finiteness check reads every weight
-    self._latest = None
-    self._phase_metrics["weight_reload_s"] = time.time() - t
-
-  def _end_generation_phase(self):
-    """Colocated sync: measures the phase's memory, then frees the generators' weights copies
-    and KV caches for the training phase."""
-    devices = self._devices()
-    peak = bytes_in_use(devices)
-    for g in self.generators:
-      g.release()
-    self._phase_metrics.update({"memory/generate_peak_bytes": float(peak),
-                                "memory/generation_released_bytes":
-                                    float(peak - bytes_in_use(devices))})
 
   # ---- metrics -------------------------------------------------------------------------------
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
@@ -552,5 +499,5 @@ class Rollouts:
         "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),
         "generating_completions": float(self._generating),
         "queued_completions": float(self._queued),
-        **self._phase_metrics,
+        **(self._turns.metrics if self._turns is not None else {}),
     }

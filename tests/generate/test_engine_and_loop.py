@@ -1137,7 +1137,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
 
 
 def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(params, mesh):
-  # The colocated schedule's turn-taking (pipeline.rollouts): between generation phases the
+  # The colocated schedule's turn-taking (pipeline.taking_turns): between generation phases the
   # loop holds no device memory; reloaded with new weights it samples what a fresh loop on them
   # samples, without recompiling.
   eng = engine(mesh, sampling=SAMPLED)

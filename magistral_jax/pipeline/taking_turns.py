@@ -1,0 +1,81 @@
+"""Colocated sync: generation and training take turns on the same devices (pipeline.rollouts).
+
+For a run on one GPU or one TPU VM whose chips should not be split. There are no generator
+threads: a generation phase steps each generator in the trainer's thread until its work is done
+(still continuous batching over its slots; the verifier pool scores completions as they finish).
+
+    push(params, version)  -> noted only: no second copy of the weights during training, no
+                              device-to-device transfer
+    begin()                -> every generator loads the newest pushed params (cast to its dtype
+                              and laid out for decoding) and gets an empty KV cache
+    step() ... step()      -> the phase: one decode step of each busy generator per call
+    end()                  -> every generator frees its weights copy and its KV cache
+                              (GeneratorLoop.release), so that the train step's activations have
+                              the memory the cache had
+
+Each phase reports its memory: `memory/generate_peak_bytes`, the bytes in use on the devices at
+the end of the phase, when the weights copy, the KV cache and the shared prefix cache are all
+allocated; `memory/generation_released_bytes`, what the release freed; and `weight_reload_s`, the
+load at its start.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.parallel.memory import bytes_in_use
+from magistral_jax.pipeline.errors import PipelineError
+
+
+class TakingTurns:
+  """The generation phases of colocated sync mode, over `generators` built with
+  background_prefill=False (the trainer's thread steps them; no thread of theirs may)."""
+
+  def __init__(self, generators: Sequence[GeneratorLoop]):
+    for g in generators:
+      if g.background_prefill:
+        raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
+                         "build them with background_prefill=False")
+    self.generators = list(generators)
+    self._latest: tuple | None = None   # (params, version) of the newest push, not loaded yet
+    self.metrics: dict[str, float] = {}
+
+  def push(self, params, version: int) -> None:
+    """The trainer's newest params: the next phase loads them."""
+    self._latest = (params, int(version))
+
+  def begin(self) -> None:
+    """The generators get the newest pushed params and an empty KV cache."""
+    t = time.time()
+    for g in self.generators:
+      if g.released:
+        if self._latest is None:
+          raise PipelineError("colocated generation phase: the generators released their "
+                              "weights and no push has brought new ones (call push(params, "
+                              "version) after each training phase)")
+        g.reload(*self._latest)   # waits for the load: its finiteness check reads every weight
+    self._latest = None
+    self.metrics["weight_reload_s"] = time.time() - t
+
+  def step(self) -> bool:
+    """One decode step of each generator with work; an idle one records its step in flight (the
+    last samples). Returns whether any generator was busy."""
+    busy = False
+    for g in self.generators:
+      if g.idle():
+        g.run_until_idle()
+      else:
+        g.step()
+        busy = True
+    return busy
+
+  def end(self) -> None:
+    """Measures the phase's memory, then frees the generators' weights copies and KV caches for
+    the training phase."""
+    devices = list(dict.fromkeys(d for g in self.generators for d in g.engine.mesh.devices.flat))
+    peak = bytes_in_use(devices)
+    for g in self.generators:
+      g.release()
+    self.metrics.update({"memory/generate_peak_bytes": float(peak),
+                         "memory/generation_released_bytes": float(peak - bytes_in_use(devices))})
