@@ -157,7 +157,7 @@ def test_push_casts_to_the_generator_dtype_on_the_trainer_before_moving():
   # What Rollouts.push hands a generator: bf16 already on the generator's mesh (half the bytes).
   got = []
   gen = types.SimpleNamespace(engine=eng, update_params=lambda p, v: got.append((p, v)))
-  Rollouts.push(types.SimpleNamespace(generators=[gen], alternate=False), state.params, 1)
+  Rollouts.push(types.SimpleNamespace(generators=[gen], _turns=None), state.params, 1)
   (pushed, version), = got
   assert version == 1
   gen_devices = set(eng.mesh.devices.flat)
