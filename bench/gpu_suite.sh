@@ -7,9 +7,10 @@
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
 # sized for 4096 new tokens, dense against 4 attention windows (RL_CACHE_ARGS, RL_CACHE_TIMEOUT).
-# `train`: packed-row attention, cuDNN's packed layout against blockwise (bench/packed_attention.py),
-# then the GRPO and cross-entropy train steps at the Llama-3.2-1B shape, tokens/s and MFU
-# (bench/train_mfu.py; TRAIN_ARGS). `push`: the trainer -> generator weight push for SmolLM2-135M and
+# `train`: packed-row attention at 2K, 8K and 32K tokens, cuDNN's packed layout (up to 8K) and the
+# Pallas GPU flash kernel against blockwise (bench/packed_attention.py), then the GRPO and
+# cross-entropy train steps at the Llama-3.2-1B shape, tokens/s and MFU (bench/train_mfu.py;
+# TRAIN_ARGS; `--attention_impl gpu_flash` times the 32K row through the Pallas kernel). `push`: the trainer -> generator weight push for SmolLM2-135M and
 # the 1B shape against a copy of the same bytes (bench/weight_push.py).
 # `recipes`: the README's one-GPU (colocated) launches: the tiny run shortened, SmolLM2-135M's SFT,
 # then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
@@ -63,7 +64,7 @@ if [ "$what" = rlcache ]; then
   done
 fi
 if [ "$what" = train ]; then
-  run packed_attention "${PACKED_TIMEOUT:-120}" bench/packed_attention.py ${PACKED_ARGS:-}
+  run packed_attention "${PACKED_TIMEOUT:-240}" bench/packed_attention.py ${PACKED_ARGS:-}
   run train_mfu "${TRAIN_TIMEOUT:-300}" bench/train_mfu.py ${TRAIN_ARGS:-}
 fi
 if [ "$what" = push ]; then

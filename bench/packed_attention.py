@@ -1,15 +1,17 @@
 """Benchmark: packed-row attention (several sequences per row, causal within each) through
-cuDNN's packed layout against the blockwise baseline, on an NVIDIA GPU (sm90+).
+cuDNN's packed layout and the Pallas GPU flash kernel against the blockwise baseline, on an
+NVIDIA GPU (cuDNN's packed layout: sm90+, rows up to attention.CUDNN_PACKED_MAX_T tokens).
 
 For each T in --lengths, one row of T tokens holding sequences of random lengths (mean
 --mean_len) and a padding tail, the Llama-3.2-1B attention shape (32 query heads, 8 KV heads,
 head_dim 64), bf16:
-  check  the packed cuDNN output and its gradients (q, k, v) against blockwise's, as
+  check  each kernel's output and its gradients (q, k, v) against blockwise's, as
          ||got - want|| / ||want|| on the real (non-padding) tokens (bf16 operands: expect
          1e-3 to 1e-2; NaN fails).
   time   forward + backward of each (the median of --repeats after a warm-up).
-Last line: one JSON object with `rel_err_*`, `fwd_bwd_ms_cudnn` / `_blockwise` and
-`blockwise_over_cudnn_time` per T. Usage: python bench/packed_attention.py
+Last line: one JSON object with `<T>_rel_err_<kernel>_*`, `<T>_fwd_bwd_ms_<kernel>` and
+`<T>_blockwise_over_<kernel>_time` per T (a kernel that fails: `<T>_error_<kernel>`).
+Usage: python bench/packed_attention.py [--lengths 2048,8192,32768]
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def packed_row(t: int, mean_len: int, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def main(argv=None):
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default="2048,8192")
+  ap.add_argument("--lengths", default="2048,8192,32768")
   ap.add_argument("--mean_len", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
@@ -52,30 +54,39 @@ def main(argv=None):
     ct = jax.random.normal(keys[3], q.shape, jnp.bfloat16) * jnp.asarray(seg > 0)[:, :, None, None]
     blockwise = lambda q, kk, v: blockwise_attention(q, kk, v, spec, window=None, block_q=512,
                                                      block_k=512)
-    cudnn = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg,
-                                                      lambda: blockwise(q, kk, v))
-    fns = {}
-    for name, f in (("cudnn", cudnn), ("blockwise", blockwise)):
-      def fwd_bwd(q, kk, v, f=f):
+    kernels = {"gpu_flash": lambda q, kk, v: A.gpu_flash_attention(q, kk, v, spec.q_seg)}
+    if t <= A.CUDNN_PACKED_MAX_T:
+      kernels["cudnn"] = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg,
+                                                                   lambda: blockwise(q, kk, v))
+
+    def fwd_bwd(f):
+      def run(q, kk, v):
         out, vjp = jax.vjp(f, q, kk, v)
         return (out,) + vjp(ct)
-      fns[name] = jax.jit(fwd_bwd)
+      return jax.jit(run)
+
     real = np.asarray(seg > 0)[0]
-    try:
-      got, want = fns["cudnn"](q, kk, v), fns["blockwise"](q, kk, v)
-      for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if name in ("out", "dq"):
-          g, w = g[:, real], w[:, real]
-        result[f"{t}_rel_err_{name}"] = float(np.linalg.norm(g - w) / np.linalg.norm(w))
-      tm = common.time_rounds({n: (lambda f=f: f(q, kk, v)) for n, f in fns.items()},
-                              args.repeats)
-      for n, x in tm.items():
-        result[f"{t}_fwd_bwd_ms_{n}"] = x.median * 1e3
-      result[f"{t}_blockwise_over_cudnn_time"] = tm["blockwise"].median / tm["cudnn"].median
-      result[f"{t}_segments"] = int(seg.max())
-    except Exception as e:   # report and go on to the next length
-      result[f"{t}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    timed = {"blockwise": fwd_bwd(blockwise)}
+    want = timed["blockwise"](q, kk, v)
+    for name, f in kernels.items():
+      try:
+        fn = fwd_bwd(f)
+        got = fn(q, kk, v)
+        for part, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+          g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+          if part in ("out", "dq"):
+            g, w = g[:, real], w[:, real]
+          result[f"{t}_rel_err_{name}_{part}"] = float(np.linalg.norm(g - w) / np.linalg.norm(w))
+        timed[name] = fn
+      except Exception as e:   # report it and time the others
+        result[f"{t}_error_{name}"] = f"{type(e).__name__}: {str(e)[:300]}"
+    tm = common.time_rounds({n: (lambda f=f: f(q, kk, v)) for n, f in timed.items()},
+                            args.repeats)
+    for n, x in tm.items():
+      result[f"{t}_fwd_bwd_ms_{n}"] = x.median * 1e3
+      if n != "blockwise":
+        result[f"{t}_blockwise_over_{n}_time"] = tm["blockwise"].median / x.median
+    result[f"{t}_segments"] = int(seg.max())
     print({k_: v_ for k_, v_ in result.items() if k_.startswith(f"{t}_")}, flush=True)
   common.emit(result, ndigits=5)
 

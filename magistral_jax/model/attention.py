@@ -19,6 +19,13 @@ Implementations (ModelConfig.attention_impl):
   tpu_flash  jax.experimental.pallas.ops.tpu.flash_attention on TPU: causal with segment ids,
              so it takes packed training rows, and prefill from an empty cache; no sliding
              window, and T a multiple of its 128-token blocks.
+  gpu_flash  jax.experimental.pallas.ops.gpu.attention.mha on NVIDIA GPUs (Pallas lowered
+             through Triton): causal with segment ids, the same calls as tpu_flash, with
+             memory linear in T, so it covers the packed rows longer than cuDNN's packed
+             layout takes (T a multiple of its 128-token blocks). It masks across sequences
+             but visits every tile under the diagonal: its work is the row's whole causal
+             triangle, not each sequence's. Only when asked for: auto does not pick it until
+             its speed is measured on a GPU.
   auto       the accelerator's kernel where it applies; otherwise dense while the queries fit
              one block (the score matrix is then block_q x S: already linear in S; decode is
              T = 1), and blockwise beyond.
@@ -43,6 +50,7 @@ from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
 
 Array = jax.Array
 TPU_FLASH_BLOCK = 128   # the default block of the Pallas TPU kernel: T must be a multiple
+GPU_FLASH_BLOCK = 128   # the default forward block of the Pallas GPU kernel: the same rule
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,12 +124,21 @@ def tpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool
           and q_len % TPU_FLASH_BLOCK == 0 and _window_inert(window, q_len))
 
 
+def gpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool,
+                      window: int | None) -> bool:
+  """The Pallas GPU flash kernel: causal attention among a row's own tokens (segment ids
+  allowed), no effective sliding window, T a multiple of its block."""
+  return (platform == "cuda" and self_only and q_len == kv_len
+          and q_len % GPU_FLASH_BLOCK == 0 and _window_inert(window, q_len))
+
+
 def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,
                 kv_len: int, segments: bool, self_only: bool, window: int | None,
                 block_q: int, capability: float = 9.0) -> str:
-  """The implementation that computes one attention call: 'dense', 'blockwise', 'cudnn' or
-  'tpu_flash'. `self_only`: the queries attend to their own row's tokens only (training,
-  scoring, prefill from an empty cache), not to a cache; `segments`: packed segment ids."""
+  """The implementation that computes one attention call: 'dense', 'blockwise', 'cudnn',
+  'tpu_flash' or 'gpu_flash'. `self_only`: the queries attend to their own row's tokens only
+  (training, scoring, prefill from an empty cache), not to a cache; `segments`: packed segment
+  ids."""
   if requested not in IMPLS:
     raise ValueError(f"attention_impl must be one of {IMPLS}, got {requested!r}")
   if requested in ("dense", "blockwise"):
@@ -133,6 +150,8 @@ def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: i
     return "cudnn"
   if requested in ("auto", "tpu_flash") and tpu_flash_applies(**kw):
     return "tpu_flash"
+  if requested == "gpu_flash" and gpu_flash_applies(**kw):
+    return "gpu_flash"
   if requested == "auto" and q_len <= block_q:
     return "dense"
   return "blockwise"
@@ -220,32 +239,57 @@ def cudnn_packed_attention(q: Array, keys: Array, values: Array, segments: Array
   return jax.lax.cond(fits, lambda: kernel(q, k, v, lengths, offsets), fallback)
 
 
+def _pallas_call(kernel, q: Array, k: Array, v: Array, segments: Array | None, axes, shard):
+  """kernel(q, k, v[, segments]) -> q-shaped output, for q/k/v laid out along `axes` (logical
+  names, "act_batch" first). Under a mesh it runs per shard (shard_map over the batch and head
+  axes): a Pallas call is not partitioned by XLA."""
+  args = (q, k, v) + (() if segments is None else (segments,))
+  if shard is not None:
+    from magistral_jax.parallel.sharding import logical_to_spec
+    heads = logical_to_spec(axes, shard.rules, q.shape, shard.mesh)
+    rows = jax.sharding.PartitionSpec(heads[0], None)
+    kernel = jax.shard_map(kernel, mesh=shard.mesh, in_specs=(heads,) * 3 + (rows,) * (
+        len(args) - 3), out_specs=heads, check_vma=False)
+  return kernel(*args)
+
+
 def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
                         shard=None) -> Array:
   """Causal self-attention through the Pallas TPU flash kernel: q [B, T, H, Dh], keys/values
   [B, K, T, Dh], segments [B, T] or None. The kernel wants as many KV heads as query heads, so
-  each KV head is repeated over its G query heads (O(T) memory). Under a mesh it runs per shard
-  (shard_map over the batch and head axes): a Pallas call is not partitioned by XLA."""
+  each KV head is repeated over its G query heads (O(T) memory)."""
   from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
   g = q.shape[2] // keys.shape[1]
   scale = 1.0 / math.sqrt(q.shape[-1])
-  qh = q.transpose(0, 2, 1, 3)
-  kh, vh = jnp.repeat(keys, g, axis=1), jnp.repeat(values, g, axis=1)
 
   def kernel(qh, kh, vh, *seg):
     ids = fa.SegmentIds(seg[0], seg[0]) if seg else None
     return fa.flash_attention(qh, kh, vh, segment_ids=ids, causal=True, sm_scale=scale)
 
-  args = (qh, kh, vh) + (() if segments is None else (segments,))
-  if shard is not None:
-    from magistral_jax.parallel.sharding import logical_to_spec
-    heads = logical_to_spec(("act_batch", "act_heads", None, None), shard.rules, qh.shape,
-                            shard.mesh)
-    rows = jax.sharding.PartitionSpec(heads[0], None)
-    kernel = jax.shard_map(kernel, mesh=shard.mesh, in_specs=(heads,) * 3 + (rows,) * (
-        len(args) - 3), out_specs=heads, check_vma=False)
-  return kernel(*args).transpose(0, 2, 1, 3)
+  out = _pallas_call(kernel, q.transpose(0, 2, 1, 3), jnp.repeat(keys, g, axis=1),
+                     jnp.repeat(values, g, axis=1), segments,
+                     ("act_batch", "act_heads", None, None), shard)
+  return out.transpose(0, 2, 1, 3)
+
+
+def gpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
+                        shard=None, interpret: bool = False) -> Array:
+  """Causal self-attention through the Pallas GPU flash kernel: q [B, T, H, Dh], keys/values
+  [B, K, T, Dh], segments [B, T] or None. As for tpu_flash_attention, each KV head is repeated
+  over its G query heads. `interpret` runs the kernel in Pallas's interpreter (tests on CPU)."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+  g = q.shape[2] // keys.shape[1]
+  scale = 1.0 / math.sqrt(q.shape[-1])
+
+  def kernel(q, k, v, *seg):
+    return gpu_attention.mha(q, k, v, seg[0] if seg else None, sm_scale=scale, causal=True,
+                             interpret=interpret)
+
+  return _pallas_call(kernel, q, jnp.repeat(keys, g, axis=1).swapaxes(1, 2),
+                      jnp.repeat(values, g, axis=1).swapaxes(1, 2), segments,
+                      ("act_batch", None, "act_heads", None), shard)
 
 
 def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t: bool = False,
@@ -273,5 +317,7 @@ def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t:
     return cudnn_attention(q, keys, values)
   if impl == "tpu_flash":
     return tpu_flash_attention(q, keys, values, spec.q_seg, shard)
+  if impl == "gpu_flash":
+    return gpu_flash_attention(q, keys, values, spec.q_seg, shard)
   return blockwise_attention(q, keys, values, spec, window=window, block_q=cfg.attention_block_q,
                              block_k=cfg.attention_block_k, keys_t=keys_t)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from magistral_jax.configurable import checked_fields
 
 SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM")
-ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "tpu_flash")
+ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "tpu_flash", "gpu_flash")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -68,9 +68,10 @@ class ModelConfig:
   # cores and a single [T, V] logsumexp would run on one; 1 elsewhere.
   logits_vocab_pieces: int = 0
   # Attention implementation (model/attention.py): "auto" | "dense" | "blockwise" | "cudnn" |
-  # "tpu_flash". auto: cuDNN flash on NVIDIA GPUs and the Pallas flash kernel on TPU where their
-  # masks apply; otherwise dense while the queries fit one block and blockwise (memory linear in
-  # T) beyond. "dense" is the reference.
+  # "tpu_flash" | "gpu_flash". auto: cuDNN flash on NVIDIA GPUs and the Pallas flash kernel on
+  # TPU where their masks apply; otherwise dense while the queries fit one block and blockwise
+  # (memory linear in T) beyond. "gpu_flash" (the Pallas GPU kernel, e.g. for packed rows longer
+  # than cuDNN's packed layout takes) only when asked for. "dense" is the reference.
   attention_impl: str = "auto"
   # Query / key tile of the blockwise attention: one [block_q, block_k] fp32 score tile per head
   # is live at a time.

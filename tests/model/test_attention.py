@@ -194,6 +194,17 @@ def test_choose_impl_per_platform_and_mask():
   assert _choose("cudnn") == "blockwise"
   assert _choose("cudnn", platform="cuda") == "cudnn"
   assert _choose("tpu_flash", platform="cuda") == "blockwise"
+  # The Pallas GPU kernel only when asked for, at any length that is a multiple of its block
+  # (auto keeps blockwise for packed rows past cuDNN's packed layout).
+  assert _choose("gpu_flash", platform="cuda", segments=True, q_len=32768,
+                 kv_len=32768) == "gpu_flash"
+  assert _choose(platform="cuda", segments=True, q_len=32768, kv_len=32768) == "blockwise"
+  assert _choose("gpu_flash", platform="cuda", dtype=jnp.float32) == "gpu_flash"
+  assert _choose("gpu_flash", platform="cuda", q_len=4000, kv_len=4000) == "blockwise"
+  assert _choose("gpu_flash", platform="cuda", window=1024) == "blockwise"
+  assert _choose("gpu_flash", platform="cuda", self_only=False) == "blockwise"
+  assert _choose("gpu_flash") == "blockwise"
+  assert _choose("gpu_flash", platform="tpu") == "blockwise"
   with pytest.raises(ValueError, match="attention_impl"):
     _choose("flash")
   with pytest.raises(ValueError, match="attention_impl"):
@@ -291,6 +302,25 @@ def test_tpu_flash_call_has_the_dense_mask(sharded):
     got = jax.jit(lambda q, k, v, s: A.tpu_flash_attention(q, k, v, s, shard))(
         q, keys, values, seg)
   _assert_close([got], [want], jnp.float32)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_gpu_flash_call_has_the_dense_mask(sharded):
+  """The Pallas GPU kernel (forward and its own backward), run in Pallas's interpreter on CPU:
+  packed segments with a padding tail, GQA; and under a 2x4 mesh through the shard_map
+  wrapper. The loss never reads the padding tail, so its cotangent is zero there."""
+  from magistral_jax.parallel import ShardingCtx, make_mesh
+  rng = np.random.RandomState(7)
+  q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.float32)
+  seg, pos = _packed_rows(2, 128, rng)
+  mask = A.dense_mask(A.packed_spec(pos, seg), None)
+  shard = ShardingCtx(make_mesh({"data": 2, "tensor": 4})) if sharded else None
+  want_fn = lambda q, k, v: A.dense_attention(q, k, v, mask, False)
+  got_fn = jax.jit(lambda q, k, v: A.gpu_flash_attention(q, k, v, seg, shard, interpret=True))
+  ct = jnp.asarray(rng.randn(*q.shape), jnp.float32) * (seg > 0)[:, :, None, None]
+  got = _outputs_and_grads(got_fn, q, keys, values, ct)
+  want = _outputs_and_grads(want_fn, q, keys, values, ct)
+  _assert_close(got, want, jnp.float32)
 
 
 def test_training_memory_grows_linearly_with_blockwise_attention():
