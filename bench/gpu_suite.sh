@@ -10,8 +10,9 @@
 # `train`: packed-row attention at 2K, 8K and 32K tokens, cuDNN's packed layout (up to 8K) and the
 # Pallas GPU flash kernel against blockwise (bench/packed_attention.py), then the GRPO and
 # cross-entropy train steps at the Llama-3.2-1B shape, tokens/s and MFU (bench/train_mfu.py;
-# TRAIN_ARGS; `--attention_impl gpu_flash` times the 32K row through the Pallas kernel). `push`: the trainer -> generator weight push for SmolLM2-135M and
-# the 1B shape against a copy of the same bytes (bench/weight_push.py).
+# TRAIN_ARGS; `--attention_impl gpu_flash` times the 32K row through the Pallas kernel).
+# `push`: the trainer -> generator weight push for SmolLM2-135M and the 1B shape against a copy
+# of the same bytes (bench/weight_push.py).
 # `recipes`: the README's one-GPU (colocated) launches: the tiny run shortened, SmolLM2-135M's SFT,
 # then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
 # requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
