@@ -323,6 +323,42 @@ def test_gpu_flash_call_has_the_dense_mask(sharded):
   _assert_close(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_model_with_gpu_flash_equals_dense(sharded, monkeypatch):
+  """attention_impl="gpu_flash" through the model (as the trainer runs it on a GPU, here on a
+  CPU that says it is one, the kernel in Pallas's interpreter): the logits and the gradient of
+  the packed rows' log-probs equal dense attention's; sharded, under a 2x4 mesh."""
+  import functools
+  from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+  monkeypatch.setattr(A, "platform", lambda: "cuda")
+  calls = []
+  kernel = functools.partial(A.gpu_flash_attention, interpret=True)
+  monkeypatch.setattr(A, "gpu_flash_attention", lambda *a: calls.append(a[4]) or kernel(*a))
+  rng = np.random.RandomState(8)
+  seg, pos = _packed_rows(2, 128, rng)
+  tokens = jnp.asarray(rng.randint(0, 101, (2, 128)))
+  cfg = _tiny(num_kv_heads=4 if sharded else 2, attention_impl="gpu_flash")
+  params = T.init_params(cfg, jax.random.PRNGKey(0))
+  shard = ShardingCtx(make_mesh({"fsdp": 2, "tensor": 4})) if sharded else None
+
+  def run(cfg, params, shard):
+    def loss(p):
+      h = T.hidden_states(p, cfg, tokens, pos, seg, shard=shard)
+      return jnp.sum(T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, 1)) * (seg > 0))
+    return jax.jit(lambda p: (T.forward_logits(p, cfg, tokens, pos, seg, shard=shard),
+                              jax.grad(loss)(p)))(params)
+
+  lg_d, g_d = run(cfg.replace(attention_impl="dense"), params, None)
+  if sharded:
+    params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), shard.mesh,
+                                                    shapes_tree=params))
+  lg_f, g_f = run(cfg, params, shard)
+  assert calls and all(c is shard for c in calls)   # the kernel ran, not a fallback
+  assert np.max(np.abs(np.asarray(lg_f) - np.asarray(lg_d))) < 1e-4
+  for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+
+
 def test_training_memory_grows_linearly_with_blockwise_attention():
   """Compiled temporaries of the model's gradient at T = 512 and 2048 (blocks of 128): about 4x
   with blockwise attention, about 16x with dense. The gradient of the scan over layers is what
