@@ -49,8 +49,8 @@ from magistral_jax.model.blockwise_attention import (NEG_INF, MaskSpec, blockwis
 from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
 
 Array = jax.Array
-TPU_FLASH_BLOCK = 128   # the default block of the Pallas TPU kernel: T must be a multiple
-GPU_FLASH_BLOCK = 128   # the default forward block of the Pallas GPU kernel: the same rule
+# The default (forward) block of both Pallas flash kernels, TPU and GPU: T must be a multiple.
+PALLAS_FLASH_BLOCK = 128
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,20 +116,12 @@ def cudnn_applies(*, platform: str, dtype, head_dim: int, q_len: int, kv_len: in
           and q_len == kv_len and _window_inert(window, q_len))
 
 
-def tpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool,
-                      window: int | None) -> bool:
-  """The Pallas TPU flash kernel: causal attention among a row's own tokens (segment ids
-  allowed), no effective sliding window, T a multiple of its block."""
-  return (platform == "tpu" and self_only and q_len == kv_len
-          and q_len % TPU_FLASH_BLOCK == 0 and _window_inert(window, q_len))
-
-
-def gpu_flash_applies(*, platform: str, q_len: int, kv_len: int, self_only: bool,
-                      window: int | None) -> bool:
-  """The Pallas GPU flash kernel: causal attention among a row's own tokens (segment ids
-  allowed), no effective sliding window, T a multiple of its block."""
-  return (platform == "cuda" and self_only and q_len == kv_len
-          and q_len % GPU_FLASH_BLOCK == 0 and _window_inert(window, q_len))
+def pallas_flash_applies(kernel_platform: str, *, platform: str, q_len: int, kv_len: int,
+                         self_only: bool, window: int | None) -> bool:
+  """A Pallas flash kernel of `kernel_platform` ("tpu", "cuda"): causal attention among a row's
+  own tokens (segment ids allowed), no effective sliding window, T a multiple of its block."""
+  return (platform == kernel_platform and self_only and q_len == kv_len
+          and q_len % PALLAS_FLASH_BLOCK == 0 and _window_inert(window, q_len))
 
 
 def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,
@@ -148,9 +140,9 @@ def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: i
                                                       segments=segments, capability=capability,
                                                       **kw):
     return "cudnn"
-  if requested in ("auto", "tpu_flash") and tpu_flash_applies(**kw):
+  if requested in ("auto", "tpu_flash") and pallas_flash_applies("tpu", **kw):
     return "tpu_flash"
-  if requested == "gpu_flash" and gpu_flash_applies(**kw):
+  if requested == "gpu_flash" and pallas_flash_applies("cuda", **kw):
     return "gpu_flash"
   if requested == "auto" and q_len <= block_q:
     return "dense"
