@@ -93,6 +93,22 @@ def _tiny(**kw):
   return ModelConfig(**base)
 
 
+def _logits_and_grads(cfg, params, tokens, pos, seg, shard=None):
+  """The model's logits on packed rows and the gradient of their tokens' log-probs."""
+  def loss(p):
+    h = T.hidden_states(p, cfg, tokens, pos, seg, shard=shard)
+    return jnp.sum(T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, 1)) * (seg > 0))
+  return jax.jit(lambda p: (T.forward_logits(p, cfg, tokens, pos, seg, shard=shard),
+                            jax.grad(loss)(p)))(params)
+
+
+def _assert_model_close(got, want):
+  (lg_g, g_g), (lg_w, g_w) = got, want
+  assert np.max(np.abs(np.asarray(lg_g) - np.asarray(lg_w))) < 1e-4
+  for a, b in zip(jax.tree.leaves(g_g), jax.tree.leaves(g_w)):
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+
+
 @pytest.mark.parametrize("window,remat", [(None, "none"), (6, "full")])
 def test_model_logits_and_gradients_blockwise_equal_dense(window, remat):
   rng = np.random.RandomState(2)
@@ -100,17 +116,9 @@ def test_model_logits_and_gradients_blockwise_equal_dense(window, remat):
   tokens = jnp.asarray(rng.randint(0, 101, (2, 37)))
   dense_cfg = _tiny(sliding_window=window, attention_impl="dense", remat=remat)
   params = T.init_params(dense_cfg, jax.random.PRNGKey(0))
-
-  def run(cfg):
-    def loss(p):
-      h = T.hidden_states(p, cfg, tokens, pos, seg)
-      return jnp.sum(T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, 1)) * (seg > 0))
-    return T.forward_logits(params, cfg, tokens, pos, seg), jax.grad(loss)(params)
-
-  (lg_d, g_d), (lg_b, g_b) = run(dense_cfg), run(dense_cfg.replace(attention_impl="blockwise"))
-  assert np.max(np.abs(np.asarray(lg_b) - np.asarray(lg_d))) < 1e-4
-  for a, b in zip(jax.tree.leaves(g_b), jax.tree.leaves(g_d)):
-    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+  _assert_model_close(
+      _logits_and_grads(dense_cfg.replace(attention_impl="blockwise"), params, tokens, pos, seg),
+      _logits_and_grads(dense_cfg, params, tokens, pos, seg))
 
 
 def test_blockwise_forward_on_2x4_mesh_equals_unsharded():
@@ -340,23 +348,13 @@ def test_model_with_gpu_flash_equals_dense(sharded, monkeypatch):
   cfg = _tiny(num_kv_heads=4 if sharded else 2, attention_impl="gpu_flash")
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   shard = ShardingCtx(make_mesh({"fsdp": 2, "tensor": 4})) if sharded else None
-
-  def run(cfg, params, shard):
-    def loss(p):
-      h = T.hidden_states(p, cfg, tokens, pos, seg, shard=shard)
-      return jnp.sum(T.token_logprobs(p, cfg, h, jnp.roll(tokens, -1, 1)) * (seg > 0))
-    return jax.jit(lambda p: (T.forward_logits(p, cfg, tokens, pos, seg, shard=shard),
-                              jax.grad(loss)(p)))(params)
-
-  lg_d, g_d = run(cfg.replace(attention_impl="dense"), params, None)
+  want = _logits_and_grads(cfg.replace(attention_impl="dense"), params, tokens, pos, seg)
   if sharded:
     params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), shard.mesh,
                                                     shapes_tree=params))
-  lg_f, g_f = run(cfg, params, shard)
+  got = _logits_and_grads(cfg, params, tokens, pos, seg, shard)
   assert calls and all(c is shard for c in calls)   # the kernel ran, not a fallback
-  assert np.max(np.abs(np.asarray(lg_f) - np.asarray(lg_d))) < 1e-4
-  for a, b in zip(jax.tree.leaves(g_f), jax.tree.leaves(g_d)):
-    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < 1e-4 * max(1.0, np.max(np.abs(b)))
+  _assert_model_close(got, want)
 
 
 def test_training_memory_grows_linearly_with_blockwise_attention():
