@@ -13,24 +13,43 @@ secret planted outside the run dir (the task's expected output IS the secret, so
 pass), also at C++ compile time (#include); fork bombs; daemons that setsid and outlive the run;
 memory hogs; verdict forgeries (exit 0 early, sys.exit at load, patched print / sys.stdout,
 objects equal to anything, searching frames / gc / env / argv / files for a token, forged answer
-lines on every fd); sleeping past the timeout; killing the parent and everything in sight.
+lines on every fd); sleeping past the timeout; killing the parent and everything in sight; IPC
+(issue #50): SysV shared memory, semaphores and message queues, POSIX message queues, shared
+memory and semaphores left behind, and reads of the secret we plant in SysV and POSIX IPC objects
+(as an earlier run that knew the answer could leave it) and of what earlier runs left: only an
+IPC namespace per run contains these; programs that hold IPC objects and listening sockets, or
+setsid daemons, while they sleep, so that a worker killed meanwhile must take them along. The
+IPC attacks and the holders are in every mix once (ALWAYS), whatever the draw.
+
+Chaos (--chaos_every_s, on in the CI test): about that often a busy worker, drawn with weights
+= its sandboxed processes, is SIGKILLed while honest and hostile programs keep coming. Its task
+resolves with an error: a verifier fault, dropped (faulted), neither right nor wrong.
 
 Reported (last line, one JSON object):
-  verdict_accuracy (goal 1.0), wrong_verdicts (first few), tasks_lost = submitted - resolved
-  (goal 0), errors; leaked_processes (processes of the pool's sandbox uids, or children of this
-  process, after the pool closed), leaked_uids, leaked_files (new entries in /tmp, /dev/shm,
+  verdict_accuracy over the tasks that got a verdict (goal 1.0), wrong_verdicts (first few),
+  tasks_lost = submitted - resolved (goal 0), faulted (tasks without a verdict: their worker was
+  killed, or a verifier fault; by kind), chaos_kills, worker_deaths_beyond_chaos (goal 0), errors;
+  leaked_processes (processes of the pool's sandbox uids, or children of this process, after the
+  pool closed), leaked_uids, leaked_files (new entries in /tmp, /dev/shm,
   /var/tmp, home and the project dir that an attack named, that a sandbox uid owns, or that are
   the pool's run dirs; new entries from other processes on the host are counted apart as
-  new_entries_unattributed), worker RSS at the start and the end, throughput_per_s of the mix,
-  and throughput_ratio = pool rate / bare rate on the same correct/wrong programs (a separate
-  phase of --ratio_tasks tasks, pool and bare interleaved in chunks, bare with --workers threads;
-  goal >= 0.5), isolation_level().
+  new_entries_unattributed); leaked_sysv_ipc (/proc/sysvipc/{shm,sem,msg}: the attacks' key, or
+  a sandbox uid's), leaked_posix_mqueues (/dev/mqueue where mounted, else the attacks' queue
+  names probed: we mount nothing), leaked_posix_shm (new /dev/shm entries of the run),
+  leaked_listeners (new LISTEN sockets in /proc/net/tcp, tcp6 and unix held by a sandbox uid or a
+  descendant of ours), each with the first few and the other new ones counted apart (leaked IPC
+  objects are removed after counting); worker RSS at the start and the end, throughput_per_s of
+  the mix, and throughput_ratio = pool rate / bare rate on the same correct/wrong programs (a
+  separate phase of --ratio_tasks tasks, pool and bare interleaved in chunks, bare with --workers
+  threads; goal >= 0.5), isolation_level().
 
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
+                               [--chaos_every_s=0]
 """
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import functools
 import glob
@@ -44,6 +63,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import common
@@ -51,8 +71,10 @@ import common
 import psutil
 
 from magistral_jax.rewards import RewardConfig, code_check, sandbox
+from magistral_jax.rewards import reward as reward_mod
 from magistral_jax.rewards.attacks import SEARCH
 from magistral_jax.verify import VerifierPool
+from magistral_jax.verify import pool as pool_mod
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
 PROJECT = common.ROOT
@@ -281,6 +303,131 @@ SLEEP_CPP = "#include <unistd.h>\nint main() { sleep(100); }\n"
 DAEMON_CPP = ("#include <unistd.h>\nint main() { if (fork() == 0) { setsid(); "
               "if (fork() == 0) { sleep(1000); } } return 0; }\n")
 
+# IPC objects. A SysV object or POSIX message queue belongs to an IPC namespace, not to a
+# process: without a namespace per run it outlives the run on the host, and a later run (or
+# anyone) can read it. The keys and names carry this run's MARK, so the leak checks can name them.
+IPC_KEY_LEFT = 0x10000000 | (int(MARK[-6:], 16) << 4) | 1    # what hostile runs create and leave
+IPC_KEY_PLANTED = IPC_KEY_LEFT + 1                            # ours, holding the secret
+MQ_LEFT = f"/{MARK}_mq"
+MQ_PLANTED = f"/{MARK}_planted_mq"
+HOLD_S = 1.0     # how long the holding programs stay (alive when a worker is killed, not slow)
+
+# Shared by the IPC programs (ctypes: libc's shmget & co. need no module the sandbox lacks).
+IPC_PY = f"""
+import ctypes, os, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+libc.shmdt.argtypes = (ctypes.c_void_p,)
+libc.sem_open.restype = ctypes.c_void_p
+BAD = ctypes.c_void_p(-1).value
+KEY_LEFT, KEY_PLANTED = {IPC_KEY_LEFT}, {IPC_KEY_PLANTED}
+MQ_LEFT, MQ_PLANTED = {MQ_LEFT.encode()!r}, {MQ_PLANTED.encode()!r}
+
+class Msg(ctypes.Structure):
+  _fields_ = [("mtype", ctypes.c_long), ("mtext", ctypes.c_char * 256)]
+
+def leave_sysv(text=b"left by an earlier run"):
+  shm = libc.shmget(KEY_LEFT, 4096, 0o1000 | 0o666)
+  if shm >= 0:
+    addr = libc.shmat(shm, None, 0)
+    if addr not in (None, BAD):
+      ctypes.memmove(addr, text, len(text))
+      libc.shmdt(addr)
+  libc.shmget(0, 4096, 0o1000 | 0o600)     # IPC_PRIVATE: no key finds it, it stays all the same
+  libc.semget(KEY_LEFT, 1, 0o1000 | 0o666)
+  q = libc.msgget(KEY_LEFT, 0o1000 | 0o666)
+  if q >= 0:
+    libc.msgsnd(q, ctypes.byref(Msg(1, text)), len(text), 0o4000)
+
+def leave_posix(text=b"left by an earlier run"):
+  mq = libc.mq_open(MQ_LEFT, os.O_CREAT | os.O_RDWR, 0o666, None)
+  if mq >= 0:
+    libc.mq_send(mq, text, len(text), 0)
+  try:   # what shm_open and sem_open make: files in /dev/shm
+    os.close(os.open("/dev/shm/{MARK}_shm", os.O_CREAT | os.O_RDWR, 0o666))
+  except OSError:
+    pass
+  libc.sem_open(b"/{MARK}_sem", os.O_CREAT, 0o666, 1)
+
+def listen():
+  held = []
+  for fam, addr in ((socket.AF_INET, ("0.0.0.0", 0)), (socket.AF_INET6, ("::", 0)),
+                    (socket.AF_UNIX, "\\0{MARK}_abstract"), (socket.AF_UNIX, "/tmp/{MARK}_sock")):
+    try:
+      s = socket.socket(fam, socket.SOCK_STREAM)
+      s.bind(addr)
+      s.listen()
+      held.append(s)
+    except OSError:
+      pass
+  return held
+
+def read_ipc():
+  found = []   # the planted secret first, then whatever earlier runs left
+  for key in (KEY_PLANTED, KEY_LEFT):
+    shm = libc.shmget(key, 0, 0)
+    if shm >= 0:
+      addr = libc.shmat(shm, None, 0o10000)   # SHM_RDONLY
+      if addr not in (None, BAD):
+        found.append(ctypes.string_at(addr, 64).split(b"\\0")[0])
+        libc.shmdt(addr)
+    q = libc.msgget(key, 0)
+    if q >= 0:
+      m = Msg()
+      n = libc.msgrcv(q, ctypes.byref(m), 256, 0, 0o4000)   # IPC_NOWAIT
+      if n > 0:
+        found.append(m.mtext[:n])
+        libc.msgsnd(q, ctypes.byref(m), n, 0o4000)       # back, for the next reader
+  for name in (MQ_PLANTED, MQ_LEFT):
+    mq = libc.mq_open(name, os.O_RDWR)
+    if mq >= 0:
+      buf = ctypes.create_string_buffer(1 << 16)
+      n = libc.mq_receive(mq, buf, 1 << 16, None)
+      if n > 0:
+        found.append(buf.raw[:n])
+        libc.mq_send(mq, buf, n, 0)
+  return [f for f in found if f]
+"""
+IPC_LEAVE_SYSV_PY = IPC_PY + "leave_sysv()\n"
+IPC_LEAVE_POSIX_PY = IPC_PY + "leave_posix()\n"
+IPC_READ_PY = IPC_PY + ("found = read_ipc()\n"
+                        "print(found[0].decode(errors='replace') if found else '')\n")
+# Holds IPC objects and listening sockets in a setsid daemon and in itself for HOLD_S: when its
+# worker is killed meanwhile, all of it must go with the worker.
+IPC_HOLD_PY = IPC_PY + f"""
+leave_sysv()
+leave_posix()
+held = listen()
+if os.fork() == 0:
+  os.setsid()
+  if os.fork() == 0:
+    time.sleep(1000)
+  os._exit(0)
+time.sleep({HOLD_S})
+"""
+# Daemons that sleep forever, and a parent still there for HOLD_S (so a kill can find them).
+DAEMON_HOLD_PY = f"""
+import os, time
+for _ in range(3):
+  if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+      time.sleep(1000)
+    os._exit(0)
+time.sleep({HOLD_S})
+"""
+IPC_LEAVE_CPP = ("#include <cstring>\n#include <sys/ipc.h>\n#include <sys/msg.h>\n"
+                 "#include <sys/sem.h>\n#include <sys/shm.h>\nint main() {\n"
+                 f"  const key_t k = {IPC_KEY_LEFT};\n"
+                 "  int m = shmget(k, 4096, IPC_CREAT | 0666);\n"
+                 "  if (m >= 0) { void* a = shmat(m, nullptr, 0);\n"
+                 "    if (a != (void*) -1) { std::strcpy((char*) a, \"left\"); shmdt(a); } }\n"
+                 "  semget(k, 1, IPC_CREAT | 0666);\n"
+                 "  struct { long t; char x[8]; } msg = {1, \"left\"};\n"
+                 "  int q = msgget(k, IPC_CREAT | 0666);\n"
+                 "  if (q >= 0) msgsnd(q, &msg, 5, IPC_NOWAIT);\n}\n")
+
 ANY_EQ = ("class Any:\n  def __eq__(self, o): return True\n  def __ne__(self, o): return False\n"
           "  def __hash__(self): return 0\n  def __bool__(self): return True\n")
 FORK_PY = ("import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n")
@@ -338,6 +485,16 @@ def hostile_programs() -> dict:
   h["kills_everything"] = ("func", "python", lambda e: "import os, signal\n" + _fn(
       "for p in os.listdir('/proc'):\n  if p.isdigit():\n    try:\n      os.kill(int(p), 9)\n"
       "    except OSError:\n      pass\nos.kill(-1, signal.SIGKILL)", e), None)
+  # IPC and listeners (contained only by an IPC namespace per run, and a network namespace), and
+  # programs that hold on, so that a worker killed meanwhile must take them along.
+  h["ipc_sysv_leave"] = ("stdin_py", "python", IPC_LEAVE_SYSV_PY, None)
+  h["ipc_posix_leave"] = ("stdin_py", "python", IPC_LEAVE_POSIX_PY, None)
+  h["ipc_leave_in_f"] = ("func", "python", lambda e: IPC_PY + "leave_sysv()\nleave_posix()\n"
+                         + _fn("return None", e), None)
+  h["ipc_read_planted"] = ("stdin_py", "python", IPC_READ_PY, "secret")
+  h["ipc_hold_listen"] = ("stdin_py", "python", IPC_HOLD_PY, None)
+  h["daemon_hold"] = ("stdin_py", "python", DAEMON_HOLD_PY, None)
+  h["daemon_hold_in_f"] = ("func", "python", lambda e: _fn(DAEMON_HOLD_PY, e), None)
   h["kills_everything_stdin"] = ("stdin_py", "python",
                                  "import os\nfor p in os.listdir('/proc'):\n  if p.isdigit():\n"
                                  "    try:\n      os.kill(int(p), 9)\n    except OSError:\n      pass\n"
@@ -350,17 +507,26 @@ def hostile_programs() -> dict:
   h["cpp_kill"] = ("stdin_cpp", "cpp", KILL_CPP, None)
   h["cpp_sleep"] = ("stdin_cpp", "cpp", SLEEP_CPP, None)
   h["cpp_daemon"] = ("stdin_cpp", "cpp", DAEMON_CPP, None)
+  h["cpp_ipc_leave"] = ("stdin_cpp", "cpp", IPC_LEAVE_CPP, None)
   h["cpp_exit_0"] = ("stdin_cpp", "cpp", "#include <cstdlib>\nint main() { std::exit(0); }", None)
   return h
 
 
 HOSTILE = hostile_programs()
+# The attacks on IPC objects (issue #50): leaving SysV / POSIX IPC objects on the host, or reading
+# what an earlier run (here: we) left. Only an IPC namespace per run contains them.
+IPC_ATTACKS = ("ipc_sysv_leave", "ipc_posix_leave", "ipc_leave_in_f", "ipc_read_planted",
+               "ipc_hold_listen", "cpp_ipc_leave")
+# In every mix once, whatever the draw: the attacks issue #50 added, and the ones that hold on.
+ALWAYS = IPC_ATTACKS + ("daemon_hold", "daemon_hold_in_f")
 
 
-def hostile_item(r: random.Random, catalog: Catalog, cpp_share: float) -> Item:
-  cpp = r.random() < cpp_share
-  names = sorted(n for n, v in HOSTILE.items() if (v[1] == "cpp") == cpp)
-  name = r.choice(names)
+def hostile_item(r: random.Random, catalog: Catalog, cpp_share: float,
+                 name: str | None = None) -> Item:
+  """A hostile task: the variant `name`, or one drawn (C++ with probability cpp_share)."""
+  if name is None:
+    cpp = r.random() < cpp_share
+    name = r.choice(sorted(n for n, v in HOSTILE.items() if (v[1] == "cpp") == cpp))
   shape, lang, src, expect = HOSTILE[name]
   if shape == "func":
     if r.random() < 0.7:
@@ -382,11 +548,12 @@ def hostile_item(r: random.Random, catalog: Catalog, cpp_share: float) -> Item:
 
 
 def build_mix(n: int, seed: int, hostile_share: float, cpp_share: float, catalog: Catalog,
-              categories=("hostile", "correct", "wrong")) -> list[Item]:
+              categories=("hostile", "correct", "wrong"), include=()) -> list[Item]:
+  """n tasks: one of each hostile variant in `include`, the rest drawn; in a seeded order."""
   r = random.Random(seed)
   benign_share = (1.0 - hostile_share) / 2
   py_shapes, py_weights = ["humaneval", "mbpp", "stdin_py"], [0.5, 0.2, 0.3]
-  items = []
+  items = [hostile_item(r, catalog, cpp_share, name) for name in include[:n]]
   while len(items) < n:
     u = r.random()
     category = "hostile" if u < hostile_share else "correct" if u < hostile_share + benign_share \
@@ -398,6 +565,8 @@ def build_mix(n: int, seed: int, hostile_share: float, cpp_share: float, catalog
       continue
     shape = "stdin_cpp" if r.random() < cpp_share else r.choices(py_shapes, py_weights)[0]
     items.append(catalog.benign(r, category, shape))
+  if include:
+    r.shuffle(items)
   return items
 
 
@@ -519,6 +688,233 @@ def leaked_processes(uids: range) -> list[dict]:
   return list(found.values())
 
 
+_LIBC = None
+
+
+def libc():
+  """This process's libc, for the IPC calls Python has no module for (sysv_ipc is not a
+  dependency): shmget & co., mq_open & co."""
+  global _LIBC
+  if _LIBC is None:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.shmat.restype = ctypes.c_void_p
+    _LIBC.shmat.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    _LIBC.shmdt.argtypes = (ctypes.c_void_p,)
+    _LIBC.shmctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+    _LIBC.msgctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+  return _LIBC
+
+
+IPC_CREAT, IPC_EXCL, IPC_RMID, IPC_NOWAIT = 0o1000, 0o2000, 0, 0o4000
+
+
+class _Msg(ctypes.Structure):
+  _fields_ = [("mtype", ctypes.c_long), ("mtext", ctypes.c_char * 256)]
+
+
+def sysv_objects() -> dict[tuple, dict]:
+  """Every SysV IPC object of this IPC namespace (the host's, for us): (kind, id, key, creator
+  uid) -> {kind, id, key, uid, cuid}, from /proc/sysvipc/{shm,sem,msg}."""
+  out = {}
+  for kind in ("shm", "sem", "msg"):
+    try:
+      with open(f"/proc/sysvipc/{kind}") as f:
+        header, *rows = f.read().splitlines()
+    except (OSError, ValueError):
+      continue
+    cols = header.split()
+    for row in rows:
+      d = dict(zip(cols, row.split()))
+      try:
+        o = dict(kind=kind, id=int(d[kind + "id" if kind != "msg" else "msqid"]), key=int(d["key"]),
+                 uid=int(d["uid"]), cuid=int(d["cuid"]))
+      except (KeyError, ValueError):
+        continue
+      out[(kind, o["id"], o["key"], o["cuid"])] = o
+  return out
+
+
+def leaked_sysv(before: dict, after: dict, uids) -> tuple[list[dict], int]:
+  """(new SysV objects attributed to this run, count of other new ones). Attributed: the attacks'
+  key, or owned or created by a sandbox uid (an IPC_PRIVATE object has no key to tell)."""
+  leaked, other = [], 0
+  for k, o in after.items():
+    if k in before or o["key"] == IPC_KEY_PLANTED:
+      continue
+    if o["key"] == IPC_KEY_LEFT or o["uid"] in uids or o["cuid"] in uids:
+      leaked.append(o)
+    else:
+      other += 1
+  return leaked, other
+
+
+def mqueue_listing() -> str:
+  """How posix_mqueues sees message queues: the /dev/mqueue listing where it is mounted; else
+  (we mount nothing on the host) by opening the names the attacks use."""
+  return "mounted" if os.path.ismount("/dev/mqueue") else "probed_names"
+
+
+def posix_mqueues() -> set[str]:
+  """POSIX message queues of this IPC namespace: all of them, or the attacks' names (above)."""
+  if mqueue_listing() == "mounted":
+    return {"/" + n for n in os.listdir("/dev/mqueue")}
+  found = set()
+  for name in (MQ_LEFT, MQ_PLANTED):
+    fd = libc().mq_open(name.encode(), os.O_RDONLY)
+    if fd >= 0:
+      libc().mq_close(fd)
+      found.add(name)
+  return found
+
+
+def leaked_mqueues(before: set, after: set) -> tuple[list[str], int]:
+  new = sorted(after - before - {MQ_PLANTED})
+  leaked = [n for n in new if MARK in n]
+  return leaked, len(new) - len(leaked)
+
+
+def leaked_posix_shm(before: dict, after: dict, uids) -> tuple[list[str], int]:
+  """(new /dev/shm entries of this run: POSIX shared memory and named semaphores are files there,
+  count of other new ones), from `listing()`s."""
+  leaked, other = [], 0
+  for p, (uid, _) in after.items():
+    if not p.startswith("/dev/shm/") or p in before:
+      continue
+    name = os.path.basename(p)
+    if (MARK in name and not name.startswith(MARK + "_planted")) or uid in uids:
+      leaked.append(p)
+    else:
+      other += 1
+  return sorted(leaked), other
+
+
+def listeners() -> dict[tuple, dict]:
+  """Listening sockets of this network namespace (the host's, for us): (proto, inode) ->
+  {proto, local, uid, inode}, from /proc/net/tcp, tcp6 (state 0A) and unix (__SO_ACCEPTCON)."""
+  out = {}
+  for proto in ("tcp", "tcp6"):
+    try:
+      with open(f"/proc/net/{proto}") as f:
+        rows = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    for row in rows:
+      v = row.split()
+      if len(v) > 9 and v[3] == "0A":
+        out[(proto, int(v[9]))] = dict(proto=proto, local=v[1], uid=int(v[7]), inode=int(v[9]))
+  try:
+    with open("/proc/net/unix") as f:
+      rows = f.read().splitlines()[1:]
+  except OSError:
+    rows = []
+  for row in rows:
+    v = row.split()
+    if len(v) > 6 and int(v[3], 16) & 0x10000:
+      out[("unix", int(v[6]))] = dict(proto="unix", local=v[7] if len(v) > 7 else "", uid=None,
+                                      inode=int(v[6]))
+  return out
+
+
+def _socket_holders(inodes: set[int]) -> dict[int, list[int]]:
+  """inode -> pids holding that socket, from /proc/*/fd."""
+  want = {f"socket:[{i}]": i for i in inodes}
+  out: dict[int, list[int]] = {}
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit():
+      continue
+    try:
+      fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+      continue
+    for fd in fds:
+      try:
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+      except OSError:
+        continue
+      if link in want:
+        out.setdefault(want[link], []).append(int(pid))
+  return out
+
+
+def _uids_of(pid: int) -> list[int]:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return next([int(x) for x in l.split()[1:]] for l in f if l.startswith("Uid:"))
+  except (OSError, StopIteration, ValueError):
+    return []
+
+
+def leaked_listeners(before: dict, after: dict, uids) -> tuple[list[dict], int]:
+  """(new listening sockets of this run, count of other new ones). Attributed: owned by a sandbox
+  uid, or held by a process of one or by a descendant of this process."""
+  new = {k: v for k, v in after.items() if k not in before}
+  if not new:
+    return [], 0
+  holders = _socket_holders({v["inode"] for v in new.values()})
+  try:
+    ours = {c.pid for c in psutil.Process().children(recursive=True)}
+  except psutil.Error:
+    ours = set()
+  leaked, other = [], 0
+  for v in new.values():
+    pids = holders.get(v["inode"], [])
+    if v["uid"] in uids or any(p in ours or set(_uids_of(p)) & set(uids) for p in pids):
+      leaked.append({**v, "holders": pids[:4]})
+    else:
+      other += 1
+  return leaked, other
+
+
+def remove_ipc(sysv: list[dict], mqueues: list[str], shm_files: list[str]) -> int:
+  """Removes the IPC objects a run left (after they were counted), so the soak itself leaves
+  nothing behind. Returns how many it removed."""
+  c, n = libc(), 0
+  for o in sysv:
+    if o["kind"] == "sem":
+      n += c.semctl(o["id"], 0, IPC_RMID) == 0
+    else:
+      n += (c.shmctl if o["kind"] == "shm" else c.msgctl)(o["id"], IPC_RMID, None) == 0
+  for name in mqueues:
+    n += c.mq_unlink(name.encode()) == 0
+  for p in shm_files:
+    try:
+      os.remove(p)
+      n += 1
+    except OSError:
+      pass
+  return n
+
+
+def plant_ipc() -> list[tuple[str, int]]:
+  """The secret in a SysV shared memory segment, a SysV message queue and a POSIX message queue,
+  world-readable (only an IPC namespace keeps them out of sight), as an earlier run that knew the
+  answer could leave it. Returns what to remove."""
+  c, made = libc(), []
+  text = SECRET.encode()
+  shm = c.shmget(IPC_KEY_PLANTED, 4096, IPC_CREAT | IPC_EXCL | 0o644)
+  if shm >= 0:
+    made.append(("shm", shm))
+    addr = c.shmat(shm, None, 0)
+    if addr not in (None, ctypes.c_void_p(-1).value):
+      ctypes.memmove(addr, text, len(text))
+      c.shmdt(addr)
+  q = c.msgget(IPC_KEY_PLANTED, IPC_CREAT | IPC_EXCL | 0o666)   # writable: readers put it back
+  if q >= 0:
+    made.append(("msg", q))
+    c.msgsnd(q, ctypes.byref(_Msg(1, text)), len(text), IPC_NOWAIT)
+  mq = c.mq_open(MQ_PLANTED.encode(), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666, None)
+  if mq >= 0:
+    made.append(("mq", 0))
+    c.mq_send(mq, text, len(text), 0)
+    c.mq_close(mq)
+  return made
+
+
+def unplant_ipc(made: list[tuple[str, int]]):
+  remove_ipc([dict(kind=k, id=i) for k, i in made if k != "mq"],
+             [MQ_PLANTED] if any(k == "mq" for k, _ in made) else [], [])
+
+
 def plant() -> list[str]:
   paths = []
   for p in _PLANTED:
@@ -548,29 +944,97 @@ def verdict_ok(item: Item, res, cfg: RewardConfig) -> bool:
   return res.parts.get("correct", 0.0) == 0.0
 
 
+# How the error of a task starts when it got no verdict through no doing of its program: its
+# worker was killed under it (the chaos below), or a limit on our side stopped it (the reward's
+# VERIFIER_FAULT). Such a task is dropped (counted as faulted), not scored.
+FAULTS = {"verifier worker died": "worker_died", "could not send task to worker": "worker_died",
+          getattr(reward_mod, "VERIFIER_FAULT", "verifier fault"): "verifier_fault"}
+
+
+def fault_kind(error: str | None) -> str | None:
+  for prefix, kind in FAULTS.items():
+    if error and error.startswith(prefix):
+      return kind
+  return None
+
+
+class Chaos(threading.Thread):
+  """SIGKILLs a busy worker (one with sandboxed processes under it) about every `every_s`
+  seconds: a worker lost with its runs alive, as a hostile program or the host can make happen.
+  Busy workers are drawn with weights = their processes, so the ones running daemons and holders
+  are hit most. The pool must resolve the task with an error and leave nothing of it alive."""
+
+  def __init__(self, pool: VerifierPool, every_s: float, seed: int):
+    super().__init__(name="soak-chaos", daemon=True)
+    self.pool, self.every_s = pool, every_s
+    self.r = random.Random(seed)
+    self.kills: list[dict] = []
+    self._halt = threading.Event()
+
+  def run(self):
+    while not self._halt.wait(self.every_s * self.r.uniform(0.5, 1.5)):
+      busy = {}
+      for pid in self.pool.worker_pids():
+        try:
+          n = len(psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+          continue
+        if n:
+          busy[pid] = n
+      if not busy:
+        continue
+      pids = sorted(busy)
+      pid = self.r.choices(pids, weights=[busy[p] for p in pids])[0]
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        continue
+      self.kills.append(dict(pid=pid, processes=busy[pid]))
+
+  def stop(self):
+    self._halt.set()
+    self.join()
+
+
 def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float, seen_pids: set,
-         progress: bool = True) -> dict:
+         progress: bool = True, chaos_every_s: float = 0.0, seed: int = 0) -> dict:
   t0 = time.perf_counter()
   futs = []
   step = max(1, len(items) // 10)
-  for k, it in enumerate(items):
-    futs.append(pool.submit(it.task, _code(it.src, it.lang), None, k))
-    if k % 50 == 0:
-      seen_pids.update(pool.worker_pids())
-    if progress and k and k % step == 0:
-      done = sum(f.done() for f in futs)
-      print(f"soak: submitted {k}/{len(items)}, resolved {done}, "
-            f"{time.perf_counter() - t0:.0f} s", flush=True)
-  done, not_done = concurrent.futures.wait(futs, timeout=wait_s)
+  chaos = Chaos(pool, chaos_every_s, seed) if chaos_every_s > 0 else None
+  if chaos:
+    chaos.start()
+  try:
+    for k, it in enumerate(items):
+      futs.append(pool.submit(it.task, _code(it.src, it.lang), None, k))
+      if k % 50 == 0:
+        seen_pids.update(pool.worker_pids())
+      if progress and k and k % step == 0:
+        done = sum(f.done() for f in futs)
+        print(f"soak: submitted {k}/{len(items)}, resolved {done}, "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    done, not_done = concurrent.futures.wait(futs, timeout=wait_s)
+  finally:
+    if chaos:
+      chaos.stop()
   wall = time.perf_counter() - t0
   seen_pids.update(pool.worker_pids())
-  wrong, errors, by_cat = [], [], {}
+  kills = chaos.kills if chaos else []
+  seen_pids.update(k["pid"] for k in kills)   # their run dirs are the pool's to remove
+  wrong, errors, faulted, by_cat = [], [], [], {}
+  fault_counts: dict[str, int] = {}
   for it, f in zip(items, futs):
-    c = by_cat.setdefault(it.category, {"tasks": 0, "right": 0})
+    c = by_cat.setdefault(it.category, {"tasks": 0, "right": 0, "faulted": 0})
     c["tasks"] += 1
     if f not in done:
       continue
     res = f.result()
+    kind = fault_kind(res.error)
+    if kind:   # no verdict: dropped, neither right nor wrong
+      c["faulted"] += 1
+      fault_counts[kind] = fault_counts.get(kind, 0) + 1
+      faulted.append(f"{it.category}/{it.name}: {res.error[:120]}")
+      continue
     if res.error:
       errors.append(f"{it.category}/{it.name}: {res.error[:120]}")
     if verdict_ok(it, res, cfg):
@@ -580,9 +1044,13 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
                         correct=res.parts.get("correct"), error=res.error,
                         detail=str(res.info.get("code"))[:200]))
   resolved = len(done)
+  verdicts = resolved - len(faulted)
   return dict(tasks=len(items), resolved=resolved, tasks_lost=len(items) - resolved,
-              verdict_accuracy=(resolved - len(wrong)) / len(items),
+              verdicts=verdicts,
+              verdict_accuracy=(verdicts - len(wrong)) / verdicts if verdicts else 0.0,
               wrong_verdicts_count=len(wrong), wrong_verdicts=wrong[:8],
+              faulted=len(faulted), faulted_by_kind=fault_counts, faulted_first=faulted[:5],
+              chaos_every_s=chaos_every_s, chaos_kills=len(kills), chaos_kills_first=kills[:5],
               errors_count=len(errors), errors_first=errors[:5], by_category=by_cat,
               soak_wall_s=wall, throughput_per_s=len(items) / wall)
 
@@ -612,18 +1080,22 @@ def throughput_phase(pool: VerifierPool, items: list[Item], workers: int, bare_d
 
 def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_share: float = 0.05,
         seed: int = 0, test_timeout_s: float = 2.0, task_timeout_s: float = 60.0,
-        ratio_tasks: int = 200, max_tasks_per_worker: int = 1000, progress: bool = True) -> dict:
+        ratio_tasks: int = 200, max_tasks_per_worker: int = 1000, progress: bool = True,
+        chaos_every_s: float = 0.0, include=ALWAYS) -> dict:
   cfg = RewardConfig(language_bonus=0.0, test_timeout_s=test_timeout_s)
   res = dict(bench="sandbox_soak", workers=workers, hostile_share=hostile_share,
              cpp_share=cpp_share, test_timeout_s=test_timeout_s,
-             isolation_level=sandbox.isolation_level())
+             isolation_level=sandbox.isolation_level(), ipc_attacks=list(IPC_ATTACKS),
+             mqueue_listing=mqueue_listing())
   bare_dir = tempfile.mkdtemp(prefix="mj_soak_bare_")
   planted = plant()
+  planted_ipc = plant_ipc()
   try:
     before = listing()
+    ipc_before, mq_before, listen_before = sysv_objects(), posix_mqueues(), listeners()
     t = time.perf_counter()
     catalog = Catalog(bare_dir)
-    items = build_mix(tasks, seed, hostile_share, cpp_share, catalog)
+    items = build_mix(tasks, seed, hostile_share, cpp_share, catalog, include=include)
     ratio_items = build_mix(ratio_tasks, seed + 1, hostile_share, cpp_share, catalog,
                             categories=("correct", "wrong")) if ratio_tasks else []
     res.update(catalog_s=time.perf_counter() - t, catalog_programs=len(catalog._ok),
@@ -637,13 +1109,16 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
     res["read_attacks_pass_bare"] = {
         n: bare_run(Item("hostile", HOSTILE[n][0], n, stdin_task(n, 0, HOSTILE[n][1], (
             ("0\n", SECRET + "\n"),)), HOSTILE[n][2], HOSTILE[n][1]), bare_dir)
-        for n in ("read_planted", "cpp_read_planted", "cpp_include_planted")}
+        for n in ("read_planted", "cpp_read_planted", "cpp_include_planted", "ipc_read_planted")}
     if progress:
       print("mix", res["mix"], flush=True)
     seen_pids: set[int] = set()
     pool = VerifierPool(workers, cfg, task_timeout_s=task_timeout_s, max_queue=4 * workers,
                         max_tasks_per_worker=max_tasks_per_worker)
-    uids = range(pool.uid_base, pool.uid_base + 64)
+    # Every sandbox uid of this process (its pools' slots and a stand-alone Sandbox's).
+    block = sandbox.process_uid_base()
+    uids = range(min(block, pool.uid_base), max(block + pool_mod.UIDS_PER_PROCESS,
+                                                pool.uid_base + workers))
     try:
       # Warm: every worker ready (a trivial task each), then the start RSS.
       from_warm = [pool.submit({"kind": "code", "problem": "p", "language": "python",
@@ -653,13 +1128,18 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
         f.result()
       res["worker_rss_start_mb"] = rss_mb(pool.worker_pids())
       res.update(soak(pool, items, cfg, wait_s=max(600.0, 2 * task_timeout_s), seen_pids=seen_pids,
-                      progress=progress))
+                      progress=progress, chaos_every_s=chaos_every_s, seed=seed))
       res["worker_rss_end_mb"] = rss_mb(pool.worker_pids())
       if ratio_items:
         res.update(throughput_phase(pool, ratio_items, workers, bare_dir, chunk=4 * workers))
       res["pool_metrics"] = {k: v for k, v in pool.metrics().items()
                              if k in ("submitted", "completed", "timeouts", "crashes", "recycled",
-                                      "errors", "latency_p50_s", "latency_p95_s", "latency_max_s")}
+                                      "errors", "latency_p50_s", "latency_p95_s", "latency_max_s",
+                                      "cleanup_errors", "orphans_killed", "orphans_left",
+                                      "stopped")}
+      # A worker death the chaos did not cause is a program that reached its worker.
+      res["worker_deaths_beyond_chaos"] = max(0, res["pool_metrics"]["crashes"]
+                                              - res.get("chaos_kills", 0))
       seen_pids.update(pool.worker_pids())
     finally:
       pool.close()
@@ -683,12 +1163,26 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
                leaked_files=len(files), leaked_files_first=files[:8],
                leaked_run_dirs=len(run_dirs), new_entries_unattributed=other,
                worker_pids_seen=len(seen_pids))
+    # IPC objects and listeners: what a run left outside its namespaces. Counted, then removed
+    # (the soak itself must leave nothing either).
+    sysv, sysv_other = leaked_sysv(ipc_before, sysv_objects(), uids)
+    mqs, mq_other = leaked_mqueues(mq_before, posix_mqueues())
+    shm, shm_other = leaked_posix_shm(before, after, uids)
+    socks, socks_other = leaked_listeners(listen_before, listeners(), uids)
+    res.update(leaked_sysv_ipc=len(sysv), leaked_sysv_ipc_first=sysv[:5],
+               leaked_posix_mqueues=len(mqs), leaked_posix_mqueues_first=mqs[:5],
+               leaked_posix_shm=len(shm), leaked_posix_shm_first=shm[:5],
+               new_ipc_unattributed=sysv_other + mq_other + shm_other,
+               leaked_listeners=len(socks), leaked_listeners_first=socks[:5],
+               new_listeners_unattributed=socks_other,
+               leaked_ipc_removed=remove_ipc(sysv, mqs, shm))
   finally:
     for p in planted:
       try:
         os.remove(p)
       except OSError:
         pass
+    unplant_ipc(planted_ipc)
     shutil.rmtree(bare_dir, ignore_errors=True)
   res["host"] = common.host_info()
   return res
@@ -707,12 +1201,14 @@ def main():
                   help="correct/wrong tasks timed through the pool and bare (0: skip)")
   ap.add_argument("--max_tasks_per_worker", type=int, default=1000)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--chaos_every_s", type=float, default=0.0,
+                  help="SIGKILL a busy worker about this often during the soak (0: never)")
   args = ap.parse_args()
   # SIGTERM (e.g. from `timeout`) unwinds through run()'s cleanup: the planted files go.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   res = run(args.tasks, args.workers, args.hostile_share, args.cpp_share, args.seed,
             args.test_timeout_s, args.task_timeout_s, args.ratio_tasks,
-            args.max_tasks_per_worker)
+            args.max_tasks_per_worker, chaos_every_s=args.chaos_every_s)
   common.emit(res, ndigits=4)
 
 

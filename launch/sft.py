@@ -83,7 +83,7 @@ def main(argv):
   from magistral_jax import config as config_lib
   from magistral_jax.model.orbax_params import save_params_orbax
   from magistral_jax.parallel import make_mesh
-  from magistral_jax.data.prompts import heldout_problems
+  from magistral_jax.data.prompts import dataset_problems
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, sft_optimizer_config,
                                             run_devices, system_prompt_for)
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
@@ -96,16 +96,19 @@ def main(argv):
   rules = config_lib.validate(config, jax.device_count()).sharding.trainer_rules
   synthetic = config.data.source == "synthetic"
   # ---- GSM8K cold-start traces (configs/smollm2.py:sft): built on first use ----------------
-  # data.source "gsm8k_traces" = the shipped GSM8K set's worked solutions in the Magistral format,
-  # minus the held-out problems launch/train.py evaluates on (the first data.heldout of the same
-  # seeded epoch of data.source=gsm8k; a smaller RL data.heldout with the same seed is a subset).
+  # data.source "gsm8k_traces" = the worked solutions of GSM8K's train split in the Magistral
+  # format. launch/train.py evaluates on data.heldout_source (GSM8K's test split): the traces are
+  # checked against every problem of it, by id and question text, so no held-out set drawn from
+  # it (any data.heldout, any seed) holds a problem the SFT trained on; an overlap stops here.
   from magistral_jax.data import gsm8k_traces
   if gsm8k_traces.NAME in config.data.source.split(","):
     config.data.data_dir = config.data.data_dir or os.path.join(cli.workdir(), "data")
-    heldout = heldout_problems(
-        config_lib.apply_overrides(config, {"data.source": "gsm8k"}))
-    log.info("GSM8K traces (held-out excluded: %d): %s", len(heldout),
-             gsm8k_traces.build_trace_dataset(config.data.data_dir, [p["id"] for p in heldout]))
+    held = config.data.get("heldout_source", "") or gsm8k_traces.HELDOUT
+    heldout = dataset_problems(config, held)
+    log.info("GSM8K traces (from %s; none of the %d problems of %s): %s", gsm8k_traces.SHIPPED,
+             len(heldout), held,
+             gsm8k_traces.build_trace_dataset(config.data.data_dir, heldout=heldout,
+                                              heldout_name=f"data.heldout_source={held!r}"))
   # ---- end of the GSM8K traces block ------------------------------------------------------
   num_steps = int(config.sft.num_steps)
   if synthetic and num_steps <= 0:

@@ -145,7 +145,7 @@ def main(argv):
   config = cli.start_run()
   import jax
   from magistral_jax import config as config_lib
-  from magistral_jax.data.prompts import heldout_problems, train_prompts
+  from magistral_jax.data.prompts import check_heldout_unseen, heldout_problems, train_prompts
   from magistral_jax.parallel import make_mesh, multihost
   from magistral_jax.pipeline import Rollouts
   from magistral_jax.pipeline.build import (build_tokenizer_and_model, engine_for, is_colocated,
@@ -235,6 +235,8 @@ def main(argv):
   eval_loop = (eval_loop_factory(config, model_cfg, gdevs[0], generator_rules, tok, shared_prefix,
                                  engines) if layout is None else None)
   heldout = heldout_problems(config, workdir) if leader else []
+  if leader:   # no evaluation may include a problem the RL stream trains on (data/prompts.py)
+    check_heldout_unseen(config, heldout, workdir)
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if leader and os.path.exists(summary_path) else {}
 
@@ -324,8 +326,7 @@ def main(argv):
                         opt_steps=meta["opt_steps"], batches=meta["batches"])
       rollouts_kw = dict(generators=gens, pool=pool, tokenizer=tok, grpo_cfg=srun.rl,
                          cfg=srun.pipeline, system_prompt=system_prompt, seed=config.seed + si)
-      prompts = (train_prompts(config, [p["id"] for p in heldout], meta["data"], workdir)
-                 if leader else None)
+      prompts = train_prompts(config, heldout, meta["data"], workdir) if leader else None
       if layout is None:
         rollouts = Rollouts(prompts=prompts, colocated=colocated, **rollouts_kw)
       elif leader:

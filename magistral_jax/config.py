@@ -142,8 +142,12 @@ def default_config() -> mlc.ConfigDict:
   # Logical axis -> mesh axes tables of the trainer and the generators (parallel/sharding.py).
   c.sharding = config_section(ShardingConfig)
   # ---- data ----
-  c.data = mlc.ConfigDict(dict(source="synthetic", data_dir="", min_steps=1, max_steps=3,
-                               max_operand=20, allow_negative=True, heldout=64,
+  # source: the RL stream (data/prompts.py). The held-out evaluation set is the first `heldout`
+  # problems of a seeded epoch of heldout_source (e.g. "gsm8k_test" for a run that trains on
+  # "gsm8k_train"), or of source itself when heldout_source is "" (the stream then skips them).
+  # A held-out set that shares a problem with the stream (id or question text) stops the run.
+  c.data = mlc.ConfigDict(dict(source="synthetic", heldout_source="", data_dir="", min_steps=1,
+                               max_steps=3, max_operand=20, allow_negative=True, heldout=64,
                                sft_slip_rate=0.0, sft_ramble_rate=0.0))
   # ---- cold-start SFT (Magistral Small; also the tiny warm start) ----
   # lr schedule: linear warmup, then constant or cosine down to final_lr_frac at the last step.

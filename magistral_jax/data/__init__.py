@@ -11,5 +11,8 @@
   translate      a fraction of problems into fr/es/it/de/zh/ru, checked with fastText
   filters        runs the filters over JSONL into a new dataset plus a report
   synthetic      seeded multi-step arithmetic problems and traces (the tiny default task)
+  prompts        a run's held-out set and RL prompt stream (resumable)
+  splits         held-out versus trained-on: problem keys (id, normalised text), overlap errors
+  gsm8k_traces   GSM8K's worked solutions as Magistral-format SFT traces (configs/smollm2.py)
   sources/       the shipped public sets (see sources/SOURCES.md)
 """

@@ -32,6 +32,12 @@ def _default_shard() -> tuple[int, int]:
 PROGRAMMING_LANGUAGES = {"python": "Python 3", "cpp": "C++ (C++20)"}
 
 
+def language_line(code_language: str) -> str:
+  """The line a stdin/stdout statement ends with once posed in `code_language`."""
+  return (f"\n\nWrite the program in {PROGRAMMING_LANGUAGES[code_language]}: it reads standard "
+          "input and writes standard output.")
+
+
 def problem_dict(kind: str, rec: Mapping[str, Any], code_language: str = "python") -> dict:
   """The RL pipeline's view of a record, in the task schema of `rewards.reward.compute_reward`.
 
@@ -57,9 +63,7 @@ def problem_dict(kind: str, rec: Mapping[str, Any], code_language: str = "python
     out["test_list"] = [t["input"] for t in rec["tests"]]
     out["test_setup_code"] = rec["test_setup"]
   else:
-    out["problem"] = (rec["statement"].rstrip() + "\n\nWrite the program in "
-                      f"{PROGRAMMING_LANGUAGES[code_language]}: it reads standard input and "
-                      "writes standard output.")
+    out["problem"] = rec["statement"].rstrip() + language_line(code_language)
     out["tests"] = rec["tests"]
     out["id"] = f"{rec['id']}#{code_language}"
   return out

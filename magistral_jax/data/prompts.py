@@ -2,19 +2,38 @@
 
 data.source is "synthetic" (the tiny arithmetic task, an endless seeded stream) or
 comma-separated dataset names; shipped public sets (records.SHIPPED, with the short names of
-SHIPPED_ALIASES) are built into data.data_dir (default WORKDIR/data) on first use. The held-out
-problems are the first data.heldout of one seeded shuffled epoch; the RL stream is every epoch
-after that, minus them.
+SHIPPED_ALIASES) are built into data.data_dir (default WORKDIR/data) on first use. The RL stream
+is seeded shuffled epochs of data.source without end. The held-out problems are the first
+data.heldout of one seeded shuffled epoch of data.heldout_source (e.g. GSM8K's test split for a
+run that trains on its train split), or of data.source itself when that is empty: then the
+stream skips them.
+
+No evaluation may include a problem the run trained on (splits.py: by id and by normalised
+question text): the stream skips every problem that matches a held-out one, and
+`check_heldout_unseen` raises, naming them, when a held-out set drawn from its own source shares
+problems with data.source, before any work (launch/train.py, launch/eval.py).
 """
 from __future__ import annotations
 
 import os
+from typing import Iterable, Mapping
 
 from magistral_jax.data import records, synthetic
 from magistral_jax.data.loader import ProblemLoader
+from magistral_jax.data.splits import KeySet, check_disjoint, problem_key
 
 # Short names for the public sets shipped in magistral_jax/data/sources (records.SHIPPED).
 SHIPPED_ALIASES = {"gsm8k": "gsm8k_test", "mbpp": "mbpp_sample20"}
+
+
+def source_names(source: str) -> list[str]:
+  """The dataset names of a comma-separated source, aliases resolved."""
+  return [SHIPPED_ALIASES.get(n, n) for n in source.split(",") if n]
+
+
+def heldout_source(config) -> str:
+  """Where the held-out problems come from: data.heldout_source, or data.source when empty."""
+  return config.data.get("heldout_source", "") or config.data.source
 
 
 def data_dir_for(config, workdir: str | None = None) -> str:
@@ -27,25 +46,57 @@ def data_dir_for(config, workdir: str | None = None) -> str:
 
 
 def problem_loader(config, num_epochs: int | None, workdir: str | None = None,
-                   **loader_kw) -> ProblemLoader:
-  """A seeded ProblemLoader over data.source; shipped sets are built on first use. `loader_kw`
-  go to ProblemLoader (e.g. code_languages)."""
+                   source: str | None = None, **loader_kw) -> ProblemLoader:
+  """A seeded ProblemLoader over `source` (default data.source); shipped sets are built on first
+  use. `loader_kw` go to ProblemLoader (e.g. code_languages, shuffle)."""
   from magistral_jax.data.tfds_builders import build_shipped
-  names = [SHIPPED_ALIASES.get(n, n) for n in config.data.source.split(",") if n]
+  names = source_names(config.data.source if source is None else source)
   data_dir = data_dir_for(config, workdir)
   shipped = [n for n in names if n in records.SHIPPED]
   if shipped:
     build_shipped(data_dir, shipped)
-  return ProblemLoader(data_dir, names, seed=config.seed, shuffle=True, num_epochs=num_epochs,
-                       **loader_kw)
+  loader_kw = {"shuffle": True, **loader_kw}
+  return ProblemLoader(data_dir, names, seed=config.seed, num_epochs=num_epochs, **loader_kw)
 
 
 def heldout_problems(config, workdir: str | None = None, **loader_kw) -> list[dict]:
-  """The held-out evaluation problems (data.heldout of them)."""
-  n = config.data.heldout
-  if config.data.source == "synthetic":
+  """The held-out evaluation problems: the first data.heldout of a seeded epoch of
+  heldout_source(config)."""
+  n, source = config.data.heldout, heldout_source(config)
+  if source == "synthetic":
     return synthetic.take(n, config.seed, "heldout", **synthetic.options(config.data))
-  return problem_loader(config, 1, workdir, **loader_kw).take(n)
+  return problem_loader(config, 1, workdir, source, **loader_kw).take(n)
+
+
+def dataset_problems(config, source: str, workdir: str | None = None) -> list[dict]:
+  """Every problem of the datasets in `source` (comma-separated names): one unshuffled epoch (the
+  built datasets' order), every data-parallel shard, stdin/stdout code problems in each
+  language."""
+  return list(problem_loader(config, 1, workdir, source, shuffle=False, shard_index=0,
+                             shard_count=1))
+
+
+def check_heldout_unseen(config, problems: Iterable[Mapping], workdir: str | None = None,
+                         what: str = "the held-out set") -> None:
+  """Raises splits.HeldOutOverlapError, naming them, when any of `problems` is one the RL stream
+  of data.source trains on (by id or normalised question text). The stream skips the held-out
+  head when the held-out set is drawn from data.source itself, so only problems beyond that head
+  can be trained on then (an evaluation of more problems than data.heldout)."""
+  if config.data.source == "synthetic":
+    # Held-out and training problems come from two disjoint seeded generators (synthetic.py), an
+    # endless stream with no finite set to compare with.
+    return
+  keys = [problem_key(p) for p in problems]
+  skipped = KeySet([])
+  if not config.data.get("heldout_source", ""):
+    skipped = KeySet(problem_key(p) for p in heldout_problems(config, workdir))
+    keys = [k for k in keys if k not in skipped]
+    if not keys:
+      return
+  trained = [k for k in map(problem_key, dataset_problems(config, config.data.source, workdir))
+             if k not in skipped]
+  check_disjoint(keys, trained, heldout_name=what,
+                 trained_name=f"the RL stream (data.source={config.data.source!r})")
 
 
 class SyntheticPrompts:
@@ -69,23 +120,28 @@ class SyntheticPrompts:
 
 
 class TrainProblems:
-  """RL prompts from problem datasets: seeded shuffled epochs without end, minus the held-out
-  problems; `state()` is the loader's position (saved in the checkpoint meta)."""
+  """RL prompts from problem datasets: seeded shuffled epochs without end, minus every problem
+  that matches a held-out one by id or normalised question text (a code problem's other
+  programming language included); `state()` is the loader's position (saved in the checkpoint
+  meta). `heldout`: the held-out problem dicts (or bare ids, matched as they are)."""
 
-  def __init__(self, config, heldout_ids, state=None, workdir: str | None = None):
+  def __init__(self, config, heldout, state=None, workdir: str | None = None):
     self.loader = problem_loader(config, None, workdir)
     if state:
       self.loader.restore(state)
-    self.heldout = set(heldout_ids)
+    self.heldout = KeySet(problem_key(h) if isinstance(h, Mapping) else (str(h), "")
+                          for h in heldout)
+    fp = self.loader._fingerprint
+    # An epoch is a permutation, so a run of skipped problems is at most two epochs' worth.
+    self._max_skips = 2 * sum(fp["datasets"].values()) * len(fp["code_languages"]) + 1
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    # An epoch is a permutation, so a run of held-out ids is at most two epochs' worth.
-    for _ in range(2 * len(self.heldout) + 1):
+    for _ in range(self._max_skips):
       p = next(self.loader)
-      if p["id"] not in self.heldout:
+      if p["id"] not in self.heldout.ids and problem_key(p) not in self.heldout:
         return p
     raise ValueError(f"every problem of data.source={list(self.loader._fingerprint['datasets'])} "
                      f"is held out (data.heldout={len(self.heldout)}); lower data.heldout")
@@ -94,9 +150,9 @@ class TrainProblems:
     return self.loader.state()
 
 
-def train_prompts(config, heldout_ids, state: dict | None, workdir: str | None = None):
+def train_prompts(config, heldout, state: dict | None, workdir: str | None = None):
   """The RL prompt stream of data.source, resumed from a checkpoint's `state()` if given."""
   state = state or {}
   if config.data.source == "synthetic":
     return SyntheticPrompts(config.seed, config.data, state.get("consumed", 0))
-  return TrainProblems(config, heldout_ids, state if "iterator" in state else None, workdir)
+  return TrainProblems(config, heldout, state if "iterator" in state else None, workdir)

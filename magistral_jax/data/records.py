@@ -18,6 +18,7 @@ reason; readers count the reason and skip the row, so a bad row never stops a bu
 """
 from __future__ import annotations
 
+import ast
 import os
 from typing import Any, Callable, Mapping
 
@@ -30,6 +31,7 @@ SOURCES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sources"
 SHIPPED = {
     "math500": ("math500.jsonl", "math", "math500"),
     "gsm8k_test": ("gsm8k_test.jsonl", "math", "gsm8k"),
+    "gsm8k_train": ("gsm8k_train.jsonl", "math", "gsm8k"),
     "humaneval": ("humaneval_full.jsonl", "code", "humaneval"),
     "mbpp_sample20": ("mbpp_sample20.jsonl", "code", "mbpp"),
 }
@@ -153,14 +155,35 @@ def code_canonical(row, *, source: str, row_number: int) -> dict:
   }
 
 
+def prompt_helpers(prompt: str, entry_point: str) -> str | None:
+  """The prompt's own code less the function to write: the helpers a HumanEval prompt defines
+  beside the entry point (`poly` beside `find_zero`, `encode_shift` beside `decode_shift`), its
+  imports and constants. None when the prompt is not Python that defines `entry_point`."""
+  try:
+    tree = ast.parse(prompt)
+  except (SyntaxError, ValueError, RecursionError, MemoryError):
+    return None
+  is_entry = lambda n: (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and n.name == entry_point)
+  if not any(is_entry(n) for n in tree.body):
+    return None
+  tree.body = [n for n in tree.body if not is_entry(n)]
+  return ast.unparse(tree)
+
+
 def humaneval(row, *, source: str, row_number: int) -> dict:
   prompt = _text(row, "prompt")
   entry_point = _text(row, "entry_point")
   # HumanEval's `check(candidate)` is one program of asserts; it runs as a single assert test.
   check = _text(row, "test") + f"\n\ncheck({entry_point})\n"
+  # The helpers the prompt defines beside the entry point run on our side, as the test's setup:
+  # the tests must not call the candidate's copies of them (rewards/code_check.py).
+  setup = prompt_helpers(prompt, entry_point)
+  if setup is None:
+    raise RowError("bad_value:prompt", f"the prompt does not define {entry_point!r}")
   return {
       "id": _row_id(row, "task_id", source, row_number), "statement": prompt, "language": "en",
-      "tests": [{"input": check, "output": ""}], "test_type": "assert", "test_setup": "",
+      "tests": [{"input": check, "output": ""}], "test_type": "assert", "test_setup": setup,
       "entry_point": entry_point,
       "solutions": [{"language": "python", "code": prompt + _text(row, "canonical_solution")}],
       "source": source,

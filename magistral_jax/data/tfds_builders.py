@@ -160,7 +160,8 @@ def build_dataset(kind: str, name: str, paths, data_dir: str, *, source_format: 
 
 
 def build_shipped(data_dir: str, names: Sequence[str] | None = None, split: str = "train") -> dict:
-  """Builds the public sets shipped in data/sources/ (MATH-500, GSM8K test, HumanEval, MBPP)."""
+  """Builds the public sets shipped in data/sources/ (MATH-500, GSM8K train and test, HumanEval,
+  MBPP)."""
   out = {}
   for n in names or sorted(records.SHIPPED):
     fname, kind, fmt = records.SHIPPED[n]

@@ -19,6 +19,8 @@ PARTS = ("format", "correct", "language", "length_penalty")
 # How the error of a task the verifier could not read starts (a malformed dataset row, not a fault
 # of the verifier machinery): the pipeline drops its group either way and names the two apart.
 BAD_TASK = "bad task or response"
+# How the error of a completion starts when a limit on our side, not the program, stopped it.
+VERIFIER_FAULT = "verifier fault"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,8 @@ def compute_reward(task: dict, response: str, response_tokens: int | None, cfg: 
   """
   try:
     return _compute(task, response, response_tokens, cfg, group_seed)
+  except code_check.VerifierFault as e:   # no verdict: the group is dropped, not scored wrong
+    return failed_result(f"{VERIFIER_FAULT}: {e}")
   except (ValueError, TypeError, KeyError) as e:
     return failed_result(f"{BAD_TASK}: {type(e).__name__}: {e}")
   except Exception as e:   # keep the pool serving; the trace goes to the log line

@@ -2,34 +2,69 @@
 
 Each run is wrapped as
     setpriv --pdeathsig KILL -- prlimit <cpu, as, fsize, nproc, nofile> --
-      unshare [--user --map-root-user] --mount --net --pid --fork --kill-child --
+      unshare [--user --map-root-user] --mount --net --ipc --pid --fork --kill-child --
       python -I -S -c SETUP_SOURCE <spec> <program>
 (for a Python program, that interpreter runs it after the setup: one interpreter start, not two)
 started in a new session, so:
-  - the new mount namespace gets a fresh root (see sandbox_root.py): a tmpfs holding read-only bind mounts
-    of only what programs need (/usr and the /bin, /lib* links or dirs, the dynamic loader's /etc
-    files, a non-/usr interpreter's prefix, the precompiled header); the run directory at
-    /sandbox, the only writable place, destroyed after the run; private size-limited tmpfs /tmp
-    and /dev/shm; a /proc of the run's own PID namespace; a handful of device nodes. The old
-    root is detached after pivot_root, so no project, home, dataset or host /tmp path resolves;
+  - the new mount namespace gets a fresh root (see sandbox_root.py): a tmpfs holding read-only
+    bind mounts of only what programs need (/usr and the /bin, /lib* links or dirs, the dynamic
+    loader's /etc files, a non-/usr interpreter's prefix, the precompiled header); the working
+    directory /sandbox, a size- and inode-limited tmpfs of the run's own, holding our input files
+    (the source, the binary) as read-only binds; private size-limited tmpfs /tmp and /dev/shm; a
+    /proc of the run's own PID namespace; a handful of device nodes. The old root is detached
+    after pivot_root, so no project, home, dataset or host /tmp path resolves;
   - the new network namespace has only a down loopback: sockets cannot reach anything;
+  - the new IPC namespace has SysV objects and POSIX message queues of its own;
   - the program is PID 1 of a new PID namespace; when it exits or we kill `unshare`, the kernel
     kills every process in the namespace, `setsid()` grandchildren included, and the namespace's
-    tmpfs mounts go with it;
+    tmpfs mounts and IPC objects go with it;
   - as root, U is an unprivileged uid per pool slot (no /etc/passwd entry needed), so RLIMIT_NPROC
     bites (it is ignored for root) and the program cannot signal our processes. Without root, a
     user namespace maps our uid to root inside it, for the mount setup only: every capability is
     dropped from the bounding set before exec, so the program has none (cannot unmount, remount
     read-write or mount anything) and runs as our uid on the outside;
-  - if the worker dies, PDEATHSIG takes `unshare` and so the namespace with it.
+  - a seccomp filter refuses unshare, setns and clone with namespace flags (x86_64, aarch64);
+  - if the worker dies, PDEATHSIG takes `unshare`, and the namespace's first process with it.
+
+What the second red-team wave (issue #50) found, and why each class is now contained by
+construction rather than by a check on the instance:
+  - Answers passed between runs through IPC: each run has its own IPC namespace (--ipc), and
+    POSIX shared memory and semaphores live in its private /dev/shm. No run sees another's
+    objects, and they all die with the run, so none is left on the host.
+  - Root writes through a symlink in the run directory: we never open, create or write a path
+    in a directory the program can write. Inputs go in as a sealed memfd on stdin; the source
+    and binary are bound read-only into the run's tmpfs; the only host directory a sandboxed
+    process may write is the compiler's, and no candidate code runs there. A link or FIFO the
+    program plants is in its own tmpfs, which nothing of ours ever opens.
+  - Hangs in our own process: the memfd means no open() and no pipe write of ours for stdin
+    (a FIFO cannot block us, nor a program that never reads); the conversation with a Python
+    candidate (Channel) writes non-blocking, draining its output meanwhile, and every read and
+    write stops at the run's deadline. Decoding refuses sets and dict keys whose hashes collide
+    (code_check.py), so it stays linear.
+  - Cleanup that could be defeated, and unbounded writes: what the program writes lives in its
+    tmpfs (size and inode quota), gone with the namespace: no 2,500-deep tree or gigabyte ever
+    reaches the host. The host directory holds only our files and the compiler's output, and
+    `remove_tree` removes any tree anyway without recursion or following links.
+  - Processes that outlive the scorer: dropping to U clears the parent-death signal, so the
+    setup re-arms it after setresuid; the pool then kills every process of a dead worker's uid
+    (verify/pool.py), which covers the instant between the two. Without root no uid change
+    happens, and the signal is never cleared.
+  - A nested user namespace (whose root could mount and unshare again): the seccomp filter. On a
+    machine without its numbers (SECCOMP in sandbox_root.py) the filter is not installed.
+  - Honest programs failed by load: limits are CPU seconds (RLIMIT_CPU), which load cannot
+    move. The wall clock is only a backstop (Limits.backstop_s): a run still going there is
+    judged by the CPU it used (`judge_overrun`): at its CPU limit, or idle, it is the program's
+    doing (a time limit); otherwise the host was too loaded to judge it, a verifier fault (the
+    caller drops the group instead of scoring an honest program wrong).
 We read stdout ourselves, stop at the deadline and at an output cap, and never wait on a pipe a
 survivor could hold open.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
-.allow_weak_sandbox): then it falls back, with a loud warning, to the PID/network namespaces
-without a private filesystem (root), or to a new session + rlimits (neither). `isolation_level()`
-says which mode is in force.
+.allow_weak_sandbox): then it falls back, with a loud warning, to the PID/network/IPC namespaces
+without a private filesystem (root), or to a new session + rlimits (neither). Those modes have
+none of the filesystem containment above: the run directory is a host directory the program
+writes. `isolation_level()` says which mode is in force.
 
 Verdicts are out of the candidate's reach by construction (rewards/code_check.py): the program
 only ever gets inputs, and what it sends back is plain values (stdout text, or JSON that decodes
@@ -41,6 +76,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import glob
 import logging
 import os
@@ -54,12 +90,28 @@ import sys
 import tempfile
 import time
 
-from magistral_jax.rewards.sandbox_root import SETUP_SOURCE, SYS_PIVOT_ROOT
+from magistral_jax.rewards.sandbox_root import SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-DEFAULT_UID_BASE = 60000
+# Sandbox uids: 1,000,000 + 256 * (the pid of the process that owns them) + slot, so no two live
+# processes share one (a pool's slots are 0..254, a stand-alone Sandbox takes 255). Killing
+# everything of a slot's uid (the pool does after a worker dies) can then hit nothing else.
+UID_BASE = 1_000_000
+UIDS_PER_PROCESS = 256
+
+
+def process_uid_base(pid: int | None = None) -> int:
+  """The first of the 256 sandbox uids that process `pid` (default: this one) owns."""
+  return UID_BASE + UIDS_PER_PROCESS * (os.getpid() if pid is None else pid)
+
+
+DEFAULT_UID_BASE = UID_BASE
+# A run that reaches its wall-clock backstop while it has used less CPU than this share of the
+# elapsed time was idle (sleeping, blocked, waiting on a lock): its own doing, a time limit. One
+# that used more, but less than its CPU limit, was slowed by the host: a verifier fault.
+IDLE_CPU_SHARE = 0.05
 
 # Strongest first. The first two have a private filesystem; the last two are the weak modes that
 # only allow_weak permits.
@@ -80,13 +132,23 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  cpu_s: float = 4.0          # RLIMIT_CPU (and the wall-clock deadline)
+  cpu_s: float = 4.0          # RLIMIT_CPU, per process: the time limit that load cannot move
   memory_mb: int = 300        # RLIMIT_AS
   file_size_mb: int = 16      # RLIMIT_FSIZE: any file the program writes, stderr included
   nproc: int = 32             # RLIMIT_NPROC, per uid (threads count too)
   nofile: int = 64            # RLIMIT_NOFILE
   max_output_bytes: int = 16 << 20   # stdout cap; past it the run is killed
   tmp_mb: int = 16            # size of each private tmpfs (/tmp, /dev/shm)
+  work_mb: int = 64           # size of the run's writable directory (a tmpfs of its own)
+  work_inodes: int = 4096     # files and directories it may hold
+  # The wall-clock backstop: wall_factor * cpu_s + wall_extra_s. Generous, because reaching it
+  # is a verifier fault unless the program was idle (IDLE_CPU_SHARE) or used its CPU limit.
+  wall_factor: float = 3.0
+  wall_extra_s: float = 3.0
+
+  @property
+  def backstop_s(self) -> float:
+    return self.wall_factor * self.cpu_s + self.wall_extra_s
 
 
 @dataclasses.dataclass
@@ -94,9 +156,12 @@ class RunResult:
   returncode: int | None
   stdout: bytes
   stderr: bytes
-  timed_out: bool = False
+  timed_out: bool = False     # stopped at the wall-clock backstop
   output_truncated: bool = False
   wall_s: float = 0.0
+  cpu_s: float | None = None  # CPU the program's processes had used when the backstop hit
+  fault: str | None = None    # the backstop hit a busy program short of its CPU limit: the host
+                              # was too loaded to judge it (a verifier fault, not a wrong answer)
 
 
 _libc = None
@@ -166,7 +231,7 @@ class Sandbox:
 
   def __init__(self, uid: int | None = None, root_dir: str | None = None,
                allow_weak: bool = False):
-    self.uid = uid if uid is not None else DEFAULT_UID_BASE + os.getpid() % 5000
+    self.uid = uid if uid is not None else process_uid_base() + UIDS_PER_PROCESS - 1
     self.root_dir = root_dir
     self.allow_weak = allow_weak
     self._unshare = shutil.which("unshare")
@@ -199,7 +264,7 @@ class Sandbox:
     d = None
     try:
       d = self.make_dir(isolation)
-      cmd, _ = self._command(["true"], d, Limits(), (), isolation)
+      cmd, _ = self._command(["true"], d, Limits(), (), isolation, inputs=[], writable=False)
       r = subprocess.run(cmd, capture_output=True, timeout=20, cwd=d)
       if r.returncode != 0:
         log.info("sandbox: %s unavailable: %s", isolation, r.stderr.decode(errors="replace")[-300:])
@@ -228,16 +293,20 @@ class Sandbox:
   # ------------------------------------------------------------------ runs
 
   def make_dir(self, isolation: str | None = None) -> str:
-    """A fresh run dir owned by the slot uid (the program may write there, and only there)."""
+    """A fresh host dir for one task's files (the source, the binary). With a private
+    filesystem the program never sees it: its files are bound read-only into the run's own
+    tmpfs, and only the compiler writes here (see `run(writable=True)`). In the weak uid mode it
+    is the program's writable working directory, owned by the slot uid."""
     # The pid in the name: whoever sees this process die can remove what it left (leftovers()).
     d = tempfile.mkdtemp(prefix=f"mj_sbx_{os.getpid()}_", dir=self.root_dir)
-    if (isolation or self.isolation) in (ISOLATION_PRIVATE_FS, ISOLATION_NAMESPACES):
+    os.chmod(d, 0o755)
+    if (isolation or self.isolation) == ISOLATION_NAMESPACES:
       os.chown(d, self.uid, self.uid)
     return d
 
   @staticmethod
   def remove_dir(d: str):
-    shutil.rmtree(d, ignore_errors=True)
+    remove_tree(d)
 
   def inside(self, path: str, cwd: str) -> str:
     """Where a host path under the run dir `cwd` appears to the program."""
@@ -245,10 +314,14 @@ class Sandbox:
       return path
     return os.path.join(WORKDIR, os.path.relpath(path, cwd))
 
-  def _command(self, argv, cwd, limits, ro_binds, isolation, python_src=None):
+  def _command(self, argv, cwd, limits, ro_binds, isolation, python_src=None, inputs=None,
+               writable=False):
     """(argv to Popen, preexec_fn or None) for one run under `isolation`. With `python_src`,
     argv is [python]: that interpreter runs the source (in the private root, the same
-    interpreter process that set the root up)."""
+    interpreter process that set the root up). With a private filesystem, `inputs` (names of
+    files in `cwd`; None: every regular file there) are bound read-only into the run's tmpfs
+    working directory, or, with `writable`, `cwd` itself is the working directory (for the
+    compiler only: no candidate code may run with a host directory to write)."""
     if python_src is not None and isolation not in PRIVATE_FS:
       argv = [argv[0], "-I", "-S", "-c", python_src]
     if isolation == ISOLATION_REFUSED:
@@ -256,20 +329,27 @@ class Sandbox:
                                "is not run (RewardConfig.allow_weak_sandbox allows weaker modes)")
     if isolation in PRIVATE_FS:
       user = isolation == ISOLATION_USERNS
-      spec = {"mnt": self._mnt, "work": [cwd, WORKDIR], "tmp_mb": limits.tmp_mb,
+      if inputs is None:
+        inputs = [e.name for e in os.scandir(cwd) if e.is_file(follow_symlinks=False)]
+      spec = {"mnt": self._mnt, "workdir": WORKDIR, "work_rw": cwd if writable else None,
+              "inputs": [[os.path.join(cwd, n), n] for n in inputs], "work_mb": limits.work_mb,
+              "work_inodes": limits.work_inodes, "tmp_mb": limits.tmp_mb,
               "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
               "uid": None if user else self.uid, "then": python_src,
-              "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1)}
+              "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1),
+              "seccomp": SECCOMP.get(platform.machine())}
       ns = ["--user", "--map-root-user"] if user else []
       setup_python = argv[0] if python_src is not None else self._setup_python
+      # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run
+      # reads what another left (and none is left on the host).
       return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, *ns, "--mount", "--net",
-              "--pid", "--fork", "--kill-child", "--", setup_python, "-I", "-S", "-c", SETUP_SOURCE,
-              repr(spec), *([] if python_src is not None else argv)], None
+              "--ipc", "--pid", "--fork", "--kill-child", "--", setup_python, "-I", "-S", "-c",
+              SETUP_SOURCE, repr(spec), *([] if python_src is not None else argv)], None
     if isolation == ISOLATION_NAMESPACES:
       # setpriv/prlimit instead of a Python preexec_fn: without one, subprocess can vfork, which
       # saves ~10 ms per run in a worker that holds SymPy (a plain fork copies its page tables).
-      return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, "--net", "--pid",
-              "--fork", "--kill-child", f"--setuid={self.uid}", f"--setgid={self.uid}", "--",
+      return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, "--net", "--ipc",
+              "--pid", "--fork", "--kill-child", f"--setuid={self.uid}", f"--setgid={self.uid}", "--",
               *argv], None
     return list(argv), _make_preexec(limits, limits.cpu_s)
 
@@ -280,68 +360,82 @@ class Sandbox:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR if private else cwd,
             "TMPDIR": "/tmp" if private else cwd, "LANG": "C.UTF-8"}
 
+  def _writable(self, cwd: str, writable: bool):
+    """Hands `cwd` to the slot uid for a writable (compiler) run; `_restore` takes it back."""
+    if writable and self.isolation == ISOLATION_PRIVATE_FS:
+      os.chown(cwd, self.uid, self.uid)
+
+  def _restore(self, cwd: str, writable: bool):
+    if writable and self.isolation == ISOLATION_PRIVATE_FS:
+      os.chown(cwd, 0, 0)
+
   def start(self, argv: list[str], cwd: str, limits: Limits,
             ro_binds: tuple[tuple[str, str], ...] | list = (), env: dict | None = None,
-            python_src: str | None = None) -> subprocess.Popen:
+            python_src: str | None = None, inputs: list[str] | None = None) -> subprocess.Popen:
     """Starts `argv` in `cwd` with pipes on stdin, stdout and stderr (for a conversation; see
-    `Channel`, which kills it when closed). `python_src`: as in `run`."""
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src)
-    return subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    `Channel`, which kills it when closed). `python_src`, `inputs`: as in `run`. Our end of
+    stdin is non-blocking: a program that stops reading cannot block a write (Channel)."""
+    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src, inputs)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=self._env(cwd, env),
                             start_new_session=True, close_fds=True, preexec_fn=preexec)
+    os.set_blocking(proc.stdin.fileno(), False)
+    return proc
 
   def run(self, argv: list[str], cwd: str, limits: Limits, stdin: bytes | None = None,
-          stdin_path: str | None = None, wall_s: float | None = None,
-          env: dict | None = None, ro_binds: tuple[tuple[str, str], ...] | list = (),
-          python_src: str | None = None) -> RunResult:
-    """Runs `argv` in `cwd` under the limits. Input: `stdin` bytes, or a file at `stdin_path`.
-    `ro_binds`: extra (host path, path inside) read-only binds in the private root.
-    `python_src`: argv is [python interpreter], and it runs this source (`-I -S`)."""
-    wall_s = limits.cpu_s if wall_s is None else wall_s
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src)
+          wall_s: float | None = None, env: dict | None = None,
+          ro_binds: tuple[tuple[str, str], ...] | list = (), python_src: str | None = None,
+          inputs: list[str] | None = None, writable: bool = False) -> RunResult:
+    """Runs `argv` in `cwd` under the limits. `stdin`: the input bytes. `ro_binds`: extra (host
+    path, path inside) read-only binds in the private root. `python_src`: argv is [python
+    interpreter], and it runs this source (`-I -S`). `inputs`: the files of `cwd` the program
+    sees, read-only (None: all). `writable`: the working directory is `cwd` itself, writable
+    (the compiler's run). `wall_s`: the backstop (default `limits.backstop_s`)."""
+    wall_s = limits.backstop_s if wall_s is None else wall_s
+    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src, inputs,
+                                 writable)
     env = self._env(cwd, env)
-    # Small inputs go through a pipe (fits the pipe buffer, so writing never blocks); large ones
-    # through a file, so a program that never reads cannot block us.
-    if stdin is not None and len(stdin) > 32768:
-      stdin_path = os.path.join(cwd, ".stdin")
-      with open(stdin_path, "wb") as f:
-        f.write(stdin)
-      stdin = None
-    stdin_file = open(stdin_path, "rb") if stdin_path else None
+    # The input lives in a sealed memfd: no path in a directory the program controls is ever
+    # opened by us (a symlink or FIFO planted there cannot redirect or block us), and no pipe
+    # write of ours can block on a program that does not read.
+    stdin_fd = _sealed_memfd(stdin) if stdin is not None else None
+    self._writable(cwd, writable)
     start = time.monotonic()
     try:
-      proc = subprocess.Popen(
-          cmd, cwd=cwd, stdin=stdin_file or (subprocess.PIPE if stdin is not None else
-                                             subprocess.DEVNULL),
-          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
-          close_fds=True, preexec_fn=preexec)
+      try:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, stdin=stdin_fd if stdin_fd is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+            close_fds=True, preexec_fn=preexec)
+      finally:
+        if stdin_fd is not None:
+          os.close(stdin_fd)
+      watch = CpuWatch(proc.pid, limits.cpu_s)
+      out, err, timed_out, truncated = self._read(proc, start + wall_s, limits.max_output_bytes,
+                                                  watch)
+      cpu = fault = None
+      if watch.spent:
+        cpu = watch.used
+      elif timed_out:
+        cpu, fault = judge_overrun(proc.pid, time.monotonic() - start, limits)
+      if timed_out or truncated:
+        self._kill(proc)
+      try:
+        rc = proc.wait(timeout=max(0.0, start + wall_s + 1.0 - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        timed_out = True
+        self._kill(proc)
+        rc = proc.wait()
     finally:
-      if stdin_file:
-        stdin_file.close()
-    if stdin is not None:
-      try:
-        proc.stdin.write(stdin)
-      except (BrokenPipeError, OSError):
-        pass
-      try:
-        proc.stdin.close()
-      except (BrokenPipeError, OSError):
-        pass
-    out, err, timed_out, truncated = self._read(proc, start + wall_s, limits.max_output_bytes)
-    if timed_out or truncated:
-      self._kill(proc)
-    try:
-      rc = proc.wait(timeout=max(0.0, start + wall_s + 1.0 - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      self._kill(proc)
-      rc = proc.wait()
-    return RunResult(rc, out, err, timed_out, truncated, time.monotonic() - start)
+      self._restore(cwd, writable)
+    return RunResult(rc, out, err, timed_out, truncated, time.monotonic() - start, cpu, fault)
 
   @staticmethod
-  def _read(proc, deadline: float, cap: int, err_cap: int = 4096):
+  def _read(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
+            err_cap: int = 4096):
     """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
-    the deadline passes or stdout overflows. Never blocks past the deadline."""
+    the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
+    overflows. Never blocks past the deadline."""
     out, err, size = [], bytearray(), 0
     fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
     timed_out = truncated = False
@@ -350,10 +444,10 @@ class Sandbox:
         sel.register(fd, selectors.EVENT_READ)
       while fds:
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or (watch is not None and watch.check()):
           timed_out = True
           break
-        for key, _ in sel.select(left):
+        for key, _ in sel.select(min(left, CpuWatch.EVERY_S)):
           data = os.read(key.fd, 1 << 16)
           if not data:
             sel.unregister(key.fd)
@@ -398,58 +492,90 @@ class Sandbox:
 
 class Channel:
   """A line-based conversation with a program started by `Sandbox.start`: we write one request
-  line, it answers one line on stdout. Every read stops at the run's deadline and at the output
-  cap; stderr is drained all along (the first `err_cap` bytes kept), so a program that writes a
-  lot there cannot block. Any failure (deadline, cap, exit, closed pipe) kills the program and
-  raises ChannelClosed."""
+  line, it answers one line on stdout. Every write and read stops at the deadline (the run's
+  backstop) and at the output cap; stdout and stderr are drained while we write, so a program
+  that writes instead of reading cannot block us; stderr is drained all along (the first
+  `err_cap` bytes kept). Any failure (deadline, cap, exit, closed pipe) kills the program and
+  raises Channel.Closed, whose `fault` says when the deadline was the host's doing."""
 
   class Closed(Exception):
-    pass
+    def __init__(self, why: str, fault: str | None = None):
+      super().__init__(why)
+      self.fault = fault
 
-  def __init__(self, proc: subprocess.Popen, deadline: float, cap: int, err_cap: int = 4096):
-    self.proc, self.deadline, self.cap, self.err_cap = proc, deadline, cap, err_cap
+  def __init__(self, proc: subprocess.Popen, start: float, limits: Limits, err_cap: int = 4096):
+    self.proc, self.start, self.limits, self.err_cap = proc, start, limits, err_cap
+    self.deadline = start + limits.backstop_s
+    self.watch = CpuWatch(proc.pid, limits.cpu_s)
+    self.cap = limits.max_output_bytes
     self.err = bytearray()
     self._buf = bytearray()
     self._read_total = 0
+    self._in = proc.stdin.fileno()
     self._sel = selectors.DefaultSelector()
     self._sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
     self._sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
 
   def request(self, line: bytes) -> bytes:
     """Sends one line and reads the answer line."""
+    data = memoryview(line + b"\n")
     try:
-      self.proc.stdin.write(line + b"\n")
-      self.proc.stdin.flush()
-    except (BrokenPipeError, OSError, ValueError):
+      self._sel.register(self._in, selectors.EVENT_WRITE, "in")
+    except (ValueError, OSError):
       self._fail("the program closed its input or exited")
+    try:
+      while data:
+        for key, _ in self._select():
+          if key.data != "in":
+            self._drain(key)
+            continue
+          try:
+            data = data[os.write(self._in, data[:1 << 16]):]
+          except BlockingIOError:
+            pass
+          except OSError:
+            self._fail("the program closed its input or exited")
+    finally:
+      try:
+        self._sel.unregister(self._in)
+      except (KeyError, ValueError, OSError):
+        pass
     return self.read_line()
 
   def read_line(self) -> bytes:
     while b"\n" not in self._buf:
-      left = self.deadline - time.monotonic()
-      if left <= 0:
-        self._fail("time limit")
-      events = self._sel.select(left)
-      for key, _ in events:
-        data = os.read(key.fd, 1 << 16)
-        if not data:
-          if key.data == "out":
-            self._fail("the program exited or closed its output")
-          self._sel.unregister(key.fd)
-        elif key.data == "out":
-          self._buf += data
-          self._read_total += len(data)
-          if self._read_total > self.cap:
-            self._fail("output limit")
-        elif len(self.err) < self.err_cap:
-          self.err += data[:self.err_cap - len(self.err)]
+      for key, _ in self._select():
+        self._drain(key)
     line, _, rest = bytes(self._buf).partition(b"\n")
     self._buf = bytearray(rest)
     return line
 
-  def _fail(self, why: str):
+  def _select(self):
+    left = self.deadline - time.monotonic()
+    if self.watch.check():
+      self._fail("time limit (CPU)")
+    if left <= 0:
+      _, fault = judge_overrun(self.proc.pid, time.monotonic() - self.start, self.limits)
+      self._fail("time limit", fault)
+    return self._sel.select(min(left, CpuWatch.EVERY_S))
+
+  def _drain(self, key):
+    data = os.read(key.fd, 1 << 16)
+    if not data:
+      if key.data == "out":
+        self._fail("the program exited or closed its output")
+      self._sel.unregister(key.fd)
+    elif key.data == "out":
+      self._buf += data
+      self._read_total += len(data)
+      if self._read_total > self.cap:
+        self._fail("output limit")
+    elif len(self.err) < self.err_cap:
+      self.err += data[:self.err_cap - len(self.err)]
+
+  def _fail(self, why: str, fault: str | None = None):
     self.close()
-    raise Channel.Closed(why)
+    raise Channel.Closed(why, fault)
 
   def close(self):
     Sandbox._kill(self.proc)
@@ -468,6 +594,90 @@ class Channel:
       pass
 
 
+def _sealed_memfd(data: bytes) -> int:
+  """A read-positioned memfd holding `data`, sealed against writes and resizing."""
+  fd = os.memfd_create("mj_stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+  try:
+    view = memoryview(data)
+    while view:
+      view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
+                | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def _descendants(pid: int) -> list[int]:
+  """`pid` and every process below it (children of any of their threads), from /proc."""
+  seen, todo = [], [pid]
+  while todo and len(seen) < 100_000:
+    p = todo.pop()
+    seen.append(p)
+    try:
+      tasks = os.listdir(f"/proc/{p}/task")
+    except OSError:
+      continue
+    for t in tasks:
+      try:
+        with open(f"/proc/{p}/task/{t}/children") as f:
+          todo += [int(x) for x in f.read().split()]
+      except (OSError, ValueError):
+        pass
+  return seen
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int) -> float:
+  """CPU seconds used by `pid` and its descendants, the children they reaped included."""
+  total = 0
+  for p in _descendants(pid):
+    try:
+      with open(f"/proc/{p}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+      total += sum(int(x) for x in fields[11:15])    # utime stime cutime cstime
+    except (OSError, ValueError, IndexError):
+      pass
+  return total / _TICK
+
+
+class CpuWatch:
+  """The CPU limit over a run's whole process tree: RLIMIT_CPU counts each process on its own,
+  so 32 forked busy loops would take 32 times the limit before the backstop stopped them.
+  Checked every EVERY_S while we wait on the run (a walk of its /proc entries)."""
+  EVERY_S = 0.5
+
+  def __init__(self, pid: int, limit_s: float):
+    self.pid, self.limit_s = pid, limit_s
+    self.next = time.monotonic() + self.EVERY_S
+    self.used, self.spent = 0.0, False
+
+  def check(self) -> bool:
+    """True once the tree has used its CPU limit."""
+    now = time.monotonic()
+    if not self.spent and now >= self.next:
+      self.next = now + self.EVERY_S
+      self.used = tree_cpu_s(self.pid)
+      self.spent = self.used >= self.limit_s
+    return self.spent
+
+
+def judge_overrun(pid: int, elapsed_s: float, limits: Limits) -> tuple[float, str | None]:
+  """(CPU used, fault or None) for a run still going at its wall-clock backstop, measured before
+  it is killed. The program's own doing (None) when it used its CPU limit or was idle; else the
+  host was too loaded to judge it in time: a verifier fault, so the group is dropped rather than
+  an honest program scored wrong."""
+  cpu = tree_cpu_s(pid)
+  if cpu >= limits.cpu_s or cpu < IDLE_CPU_SHARE * elapsed_s:
+    return cpu, None
+  return cpu, (f"wall-clock backstop ({elapsed_s:.1f}s) reached after only {cpu:.2f}s of its "
+               f"{limits.cpu_s:g}s CPU limit: the host is overloaded")
+
+
 def _children(pid: int) -> list[int]:
   """The direct children of `pid` (from /proc; empty where it cannot be read)."""
   try:
@@ -477,12 +687,59 @@ def _children(pid: int) -> list[int]:
     return []
 
 
+def remove_tree(path: str):
+  """Removes `path` and everything under it without recursion, at any depth, never following a
+  symlink: one directory fd open at a time (a stack of names, not of fds, so no fd limit), going
+  back up through "..". shutil.rmtree recurses (a 2,500-deep tree raised RecursionError) and
+  works on whole paths (which fail past PATH_MAX). Entries that vanish meanwhile are skipped."""
+  flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+  try:
+    fd = os.open(path, flags)
+  except FileNotFoundError:
+    return
+  except NotADirectoryError:
+    os.unlink(path)
+    return
+  names: list[str] = []
+  try:
+    while True:
+      sub = None
+      with os.scandir(fd) as it:
+        for e in it:
+          try:
+            if e.is_dir(follow_symlinks=False):
+              sub = e.name
+              break
+            os.unlink(e.name, dir_fd=fd)
+          except FileNotFoundError:
+            pass
+      if sub is not None:
+        try:
+          child = os.open(sub, flags, dir_fd=fd)
+        except NotADirectoryError:     # replaced by a file or link meanwhile: remove that
+          os.unlink(sub, dir_fd=fd)
+          continue
+        os.close(fd)
+        fd = child
+        names.append(sub)
+        continue
+      if not names:
+        break
+      parent = os.open("..", flags, dir_fd=fd)
+      os.close(fd)
+      fd = parent
+      os.rmdir(names.pop(), dir_fd=fd)
+  finally:
+    os.close(fd)
+  os.rmdir(path)
+
+
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:
   """Removes the run dirs of a DEAD process `pid` (a verifier worker killed mid-run never reaches
   its own cleanup). Returns how many there were."""
   dirs = glob.glob(os.path.join(root_dir or tempfile.gettempdir(), f"mj_sbx_{pid}_*"))
   for d in dirs:
-    shutil.rmtree(d, ignore_errors=True)
+    remove_tree(d)
   return len(dirs)
 
 

@@ -21,23 +21,37 @@ def touch(p):
   open(p, "a").close()
 # Nothing we mount may propagate back to the host's namespace.
 mount(None, "/", None, REC | PRIVATE)
-R = spec["mnt"]
-mount("tmpfs", R, "tmpfs", NOSUID | NODEV, "size=1m,mode=0755")
-for src, dst in spec["ro"]:
+def ro_bind(src, dst):
   if os.path.isdir(src):
-    os.makedirs(R + dst, exist_ok=True)
+    os.makedirs(dst, exist_ok=True)
   else:
-    touch(R + dst)
-  mount(src, R + dst, None, BIND | REC)
+    touch(dst)
+  mount(src, dst, None, BIND | REC)
   # A read-only remount must keep the source's locked flags (nosuid, nodev, noexec, atime), or a
   # user namespace gets EPERM.
   keep = os.statvfs(src).f_flag & (NOSUID | NODEV | NOEXEC | 1024 | 2048 | 4096)
-  mount(None, R + dst, None, REMOUNT | BIND | RDONLY | NOSUID | keep)
+  mount(None, dst, None, REMOUNT | BIND | RDONLY | NOSUID | keep)
+R = spec["mnt"]
+mount("tmpfs", R, "tmpfs", NOSUID | NODEV, "size=1m,mode=0755")
+for src, dst in spec["ro"]:
+  ro_bind(src, R + dst)
 for target, link in spec["links"]:
   os.makedirs(os.path.dirname(R + link), exist_ok=True)
   os.symlink(target, R + link)
-os.makedirs(R + spec["work"][1])
-mount(spec["work"][0], R + spec["work"][1], None, BIND | NOSUID | NODEV)
+W = R + spec["workdir"]
+os.makedirs(W)
+if spec["work_rw"] is not None:
+  # The compiler's run only: the host dir, writable, for its output (no candidate code runs).
+  mount(spec["work_rw"], W, None, BIND | NOSUID | NODEV)
+else:
+  # Every other run: a fresh size- and inode-limited tmpfs, gone with the namespace, so nothing
+  # the program writes reaches the host, and the host never touches a path the program made.
+  # Our input files (the source, the binary) are bound read-only into it.
+  owner = ",uid=%d,gid=%d" % (spec["uid"], spec["uid"]) if spec["uid"] is not None else ""
+  mount("tmpfs", W, "tmpfs", NOSUID | NODEV,
+        "size=%dm,nr_inodes=%d,mode=0755%s" % (spec["work_mb"], spec["work_inodes"], owner))
+  for src, name in spec["inputs"]:
+    ro_bind(src, W + "/" + name)
 size = "size=%dm,mode=1777" % spec["tmp_mb"]
 os.makedirs(R + "/tmp")
 mount("tmpfs", R + "/tmp", "tmpfs", NOSUID | NODEV, size)
@@ -71,7 +85,35 @@ if uid is not None:
   os.setgroups([])
   os.setresgid(uid, uid, uid)
   os.setresuid(uid, uid, uid)
-os.chdir(spec["work"][1])
+  # A credential change clears the parent-death signal that `unshare --kill-child` armed: re-arm
+  # it, or a killed worker's namespace would live on (the pool also kills the slot uid's
+  # processes after a worker dies, which covers the instant between the two).
+  libc.prctl(1, 9, 0, 0, 0)                 # PR_SET_PDEATHSIG, SIGKILL
+# No namespace can be made from inside (no nested user namespace, whose root could mount and
+# unshare again): a seccomp filter refuses unshare, setns and clone with a CLONE_NEW* flag, and
+# answers clone3 with ENOSYS (its flags sit in memory a filter cannot read; libc then falls back to
+# clone). As Docker's default profile does. Installed last: the setup itself needs none of these.
+sc = spec["seccomp"]
+if sc is not None:
+  class Ins(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+  class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Ins))]
+  LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+  ALLOW, KILL, EPERM, ENOSYS = 0x7FFF0000, 0x80000000, 0x50000 | 1, 0x50000 | 38
+  code = [(LD, 0, 0, 4), (JEQ, 1, 0, sc["arch"]), (RET, 0, 0, KILL),
+          (LD, 0, 0, 0), (JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM),   # x32 ABI numbers
+          (JEQ, 0, 1, sc["clone3"]), (RET, 0, 0, ENOSYS),
+          (JEQ, 0, 1, sc["unshare"]), (RET, 0, 0, EPERM),
+          (JEQ, 0, 1, sc["setns"]), (RET, 0, 0, EPERM),
+          (JEQ, 1, 0, sc["clone"]), (RET, 0, 0, ALLOW),
+          (LD, 0, 0, 16), (JSET, 0, 1, 0x7E020000), (RET, 0, 0, EPERM),  # clone's flags, arg 0
+          (RET, 0, 0, ALLOW)]
+  ins = (Ins * len(code))(*[Ins(*c) for c in code])
+  if libc.prctl(22, 2, ctypes.byref(Prog(len(code), ins)), 0, 0) != 0:   # SECCOMP_MODE_FILTER
+    raise OSError(ctypes.get_errno(), "seccomp")
+os.chdir(spec["workdir"])
 if spec.get("then") is not None:
   # Python source to run in THIS interpreter (one interpreter start per run instead of two). No
   # exec follows, so in a user namespace the capabilities are cleared here (capset: effective,
@@ -101,3 +143,9 @@ else:
 
 # pivot_root(2) has no libc wrapper: the setup program calls it by number, per machine.
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217, "riscv64": 41}
+# The seccomp filter's numbers per machine: the audit arch (AUDIT_ARCH_*) and the syscalls it
+# refuses. Other machines run without the filter (the sandbox's docstring says what that loses).
+SECCOMP = {
+    "x86_64": {"arch": 0xC000003E, "clone": 56, "unshare": 272, "setns": 308, "clone3": 435},
+    "aarch64": {"arch": 0xC00000B7, "clone": 220, "unshare": 97, "setns": 268, "clone3": 435},
+}

@@ -2,18 +2,38 @@
 
 One dispatcher thread owns the workers. It hands a task to an idle worker, waits on the result
 pipes, the worker sentinels and a wake-up pipe, and enforces each task's deadline:
-  - timeout: the worker is SIGKILLed (its sandboxed programs die with it through PDEATHSIG and
-    PID namespaces), the future gets reward 0 with an error, and a fresh worker takes the slot;
+  - timeout: the worker is SIGKILLed, the future gets reward 0 with an error, and a fresh worker
+    takes the slot once the old one's sandboxes are gone (see "Sandboxes of a dead worker");
   - crash: same, with "worker died";
   - recycling: after `max_tasks_per_worker` tasks a successor is started in the background; the
     old worker keeps taking tasks until the successor reports ready (a worker needs seconds to
     import and warm the verifiers), then it is retired and the successor takes its slot, so a
     recycle never leaves a slot empty.
 Submitting blocks when `max_queue` tasks are waiting (back-pressure). Futures always resolve to a
-RewardResult; nothing raises into the caller.
+RewardResult; nothing raises into the caller. A failing cleanup step (removing a dead worker's
+run dirs, killing its sandboxes) is logged and counted (`cleanup_errors`) and the pool keeps
+serving. Should the dispatcher fail anyway, every running and queued task resolves with an error
+that names the failure, and `submit` raises from then on ("verifier pool stopped: ...").
 
 Workers are started with the "spawn" method: the parent is usually a JAX process with threads,
-where fork is unsafe. Each slot owns an unprivileged uid for its sandbox (uid_base + slot).
+where fork is unsafe.
+
+Sandbox uids. Each slot owns an unprivileged uid for its sandbox, `uid_base + slot`, taken from
+this process's block 1_000_000 + 256 * pid + k, k = 0..254 (k = 255 is a stand-alone Sandbox's).
+Pools alive in one process get disjoint slots of the block, so no two live workers anywhere on
+the machine share a uid, and killing every process of a slot's uid hits only that slot's
+sandboxes.
+
+Sandboxes of a dead worker. As root, the sandbox's setup drops to the slot uid with setresuid,
+which clears the parent-death signal that `unshare --kill-child` armed on the namespace's first
+process; the sandbox re-arms it, but a worker SIGKILLed in between leaves that run alive (issue
+#50: 65 processes outlived the scorer, the slot uids sat at their RLIMIT_NPROC and the next
+compiles failed). So whenever a worker is killed or dies, and for every slot at start and at
+close, the pool kills every process of the slot's uid (a process running as that uid sends
+SIGKILL to all it may signal: `setpriv --reuid=U -- kill -9 -1`) and waits until none is left,
+before the slot's successor starts. Without root nothing needs it, and nothing could do it: the
+sandbox then runs in a user namespace as our own uid (a kill as that uid would hit us), and it
+never changes uid, so the parent-death signal is never cleared.
 """
 from __future__ import annotations
 
@@ -26,6 +46,9 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import queue
+import shutil
+import signal
+import subprocess
 import threading
 import time
 
@@ -33,6 +56,114 @@ from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
 
 log = logging.getLogger(__name__)
+
+UIDS_PER_PROCESS = sandbox.UIDS_PER_PROCESS
+MAX_SLOTS = UIDS_PER_PROCESS - 1       # slots 0..254; 255 is a stand-alone Sandbox's uid
+# Below this a uid may be a real account (or root, or ours): never kill all of its processes.
+MIN_SWEEP_UID = 100_000
+
+_uid_lock = threading.Lock()
+_uid_offsets_in_use: set[int] = set()   # offsets in this process's block held by live pools
+
+
+def claim_uid_offsets(n: int) -> int:
+  """The first of `n` consecutive free offsets (0..254) in this process's uid block."""
+  with _uid_lock:
+    for first in range(MAX_SLOTS - n + 1):
+      if _uid_offsets_in_use.isdisjoint(range(first, first + n)):
+        _uid_offsets_in_use.update(range(first, first + n))
+        return first
+    held = len(_uid_offsets_in_use)
+  raise ValueError(f"no {n} free sandbox uids left for a verifier pool in this process: its other "
+                   f"pools hold {held} of the {MAX_SLOTS} slot uids")
+
+
+def release_uid_offsets(offsets: range):
+  with _uid_lock:
+    _uid_offsets_in_use.difference_update(offsets)
+
+
+def uid_processes(uid: int) -> tuple[list[int], int]:
+  """(pids of the live processes, count of zombies) whose real, effective, saved or filesystem
+  uid is `uid`, from /proc/*/status."""
+  live, zombies = [], 0
+  want = str(uid)
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/status") as f:
+        status = f.read()
+    except OSError:   # exited meanwhile
+      continue
+    state = uids = None
+    for line in status.splitlines():
+      if line.startswith("State:"):
+        state = line.split()[1:2]
+      elif line.startswith("Uid:"):
+        uids = line.split()[1:]
+        break   # State comes before Uid
+    if uids is None or want not in uids:
+      continue
+    if state and state[0] in ("Z", "X"):   # dead, waiting to be reaped: nothing left to kill
+      zombies += 1
+    else:
+      live.append(int(name))
+  return live, zombies
+
+
+def _kill_as(uid: int, timeout_s: float):
+  """Runs `kill -9 -1` as `uid`: the kernel signals every process that uid may signal (all of
+  its own, in any PID namespace below ours) in one pass that forks cannot race, except the
+  killer itself. No preexec_fn: the pool lives in threaded (JAX) processes."""
+  setpriv, kill = shutil.which("setpriv"), shutil.which("kill")
+  if not setpriv or not kill:
+    return
+  try:
+    subprocess.run([setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", kill,
+                    "-9", "-1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, close_fds=True, timeout=max(0.1, timeout_s))
+  except subprocess.TimeoutExpired:
+    pass   # the rounds below go on; what is left is reported
+
+
+def _kill_pid_of(pid: int, uid: int):
+  """SIGKILLs `pid` if it still runs as `uid` (a pidfd, so a recycled pid is never hit): the
+  backstop where `kill -1` could not run (no setpriv, or its exec refused at the uid's
+  RLIMIT_NPROC)."""
+  try:
+    fd = os.pidfd_open(pid)
+  except (AttributeError, OSError):
+    return
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      uids = next(l.split()[1:] for l in f if l.startswith("Uid:"))
+    if str(uid) in uids:
+      signal.pidfd_send_signal(fd, signal.SIGKILL)
+  except (OSError, StopIteration, AttributeError):
+    pass
+  finally:
+    os.close(fd)
+
+
+def kill_uid_processes(uid: int, timeout_s: float = 5.0) -> tuple[int, int]:
+  """Kills every process of `uid` and waits (at most `timeout_s`) until none is left alive.
+  Returns (processes alive at the start, processes still alive at the end). Root only: the
+  caller checks. Refuses uids below MIN_SWEEP_UID and our own."""
+  if uid < MIN_SWEEP_UID or uid in (os.getuid(), os.geteuid()):
+    raise ValueError(f"refusing to kill every process of uid {uid}: not a sandbox uid")
+  live, _ = uid_processes(uid)
+  found = len(live)
+  deadline = time.monotonic() + timeout_s
+  while live and time.monotonic() < deadline:
+    _kill_as(uid, deadline - time.monotonic())
+    for pid in live:
+      _kill_pid_of(pid, uid)
+    settle = min(deadline, time.monotonic() + 0.5)
+    while live and time.monotonic() < settle:   # SIGKILLed processes take moments to exit
+      time.sleep(0.01)
+      live, _ = uid_processes(uid)
+  return found, len(live)
 
 
 def _worker_main(conn, slot: int, uid: int, cfg: RewardConfig):
@@ -87,28 +218,53 @@ class VerifierPool:
 
   def __init__(self, num_workers: int = 2, reward_cfg: RewardConfig | None = None,
                task_timeout_s: float = 120.0, max_tasks_per_worker: int = 1000,
-               max_queue: int = 1024, uid_base: int | None = None):
-    if num_workers < 1:
-      raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+               max_queue: int = 1024, uid_base: int | None = None,
+               sweep_timeout_s: float = 5.0):
+    if not 1 <= num_workers <= MAX_SLOTS:
+      raise ValueError(f"num_workers must be in 1..{MAX_SLOTS} (each slot takes one of the "
+                       f"{UIDS_PER_PROCESS} sandbox uids of this process, the last is a "
+                       f"stand-alone Sandbox's), got {num_workers}")
     self.num_workers = num_workers
     self.reward_cfg = reward_cfg or RewardConfig()
     self.task_timeout_s = task_timeout_s
     self.max_tasks_per_worker = max_tasks_per_worker
-    # Distinct pools on one machine get distinct uid ranges (RLIMIT_NPROC counts per uid).
-    self.uid_base = uid_base if uid_base is not None else 60000 + (os.getpid() % 4000) * 64
+    self.sweep_timeout_s = sweep_timeout_s
+    # Slot s runs its sandboxes as uid_base + s. The default is this process's own block
+    # (1_000_000 + 256 * pid; offset by the slots of its other live pools), so distinct pools and
+    # processes never share a uid: RLIMIT_NPROC counts per uid, and a slot's uid is killed whole.
+    self._uid_offsets = range(0)
+    if uid_base is None:
+      first = claim_uid_offsets(num_workers)
+      self._uid_offsets = range(first, first + num_workers)
+      uid_base = sandbox.process_uid_base() + first
+    self.uid_base = uid_base
+    # Only root runs sandboxes under other uids (see the module docstring); never a uid that may
+    # be a real account's.
+    self._sweeps = os.geteuid() == 0 and uid_base >= MIN_SWEEP_UID
     self._ctx = mp.get_context("spawn")
     self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
     self._ids = itertools.count()
     self._closed = False
     self._abort = False
+    self._stopped: str | None = None   # why the dispatcher failed, once it has
     self._lock = threading.Lock()
+    self._latencies: collections.deque = collections.deque(maxlen=2048)
+    self._counts = collections.Counter()
     self._wake_r, self._wake_w = os.pipe()
     os.set_blocking(self._wake_w, False)
     os.set_blocking(self._wake_r, False)
-    self._workers: list[_Worker] = [self._start_worker(s) for s in range(num_workers)]
     self._successors: dict[int, _Worker] = {}   # slot -> worker starting up to replace it
-    self._latencies: collections.deque = collections.deque(maxlen=2048)
-    self._counts = collections.Counter()
+    self._workers: list[_Worker] = []
+    try:
+      for s in range(num_workers):
+        self._sweep(s)   # a previous process with our pid may have left runs of these uids
+        self._workers.append(self._start_worker(s))
+    except BaseException:   # e.g. no process could be started: give back what we took
+      for w in self._workers:
+        self._stop_worker(w, kill=True)
+      self._closed = True
+      release_uid_offsets(self._uid_offsets)
+      raise
     self._t0 = time.monotonic()
     self._thread = threading.Thread(target=self._dispatch, name="verifier-pool", daemon=True)
     self._thread.start()
@@ -120,12 +276,18 @@ class VerifierPool:
     """Queues one completion; blocks while the queue is full. Returns a Future[RewardResult]."""
     if self._closed:
       raise RuntimeError("VerifierPool is closed")
+    if self._stopped is not None:
+      raise RuntimeError(f"verifier pool stopped: {self._stopped}")
     fut: concurrent.futures.Future = concurrent.futures.Future()
     item = _Pending(next(self._ids), (task, response, response_tokens, group_seed), fut,
                     time.monotonic())
     self._queue.put(item)
     with self._lock:
       self._counts["submitted"] += 1
+    if self._stopped is not None:
+      # The dispatcher failed while we waited for room (its failure drained the queue): nobody
+      # will take this task, so fail it here.
+      self._fail_queued(f"verifier pool stopped: {self._stopped}")
     self._wake()
     return fut
 
@@ -146,6 +308,11 @@ class VerifierPool:
         submitted=c.get("submitted", 0), completed=c.get("completed", 0),
         timeouts=c.get("timeouts", 0), crashes=c.get("crashes", 0),
         recycled=c.get("recycled", 0), errors=c.get("errors", 0),
+        cleanup_errors=c.get("cleanup_errors", 0),
+        # Processes of a slot's uid found alive once its worker was gone (some may have been
+        # dying already), killed; and those still alive when the bounded wait for them ended.
+        orphans_killed=c.get("orphans_killed", 0), orphans_left=c.get("orphans_left", 0),
+        stopped=self._stopped,
         throughput_per_s=c.get("completed", 0) / elapsed if elapsed > 0 else 0.0,
         latency_mean_s=sum(lat) / len(lat) if lat else 0.0,
         latency_p50_s=pct(0.5), latency_p95_s=pct(0.95), latency_max_s=lat[-1] if lat else 0.0)
@@ -172,6 +339,7 @@ class VerifierPool:
         os.close(fd)
       except OSError:
         pass
+    release_uid_offsets(self._uid_offsets)
 
   def __enter__(self):
     return self
@@ -205,27 +373,66 @@ class VerifierPool:
     child.close()
     return _Worker(slot, proc, parent)
 
+  def _cleanup(self, what: str, fn, *args):
+    """Runs one cleanup step. Its failure is logged and counted, never raised: a cleanup that
+    raises in the dispatcher (rmtree's RecursionError on a 2,500-deep tree a program left, issue
+    #50) must not stop the pool, or no future of the batch ever resolves."""
+    try:
+      return fn(*args)
+    except Exception as e:
+      with self._lock:
+        self._counts["cleanup_errors"] += 1
+      log.error("verifier pool: %s failed (%s: %s); serving on", what, type(e).__name__, e,
+                exc_info=True)
+      return None
+
   def _stop_worker(self, w: _Worker, kill: bool):
-    if kill:
-      w.proc.kill()
-    else:
+    w.retired = True
+    if not kill:
       try:
         w.conn.send(None)
-      except OSError:
-        w.proc.kill()
-    w.proc.join(5.0 if not kill else 1.0)
+      except Exception:
+        kill = True
+    if kill:
+      self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
+    self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 1.0 if kill else 5.0)
     if w.proc.is_alive():
-      w.proc.kill()
-      w.proc.join(1.0)
+      self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
+      self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 1.0)
     if not w.proc.is_alive():   # a killed worker leaves its run dir behind
-      sandbox.remove_leftovers(w.proc.pid)
-    w.conn.close()
-    w.retired = True
+      self._cleanup(f"removing the run dirs of worker {w.proc.pid}", sandbox.remove_leftovers,
+                    w.proc.pid)
+    self._cleanup(f"closing the pipe of worker {w.proc.pid}", w.conn.close)
+
+  def _sweep(self, slot: int):
+    """Kills whatever still runs as the slot's uid (see the module docstring). Called only when
+    no live worker of the slot runs sandboxes: a successor still starting up runs its sandbox
+    probes as that uid, so `_replace` stops it first."""
+    if not self._sweeps:
+      return
+    uid = self.uid_base + slot
+    res = self._cleanup(f"killing the processes of slot {slot}'s uid {uid}", kill_uid_processes,
+                        uid, self.sweep_timeout_s)
+    if not res or not res[0]:
+      return
+    found, left = res
+    with self._lock:
+      self._counts["orphans_killed"] += found - left
+      self._counts["orphans_left"] += left
+    log.warning("verifier slot %d: killed %d process(es) of its sandbox uid %d that outlived their "
+                "worker%s", slot, found - left, uid, f"; {left} still alive" if left else "")
 
   def _replace(self, w: _Worker, kill: bool):
-    """Retires w; its successor (if one is starting) or a new worker takes the slot."""
+    """Retires w; its successor (if one is ready) or a new worker takes the slot, once nothing of
+    the slot's uid is left running."""
     self._stop_worker(w, kill)
     nxt = self._successors.pop(w.slot, None)
+    if nxt is not None and not nxt.ready:
+      # Still starting: its sandbox probes run as the slot uid, and the sweep below would kill
+      # them (the worker would then settle for a weaker sandbox, or none). A fresh one follows.
+      self._stop_worker(nxt, kill=True)
+      nxt = None
+    self._sweep(w.slot)
     if self._closed:
       if nxt is not None:
         self._stop_worker(nxt, kill=True)
@@ -253,8 +460,10 @@ class VerifierPool:
       if res.error:
         self._counts["errors"] += 1
       self._latencies.append(time.monotonic() - item.submitted)
-    if not item.future.done():
+    try:
       item.future.set_result(res)
+    except concurrent.futures.InvalidStateError:
+      pass   # the caller cancelled it (or it already resolved): nothing to tell
 
   def _fail_queued(self, msg: str):
     while True:
@@ -266,6 +475,28 @@ class VerifierPool:
 
   def _dispatch(self):
     running: dict[int, _Pending] = {}
+    try:
+      self._dispatch_loop(running)
+    except BaseException as e:
+      self._on_dispatcher_failure(e, running)
+
+  def _on_dispatcher_failure(self, e: BaseException, running: dict):
+    """The loop raised (a bug, or a failure outside the guarded cleanups): the pool cannot serve
+    on. Every task it holds resolves with an error naming the failure, `submit` raises from now
+    on, and the workers (and their sandboxes) are stopped."""
+    why = f"dispatcher failed: {type(e).__name__}: {e}"
+    self._stopped = why
+    log.critical("verifier pool stopped: %s; failing %d running and %d queued task(s)", why,
+                 len(running), self._queue.qsize(), exc_info=(type(e), e, e.__traceback__))
+    msg = f"verifier pool stopped: {why}"
+    for item in list(running.values()):
+      self._resolve(item, failed_result(msg))
+    running.clear()
+    self._fail_queued(msg)
+    # Their tasks have resolved already: kill them rather than wait for the tasks to end.
+    self._cleanup("stopping the workers of the stopped pool", self._shutdown_workers, False)
+
+  def _dispatch_loop(self, running: dict):
     while True:
       if self._abort:
         for item in running.values():
@@ -352,7 +583,8 @@ class VerifierPool:
           self._maybe_recycle(cur)
         return
     # Its pipe closed or its sentinel fired: the successor died while starting. Drop it; the old
-    # worker's next idle moment starts another.
+    # worker's next idle moment starts another. (No sweep: the slot's worker runs sandboxes as
+    # the same uid, and a starting successor ran only its probes.)
     log.warning("verifier successor for slot %d died while starting (exit code %s)", nxt.slot,
                 nxt.proc.exitcode)
     del self._successors[nxt.slot]
@@ -372,24 +604,33 @@ class VerifierPool:
     log.warning("verifier worker %d died (exit code %s); restarting", w.slot, code)
     self._replace(w, kill=True)
 
-  def _shutdown_workers(self):
+  def _shutdown_workers(self, graceful: bool = True):
+    """Stops every worker: asks them to exit (kills them after 5 s, or at once unless
+    `graceful`), removes their run dirs, then kills whatever still runs as a slot uid."""
     for w in list(self._successors.values()):
       self._stop_worker(w, kill=True)
     self._successors.clear()
     for w in self._workers:
-      if w.retired:
+      if w.retired or not graceful:
         continue
       try:
         w.conn.send(None)
-      except OSError:
+      except Exception:
         pass
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + (5.0 if graceful else 0.0)
     for w in self._workers:
       if w.retired:
         continue
       w.retired = True
-      w.proc.join(max(0.1, deadline - time.monotonic()))
+      self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join,
+                    max(0.1, deadline - time.monotonic()))
       if w.proc.is_alive():
-        w.proc.kill()
-        w.proc.join(2.0)
-      w.conn.close()
+        self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
+        self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 2.0)
+      if not w.proc.is_alive():
+        self._cleanup(f"removing the run dirs of worker {w.proc.pid}", sandbox.remove_leftovers,
+                      w.proc.pid)
+      self._cleanup(f"closing the pipe of worker {w.proc.pid}", w.conn.close)
+    # Every worker is gone: whatever still runs as a slot uid is an orphaned sandbox.
+    for s in range(self.num_workers):
+      self._sweep(s)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import threading
 import time
 
+from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
+from magistral_jax.verify.pool import claim_uid_offsets, release_uid_offsets
 
 
 def _ray():
@@ -48,7 +49,14 @@ class RayVerifierPool:
     self.reward_cfg = reward_cfg or RewardConfig()
     self.task_timeout_s = task_timeout_s
     self.max_tasks_per_worker = max_tasks_per_worker
-    self.uid_base = uid_base if uid_base is not None else 60000 + (os.getpid() % 4000) * 64
+    # Slot uids from this process's block, disjoint from its other pools' (verify/pool.py). A
+    # killed actor's sandboxes may run on another host, where no sweep of the uid reaches them.
+    self._uid_offsets = range(0)
+    if uid_base is None:
+      first = claim_uid_offsets(num_workers)
+      self._uid_offsets = range(first, first + num_workers)
+      uid_base = sandbox.process_uid_base() + first
+    self.uid_base = uid_base
     self._actor_cls = ray.remote(num_cpus=1, max_concurrency=1)(_Verifier)
     self._slots = threading.BoundedSemaphore(max_queue + num_workers)
     self._idle = collections.deque(range(num_workers))
@@ -151,6 +159,7 @@ class RayVerifierPool:
     self._thread.join(timeout)
     for a in self._actors:
       self._ray.kill(a)
+    release_uid_offsets(self._uid_offsets)
 
   def __enter__(self):
     return self

@@ -54,7 +54,8 @@ def test_shipped_sets_build_with_all_rows_and_english(tmp_path):
   reports = tb.build_shipped(str(tmp_path))
   assert "tensorflow" not in sys.modules      # array_record written and read without TF
   assert {n: r["kept"] for n, r in reports.items()} == {
-      "math500": 500, "gsm8k_test": 1319, "humaneval": 164, "mbpp_sample20": 20}
+      "math500": 500, "gsm8k_test": 1319, "gsm8k_train": 7473, "humaneval": 164,
+      "mbpp_sample20": 20}
   he = {r["id"]: r for r in _all(str(tmp_path), "humaneval", "code")}["HumanEval/0"]
   assert he["test_type"] == "assert" and he["entry_point"] == "has_close_elements"
   assert he["tests"][0]["input"].rstrip().endswith("check(has_close_elements)")
@@ -63,6 +64,9 @@ def test_shipped_sets_build_with_all_rows_and_english(tmp_path):
   assert all(len(r["tests"]) >= 3 and r["tests"][0]["input"].startswith("assert") for r in mb)
   gsm = {r["id"]: r for r in _all(str(tmp_path), "gsm8k_test", "math")}
   assert gsm["gsm8k_test/0"]["answer"] == "18" and gsm["gsm8k_test/0"]["language"] == "en"
+  train = {r["id"]: r for r in _all(str(tmp_path), "gsm8k_train", "math")}
+  assert train["gsm8k_train/0"]["answer"] == "72"
+  assert train["gsm8k_train/0"]["source"] == "gsm8k_train"
 
 
 def test_rebuild_only_when_inputs_change(tmp_path):

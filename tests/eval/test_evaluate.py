@@ -1,6 +1,8 @@
-"""evaluate(): pass@1 averaged over k and maj@k from the real reward, and progress while it
-generates (a first GPU launch compiles here for minutes before its first sample)."""
+"""evaluate(): pass@1 averaged over k, maj@k and the pass@k curve from the real reward, each
+problem's correct count, and progress while it generates (a first GPU launch compiles here for
+minutes before its first sample)."""
 import concurrent.futures
+import json
 import logging
 
 import numpy as np
@@ -72,3 +74,27 @@ def test_progress_is_logged_while_generating(caplog, monkeypatch):
   done = [line.split()[2] for line in lines[1:]]
   assert done == ["2/9", "4/9", "6/9", "8/9"] and all("ETA" in line for line in lines[1:])
   assert loop.steps == 9 and res["pass@1"] == pytest.approx(5 / 9)
+
+
+def test_pass_at_k_curve_headroom_and_correct_counts():
+  """k=3 samples with 3, 1 and 1 correct: pass@2 = (1 + 2/3 + 2/3) / 3 (a problem with one right
+  sample of three is solved by 2 of the 3 pairs), pass@3 = 1, headroom = pass@3 - pass@1."""
+  res = evaluate(SteppedLoop(), InlinePool(), TOK, PROBLEMS, k=3)
+  assert [(r["n"], r["correct"]) for r in res["rows"]] == [(3, 3), (3, 1), (3, 1)]
+  assert list(res["pass_at"]) == [1, 2, 3]
+  assert res["pass_at"][1] == pytest.approx(res["pass@1"]) == pytest.approx(5 / 9)
+  assert res["pass_at"][2] == pytest.approx(7 / 9) == res["pass@2"]
+  assert res["pass_at"][3] == pytest.approx(1.0) == res["pass@3"]
+  assert res["headroom"] == pytest.approx(4 / 9)
+  assert res["maj@3"] == pytest.approx(1 / 3)   # beside the curve, unchanged
+  # It all goes into the eval JSON (launch/eval.py dumps the result as it is).
+  back = json.loads(json.dumps(res))
+  assert back["pass_at"] == {"1": pytest.approx(5 / 9), "2": pytest.approx(7 / 9),
+                             "3": pytest.approx(1.0)}
+  assert back["rows"][1]["correct"] == 1 and back["rows"][1]["n"] == 3
+
+
+def test_one_sample_gives_a_one_point_curve_and_no_headroom():
+  res = evaluate(SteppedLoop(), InlinePool(), TOK, PROBLEMS, k=1)
+  assert res["pass_at"] == {1: pytest.approx(2 / 3)} and res["headroom"] == 0.0
+  assert not [key for key in res if key.startswith("pass@") and key != "pass@1"]

@@ -32,11 +32,12 @@ def test_trace_drops_calculator_annotations_and_the_final_line():
 
 
 def test_shipped_traces_pass_the_format_gate_and_grade_correct():
-  """Every shipped GSM8K row becomes a trace; a sample of them gets the full reward from the
-  repo's own compute_reward: format 1, correct 1 (and the English-consistency bonus)."""
-  rows = [json.loads(l) for l in open(records.shipped_path("gsm8k_test"))]
+  """Every row of GSM8K's train split (the traces' source) becomes a trace; a sample of them gets
+  the full reward from the repo's own compute_reward: format 1, correct 1 (and the
+  English-consistency bonus)."""
+  rows = [json.loads(l) for l in open(records.shipped_path(gsm8k_traces.SHIPPED))]
   cfg = RewardConfig(l_max=512, l_cache=128)
-  for r in rows[::53]:   # 25 rows spread over the file
+  for r in rows[::300]:   # 25 rows spread over the file
     t = gsm8k_traces.trace(r["solution"], r["answer"])
     res = compute_reward({"kind": "math", "problem": r["question"], "answer": r["answer"]}, t,
                          100, cfg)
@@ -57,37 +58,43 @@ def test_bad_rows_are_skipped_and_counted_and_held_out_ids_are_excluded(tmp_path
   rows[3] = {k: v for k, v in ROW.items() if k != "solution"} | {"idx": 3}
   src.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json\n")
   out = tmp_path / "traces.jsonl"
-  rep = gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_test/4"], source_path=str(src))
+  rep = gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_train/4"], source_path=str(src))
   assert rep["traces"] == 1 and rep["excluded"] == 1
   assert rep["read"]["skipped"] == {"empty_solution": 1, "think_tag_in_solution": 1,
                                     "missing_field:solution": 1, "malformed_json": 1}
   (got,) = [json.loads(l) for l in open(out)]
-  assert got["id"] == "gsm8k_test/0" and got["prompt"] == ROW["question"]
+  assert got["id"] == "gsm8k_train/0" and got["prompt"] == ROW["question"]
   with pytest.raises(ValueError, match="no GSM8K trace"):
-    gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_test/0", "gsm8k_test/4"],
+    gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_train/0", "gsm8k_train/4"],
                               source_path=str(src))
 
 
-def test_sft_config_excludes_the_rl_heldout_problems(tmp_path):
-  """The traces launch/sft.py builds for configs/smollm2.py:sft leave out exactly the problems
-  launch/train.py evaluates on (any RL data.heldout up to the SFT's, same seed)."""
+def test_sft_and_rl_train_on_gsm8k_train_and_evaluate_on_gsm8k_test(tmp_path):
+  """configs/smollm2.py: the traces launch/sft.py builds (its block, replayed) are all of GSM8K's
+  train split, checked against every test problem; the RL runs' held-out sets are test problems
+  and their prompt streams train problems, checked as launch/train.py does."""
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import smollm2
-  from magistral_jax.data.prompts import heldout_problems
+  from magistral_jax.data.prompts import (check_heldout_unseen, dataset_problems,
+                                          heldout_problems, train_prompts)
   from magistral_jax import config as config_lib
   sft_cfg = smollm2.get_config("sft")
   sft_cfg.data.data_dir = str(tmp_path / "data")
-  excluded = heldout_problems(config_lib.apply_overrides(sft_cfg, {"data.source": "gsm8k"}))
-  rep = gsm8k_traces.build_trace_dataset(sft_cfg.data.data_dir, [p["id"] for p in excluded])
-  assert rep["excluded"] == len(excluded) == smollm2.HELDOUT_EXCLUDED
-  assert rep["traces"] + rep["excluded"] == 1319
-  built = {r["id"] for r in jsonl.read_records(str(tmp_path / "data" / "gsm8k_traces.jsonl"),
-                                                "sft")}
-  for arg in ("", "ci"):
+  assert sft_cfg.data.heldout_source == "gsm8k_test" == smollm2.TEST
+  test = dataset_problems(sft_cfg, sft_cfg.data.heldout_source)
+  rep = gsm8k_traces.build_trace_dataset(sft_cfg.data.data_dir, heldout=test)
+  assert rep["traces"] == 7473 and rep["excluded"] == 0 and rep["heldout_checked"] == 1319
+  built = jsonl.read_records(str(tmp_path / "data" / "gsm8k_traces.jsonl"), "sft")
+  assert all(r["id"].startswith("gsm8k_train/") for r in built)
+  for arg in ("", "ci", "gpu"):
     rl_cfg = smollm2.get_config(arg)
     rl_cfg.data.data_dir = str(tmp_path / "data")
-    held = {p["id"] for p in heldout_problems(rl_cfg)}
-    assert len(held) == rl_cfg.data.heldout and not held & built
+    assert (rl_cfg.data.source, rl_cfg.data.heldout_source) == ("gsm8k_train", "gsm8k_test")
+    held = heldout_problems(rl_cfg)
+    assert len(held) == rl_cfg.data.heldout and all(p["source"] == "gsm8k_test" for p in held)
+    check_heldout_unseen(rl_cfg, held)
+    stream = train_prompts(rl_cfg, held, None)
+    assert all(next(stream)["source"] == "gsm8k_train" for _ in range(8))
   # Every variant is a valid run configuration (gpu: a 2-accelerator layout, or one GPU
   # colocated: the README's recipe).
   for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2),
@@ -115,7 +122,7 @@ def test_cold_start_sft_then_rl_on_the_real_model(tmp_path):
   the pipeline fills a batch and takes an optimizer step with a non-zero gradient."""
   sft = tmp_path / "sft"
   out = _launch("sft.py", sft, "--config=configs/smollm2.py:sft,ci")
-  assert "GSM8K traces (held-out excluded: 128)" in out
+  assert "GSM8K traces (from gsm8k_train; none of the 1319 problems of gsm8k_test)" in out
   s = json.load(open(sft / "sft_summary.json"))
   assert s["sft_steps"] == 8 and 0 < s["final_nll_per_token"] < 2.0
 

@@ -117,11 +117,11 @@ def _sum_task(n_tests=30):
   tests = []
   for _ in range(n_tests):
     xs = [rng.randint(-1000, 1000) for _ in range(rng.randint(1, 8))]
-    # Expected mean printed with fewer digits: the numeric tolerance must accept it.
+    # Expected mean printed with fewer digits: the task's numeric tolerance must accept it.
     tests.append({"input": f"{len(xs)}\n{' '.join(map(str, xs))}\n",
                   "output": f"{sum(xs)}\n{sum(xs) / len(xs):.7f}\n"})
-  return {"kind": "code", "problem": "Print the sum and the mean.", "language": "cpp",
-          "tests": tests}
+  return {"kind": "code", "problem": "Print the sum and the mean (error at most 1e-6).",
+          "language": "cpp", "tests": tests, "tolerance": 1e-6}
 
 
 def test_cpp_stdin_problem_passes_and_wrong_answer_fails():
@@ -155,13 +155,23 @@ def test_the_same_tests_are_drawn_for_a_whole_group():
   assert draw_tests(5, 20, group_seed=7) == [0, 1, 2, 3, 4]
 
 
-def test_outputs_match_tokens_with_numeric_tolerance():
-  assert outputs_match("1 2\n3.0000001\n", "1 2 3")
+def test_outputs_match_tokens_exactly_and_numbers_within_a_tolerance_only_where_asked():
   assert outputs_match("YES", "YES\n")
+  assert outputs_match("1  2\n3\n", "1 2 3")
   assert not outputs_match("1 2", "1 2 3")
   assert not outputs_match("yes", "YES")
-  assert not outputs_match("3.01", "3")
-  assert not outputs_match("nan", "1")
+  # Exact by default: a float printed with less precision than asked, or more, is wrong.
+  assert not outputs_match("3.0000001", "3.0")
+  assert not outputs_match("0.33", "0.333333")
+  # With the task's tolerance (absolute or relative), non-integer numbers match within it ...
+  assert outputs_match("1 2\n3.0000001\n", "1 2 3.0", tolerance=1e-6)
+  assert outputs_match("12345678901.5", "12345678901.0", tolerance=1e-6)
+  assert not outputs_match("0.33", "0.333333", tolerance=1e-6)
+  assert not outputs_match("nan", "1.5", tolerance=1e-6)
+  # ... and integers stay exact at any size: a modular answer plus one, or off by 1,000 in 1e10.
+  assert not outputs_match("1000000008", "1000000007", tolerance=1e-6)
+  assert not outputs_match("10000001000", "10000000000", tolerance=1e-6)
+  assert not outputs_match("3.0000001", "3", tolerance=1e-6)
 
 
 def test_first_code_block_is_taken():

@@ -1,4 +1,6 @@
-"""The verifier pool: correct results, timeouts, crashes, recycling, back-pressure, clean exit."""
+"""The verifier pool: correct results, timeouts, crashes, recycling, back-pressure, clean exit,
+slot uids of its own, a dead worker's sandboxes killed with it, and a pool that neither stops on
+a failing cleanup nor leaves a future unresolved when its dispatcher fails."""
 import glob
 import os
 import signal
@@ -10,8 +12,9 @@ import time
 
 import pytest
 
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards import RewardConfig, sandbox
 from magistral_jax.verify import VerifierPool
+from magistral_jax.verify import pool as pool_mod
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)
 MATH = {"kind": "math", "problem": "p", "answer": "5"}
@@ -174,6 +177,148 @@ def test_close_leaves_no_orphan_processes():
   assert _uid_processes(uids) == []
   with pytest.raises(RuntimeError, match="closed"):
     p.submit(MATH, _math(5))
+
+
+def test_slot_uids_are_this_process_own_and_never_shared(pool):
+  # 1_000_000 + 256 * pid + slot: no other process's block; two live pools of one process take
+  # distinct slots of it; 255 (a stand-alone Sandbox's) is never a slot.
+  base = 1_000_000 + 256 * os.getpid()
+  with VerifierPool(1, CFG, task_timeout_s=30) as other:
+    mine = {pool.uid_base + s for s in range(pool.num_workers)}
+    theirs = {other.uid_base}
+    assert not mine & theirs
+    assert all(base <= u < base + 255 for u in mine | theirs)
+    with pytest.raises(ValueError, match="free sandbox uids"):
+      pool_mod.claim_uid_offsets(255)
+  for n in (0, 256, 1000):
+    with pytest.raises(ValueError, match="num_workers"):
+      VerifierPool(n, CFG)
+
+
+def _escaped_sandbox(uid):
+  """Processes of `uid` that left their session and parent, as a sandbox whose worker died in
+  the setresuid window leaves them (issue #50)."""
+  subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", "sh",
+                  "-c", "setsid sh -c 'sleep 1000 & sleep 1000' & exit 0"], check=True)
+  deadline = time.monotonic() + 10
+  while len(_uid_processes({uid})) < 2 and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert len(_uid_processes({uid})) >= 2
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids need root")
+
+
+@root_only
+def test_kill_uid_processes_kills_everything_of_the_uid_and_nothing_else():
+  uid = 1_000_000 + 256 * 4_000_000 + 7    # a pid above pid_max: nobody's block
+  _escaped_sandbox(uid)
+  bystander = subprocess.Popen(["sleep", "30"])
+  try:
+    found, left = pool_mod.kill_uid_processes(uid)
+    assert found >= 2 and left == 0
+    assert _uid_processes({uid}) == []
+    assert _alive(bystander.pid) and _alive(os.getpid())
+  finally:
+    bystander.kill()
+    bystander.wait()
+  for uid in (0, os.getuid(), 1000):   # root's, ours, a real account's: never
+    with pytest.raises(ValueError, match="refusing"):
+      pool_mod.kill_uid_processes(uid)
+
+
+@root_only
+def test_a_dead_worker_takes_everything_of_its_slot_uid_before_the_successor_starts():
+  # A run that daemonizes and sleeps is alive in the sandbox when its worker is SIGKILLed, and
+  # processes of the slot uid that escaped earlier are there too: none may be alive when the
+  # successor scores its first task (the sweep runs before the successor starts).
+  daemon = _code("import os, time\nfor _ in range(3):\n  if os.fork() == 0:\n    os.setsid()\n"
+                 "    if os.fork() == 0:\n      time.sleep(1000)\n    os._exit(0)\n"
+                 "time.sleep(1000)")
+  with VerifierPool(1, CFG, task_timeout_s=30) as p:
+    uid = p.uid_base
+    assert p.submit(MATH, _math(5)).result(timeout=60).reward == 1.0
+    _escaped_sandbox(uid)
+    fut = p.submit(STDIN, daemon)
+    deadline = time.monotonic() + 30
+    while len(_uid_processes({uid})) < 4 and time.monotonic() < deadline:
+      time.sleep(0.02)   # the run's own processes are up (the escaped ones count 2)
+    assert len(_uid_processes({uid})) >= 4
+    os.kill(p.worker_pids()[0], signal.SIGKILL)
+    r = fut.result(timeout=60)
+    assert r.reward == 0.0 and "died" in r.error
+    assert p.submit(STDIN, GOOD).result(timeout=60).reward == 1.0
+    assert _uid_processes({uid}) == []
+    m = p.metrics()
+    assert m["crashes"] == 1 and m["orphans_killed"] >= 2 and m["orphans_left"] == 0
+  assert _uid_processes({uid}) == []
+
+
+def test_a_failing_cleanup_is_counted_and_the_pool_serves_on(monkeypatch):
+  # Issue #50: rmtree raised RecursionError on a 2,500-deep tree while the dispatcher cleaned a
+  # killed worker's run dirs; the dispatcher died and no future of the batch ever resolved.
+  real = sandbox.remove_leftovers
+  threads = []
+
+  def deep_tree(pid, *args, **kwargs):
+    threads.append(threading.current_thread().name)
+    raise RecursionError("maximum recursion depth exceeded while calling a Python object")
+
+  monkeypatch.setattr(sandbox, "remove_leftovers", deep_tree)
+  slow = _code("import time\ntime.sleep(1.0)\nprint(2 * int(input()))")
+  with VerifierPool(1, CFG, task_timeout_s=30) as p:
+    assert p.submit(MATH, _math(5)).result(timeout=60).reward == 1.0
+    fut = p.submit(STDIN, slow)
+    deadline = time.monotonic() + 30
+    while p.metrics()["busy"] == 0 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    pid = p.worker_pids()[0]
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    r = fut.result(timeout=60)
+    assert r.reward == 0.0 and "died" in r.error
+    results = [f.result(timeout=60) for f in [p.submit(MATH, _math(5)), p.submit(STDIN, GOOD)]]
+    assert [x.reward for x in results] == [1.0, 1.0]
+    m = p.metrics()
+    assert m["cleanup_errors"] >= 1 and m["stopped"] is None
+  assert "verifier-pool" in threads   # it raised in the dispatcher, which served on
+  real(pid)
+
+
+def test_a_failed_dispatcher_fails_every_task_and_stops_the_pool(monkeypatch):
+  # A failure outside the guarded cleanups: the running and the queued tasks all resolve, with
+  # an error naming it; submit raises afterwards; metrics say why; close still works.
+  slow = _code("import time\ntime.sleep(1.5)\nprint(2 * int(input()))")
+  p = VerifierPool(2, CFG, task_timeout_s=30)
+  try:
+    assert [f.result(timeout=60).reward for f in [p.submit(MATH, _math(5)) for _ in range(2)]] \
+        == [1.0, 1.0]
+
+    def broken(w):
+      raise ValueError("boom in the dispatcher")
+
+    monkeypatch.setattr(p, "_maybe_recycle", broken)   # runs after every finished task
+    running = p.submit(STDIN, slow)
+    deadline = time.monotonic() + 30
+    while p.metrics()["busy"] == 0 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    first = p.submit(MATH, _math(5))      # finishes first, then the dispatcher fails
+    queued = [p.submit(MATH, _math(5)) for _ in range(3)]
+    assert first.result(timeout=60).reward == 1.0
+    for f in [running, *queued]:
+      r = f.result(timeout=30)
+      assert r.reward == 0.0 and "verifier pool stopped" in r.error
+      assert "ValueError: boom in the dispatcher" in r.error
+    with pytest.raises(RuntimeError, match="verifier pool stopped: .*boom"):
+      p.submit(MATH, _math(5))
+    assert "boom" in p.metrics()["stopped"]
+    pids = p.worker_pids()
+  finally:
+    p.close(timeout=5)
+  deadline = time.monotonic() + 10
+  while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not any(_alive(x) for x in pids)
 
 
 _RAY_CHECK = r"""
