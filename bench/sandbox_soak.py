@@ -70,6 +70,7 @@ import common
 
 import psutil
 
+from magistral_jax.data import records
 from magistral_jax.rewards import RewardConfig, code_check, sandbox
 from magistral_jax.rewards import reward as reward_mod
 from magistral_jax.rewards.attacks import SEARCH
@@ -581,7 +582,9 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
     t = item.task
     if "tests" not in t:
       if "test_code" in t:
-        test = f"{t['test_code']}\ncheck({t['entry_point']})\n"
+        # The prompt's helpers over the candidate's, as the harness runs them (code_check.py).
+        helpers = records.prompt_helpers(t.get("problem", ""), t["entry_point"]) or ""
+        test = f"{helpers}\n{t['test_code']}\ncheck({t['entry_point']})\n"
       else:
         test = (t.get("test_setup_code") or "") + "\n" + "\n".join(t["test_list"]) + "\n"
       path = os.path.join(d, "prog.py")
@@ -612,7 +615,8 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
       except subprocess.TimeoutExpired:
         return False
       if r.returncode != 0 or not code_check.outputs_match(r.stdout.decode(errors="replace"),
-                                                           case["output"]):
+                                                           case["output"],
+                                                           code_check.task_tolerance(t)):
         return False
     return True
   finally:

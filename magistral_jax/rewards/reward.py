@@ -8,6 +8,7 @@ With the paper's values (0.1, 0.9, 0.1) the maximum is 1.1.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import traceback
 from typing import Any, Sequence
 
@@ -43,9 +44,21 @@ class RewardConfig:
   # Run generated code even where no private filesystem (mount namespace) can be made, in a weaker
   # sandbox, with a loud warning (rewards/sandbox.py). Off: such a host refuses to run code.
   allow_weak_sandbox: bool = False
+  # The control run of a claim that RL learned (issue #51; spurious rewards lift some models):
+  # "random" pays the correctness part on a coin of probability control_rate instead of the
+  # verifier's verdict. Set control_rate to the mean accuracy of the run it controls. The coin is
+  # drawn per completion from its group seed and text (reproducible, blind to correctness). The
+  # verdict itself stays in parts["correct"], so accuracy metrics and evaluation stay true; the
+  # coin is in info["control_paid"], and the reward is the sum of the other parts and the coin.
+  control: str = "none"           # "none" | "random"
+  control_rate: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "languages", tuple(self.languages))
+    if self.control not in ("none", "random"):
+      raise ValueError(f"RewardConfig: control must be 'none' or 'random', got {self.control!r}")
+    if not 0.0 <= self.control_rate <= 1.0:
+      raise ValueError(f"RewardConfig: control_rate must be in [0, 1], got {self.control_rate}")
     try:   # the penalty's own check of the length budget, before any completion is scored
       length_penalty(0, self.l_max, self.l_cache, self.length_penalty_max)
     except ValueError as e:
@@ -91,6 +104,13 @@ def _clean_text(s: Any, name: str) -> str:
   if not isinstance(s, str):
     raise TypeError(f"{name} must be a string, got {type(s).__name__}")
   return s.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def control_coin(group_seed: int, response: str) -> float:
+  """A uniform number in [0, 1) fixed by the completion (its group seed and text): the random
+  control's coin, the same in every process (no per-process string hash)."""
+  digest = hashlib.sha256(f"{group_seed}\0{response}".encode("utf-8", "replace")).digest()
+  return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
 def compute_reward(task: dict, response: str, response_tokens: int | None, cfg: RewardConfig,
@@ -145,6 +165,10 @@ def _compute(task, response, response_tokens, cfg, group_seed) -> RewardResult:
     correct = res.passed
     info["code"] = res.detail
   parts["correct"] = cfg.correct_reward if correct else 0.0
+  paid = parts["correct"]
+  if cfg.control == "random":
+    paid = cfg.correct_reward if control_coin(group_seed, response) < cfg.control_rate else 0.0
+    info["control_paid"] = paid
 
   if cfg.language_bonus:
     same, found = language.language_consistent(problem, f.thoughts, f.answer, tuple(cfg.languages))
@@ -156,5 +180,5 @@ def _compute(task, response, response_tokens, cfg, group_seed) -> RewardResult:
     l_cache = min(cfg.l_cache, l_max)
     parts["length_penalty"] = length_penalty(int(response_tokens), l_max, l_cache,
                                              cfg.length_penalty_max)
-  reward = parts["format"] + parts["correct"] + parts["language"] + parts["length_penalty"]
+  reward = parts["format"] + paid + parts["language"] + parts["length_penalty"]
   return RewardResult(float(reward), parts, None, info)
