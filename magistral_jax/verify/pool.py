@@ -78,6 +78,16 @@ def claim_uid_offsets(n: int) -> int:
                    f"pools hold {held} of the {MAX_SLOTS} slot uids")
 
 
+def slot_uids(num_workers: int, uid_base: int | None) -> tuple[int, range]:
+  """(uid_base, the offsets claimed in this process's block) for a pool of `num_workers` slots:
+  `uid_base` as given (nothing claimed), or claimed from this process's block when None. Give
+  the offsets back with release_uid_offsets when the pool closes."""
+  if uid_base is not None:
+    return uid_base, range(0)
+  first = claim_uid_offsets(num_workers)
+  return sandbox.process_uid_base() + first, range(first, first + num_workers)
+
+
 def release_uid_offsets(offsets: range):
   with _uid_lock:
     _uid_offsets_in_use.difference_update(offsets)
@@ -232,15 +242,10 @@ class VerifierPool:
     # Slot s runs its sandboxes as uid_base + s. The default is this process's own block
     # (1_000_000 + 256 * pid; offset by the slots of its other live pools), so distinct pools and
     # processes never share a uid: RLIMIT_NPROC counts per uid, and a slot's uid is killed whole.
-    self._uid_offsets = range(0)
-    if uid_base is None:
-      first = claim_uid_offsets(num_workers)
-      self._uid_offsets = range(first, first + num_workers)
-      uid_base = sandbox.process_uid_base() + first
-    self.uid_base = uid_base
+    self.uid_base, self._uid_offsets = slot_uids(num_workers, uid_base)
     # Only root runs sandboxes under other uids (see the module docstring); never a uid that may
     # be a real account's.
-    self._sweeps = os.geteuid() == 0 and uid_base >= MIN_SWEEP_UID
+    self._sweeps = os.geteuid() == 0 and self.uid_base >= MIN_SWEEP_UID
     self._ctx = mp.get_context("spawn")
     self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
     self._ids = itertools.count()

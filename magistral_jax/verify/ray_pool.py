@@ -12,9 +12,8 @@ import concurrent.futures
 import threading
 import time
 
-from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
-from magistral_jax.verify.pool import claim_uid_offsets, release_uid_offsets
+from magistral_jax.verify.pool import release_uid_offsets, slot_uids
 
 
 def _ray():
@@ -51,12 +50,7 @@ class RayVerifierPool:
     self.max_tasks_per_worker = max_tasks_per_worker
     # Slot uids from this process's block, disjoint from its other pools' (verify/pool.py). A
     # killed actor's sandboxes may run on another host, where no sweep of the uid reaches them.
-    self._uid_offsets = range(0)
-    if uid_base is None:
-      first = claim_uid_offsets(num_workers)
-      self._uid_offsets = range(first, first + num_workers)
-      uid_base = sandbox.process_uid_base() + first
-    self.uid_base = uid_base
+    self.uid_base, self._uid_offsets = slot_uids(num_workers, uid_base)
     self._actor_cls = ray.remote(num_cpus=1, max_concurrency=1)(_Verifier)
     self._slots = threading.BoundedSemaphore(max_queue + num_workers)
     self._idle = collections.deque(range(num_workers))
