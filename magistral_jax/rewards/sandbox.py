@@ -53,7 +53,7 @@ construction rather than by a check on the instance:
     machine without its numbers (SECCOMP in sandbox_root.py) the filter is not installed.
   - Honest programs failed by load: limits are CPU seconds (RLIMIT_CPU), which load cannot
     move. The wall clock is only a backstop (Limits.backstop_s): a run still going there is
-    judged by the CPU it used (`judge_overrun`): at its CPU limit, or idle, it is the program's
+    judged by the CPU it used (`run_tree.judge_overrun`): at its CPU limit, or idle, it is the program's
     doing (a time limit); otherwise the host was too loaded to judge it, a verifier fault (the
     caller drops the group instead of scoring an honest program wrong).
 We read stdout ourselves, stop at the deadline and at an output cap, and never wait on a pipe a
@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import fcntl
 import glob
 import logging
 import os
@@ -90,6 +89,8 @@ import sys
 import tempfile
 import time
 
+from magistral_jax.rewards import run_tree
+from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
 from magistral_jax.rewards.sandbox_root import SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT
 
 log = logging.getLogger(__name__)
@@ -108,11 +109,6 @@ def process_uid_base(pid: int | None = None) -> int:
 
 
 DEFAULT_UID_BASE = UID_BASE
-# A run that reaches its wall-clock backstop while it has used less CPU than this share of the
-# elapsed time was idle (sleeping, blocked, waiting on a lock): its own doing, a time limit. One
-# that used more, but less than its CPU limit, was slowed by the host: a verifier fault.
-IDLE_CPU_SHARE = 0.05
-
 # Strongest first. The first two have a private filesystem; the last two are the weak modes that
 # only allow_weak permits.
 ISOLATION_PRIVATE_FS = "mountns+netns+pidns+uid+rlimits"
@@ -398,7 +394,7 @@ class Sandbox:
     # The input lives in a sealed memfd: no path in a directory the program controls is ever
     # opened by us (a symlink or FIFO planted there cannot redirect or block us), and no pipe
     # write of ours can block on a program that does not read.
-    stdin_fd = _sealed_memfd(stdin) if stdin is not None else None
+    stdin_fd = sealed_memfd(stdin) if stdin is not None else None
     self._writable(cwd, writable)
     start = time.monotonic()
     try:
@@ -417,7 +413,7 @@ class Sandbox:
       if watch.spent:
         cpu = watch.used
       elif timed_out:
-        cpu, fault = judge_overrun(proc.pid, time.monotonic() - start, limits)
+        cpu, fault = run_tree.judge_overrun(proc.pid, time.monotonic() - start, limits.cpu_s)
       if timed_out or truncated:
         self._kill(proc)
       try:
@@ -472,7 +468,7 @@ class Sandbox:
     # count against the slot uid's RLIMIT_NPROC: 29 of them after the HumanEval calls made the
     # next C++ compile fail with EAGAIN. Then killing `unshare` kills whatever is left of the
     # namespace (--kill-child), and the group kill covers the fallback mode.
-    children = _children(proc.pid)
+    children = run_tree.children(proc.pid)
     for pid in children:
       try:
         os.kill(pid, signal.SIGKILL)
@@ -555,7 +551,8 @@ class Channel:
     if self.watch.check():
       self._fail("time limit (CPU)")
     if left <= 0:
-      _, fault = judge_overrun(self.proc.pid, time.monotonic() - self.start, self.limits)
+      _, fault = run_tree.judge_overrun(self.proc.pid, time.monotonic() - self.start,
+                                       self.limits.cpu_s)
       self._fail("time limit", fault)
     return self._sel.select(min(left, CpuWatch.EVERY_S))
 
@@ -592,146 +589,6 @@ class Channel:
       self.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
       pass
-
-
-def _sealed_memfd(data: bytes) -> int:
-  """A read-positioned memfd holding `data`, sealed against writes and resizing."""
-  fd = os.memfd_create("mj_stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-  try:
-    view = memoryview(data)
-    while view:
-      view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK
-                | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-  except BaseException:
-    os.close(fd)
-    raise
-  return fd
-
-
-def _descendants(pid: int) -> list[int]:
-  """`pid` and every process below it (children of any of their threads), from /proc."""
-  seen, todo = [], [pid]
-  while todo and len(seen) < 100_000:
-    p = todo.pop()
-    seen.append(p)
-    try:
-      tasks = os.listdir(f"/proc/{p}/task")
-    except OSError:
-      continue
-    for t in tasks:
-      try:
-        with open(f"/proc/{p}/task/{t}/children") as f:
-          todo += [int(x) for x in f.read().split()]
-      except (OSError, ValueError):
-        pass
-  return seen
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(pid: int) -> float:
-  """CPU seconds used by `pid` and its descendants, the children they reaped included."""
-  total = 0
-  for p in _descendants(pid):
-    try:
-      with open(f"/proc/{p}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-      total += sum(int(x) for x in fields[11:15])    # utime stime cutime cstime
-    except (OSError, ValueError, IndexError):
-      pass
-  return total / _TICK
-
-
-class CpuWatch:
-  """The CPU limit over a run's whole process tree: RLIMIT_CPU counts each process on its own,
-  so 32 forked busy loops would take 32 times the limit before the backstop stopped them.
-  Checked every EVERY_S while we wait on the run (a walk of its /proc entries)."""
-  EVERY_S = 0.5
-
-  def __init__(self, pid: int, limit_s: float):
-    self.pid, self.limit_s = pid, limit_s
-    self.next = time.monotonic() + self.EVERY_S
-    self.used, self.spent = 0.0, False
-
-  def check(self) -> bool:
-    """True once the tree has used its CPU limit."""
-    now = time.monotonic()
-    if not self.spent and now >= self.next:
-      self.next = now + self.EVERY_S
-      self.used = tree_cpu_s(self.pid)
-      self.spent = self.used >= self.limit_s
-    return self.spent
-
-
-def judge_overrun(pid: int, elapsed_s: float, limits: Limits) -> tuple[float, str | None]:
-  """(CPU used, fault or None) for a run still going at its wall-clock backstop, measured before
-  it is killed. The program's own doing (None) when it used its CPU limit or was idle; else the
-  host was too loaded to judge it in time: a verifier fault, so the group is dropped rather than
-  an honest program scored wrong."""
-  cpu = tree_cpu_s(pid)
-  if cpu >= limits.cpu_s or cpu < IDLE_CPU_SHARE * elapsed_s:
-    return cpu, None
-  return cpu, (f"wall-clock backstop ({elapsed_s:.1f}s) reached after only {cpu:.2f}s of its "
-               f"{limits.cpu_s:g}s CPU limit: the host is overloaded")
-
-
-def _children(pid: int) -> list[int]:
-  """The direct children of `pid` (from /proc; empty where it cannot be read)."""
-  try:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-      return [int(x) for x in f.read().split()]
-  except (OSError, ValueError):
-    return []
-
-
-def remove_tree(path: str):
-  """Removes `path` and everything under it without recursion, at any depth, never following a
-  symlink: one directory fd open at a time (a stack of names, not of fds, so no fd limit), going
-  back up through "..". shutil.rmtree recurses (a 2,500-deep tree raised RecursionError) and
-  works on whole paths (which fail past PATH_MAX). Entries that vanish meanwhile are skipped."""
-  flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-  try:
-    fd = os.open(path, flags)
-  except FileNotFoundError:
-    return
-  except NotADirectoryError:
-    os.unlink(path)
-    return
-  names: list[str] = []
-  try:
-    while True:
-      sub = None
-      with os.scandir(fd) as it:
-        for e in it:
-          try:
-            if e.is_dir(follow_symlinks=False):
-              sub = e.name
-              break
-            os.unlink(e.name, dir_fd=fd)
-          except FileNotFoundError:
-            pass
-      if sub is not None:
-        try:
-          child = os.open(sub, flags, dir_fd=fd)
-        except NotADirectoryError:     # replaced by a file or link meanwhile: remove that
-          os.unlink(sub, dir_fd=fd)
-          continue
-        os.close(fd)
-        fd = child
-        names.append(sub)
-        continue
-      if not names:
-        break
-      parent = os.open("..", flags, dir_fd=fd)
-      os.close(fd)
-      fd = parent
-      os.rmdir(names.pop(), dir_fd=fd)
-  finally:
-    os.close(fd)
-  os.rmdir(path)
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

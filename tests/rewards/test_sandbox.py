@@ -5,6 +5,7 @@ import time
 import pytest
 
 from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
+from magistral_jax.verify.pool import uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)
 
@@ -21,20 +22,8 @@ def _code(src):
 
 
 def _uid_processes(uid):
-  """Pids of live (non-zombie) processes owned by `uid`."""
-  pids = []
-  for p in os.listdir("/proc"):
-    if not p.isdigit():
-      continue
-    try:
-      with open(f"/proc/{p}/status") as f:
-        status = f.read()
-    except OSError:
-      continue
-    fields = dict(l.split(":", 1) for l in status.splitlines() if ":" in l)
-    if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-      pids.append(int(p))
-  return pids
+  """Pids of live (non-zombie) processes running as `uid`."""
+  return uid_processes(uid)[0]
 
 
 def _assert_nothing_left(uid, wait_s=3.0):

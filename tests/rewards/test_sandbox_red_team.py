@@ -15,7 +15,8 @@ import pytest
 
 import magistral_jax
 from magistral_jax.data import records
-from magistral_jax.rewards import RewardConfig, code_check, compute_reward, sandbox
+from magistral_jax.rewards import RewardConfig, code_check, compute_reward, run_tree, sandbox
+from magistral_jax.verify.pool import uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(magistral_jax.__file__)))
@@ -130,8 +131,6 @@ def test_mutation_and_identity_are_seen_as_in_one_process(sbx):
 
 def test_a_flood_of_equal_hashes_is_refused_quickly():
   # 50,000 distinct integers with one hash: a quadratic set; refused before it is built.
-  line = code_check.encode_value({"s": []})
-  del line
   flood = {"s": [k * (2 ** 61 - 1) for k in range(1, 50001)]}
   t0 = time.monotonic()
   with pytest.raises(ValueError, match="colliding"):
@@ -320,7 +319,7 @@ def test_remove_tree_survives_depth_links_and_path_max(tmp_path):
     os.close(d)
     d = nxt
   os.close(d)
-  sandbox.remove_tree(str(root))
+  run_tree.remove_tree(str(root))
   assert not root.exists() and (outside / "keep").read_text() == "x"
 
 
@@ -335,16 +334,7 @@ def test_no_namespace_can_be_made_inside(sbx):
 
 
 def _uid_pids(uid):
-  pids = []
-  for p in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{p}/status") as f:
-        st = dict(l.split(":", 1) for l in f.read().splitlines() if ":" in l)
-    except OSError:
-      continue
-    if int(st["Uid"].split()[0]) == uid and not st["State"].strip().startswith("Z"):
-      pids.append(int(p))
-  return pids
+  return uid_processes(uid)[0]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop that clears PDEATHSIG is root's")
@@ -397,7 +387,7 @@ def test_the_backstop_judges_idle_programs_wrong_and_busy_ones_a_fault(sbx):
 
 def test_a_fault_is_an_error_not_a_wrong_answer(sbx, monkeypatch):
   # A host too loaded to judge the run in time: no verdict, an error, so the group is dropped.
-  monkeypatch.setattr(sandbox, "judge_overrun", lambda pid, elapsed, limits: (0.5, "overloaded"))
+  monkeypatch.setattr(run_tree, "judge_overrun", lambda pid, elapsed, cpu: (0.5, "overloaded"))
   task = _stdin_task([("1\n", "2\n")])
   r = _score(task, "import time\ntime.sleep(100)", cfg=RewardConfig(language_bonus=0.0,
                                                                     test_timeout_s=0.5))
