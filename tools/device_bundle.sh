@@ -10,7 +10,7 @@
 # OUTDIR/whl/*.whl       pinned by requirements.txt and constraints.txt, for cp312 manylinux
 #                        x86_64, less what tools/device_has.txt lists (the image's own are used)
 #                        and SKIP
-# OUTDIR/gguf.partNN     the GGUF split into PART_MB MiB parts (default 48), gguf.sha256
+# OUTDIR/gguf.partNN     the GGUF split into PART_MB MiB parts (default 42), gguf.sha256
 # OUTDIR/MANIFEST        every file with its sha256 and size, sorted: two builds from the same
 #                        pins give the same manifest, so a bundle is checked, not trusted
 # Carry OUTDIR/whl and gguf.part00 (with the MANIFEST and sha256) in the first call, each further
@@ -18,7 +18,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-device_bundle}
-PART_MB=${PART_MB:-48}
+# 42 MiB: the working tree (~8 MB, the GSM8K train split in it) + the wheels (~12 MB) + one part
+# stay under the 64 MiB a call carries; the second call carries the other two parts.
+PART_MB=${PART_MB:-42}
 # Left behind with their dependencies: mistral-common (Mistral's Tekken tokenizer, its pydantic
 # stack and pycountry, ~20 MB) serves the Mistral recipes, not SmolLM2's. SKIP="" carries it.
 SKIP=${SKIP-mistral-common}

@@ -117,6 +117,25 @@ def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
     i += 1
 
 
+def set_options(name: str) -> dict | None:
+  """The data options of an evaluation set named `synthetic/OPERAND/STEPS` (the synthetic task at
+  one difficulty: operands up to OPERAND, STEPS or MIN-MAX steps, e.g. `synthetic/99/2-3`), None
+  for any other name (plain `synthetic` takes the run config's options)."""
+  head, _, rest = name.partition("/")
+  if head != "synthetic" or not rest:
+    return None
+  try:
+    operand, steps = rest.split("/")
+    lo, _, hi = steps.partition("-")
+    out = {"max_operand": int(operand), "min_steps": int(lo), "max_steps": int(hi or lo)}
+  except ValueError:
+    raise ValueError(f"evaluation set {name!r}: expected synthetic/OPERAND/STEPS or "
+                     "synthetic/OPERAND/MIN-MAX, e.g. synthetic/99/2-3") from None
+  if out["max_operand"] < 1 or not 1 <= out["min_steps"] <= out["max_steps"]:
+    raise ValueError(f"evaluation set {name!r}: need OPERAND >= 1 and 1 <= MIN <= MAX steps")
+  return out
+
+
 def options(data_cfg) -> dict:
   """The problem-distribution keyword arguments of a run config's `data` section."""
   return dict(min_steps=data_cfg.min_steps, max_steps=data_cfg.max_steps,

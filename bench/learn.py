@@ -1,0 +1,268 @@
+"""A real model learns (issue #51): SmolLM2-135M-Instruct, cold-start SFT -> headroom table ->
+GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, beside a random-reward
+control from the same weights. One command, the launchers as subprocesses (each phase resumable:
+a rerun on the same --workdir skips what is done), so what it runs is what a user runs:
+
+  1. sft       launch/sft.py   configs/smollm2.py:sft[,gpu,colocated]   (GSM8K train traces)
+  2. headroom  launch/eval.py  --checkpoint=init on the SFT weights, k=--headroom_k samples of
+               --headroom_problems problems of each --headroom_sets set: pass@1, pass@k, headroom
+  3. task      the synthetic set with pass@1 in [0.1, 0.6] and the most headroom (--task names one)
+  4. rl        launch/train.py configs/smollm2.py:learn,...,task=T (before / every 5 / after evals)
+  5. control   the same with `control`: reward.control=random at the rl run's mean training
+               accuracy, no "before" evaluation (the rl run's is the same weights')
+  6. report    the gain of rl and of control over the rl run's "before", paired bootstrap over the
+               held-out problems (eval/paired.py), and the learning curves in learn.png
+
+  python bench/learn.py --workdir=runs/learn            # this host's sizes (configs/smollm2.py)
+  bash bench/gpu_suite.sh learn                         # one H100: --gpu (the `gpu,colocated` sizes)
+  python bench/learn.py --gpu --shrink --workdir=/tmp/l # the GPU command on CPU, sizes divided down
+                                                        # to seconds (the rehearsal; tests use it)
+
+Baseline: the control run (same weights, same sizes, same held-out problems, the verdict replaced
+by a coin of the same mean). Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+from magistral_jax.eval.paired import compare_evals
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HEADROOM_SETS = "gsm8k_test,math500,synthetic/20/1-3,synthetic/99/2-3,synthetic/999/2-4"
+
+# --shrink: every phase's sizes divided down to seconds on 2 CPU cores, every other knob kept.
+SHRINK = {
+    # The synthetic task's ~20-token traces in place of GSM8K's ~110: a few steps teach the format,
+    # so the shrunk RL runs (32 new tokens) close it and their groups carry advantages.
+    "sft": ["--config.data.source=synthetic", "--config.sft.num_steps=6",
+            "--config.sft.batch_size=4", "--config.sft.rows_per_micro=4",
+            "--config.sft.row_len=320", "--config.sft.learning_rate=3e-4"],
+    "eval": ["--config.eval.max_new_tokens=32", "--config.engine.max_concurrent_decodes=8",
+             "--num_problems=2", "--config.eval.k=2"],
+    "rl": ["--config.rl.n_batch=4", "--config.rl.n_mini=4", "--config.rl.group_size=2",
+           "--config.rl.microbatch_tokens=2304", "--config.rl.microbatch_rows=4",
+           "--config.sampling.max_new_tokens=32", "--config.reward.l_max=32",
+           "--config.reward.l_cache=8", "--config.eval.max_new_tokens=32", "--config.eval.k=2",
+           "--config.eval.every=1", "--config.data.heldout=3",
+           "--config.engine.max_concurrent_decodes=8", "--config.checkpoint.async_save=False",
+           "--config.num_batches=2"],
+}
+
+
+def phase(name, argv, log_dir, timeout_s, done):
+  """Runs one launcher (skipped when `done` exists); its log in log_dir/NAME.log."""
+  if done and os.path.exists(done):
+    print(f"== {name}: done before ({done})", flush=True)
+    return 0.0
+  cmd = [sys.executable] + argv
+  print(f"== {name}: {' '.join(cmd)}", flush=True)
+  t = time.time()
+  with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+    try:
+      rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+  wall = time.time() - t
+  print(f"   {name}: rc={rc} in {wall:.0f} s", flush=True)
+  if rc != 0:
+    tail = open(os.path.join(log_dir, f"{name}.log")).read().splitlines()[-15:]
+    raise RuntimeError(f"phase {name} failed (rc={rc}); the end of its log:\n" + "\n".join(tail))
+  return wall
+
+
+def choose_task(headroom: dict, lo: float = 0.1, hi: float = 0.6) -> str | None:
+  """The synthetic set with pass@1 in [lo, hi] and the most headroom (pass@k - pass@1): where RL,
+  which mostly turns pass@k into pass@1, has the most to gain; failing that, the one with the most
+  headroom. None when no synthetic set has any."""
+  sets = [(r["headroom"], name, r["pass@1"]) for name, r in headroom["sets"].items()
+          if name.startswith("synthetic/")]
+  fits = [s for s in sets if lo <= s[2] <= hi]
+  # None in the band: the one with the most headroom all the same, if it has any.
+  fits = fits or [s for s in sets if s[0] > 0]
+  return max(fits)[1] if fits else None
+
+
+def mean_accuracy(workdir: str) -> float:
+  """The mean training accuracy (the verifier's verdicts) over a run's RL batches."""
+  vals = []
+  for line in open(os.path.join(workdir, "metrics.jsonl")):
+    row = json.loads(line)
+    if "accuracy" in row and not any(k.startswith("sft/") for k in row):
+      vals.append(row["accuracy"])
+  if not vals:
+    raise RuntimeError(f"{workdir}/metrics.jsonl holds no RL batch's accuracy")
+  return sum(vals) / len(vals)
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def curve(workdir: str) -> list[dict]:
+  path = os.path.join(workdir, "heldout_curve.jsonl")
+  return [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+
+
+def plot(out_png: str, runs: dict, before: dict) -> str | None:
+  """Held-out pass@1 over batches, and training reward / format / length, rl beside control."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
+  for name, wd in runs.items():
+    pts = [(0, before["pass@1"])] + [(c["batch"], c["pass@1"]) for c in curve(wd)
+                                     if c["tag"] != "before"]
+    axes[0].plot(*zip(*pts), marker="o", label=name)
+    rows = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
+    rows = [r for r in rows if "reward" in r]
+    for ax, key in zip(axes[1:], ("reward", "format_rate", "response_length_mean")):
+      ax.plot([i + 1 for i in range(len(rows))], [r.get(key) for r in rows], label=name)
+      ax.set_title(f"training {key}")
+  axes[0].set_title(f"held-out pass@1 (k={before['k']}, {before['num_problems']} problems)")
+  for ax in axes:
+    ax.set_xlabel("RL batch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=80)
+  return out_png
+
+
+# What comes back from a device machine (a few files): each run's metrics, evaluations (with the
+# per-problem counts) and learning curve, the SFT summary and every phase's log, in one archive.
+KEEP = ("metrics.jsonl", "heldout_curve.jsonl", "summary.json", "sft_summary.json", ".log")
+
+
+def pack(wd: str, path: str) -> str:
+  with tarfile.open(path, "w:gz") as tar:
+    for base, _, files in os.walk(wd):
+      if "checkpoints" in base or "params" in base or "/data" in base:
+        continue
+      for f in files:
+        if f.endswith(KEEP) or (f.startswith("eval_") and f.endswith(".json")):
+          full = os.path.join(base, f)
+          tar.add(full, arcname=os.path.relpath(full, wd))
+  return path
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workdir", default="runs/learn")
+  p.add_argument("--gpu", action="store_true", help="the configs' `gpu,colocated` sizes")
+  p.add_argument("--shrink", action="store_true", help="sizes divided down to seconds (rehearsal)")
+  p.add_argument("--task", default="", help="synthetic/OPERAND/STEPS; default: from the headroom")
+  p.add_argument("--headroom_sets", default=HEADROOM_SETS)
+  p.add_argument("--headroom_problems", type=int, default=64)
+  p.add_argument("--headroom_k", type=int, default=16)
+  # 256: the learn recipe's evaluation length, so both compile one engine (XLA's cache).
+  p.add_argument("--headroom_max_new", type=int, default=256)
+  p.add_argument("--batches", type=int, default=0, help="RL batches (0: the recipe's)")
+  p.add_argument("--sft_steps", type=int, default=0, help="SFT steps (0: the recipe's epoch)")
+  p.add_argument("--rl_flag", action="append", default=[],
+                  help="a flag for both RL runs, e.g. --rl_flag=--config.eval.every=8")
+  p.add_argument("--skip", default="", help="phases to skip, comma-separated (headroom)")
+  p.add_argument("--timeout_s", type=float, default=3600.0, help="per phase")
+  p.add_argument("--out", default=os.environ.get("OUT", ""), help="where the report goes")
+  a = p.parse_args()
+  wd = os.path.abspath(a.workdir)
+  out = os.path.abspath(a.out or wd)
+  os.makedirs(out, exist_ok=True)
+  os.makedirs(wd, exist_ok=True)
+  logs = os.path.join(wd, "logs")
+  os.makedirs(logs, exist_ok=True)
+  # A time limit's SIGTERM (gpu_suite.sh's `timeout`) still packs what the phases left.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench/learn.py: stopped by SIGTERM"))
+  try:
+    summary = run_all(a, wd, out, logs)
+  finally:
+    pack(wd, os.path.join(out, "learn_runs.tar.gz"))
+  print(json.dumps({k: v for k, v in summary.items() if not k.startswith("curve")}))
+
+
+def run_all(a, wd, out, logs) -> dict:
+  """The phases in order; out/learn.json is rewritten after each, so a time limit leaves what was
+  measured before it."""
+  sizes = ",gpu,colocated" if a.gpu else ""
+  shrink = SHRINK if a.shrink else {}
+  t0, walls = time.time(), {}
+  summary = {"bench": "learn", "model": "SmolLM2-135M-Instruct", "gpu": a.gpu,
+             "shrink": a.shrink, "walls_s": walls}
+
+  def report(**kw):
+    summary.update(kw, wall_s=time.time() - t0)
+    with open(os.path.join(out, "learn.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+
+  sft_dir = os.path.join(wd, "sft")
+  params = os.path.join(sft_dir, "params")
+  sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
+                                       if a.sft_steps else [])
+  walls["sft"] = phase("sft", ["launch/sft.py", f"--config=configs/smollm2.py:sft{sizes}",
+                               f"--workdir={sft_dir}"] + sft_args, logs, a.timeout_s,
+                       os.path.join(sft_dir, "sft_summary.json"))
+  report(sft=read_json(os.path.join(sft_dir, "sft_summary.json")))
+  init = f"init={params}"
+  headroom = None
+  if "headroom" not in a.skip:
+    hd = os.path.join(wd, "headroom")
+    walls["headroom"] = phase(
+        "headroom", ["launch/eval.py", f"--config=configs/smollm2.py:{init}{sizes}",
+                     "--checkpoint=init", f"--sets={a.headroom_sets}",
+                     f"--num_problems={a.headroom_problems}", f"--workdir={hd}",
+                     f"--config.eval.k={a.headroom_k}",
+                     f"--config.eval.max_new_tokens={a.headroom_max_new}",
+                     "--config.engine.max_concurrent_decodes=256"] + shrink.get("eval", []),
+        logs, a.timeout_s, os.path.join(hd, "eval_init.json"))
+    headroom = read_json(os.path.join(hd, "eval_init.json"))
+    report(headroom={name: {k: r[k] for k in ("pass@1", "headroom", "format_rate", "pass_at",
+                                              "num_problems", "response_length_mean", "k")}
+                     for name, r in headroom["sets"].items()})
+  task = a.task or (choose_task(headroom) if headroom else None) or ""
+  print(f"== task: {task or 'the recipe default'}", flush=True)
+  learn = f"--config=configs/smollm2.py:learn,{init}{',task=' + task if task else ''}{sizes}"
+  more = (shrink.get("rl", []) + ([f"--config.num_batches={a.batches}"] if a.batches else [])
+          + a.rl_flag)
+  rl_dir, ctl_dir = os.path.join(wd, "rl"), os.path.join(wd, "control")
+  walls["rl"] = phase("rl", ["launch/train.py", learn, f"--workdir={rl_dir}"] + more, logs,
+                      a.timeout_s, os.path.join(rl_dir, "eval_after.json"))
+  before = read_json(os.path.join(rl_dir, "eval_before.json"))
+  after = read_json(os.path.join(rl_dir, "eval_after.json"))
+  gain = compare_evals(before["rows"], after["rows"])
+  rate = mean_accuracy(rl_dir)
+  report(task=task or "default", heldout_problems=gain["n"], k=before["k"], gain=gain,
+         control_rate=rate, format_before=before["format_rate"],
+         format_after=after["format_rate"], length_before=before["response_length_mean"],
+         length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
+  print(f"gain {100 * gain['gain']:+.1f} points [{100 * gain['ci_low']:+.1f}, "
+        f"{100 * gain['ci_high']:+.1f}] ({gain['before']:.3f} -> {gain['after']:.3f})", flush=True)
+  walls["control"] = phase(
+      "control", ["launch/train.py", learn.replace(":learn,", ":learn,control,"),
+                  f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
+      logs, a.timeout_s, os.path.join(ctl_dir, "eval_after.json"))
+  ctl = read_json(os.path.join(ctl_dir, "eval_after.json"))
+  control = compare_evals(before["rows"], ctl["rows"])
+  png = plot(os.path.join(out, "learn.png"), {"rl": rl_dir, "control (random reward)": ctl_dir},
+             before)
+  report(control=control, format_control=ctl["format_rate"], curve_control=curve(ctl_dir),
+         plot=png)
+  print(f"control {100 * control['gain']:+.1f} points [{100 * control['ci_low']:+.1f}, "
+        f"{100 * control['ci_high']:+.1f}] ({control['before']:.3f} -> {control['after']:.3f})",
+        flush=True)
+  return summary
+
+
+if __name__ == "__main__":
+  main()
