@@ -130,7 +130,8 @@ if [ "$what" = recipes ]; then
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
 if [ "$what" = learn ]; then
-  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
+  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu --sft_steps="${LEARN_SFT_STEPS:-160}" \
+    --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
     --out="$out" ${LEARN_ARGS:-}
   grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
 fi

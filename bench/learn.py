@@ -37,6 +37,10 @@ from magistral_jax.eval.paired import compare_evals
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADROOM_SETS = "gsm8k_test,math500,synthetic/20/1-3,synthetic/99/2-3,synthetic/999/2-4"
+# 2 CPU cores: the synthetic sets only, fewer and shorter samples (GSM8K's ~130-token answers
+# x 16 samples x 64 problems would take an hour here).
+CPU_HEADROOM = dict(headroom_sets="synthetic/20/1-3,synthetic/99/2-3", headroom_k=8,
+                    headroom_problems=32, headroom_max_new=64)
 
 # --shrink: every phase's sizes divided down to seconds on 2 CPU cores, every other knob kept.
 SHRINK = {
@@ -114,29 +118,15 @@ def curve(workdir: str) -> list[dict]:
 
 
 def plot(out_png: str, runs: dict, before: dict) -> str | None:
-  """Held-out pass@1 over batches, and training reward / format / length, rl beside control."""
+  """analysis/plots.learning_curves of the runs, saved as out_png (None without matplotlib)."""
   try:
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
   except ImportError:
     return None
-  fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
-  for name, wd in runs.items():
-    pts = [(0, before["pass@1"])] + [(c["batch"], c["pass@1"]) for c in curve(wd)
-                                     if c["tag"] != "before"]
-    axes[0].plot(*zip(*pts), marker="o", label=name)
-    rows = [json.loads(x) for x in open(os.path.join(wd, "metrics.jsonl"))]
-    rows = [r for r in rows if "reward" in r]
-    for ax, key in zip(axes[1:], ("reward", "format_rate", "response_length_mean")):
-      ax.plot([i + 1 for i in range(len(rows))], [r.get(key) for r in rows], label=name)
-      ax.set_title(f"training {key}")
-  axes[0].set_title(f"held-out pass@1 (k={before['k']}, {before['num_problems']} problems)")
-  for ax in axes:
-    ax.set_xlabel("RL batch")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.tight_layout()
+  from magistral_jax.analysis.plots import learning_curves
+  fig = learning_curves(runs, before=before["pass@1"])
+  fig.axes[0].set_title(f"held-out pass@1 (k={before['k']}, {before['num_problems']} problems)")
   fig.savefig(out_png, dpi=80)
   return out_png
 
@@ -164,11 +154,12 @@ def main():
   p.add_argument("--gpu", action="store_true", help="the configs' `gpu,colocated` sizes")
   p.add_argument("--shrink", action="store_true", help="sizes divided down to seconds (rehearsal)")
   p.add_argument("--task", default="", help="synthetic/OPERAND/STEPS; default: from the headroom")
-  p.add_argument("--headroom_sets", default=HEADROOM_SETS)
-  p.add_argument("--headroom_problems", type=int, default=64)
-  p.add_argument("--headroom_k", type=int, default=16)
+  p.add_argument("--headroom_sets", default=None, help=f"default {HEADROOM_SETS} (CPU: "
+                  f"{CPU_HEADROOM['headroom_sets']})")
+  p.add_argument("--headroom_problems", type=int, default=None, help="default 64 (CPU: 32)")
+  p.add_argument("--headroom_k", type=int, default=None, help="default 16 (CPU: 8)")
   # 256: the learn recipe's evaluation length, so both compile one engine (XLA's cache).
-  p.add_argument("--headroom_max_new", type=int, default=256)
+  p.add_argument("--headroom_max_new", type=int, default=None, help="default 256 (CPU: 64)")
   p.add_argument("--batches", type=int, default=0, help="RL batches (0: the recipe's)")
   p.add_argument("--sft_steps", type=int, default=0, help="SFT steps (0: the recipe's epoch)")
   p.add_argument("--rl_flag", action="append", default=[],
@@ -177,6 +168,11 @@ def main():
   p.add_argument("--timeout_s", type=float, default=3600.0, help="per phase")
   p.add_argument("--out", default=os.environ.get("OUT", ""), help="where the report goes")
   a = p.parse_args()
+  gpu_headroom = dict(headroom_sets=HEADROOM_SETS, headroom_k=16, headroom_problems=64,
+                      headroom_max_new=256)
+  for key, value in (gpu_headroom if a.gpu else CPU_HEADROOM).items():
+    if getattr(a, key) is None:
+      setattr(a, key, value)
   wd = os.path.abspath(a.workdir)
   out = os.path.abspath(a.out or wd)
   os.makedirs(out, exist_ok=True)
@@ -195,7 +191,8 @@ def main():
 def run_all(a, wd, out, logs) -> dict:
   """The phases in order; out/learn.json is rewritten after each, so a time limit leaves what was
   measured before it."""
-  sizes = ",gpu,colocated" if a.gpu else ""
+  # One device either way: on 2 CPU cores the generator and the trainer would fight for them.
+  sizes = ",gpu,colocated" if a.gpu else ",colocated"
   shrink = SHRINK if a.shrink else {}
   t0, walls = time.time(), {}
   summary = {"bench": "learn", "model": "SmolLM2-135M-Instruct", "gpu": a.gpu,
@@ -210,7 +207,9 @@ def run_all(a, wd, out, logs) -> dict:
   params = os.path.join(sft_dir, "params")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
-  walls["sft"] = phase("sft", ["launch/sft.py", f"--config=configs/smollm2.py:sft{sizes}",
+  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2.py `sft,learn`).
+  sft_cfg = f"sft{sizes}" if a.gpu else f"sft,learn{',task=' + a.task if a.task else ''}{sizes}"
+  walls["sft"] = phase("sft", ["launch/sft.py", f"--config=configs/smollm2.py:{sft_cfg}",
                                f"--workdir={sft_dir}"] + sft_args, logs, a.timeout_s,
                        os.path.join(sft_dir, "sft_summary.json"))
   report(sft=read_json(os.path.join(sft_dir, "sft_summary.json")))
@@ -219,12 +218,14 @@ def run_all(a, wd, out, logs) -> dict:
   if "headroom" not in a.skip:
     hd = os.path.join(wd, "headroom")
     walls["headroom"] = phase(
-        "headroom", ["launch/eval.py", f"--config=configs/smollm2.py:{init}{sizes}",
+        "headroom", ["launch/eval.py",
+                     f"--config=configs/smollm2.py:{init}{sizes}{'' if a.gpu else ',learn'}",
                      "--checkpoint=init", f"--sets={a.headroom_sets}",
                      f"--num_problems={a.headroom_problems}", f"--workdir={hd}",
                      f"--config.eval.k={a.headroom_k}",
                      f"--config.eval.max_new_tokens={a.headroom_max_new}",
-                     "--config.engine.max_concurrent_decodes=256"] + shrink.get("eval", []),
+                     f"--config.engine.max_concurrent_decodes={256 if a.gpu else 64}"]
+        + shrink.get("eval", []),
         logs, a.timeout_s, os.path.join(hd, "eval_init.json"))
     headroom = read_json(os.path.join(hd, "eval_init.json"))
     report(headroom={name: {k: r[k] for k in ("pass@1", "headroom", "format_rate", "pass_at",

@@ -152,6 +152,15 @@ def main(argv):
   pool = VerifierPool(config.verifier.num_workers, run.reward,
                       task_timeout_s=config.verifier.task_timeout_s,
                       max_tasks_per_worker=config.verifier.max_tasks_per_worker)
+  # The engine fits the sets' longest prompt: a MATH-500 prompt with the paper's system prompt can
+  # be ~590 tokens, over an RL config's 512-token prefill limit (rounded up to 128 tokens).
+  prefill = config.engine.max_prefill_length
+  longest = max(len(tok.apply_chat_template(p["problem"], system_prompt))
+                for probs in problems.values() for p in probs)
+  if longest > prefill:
+    log.warning("the longest prompt has %d tokens, over engine.max_prefill_length=%d: this "
+                "evaluation prefills up to %d", longest, prefill, -(-longest // 128) * 128)
+    prefill = -(-longest // 128) * 128
   k = config.eval.k
   results, out = {}, {"checkpoint": step, "k": k, "temperature": config.eval.temperature,
                       "greedy": config.eval.greedy, "sets": {}}
@@ -167,7 +176,7 @@ def main(argv):
                                   max_new_tokens=config.eval.max_new_tokens, eos_id=tok.eos_id)
         engines[top_p] = Engine(model_cfg, gen_mesh, run.sharding.generator_rules,
                                 max_concurrent_decodes=config.engine.max_concurrent_decodes,
-                                max_prefill_length=config.engine.max_prefill_length,
+                                max_prefill_length=prefill,
                                 max_decode_length=config.eval.max_new_tokens, sampling=sampling,
                                 attention_windows=config.engine.attention_windows)
       t = time.time()

@@ -110,3 +110,36 @@ def trajectory(result):
   ax.grid(alpha=0.3)
   fig.tight_layout()
   return fig
+
+
+def learning_curves(runs: dict, before: float | None = None):
+  """Issue #51's figure: held-out pass@1 over RL batches (WORKDIR/heldout_curve.jsonl, the
+  "before" point at batch 0 shared by a control run, which skips its own) beside the training
+  accuracy (the verifier's verdicts, also under a random-reward control), reward, format rate and
+  response length per batch (metrics.jsonl), one line per run. `runs`: {label: a launch/train.py
+  workdir}."""
+  import json
+  import os
+  plt = _plt()
+  fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
+  for label, wd in runs.items():
+    curve_path = os.path.join(wd, "heldout_curve.jsonl")
+    pts = [json.loads(line) for line in open(curve_path)] if os.path.exists(curve_path) else []
+    xy = [(c["batch"], c["pass@1"]) for c in pts]
+    if before is not None and not any(c["tag"] == "before" for c in pts):
+      xy.insert(0, (0, before))
+    if xy:
+      axes[0].plot(*zip(*sorted(xy)), marker="o", label=label)
+    rows = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl"))]
+    rows = [r for r in rows if "reward" in r]
+    for ax, key in zip(axes[1:], ("accuracy", "reward", "format_rate", "response_length_mean")):
+      ax.plot(range(1, len(rows) + 1), [r.get(key) for r in rows], label=label)
+  titles = ("held-out pass@1", "training accuracy (verdicts)", "training reward (paid)",
+            "training format rate", "response length (tokens)")
+  for ax, title in zip(axes, titles):
+    ax.set_title(title)
+    ax.set_xlabel("RL batch")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig

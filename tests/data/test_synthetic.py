@@ -79,3 +79,13 @@ def test_rambling_traces_never_close_and_keep_the_problem_stream():
     assert not check_format(t, "math").ok
   with pytest.raises(ValueError, match="sft_ramble_rate"):
     next(synthetic.sft_pairs(0, 0.0, -0.1, **TINY))
+
+
+def test_evaluation_set_names_give_a_difficulty():
+  from magistral_jax.data.synthetic import set_options
+  assert set_options("synthetic/99/2-3") == {"max_operand": 99, "min_steps": 2, "max_steps": 3}
+  assert set_options("synthetic/20/2") == {"max_operand": 20, "min_steps": 2, "max_steps": 2}
+  assert set_options("synthetic") is None and set_options("gsm8k_test") is None
+  for bad in ("synthetic/x/2", "synthetic/20", "synthetic/20/3-1", "synthetic/0/1"):
+    with pytest.raises(ValueError, match="evaluation set"):
+      set_options(bad)

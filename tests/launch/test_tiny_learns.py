@@ -70,6 +70,17 @@ def test_tiny_default_reward_improves_over_its_first_batches(tmp_path):
   assert summary["batches"] == BATCHES
   # Wall time adds up across the two processes (the checkpoint carries the first one's).
   assert summary["wall_time_s"] > first["wall_time_s"]
+  # Each evaluation's per-problem counts (what bench/learn.py's paired bootstrap reads) and the
+  # learning curve: "before" once (the resumed launch does not evaluate again), "after" of each
+  # launch (the second overwrites the first's file).
+  before = json.load(open(tmp_path / "eval_before.json"))
+  after = json.load(open(tmp_path / "eval_after.json"))
+  assert len(before["rows"]) == len(after["rows"]) == 16 and after["batch"] == BATCHES
+  assert {r["n"] for r in after["rows"]} == {after["k"]}
+  curve = [json.loads(l) for l in open(tmp_path / "heldout_curve.jsonl")]
+  assert [c["tag"] for c in curve] == ["before", "after", "after"]
+  assert [c["batch"] for c in curve] == [0, HALF, BATCHES]
+  assert curve[-1]["pass@1"] == pytest.approx(summary["heldout_accuracy_after"])
 
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   rl = [row for row in rows if "reward" in row]

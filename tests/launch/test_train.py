@@ -70,6 +70,9 @@ def test_unknown_flag_override_fails_before_work(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny:mode=sync,n_mini_per_batch=1", "smollm2",
                                   "smollm2:ci", "smollm2:gpu", "smollm2:sft", "smollm2:sft,ci",
+                                  "smollm2:learn", "smollm2:learn,control,colocated",
+                                  "smollm2:sft,learn,colocated", "smollm2:learn,gpu,colocated",
+                                  "smollm2:learn,task=synthetic/999/2-4",
                                   "small", "medium", "sft_small"])
 def test_every_recipe_validates(name):
   import importlib.util
@@ -84,6 +87,12 @@ def test_every_recipe_validates(name):
     assert [s["overrides"]["reward.l_max"] - c.reward.l_cache for s in c.stages] == [
         16384, 24576, 32768]
     assert run.rl.eps_high == 0.28 and run.rl.n_batch == run.rl.n_mini
+  if name == "smollm2" and "learn" in arg:
+    assert c.data.source == "synthetic" and c.data.heldout >= 256 and c.eval.k >= 4
+    assert c.reward.control == ("random" if "control" in arg else "none")
+    assert c.eval.before == ("control" not in arg)
+    if "task=" in arg:
+      assert (c.data.max_operand, c.data.min_steps, c.data.max_steps) == (999, 2, 4)
   if name == "small":
     assert run.rl.eps_high == 0.3 and run.rl.n_batch == 2048
     assert run.reward.l_max - run.reward.l_cache == 32768

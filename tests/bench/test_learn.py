@@ -1,0 +1,106 @@
+"""bench/learn.py's own logic (issue #51), without launching a model: the task picked from a
+headroom table, the control's coin rate from the RL run's metrics, the archive that comes back
+from a device machine, and the report of two runs written by launch/train.py's write_eval. The
+whole command ran on CPU with --shrink and on an H100 (BENCHMARKS.md "A real model learns")."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def learn():
+  spec = importlib.util.spec_from_file_location("bench_learn", os.path.join(ROOT, "bench/learn.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _set(p1, head):
+  return {"pass@1": p1, "headroom": head}
+
+
+def test_task_is_the_synthetic_set_with_the_most_headroom_in_the_band(learn):
+  table = {"sets": {"gsm8k_test": _set(0.2, 0.5),                 # not synthetic: never picked
+                    "synthetic/20/1-3": _set(0.3, 0.4),
+                    "synthetic/10/1-2": _set(0.7, 0.25),          # above the band
+                    "synthetic/99/2-3": _set(0.12, 0.2)}}
+  assert learn.choose_task(table) == "synthetic/20/1-3"
+  # None in [0.1, 0.6] (the H100 table: pass@1 0.098): the most headroom all the same.
+  table = {"sets": {"synthetic/20/1-3": _set(0.098, 0.34), "synthetic/99/2-3": _set(0.005, 0.08),
+                    "synthetic/999/2-4": _set(0.0, 0.0)}}
+  assert learn.choose_task(table) == "synthetic/20/1-3"
+  assert learn.choose_task({"sets": {"synthetic/999/2-4": _set(0.0, 0.0)}}) is None
+
+
+def test_control_rate_is_the_rl_runs_mean_verdict_rate(learn, tmp_path):
+  rows = [{"step": 1, "sft/loss": 1.0, "accuracy": 0.9},          # an SFT row: not counted
+          {"step": 1, "reward": 0.2, "accuracy": 0.1},
+          {"step": 2, "reward": 0.3, "accuracy": 0.3}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert learn.mean_accuracy(str(tmp_path)) == pytest.approx(0.2)
+  (tmp_path / "metrics.jsonl").write_text("")
+  with pytest.raises(RuntimeError, match="no RL batch"):
+    learn.mean_accuracy(str(tmp_path))
+
+
+def _write_run(train, wd, tag_batches, correct):
+  class C:
+    class eval:
+      k = 4
+  os.makedirs(wd, exist_ok=True)
+  for tag, batch in tag_batches:
+    rows = [{"id": f"heldout-0-{i}", "n": 4, "correct": c} for i, c in enumerate(correct[tag])]
+    res = {"pass@1": sum(correct[tag]) / (4 * len(rows)), "format_rate": 1.0,
+           "response_length_mean": 50.0, "headroom": 0.1, "num_problems": len(rows),
+           "rows": rows}
+    train.write_eval(wd, tag, batch, res, C)
+  with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+    for b in range(1, 5):
+      f.write(json.dumps({"step": b, "reward": 0.1 * b, "accuracy": 0.05 * b,
+                          "format_rate": 1.0, "response_length_mean": 50.0}) + "\n")
+
+
+def test_report_of_two_runs_and_the_archive(learn, tmp_path):
+  """write_eval's files (launch/train.py) are what the report pairs and plots; the archive keeps
+  the evaluations, curves, metrics and logs, and leaves the weights behind."""
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  import train
+  from magistral_jax.eval.paired import compare_evals
+  correct = {"before": [0, 1, 2, 0, 1, 0, 0, 1], "batch2": [1, 1, 2, 1, 1, 0, 1, 1],
+             "after": [2, 2, 3, 1, 2, 1, 1, 2]}
+  _write_run(train, tmp_path / "rl", [("before", 0), ("batch2", 2), ("after", 4)], correct)
+  _write_run(train, tmp_path / "control", [("after", 4)], {"after": correct["before"]})
+  curve = learn.curve(str(tmp_path / "rl"))
+  assert [(c["tag"], c["batch"]) for c in curve] == [("before", 0), ("batch2", 2), ("after", 4)]
+  before = learn.read_json(str(tmp_path / "rl" / "eval_before.json"))
+  after = learn.read_json(str(tmp_path / "rl" / "eval_after.json"))
+  g = compare_evals(before["rows"], after["rows"])
+  assert g["gain"] == pytest.approx((14 - 5) / 32) and g["ci_low"] > 0
+  ctl = learn.read_json(str(tmp_path / "control" / "eval_after.json"))
+  assert compare_evals(before["rows"], ctl["rows"])["gain"] == 0.0
+  pytest.importorskip("matplotlib")
+  png = learn.plot(str(tmp_path / "learn.png"), {"rl": str(tmp_path / "rl"),
+                                                 "control": str(tmp_path / "control")}, before)
+  assert png and os.path.getsize(png) > 10_000
+  os.makedirs(tmp_path / "rl" / "checkpoints" / "4")
+  (tmp_path / "rl" / "checkpoints" / "4" / "eval_x.json").write_text("{}")   # weights' dir
+  os.makedirs(tmp_path / "logs")
+  (tmp_path / "logs" / "rl.log").write_text("log")
+  path = learn.pack(str(tmp_path), str(tmp_path / "out.tar.gz"))
+  names = set(tarfile.open(path).getnames())
+  assert {"rl/eval_before.json", "rl/eval_after.json", "rl/heldout_curve.jsonl",
+          "rl/metrics.jsonl", "control/eval_after.json", "logs/rl.log"} <= names
+  assert not any("checkpoints" in n for n in names)
+
+
+def test_gpu_suite_knows_the_learn_mode():
+  r = subprocess.run(["bash", "bench/gpu_suite.sh", "nosuchmode"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 2 and "learn" in r.stderr
