@@ -1,4 +1,4 @@
-r"""The paper's RL ablations (SPEC §6) at tiny scale, on the CPU default task.
+r"""The paper's RL ablations (paper §6) at tiny scale, on the CPU default task.
 
   python bench/ablations.py                       # all four, ~30-40 min on 2 quiet cores
   python bench/ablations.py --which=clip --batches=20 --seeds=0

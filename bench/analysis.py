@@ -1,4 +1,4 @@
-"""Benchmark: the checkpoint PCA and the perturbation-grid scoring of analysis/ (SPEC §6).
+"""Benchmark: the checkpoint PCA and the perturbation-grid scoring of analysis/ (paper §6).
 
 Side by side in one run:
 

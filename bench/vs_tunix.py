@@ -230,7 +230,7 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
 
 
 def reward_config(max_new_tokens: int):
-  """Our verifiers' reward for this bench, the rule the tunix side implements: SPEC §2's format
+  """Our verifiers' reward for this bench, the rule the tunix side implements: paper §2's format
   gate, then format 0.1 + correct 0.9 (the math verifier); no language bonus, and the overlong
   penalty only past max_new_tokens (l_max 2N, l_cache N), which no completion reaches."""
   from magistral_jax.rewards import RewardConfig

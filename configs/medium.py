@@ -1,4 +1,4 @@
-"""Magistral Medium: pure RL from the instruct model, in stages (SPEC §4).
+"""Magistral Medium: pure RL from the instruct model, in stages (paper §4).
 
 Stages keep the data not too easy, grow the length budget (l_max − l_cache 16k → 24k → 32k) and
 shrink the batch as sequences grow (8k → 4k → 2k sequences) to bound KV memory. n_batch = n_mini

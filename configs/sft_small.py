@@ -1,4 +1,4 @@
-"""The cold-start SFT of Magistral Small (SPEC §4): 4 epochs on Medium's correct traces, open
+"""The cold-start SFT of Magistral Small (paper §4): 4 epochs on Medium's correct traces, open
 prompts answered by Medium, and 10% general instruction data (SFT traces dataset, see
 magistral_jax/data). Run with launch/sft.py (issue: launchers)."""
 from magistral_jax.config import default_config

@@ -1,4 +1,4 @@
-"""Magistral Small: cold-start SFT (configs/sft_small.py), then RL (SPEC §4).
+"""Magistral Small: cold-start SFT (configs/sft_small.py), then RL (paper §4).
 
 RL: batch 2048 sequences, l_max − l_cache = 32k, temperature 1.0, eps_high 0.3.
 """

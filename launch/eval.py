@@ -1,6 +1,6 @@
 r"""Evaluation: `python launch/eval.py --config=configs/tiny.py --workdir=runs/tiny`.
 
-Math: pass@1 averaged over k samples and maj@k; code: pass@1 through the verifier pool (SPEC §4:
+Math: pass@1 averaged over k samples and maj@k; code: pass@1 through the verifier pool (paper §4:
 temperature 0.7, top-p 1.0 for math and 0.95 for code, k = eval.k). With k > 1 also the pass@j
 curve of every set (the unbiased estimator from the k samples, j = 1, 2, 4, ..., k) and its
 headroom pass@k - pass@1: `--config.eval.k=16` prints it. The policy is the run's
@@ -168,7 +168,7 @@ def main(argv):
     engines = {}
     for name, probs in problems.items():
       kind = "code" if all(p.get("kind") == "code" for p in probs) else "math"
-      # SPEC §4: top-p 1.0 for math, 0.95 for code (config.eval.top_p is the math value).
+      # paper §4: top-p 1.0 for math, 0.95 for code (config.eval.top_p is the math value).
       top_p = config.eval.top_p if kind == "math" else min(config.eval.top_p, 0.95)
       if top_p not in engines:
         sampling = SamplingConfig(temperature=config.eval.temperature, top_p=top_p,

@@ -1,7 +1,7 @@
 r"""Cold-start SFT: `python launch/sft.py --config=configs/sft_small.py --workdir=runs/sft_small`.
 
 Next-token loss on the response tokens of (prompt, reasoning trace) pairs, the prompt built with
-the tokenizer's chat template and the run's system prompt (SPEC §4: Magistral Small is fine-tuned
+the tokenizer's chat template and the run's system prompt (paper §4: Magistral Small is fine-tuned
 on Medium's traces before RL). The traces come from
 
   * data.source = "synthetic": worked traces of the synthetic arithmetic task (configs/tiny.py);

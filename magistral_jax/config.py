@@ -5,7 +5,7 @@ overrides what it needs, and absl flags override anything (`--config.rl.eps_high
 `--config.devices.generators=(1,)`: every sequence field is a tuple, the only sequence absl
 overrides). The sections with a typed dataclass (model, rl, optimizer, reward, sampling, engine,
 pipeline, sharding) take their defaults from it, so each default, and the comment that cites the paper
-(SPEC §.., NOT STATED), is written once, next to the dataclass field.
+(paper §.., NOT STATED), is written once, next to the dataclass field.
 
 `validate(config)` turns a ConfigDict into typed dataclasses and raises a clear error before any
 work starts: unknown fields, wrong types, each dataclass's own checks (n_batch not divisible by
@@ -47,7 +47,7 @@ class EngineConfig:
   generate.loop.GeneratorLoop."""
   max_concurrent_decodes: int = 16   # decode slots per generator
   max_prefill_length: int = 256      # the longest prompt a generator prefills, in tokens
-  # On a weights update the KV cache of in-flight sequences is kept, as in the paper (SPEC §5);
+  # On a weights update the KV cache of in-flight sequences is kept, as in the paper (paper §5);
   # True recomputes it under the new weights.
   recompute_kv_on_update: bool = False
   # On CPU, each generator times its decode step with both dot libraries (YNNPACK, Eigen) at
@@ -116,17 +116,17 @@ def default_config() -> mlc.ConfigDict:
   # checkpoint's own config.json/metadata replaces c.model's architecture fields.
   c.init = mlc.ConfigDict(dict(source="random", path=""))
   c.tokenizer = "char"          # char | gguf | a tokenizer.json path | a mistral-common name
-  c.system_prompt = "magistral"  # magistral (SPEC §2, the paper's Fig. 2) | tiny | none
-  # ---- RL objective and batching (SPEC §1, §4, §5): rl/config.py GRPOConfig ----
+  c.system_prompt = "magistral"  # magistral (paper §2, the paper's Fig. 2) | tiny | none
+  # ---- RL objective and batching (paper §1, §4, §5): rl/config.py GRPOConfig ----
   c.rl = config_section(GRPOConfig)
   c.optimizer = config_section(OptimizerConfig)
   # ---- generation ----
   c.sampling = mlc.ConfigDict({f: getattr(SamplingConfig(), f) for f in SAMPLING_FIELDS})
   c.engine = config_section(EngineConfig)
-  # ---- reward (SPEC §2): rewards/reward.py RewardConfig ----
+  # ---- reward (paper §2): rewards/reward.py RewardConfig ----
   c.reward = config_section(RewardConfig)
   c.verifier = mlc.ConfigDict(dict(num_workers=2, task_timeout_s=60.0, max_tasks_per_worker=500))
-  # ---- pipeline, devices and sharding (SPEC §5): pipeline/rollouts.py PipelineConfig ----
+  # ---- pipeline, devices and sharding (paper §5): pipeline/rollouts.py PipelineConfig ----
   c.pipeline = config_section(PipelineConfig)
   # Device layout: the first `trainer` devices train; then one slice per generator (the paper's
   # disaggregated layout). colocated=True: one generator on the trainer's own devices
@@ -154,7 +154,7 @@ def default_config() -> mlc.ConfigDict:
   c.sft = mlc.ConfigDict(dict(num_steps=0, batch_size=16, learning_rate=3e-3, row_len=512,
                               rows_per_micro=4, epochs=4, warmup_steps=0, schedule="constant",
                               final_lr_frac=0.1))
-  # ---- evaluation (SPEC §4: temperature 0.7, top-p 1.0 math / 0.95 code) ----
+  # ---- evaluation (paper §4: temperature 0.7, top-p 1.0 math / 0.95 code) ----
   # before: launch/train.py evaluates the initial weights (False: a control run from the same
   # weights as the run it controls); every: also every that many batches (the learning curve).
   c.eval = mlc.ConfigDict(dict(k=1, temperature=0.7, top_p=1.0, greedy=True,

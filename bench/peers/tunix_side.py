@@ -55,7 +55,7 @@ def boxed(text: str) -> str | None:
 
 
 def reward_fn(prompts, completions, answer, **_):
-  """The rule our side's verifier is configured to (SPEC §2's format gate: the completion starts
+  """The rule our side's verifier is configured to (paper §2's format gate: the completion starts
   with <think>, has one <think> and one </think>, and a \\boxed{} answer after </think>; then
   0.1 for the format + 0.9 if the boxed answer equals the reference, here as strings), plus the
   shared tie-breaker."""

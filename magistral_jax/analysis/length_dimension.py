@@ -1,4 +1,4 @@
-"""The "length dimension" experiment (SPEC §6): perturb the final weights along the top-2
+"""The "length dimension" experiment (paper §6): perturb the final weights along the top-2
 principal directions of the RL checkpoints and score each point by reward and response length.
 
     w(α1, α2) = w* + α1 c1 + α2 c2,     α_i = m · σ_i  (σ_i: std of the checkpoints along c_i)

@@ -1,4 +1,4 @@
-"""PCA of a run's checkpoints: the paper's "length direction" (SPEC §6).
+"""PCA of a run's checkpoints: the paper's "length direction" (paper §6).
 
 Stack the T checkpoints' flattened weights as the rows of X (T × W), centre them
 (X_c = X - mean over checkpoints) and take the top eigenvectors of X_cᵀX_c (W × W). W is the

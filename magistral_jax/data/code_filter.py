@@ -1,4 +1,4 @@
-"""The paper's code-problem filter (SPEC §3): reference solutions vote on the tests.
+"""The paper's code-problem filter (paper §3): reference solutions vote on the tests.
 
 Per problem:
   1. drop it if it has no reference solution (`no_solutions`) or fewer than `min_tests` tests

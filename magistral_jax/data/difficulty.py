@@ -1,4 +1,4 @@
-"""The paper's two-stage difficulty filter (SPEC §3: 501k -> 38k math problems).
+"""The paper's two-stage difficulty filter (paper §3: 501k -> 38k math problems).
 
 Each stage samples k completions per problem (16 in the paper), grades them, and keeps the
 problems whose pass rate lies in [min_pass_rate, max_pass_rate]:

@@ -1,4 +1,4 @@
-"""The paper's format filter for math problems (SPEC §3: 699k -> 501k).
+"""The paper's format filter for math problems (paper §3: 699k -> 501k).
 
 Drops proofs and multi-part problems, drops problems whose answer the math verifier cannot parse,
 and rewrites multiple choice as an open question where the chosen option can be stated as an

@@ -1,4 +1,4 @@
-r"""Cold-start SFT traces in the Magistral format from GSM8K's worked solutions (SPEC §4).
+r"""Cold-start SFT traces in the Magistral format from GSM8K's worked solutions (paper §4).
 
 Magistral Small is fine-tuned on reasoning traces before RL; a small instruct model (SmolLM2-135M)
 never opens `<think>` on its own, so every GRPO group scores 0 and is dropped. A GSM8K row's

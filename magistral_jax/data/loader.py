@@ -46,7 +46,7 @@ def problem_dict(kind: str, rec: Mapping[str, Any], code_language: str = "python
          "source", "natural_language"} plus the tests: "tests" [{input, output}] for stdin/stdout
          problems, or "test_list" (assert programs) + "test_setup_code" for assert problems.
   A stdin/stdout statement gets one line naming the programming language to write, which is how
-  one statement yields its Python and its C++ version (SPEC §3).
+  one statement yields its Python and its C++ version (paper §3).
   """
   if kind == "math":
     return {"id": rec["id"], "kind": "math", "problem": rec["problem"], "answer": rec["answer"],

@@ -1,4 +1,4 @@
-"""Translating a fraction of the problems, for the language-consistency reward (SPEC §2, §3).
+"""Translating a fraction of the problems, for the language-consistency reward (paper §2, §3).
 
 The paper translates 10% of its (English) problems into French, Spanish, Italian, German,
 Chinese and Russian, so that the +0.1 language reward has non-English tasks to act on. Here:

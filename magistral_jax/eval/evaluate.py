@@ -1,4 +1,4 @@
-"""Evaluation: math pass@1 averaged over k samples and maj@k; code pass@1 (SPEC §4); the pass@k
+"""Evaluation: math pass@1 averaged over k samples and maj@k; code pass@1 (paper §4); the pass@k
 curve of the same samples.
 
     pass@1 (avg over k) = mean over problems of (correct samples / k)

@@ -77,7 +77,7 @@ def run_devices(config):
 
 
 def system_prompt_for(name: str) -> str | None:
-  """The run config's `system_prompt` name -> its text: "magistral" (SPEC §2), "tiny" (the
+  """The run config's `system_prompt` name -> its text: "magistral" (paper §2), "tiny" (the
   one-line prompt of the synthetic task) or "none"."""
   from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
   from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT

@@ -108,7 +108,7 @@ class DropStreak:
     if self.formatted == 0:
       return (f"no completion met the format in the last {n} groups (format rate 0; failed "
               f"conditions: {_counts(self.failed_conditions)}): the policy does not write the "
-              "response format the reward asks for (SPEC §2: <think>...</think>, then a \\boxed{} "
+              "response format the reward asks for (paper §2: <think>...</think>, then a \\boxed{} "
               "answer or a code block). Check the system prompt and the tokenizer's chat "
               "template, or start from a model that follows the format (cold-start SFT)")
     if self.correct == self.completions:

@@ -1,4 +1,4 @@
-"""Rollouts: the generation side of SPEC §5, which yields scored groups and takes weight pushes.
+"""Rollouts: the generation side of paper §5, which yields scored groups and takes weight pushes.
 
     prompts -> feeder thread -> generators (own device slices, continuous batching, KV kept
     across weight updates) -> collector thread -> verifier pool (CPU processes) -> a group is
@@ -10,7 +10,7 @@
 The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues.
 
 Async (the paper): generators never wait for the trainer. The off-policy bound is the paper's:
-completions generated but not yet trained on never exceed `n_async` (SPEC §4: n_async / n_batch
+completions generated but not yet trained on never exceed `n_async` (paper §4: n_async / n_batch
 <= 2). The feeder (never the generators) enforces it, counting
 - generating: submitted to a generator and not yet returned by it (running in a slot or queued
   for one), and
@@ -76,7 +76,7 @@ INTERRUPTED = threading.Event()
 class PipelineConfig:
   """The run config's `pipeline` section (magistral_jax/config.py takes its defaults from here)."""
   mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
-  # The paper's n_async (SPEC §4: n_async / n_batch <= 2 for Medium): completions generated and
+  # The paper's n_async (paper §4: n_async / n_batch <= 2 for Medium): completions generated and
   # not yet trained on (generating, scoring, waiting for their group or a batch, being trained
   # on). 0 means 2 * n_batch.
   n_async: int = 0

@@ -1,4 +1,4 @@
-"""Rewards (SPEC §2): format gate, math and code correctness, length penalty, language bonus."""
+"""Rewards (paper §2): format gate, math and code correctness, length penalty, language bonus."""
 from magistral_jax.rewards.format import FormatResult, check_format, find_boxed
 from magistral_jax.rewards.length import length_penalty
 from magistral_jax.rewards.reward import (RewardConfig, RewardResult, compute_reward,

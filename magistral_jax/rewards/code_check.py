@@ -277,7 +277,7 @@ def task_language(task: dict) -> str:
 
 def extract_code_block(answer: str, untagged_language: str | None = None
                        ) -> tuple[str | None, str] | None:
-  """(language, code) of the FIRST fenced block of the answer, tagged or not (SPEC §2 grades the
+  """(language, code) of the FIRST fenced block of the answer, tagged or not (paper §2 grades the
   first block; that some block carries a tag is the format rule, rewards/format.py). Language
   None when the tag names no language we run. An untagged block is taken to be in
   `untagged_language` (the task's language): the task states the language its solution must be

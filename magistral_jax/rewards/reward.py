@@ -1,4 +1,4 @@
-"""The reward of one completion (SPEC §2), with every part kept for logging.
+"""The reward of one completion (paper §2), with every part kept for logging.
 
     reward = 0                                                  if the format check fails
            = format_reward + correct_reward * correct + language_bonus * same_language
@@ -26,7 +26,7 @@ VERIFIER_FAULT = "verifier fault"
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  # The soft overlong penalty (SPEC §2, rewards/length.py): 0 up to l_max - l_cache tokens, then
+  # The soft overlong penalty (paper §2, rewards/length.py): 0 up to l_max - l_cache tokens, then
   # linear down to -length_penalty_max at l_max. Small: l_max - l_cache = 32k.
   l_max: int = 40960
   l_cache: int = 8192             # NOT STATED in the paper

@@ -1,4 +1,4 @@
-"""A group's advantages and whether it is trained on (SPEC §1), decided once, when it is scored.
+"""A group's advantages and whether it is trained on (paper §1), decided once, when it is scored.
 
     Â_i = r_i − mean_{j ∈ group} r_j        (no division by the group std)
 

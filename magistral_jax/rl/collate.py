@@ -1,4 +1,4 @@
-"""Greedy collation: completions packed into fixed-shape microbatches (SPEC §5).
+"""Greedy collation: completions packed into fixed-shape microbatches (paper §5).
 
 A minibatch is cut into microbatches of a fixed token budget by greedy collation: sort by length,
 longest first, and put each sequence in the first row with room (first fit). A microbatch is

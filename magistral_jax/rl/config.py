@@ -1,4 +1,4 @@
-"""GRPO configuration: the paper's knobs (SPEC §1, §4, §5) under the paper's names.
+"""GRPO configuration: the paper's knobs (paper §1, §4, §5) under the paper's names.
 
 Every field the paper does not state is marked NOT STATED with the default we picked.
 """
@@ -17,7 +17,7 @@ LENGTH_ONLY_GROUPS = ("keep", "drop")
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  """The GRPO variant of Magistral (SPEC §1):
+  """The GRPO variant of Magistral (paper §1):
 
       J(θ) = E[ 1/Σ_i|o_i| · Σ_i Σ_t min(ρ_it·Â_it, clip(ρ_it, 1-eps_low, 1+eps_high)·Â_it) ]
       ρ_it = π_θ(o_it | q, o_i,<t) / π_old(o_it | q, o_i,<t)
@@ -41,7 +41,7 @@ class GRPOConfig:
   adv_eps: float = 1e-6
   # Loss aggregation: token = Σ over every token of the minibatch / total token count (DAPO, paper);
   # sequence = mean over sequences of per-sequence token means (original GRPO);
-  # group_token_sum = mean over groups of (Σ_i Σ_t ·) / Σ_i|o_i| (SPEC §1's formula read literally).
+  # group_token_sum = mean over groups of (Σ_i Σ_t ·) / Σ_i|o_i| (paper §1's formula read literally).
   loss_agg: str = "token"
   # KL to a reference policy (paper: none, β = 0). The estimator (k1|k2|k3) sets the *value* that
   # is added and logged; the gradient is always the correct sequence-level KL gradient (rl/loss.py).
@@ -49,14 +49,14 @@ class GRPOConfig:
   kl_estimator: str = "k3"
   # Entropy bonus (paper: tried, unstable, dropped). 0 = off.
   entropy_coef: float = 0.0
-  # Groups (SPEC §1): groups whose rewards are all equal are dropped. Groups whose rewards differ
+  # Groups (paper §1): groups whose rewards are all equal are dropped. Groups whose rewards differ
   # *only* through the continuous length penalty: NOT STATED. 'keep' (default) is the literal
   # reading (their advantage is not zero, and it is a real signal against overlong answers);
   # 'drop' treats them like zero-advantage groups. Note adv_norm='group' rescales such a group's
   # tiny length-only differences to unit size; pair it with 'drop' if that is not wanted.
   length_only_groups: str = "keep"
   reward_atol: float = 1e-6
-  # Batching (SPEC §4, §5): n_batch completions per step, minibatches of n_mini completions, one
+  # Batching (paper §4, §5): n_batch completions per step, minibatches of n_mini completions, one
   # optimizer step each (n_batch/n_mini steps; n_batch = n_mini is the paper's best); group_size
   # G completions per prompt (NOT STATED), at least 2, and a group never straddles minibatches.
   n_batch: int = 64

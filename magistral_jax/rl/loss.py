@@ -1,4 +1,4 @@
-"""Magistral's GRPO loss (SPEC §1) as a pure function of per-token log-probs.
+"""Magistral's GRPO loss (paper §1) as a pure function of per-token log-probs.
 
     ρ_t   = exp(log π_θ(o_t) − log π_old(o_t))
     obj_t = min(ρ_t·Â_t, clip(ρ_t, 1 − eps_low, 1 + eps_high)·Â_t)

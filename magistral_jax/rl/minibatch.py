@@ -1,4 +1,4 @@
-"""A batch of scored groups -> one packed minibatch per optimizer step (SPEC §1, §5).
+"""A batch of scored groups -> one packed minibatch per optimizer step (paper §1, §5).
 
 A batch of n_batch completions (whole groups) is split into n_batch/n_mini minibatches of whole
 groups by a seeded permutation; each minibatch is one optimizer step. Inside a minibatch the

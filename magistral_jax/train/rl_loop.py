@@ -1,4 +1,4 @@
-"""The RL loop, as the paper's algorithm reads (SPEC §1, §5).
+"""The RL loop, as the paper's algorithm reads (paper §1, §5).
 
     repeat:
       take a batch of n_batch completions: G per prompt, each scored by the verifiers, with

@@ -1,4 +1,4 @@
-"""The SFT step for the cold start (Magistral Small, SPEC §4): next-token cross-entropy on the
+"""The SFT step for the cold start (Magistral Small, paper §4): next-token cross-entropy on the
 response tokens of packed (prompt, response) pairs, on the same train-step machinery as GRPO.
 
     loss = −1/N · Σ_{response tokens t of the minibatch} log π_θ(y_t | y_<t)

@@ -13,7 +13,7 @@ from magistral_jax.rl.config import GRPOConfig
 
 
 def numpy_reference(logp, old, adv, mask, group_ids, cfg, ref=None, entropy=None):
-  """The loss written sequence by sequence from SPEC §1, with no shared code."""
+  """The loss written sequence by sequence from paper §1, with no shared code."""
   B = logp.shape[0]
   per_seq = []   # (sum over tokens of -obj, token count)
   kl_seq, ent_seq = [], []
