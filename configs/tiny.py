@@ -35,7 +35,7 @@ def get_config(arg=None):
   # its loss is still falling. Its demonstrator is imperfect: 40% of the traces make one
   # arithmetic slip (an off-by-one step whose error carries to the boxed answer), as a cold start
   # distilled from another model's traces would. The SFT policy imitates the slips (held-out
-  # pass@1 ~0.5); the verifier's reward is what teaches it to stop (BENCHMARKS.md "Tiny default
+  # pass@1 ~0.5); the verifier's reward is what teaches it to stop (docs/perf_log.md "Tiny default
   # run" has the tuning runs).
   c.sft.update(num_steps=800, batch_size=32, learning_rate=3e-3, row_len=256, rows_per_micro=4)
   # 8 prompts x G=8 per batch, two optimizer steps per batch (n_mini = n_batch / 2: the paper

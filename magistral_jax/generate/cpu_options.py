@@ -5,7 +5,7 @@ The decode step's matmuls are [slots, D] x [D, F]: matrix-vector-like products t
 weights, plus small batched attention products over the KV cache. On XLA:CPU they run either
 through YNNPACK (XLA's default dot fusion) or through XLA's own emitter / Eigen (YNNPACK turned
 off), and which one is faster depends on the host CPU, not only on the shapes (interleaved A/B
-medians of the engine's step, BENCHMARKS.md):
+medians of the engine's step, docs/perf_log.md):
 - one 2-core host: Eigen faster below 32 slots (SmolLM2-135M step, batch 8 117 -> 99 ms, batch
   16 208 -> 168 ms), YNNPACK from 32 on (1.04-1.11x at 32-64 slots);
 - another 2-core host, with AVX-512: YNNPACK faster at every slot count (Eigen / YNNPACK step
