@@ -189,11 +189,6 @@ class Engine:
     return out
 
   # ---- params --------------------------------------------------------------------------------
-  def check_params(self, params) -> None:
-    """Raises ParamsMismatchError unless `params` has the engine's tree structure and shapes
-    (stacked, or in the decode layout)."""
-    self._weights.check(params)
-
   def load_params(self, params) -> Any:
     """Validates params (structure, shapes, finiteness) and puts them on the engine's mesh in
     cfg.serving_param_dtype and the decode layout (weights.py)."""

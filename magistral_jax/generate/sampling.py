@@ -69,12 +69,6 @@ def _tempered(logits: Array, temperature) -> Array:
   return logits.astype(jnp.float32) / t
 
 
-def tempered_logprobs(logits: Array, temperature: float) -> Array:
-  """log_softmax(logits / T) in float32, written as token_logprobs writes it (lg/T - lse)."""
-  lg = _tempered(logits, temperature)
-  return lg - jax.nn.logsumexp(lg, axis=-1, keepdims=True)
-
-
 def token_logprob(logits: Array, tokens: Array, temperature) -> Array:
   """log π_T(tokens) for logits [..., V] and tokens [...]: the π_old the loss uses. T: a float
   or one per row ([...])."""
