@@ -77,7 +77,8 @@ class GridScorer:
                pool=None):
     import jax
     from magistral_jax.generate.engine import Engine
-    from magistral_jax.generate.loop import GeneratorLoop, common_prefix, useful_shared_prefix
+    from magistral_jax.generate.loop import GeneratorLoop
+    from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
     from magistral_jax.parallel import GENERATOR_RULES, make_mesh
     from magistral_jax.verify import VerifierPool
     if not problems:
@@ -116,7 +117,7 @@ class GridScorer:
     Returns reward, length (mean tokens), accuracy, format_rate, logprob (mean log-probability
     of the sampled tokens: how sure these weights are of what they wrote), num_samples,
     seconds."""
-    from magistral_jax.generate.loop import Request
+    from magistral_jax.generate.requests import Request
     t0 = time.perf_counter()
     self.points += 1
     version = self.points

@@ -185,7 +185,7 @@ def generator_sample_fn(loop, tokenizer, *, max_new_tokens: int | None = None,
   Prompts go through the tokenizer's chat template with the paper's system prompt (default).
   Runs the loop in the calling thread (`run_until_idle`); a started loop thread must not run.
   """
-  from magistral_jax.generate.loop import Request
+  from magistral_jax.generate.requests import Request
   counter = itertools.count()
   kw = {} if system_prompt is None else {"system_prompt": system_prompt}
 

@@ -151,7 +151,7 @@ def generator_translate_fn(loop, tokenizer, *, max_new_tokens: int | None = None
   """Translations from a `generate.loop.GeneratorLoop` (one sample per prompt, run in the
   calling thread). The prompt is a plain user turn: no Magistral system prompt."""
   import itertools
-  from magistral_jax.generate.loop import Request
+  from magistral_jax.generate.requests import Request
   counter = itertools.count()
 
   def translate(prompts: Sequence[str]) -> list:

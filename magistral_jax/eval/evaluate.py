@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from magistral_jax.eval.pass_at_k import pass_at_k_curve
-from magistral_jax.generate.loop import GeneratorLoop, Request
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.requests import Request
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ from typing import Iterable, Sequence
 import jax
 
 from magistral_jax.generate.engine import Engine
-from magistral_jax.generate.loop import GeneratorLoop, common_prefix, useful_shared_prefix
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
 from magistral_jax.generate.sampling import SamplingConfig
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import GENERATOR_RULES, make_mesh

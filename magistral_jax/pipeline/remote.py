@@ -31,7 +31,8 @@ from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
 from magistral_jax.pipeline.groups import RolloutBatch, batch_metrics
-from magistral_jax.pipeline.rollouts import PipelineError, Rollouts
+from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.rollouts import Rollouts
 
 log = logging.getLogger(__name__)
 

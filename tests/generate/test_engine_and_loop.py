@@ -973,8 +973,8 @@ def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params,
 
 
 def test_common_prefix_and_when_it_is_worth_caching():
-  from magistral_jax.generate.loop import (SHARED_PREFIX_MIN_TOKENS, common_prefix,
-                                           useful_shared_prefix)
+  from magistral_jax.generate.prefix_cache import (SHARED_PREFIX_MIN_TOKENS, common_prefix,
+                                                   useful_shared_prefix)
   assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
   assert common_prefix([[1, 2], [1, 2, 3]]) == [1, 2] and common_prefix([[4, 5]]) == [4, 5]
   assert common_prefix([]) == [] and common_prefix([[1], [2]]) == []

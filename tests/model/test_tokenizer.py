@@ -161,7 +161,7 @@ def test_shared_prompt_prefix_starts_every_rendered_prompt(tokenizer):
   """pipeline.build.shared_prompt_prefix: the token prefix the engine prefills once per weights
   version (GeneratorLoop shared_prefix) is the system prompt's, and every prompt starts with it."""
   import ml_collections
-  from magistral_jax.generate.loop import SHARED_PREFIX_MIN_TOKENS
+  from magistral_jax.generate.prefix_cache import SHARED_PREFIX_MIN_TOKENS
   from magistral_jax.pipeline import build
   prefix = build.shared_prompt_prefix(tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT)
   # Most of the system prompt's tokens (the template head too), but not the problem's.

@@ -24,7 +24,7 @@ from magistral_jax.parallel import make_mesh, multihost
 from magistral_jax.parallel.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
 from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,
                                            serve_generator, weight_transfer)
-from magistral_jax.pipeline.rollouts import PipelineError
+from magistral_jax.pipeline.errors import PipelineError
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64, param_dtype="float32",
