@@ -32,6 +32,7 @@ import sys
 import tarfile
 import time
 
+from magistral_jax.analysis.report import load_heldout_curve as curve, load_run_metrics
 from magistral_jax.eval.paired import compare_evals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,11 +98,7 @@ def choose_task(headroom: dict, lo: float = 0.1, hi: float = 0.6) -> str | None:
 
 def mean_accuracy(workdir: str) -> float:
   """The mean training accuracy (the verifier's verdicts) over a run's RL batches."""
-  vals = []
-  for line in open(os.path.join(workdir, "metrics.jsonl")):
-    row = json.loads(line)
-    if "accuracy" in row and not any(k.startswith("sft/") for k in row):
-      vals.append(row["accuracy"])
+  vals = [r["accuracy"] for r in load_run_metrics(workdir)[1] if "accuracy" in r]
   if not vals:
     raise RuntimeError(f"{workdir}/metrics.jsonl holds no RL batch's accuracy")
   return sum(vals) / len(vals)
@@ -112,9 +109,9 @@ def read_json(path):
     return json.load(f)
 
 
-def curve(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "heldout_curve.jsonl")
-  return [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+def gain_line(label: str, g: dict) -> str:
+  return (f"{label} {100 * g['gain']:+.1f} points [{100 * g['ci_low']:+.1f}, "
+          f"{100 * g['ci_high']:+.1f}] ({g['before']:.3f} -> {g['after']:.3f})")
 
 
 def plot(out_png: str, runs: dict, before: dict) -> str | None:
@@ -247,8 +244,7 @@ def run_all(a, wd, out, logs) -> dict:
          control_rate=rate, format_before=before["format_rate"],
          format_after=after["format_rate"], length_before=before["response_length_mean"],
          length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
-  print(f"gain {100 * gain['gain']:+.1f} points [{100 * gain['ci_low']:+.1f}, "
-        f"{100 * gain['ci_high']:+.1f}] ({gain['before']:.3f} -> {gain['after']:.3f})", flush=True)
+  print(gain_line("gain", gain), flush=True)
   walls["control"] = phase(
       "control", ["launch/train.py", learn.replace(":learn,", ":learn,control,"),
                   f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
@@ -259,9 +255,7 @@ def run_all(a, wd, out, logs) -> dict:
              before)
   report(control=control, format_control=ctl["format_rate"], curve_control=curve(ctl_dir),
          plot=png)
-  print(f"control {100 * control['gain']:+.1f} points [{100 * control['ci_low']:+.1f}, "
-        f"{100 * control['ci_high']:+.1f}] ({control['before']:.3f} -> {control['after']:.3f})",
-        flush=True)
+  print(gain_line("control", control), flush=True)
   return summary
 
 

@@ -11,7 +11,7 @@ Sets (--sets, comma-separated; default: the config's held-out set, data.heldout_
 data.source where that is empty):
   synthetic                 the synthetic task's held-out problems (data.heldout of them)
   synthetic/OPERAND/STEPS   the same at one difficulty: operands up to OPERAND, STEPS (or MIN-MAX)
-                            steps, e.g. synthetic/99/2-3 (BENCHMARKS.md "Headroom")
+                            steps, e.g. synthetic/99/2-3 (BENCHMARKS.md "A real model learns")
   math500, gsm8k_test, gsm8k_train, humaneval, mbpp_sample20 (gsm8k = gsm8k_test)
                             the shipped public sets, built into data.data_dir (or WORKDIR/data)
   any other name            a math/code dataset already built in data.data_dir
@@ -158,9 +158,10 @@ def main(argv):
   longest = max(len(tok.apply_chat_template(p["problem"], system_prompt))
                 for probs in problems.values() for p in probs)
   if longest > prefill:
+    fitted = -(-longest // 128) * 128
     log.warning("the longest prompt has %d tokens, over engine.max_prefill_length=%d: this "
-                "evaluation prefills up to %d", longest, prefill, -(-longest // 128) * 128)
-    prefill = -(-longest // 128) * 128
+                "evaluation prefills up to %d", longest, prefill, fitted)
+    prefill = fitted
   k = config.eval.k
   results, out = {}, {"checkpoint": step, "k": k, "temperature": config.eval.temperature,
                       "greedy": config.eval.greedy, "sets": {}}

@@ -283,7 +283,7 @@ def main(argv):
                            trainer_rules, params=sft_state.params)
         del sft_state
       # eval.before=False skips it (a control run from the same weights as the run it controls).
-      if config.eval.get("before", True):
+      if config.eval.before:
         res = evaluate(state.params, "before", 0)
         if leader:
           summary.update(heldout_accuracy_before=res["pass@1"],
@@ -292,6 +292,7 @@ def main(argv):
       save_checkpoint(0, state, force=True)
 
     stages = stage_list(config)
+    eval_every = int(config.eval.every)   # 0: no held-out evaluation between before and after
     total_batches = sum(s.get("num_batches", config.num_batches) for s in stages)
     progress = Progress(total_batches, meta["batches"])
     stop_at = int(config.get("stop_after_batches", 0))
@@ -366,8 +367,7 @@ def main(argv):
           log.info(progress.line(meta["batches"], m))
         if meta["batches"] % config.checkpoint.every == 0:
           save_checkpoint(trainer.opt_steps, trainer.state)
-        every = int(config.eval.get("every", 0))
-        if every and meta["batches"] % every == 0 and meta["batches"] < total_batches:
+        if eval_every and meta["batches"] % eval_every == 0 and meta["batches"] < total_batches:
           evaluate(trainer.state.params, f"batch{meta['batches']}", meta["batches"])
 
       try:

@@ -118,20 +118,16 @@ def learning_curves(runs: dict, before: float | None = None):
   accuracy (the verifier's verdicts, also under a random-reward control), reward, format rate and
   response length per batch (metrics.jsonl), one line per run. `runs`: {label: a launch/train.py
   workdir}."""
-  import json
-  import os
   plt = _plt()
   fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
   for label, wd in runs.items():
-    curve_path = os.path.join(wd, "heldout_curve.jsonl")
-    pts = [json.loads(line) for line in open(curve_path)] if os.path.exists(curve_path) else []
+    pts = report_lib.load_heldout_curve(wd)
     xy = [(c["batch"], c["pass@1"]) for c in pts]
     if before is not None and not any(c["tag"] == "before" for c in pts):
       xy.insert(0, (0, before))
     if xy:
       axes[0].plot(*zip(*sorted(xy)), marker="o", label=label)
-    rows = [json.loads(line) for line in open(os.path.join(wd, "metrics.jsonl"))]
-    rows = [r for r in rows if "reward" in r]
+    rows = [r for r in report_lib.load_run_metrics(wd)[1] if "reward" in r]
     for ax, key in zip(axes[1:], ("accuracy", "reward", "format_rate", "response_length_mean")):
       ax.plot(range(1, len(rows) + 1), [r.get(key) for r in rows], label=label)
   titles = ("held-out pass@1", "training accuracy (verdicts)", "training reward (paid)",

@@ -7,6 +7,8 @@ or `*` patterns; keys a run did not log are simply absent from its panel.
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 
 import numpy as np
 
@@ -41,6 +43,16 @@ def load_run_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
   """(SFT rows, RL rows) of a workdir's metrics.jsonl, each sorted by step, duplicates removed."""
   sft, rl = run_lib.split_metrics(run_lib.read_metrics(workdir))
   return dedupe_steps(sft), dedupe_steps(rl)
+
+
+def load_heldout_curve(workdir: str) -> list[dict]:
+  """The held-out evaluations of a run in the order written (launch/train.py write_eval: tag,
+  batch, pass@1, format rate, length, ...); [] when the run evaluated none."""
+  path = os.path.join(workdir, "heldout_curve.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def metric_keys(rows: list[dict]) -> list[str]:

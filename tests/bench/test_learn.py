@@ -40,7 +40,7 @@ def test_task_is_the_synthetic_set_with_the_most_headroom_in_the_band(learn):
 
 
 def test_control_rate_is_the_rl_runs_mean_verdict_rate(learn, tmp_path):
-  rows = [{"step": 1, "sft/loss": 1.0, "accuracy": 0.9},          # an SFT row: not counted
+  rows = [{"step": 1, "sft/loss": 1.0},                             # an SFT row: not counted
           {"step": 1, "reward": 0.2, "accuracy": 0.1},
           {"step": 2, "reward": 0.3, "accuracy": 0.3}]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
