@@ -68,7 +68,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
   from magistral_jax.analysis import run as R
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)

@@ -92,12 +92,12 @@ def main():
 
     # -- orbax save on one layout, restore on another
     from magistral_jax.model import transformer
-    from magistral_jax.parallel import sharding
+    from magistral_jax.parallel import config as parallel_config, sharding
     axes = transformer.param_logical_axes(cfg)
     src = sharding.param_shardings(axes, sharding.make_mesh({"fsdp": 2, "tensor": 4}),
                                    shapes_tree=loaded)
     dst = sharding.param_shardings(axes, sharding.make_mesh({"data": 4, "tensor": 2}),
-                                   sharding.GENERATOR_RULES, shapes_tree=loaded)
+                                   parallel_config.GENERATOR_RULES, shapes_tree=loaded)
     on_devices = jax.block_until_ready(jax.device_put(loaded, src))
     opath = os.path.join(work, "orbax", "params")
     t_osave, _ = timed(lambda: save_params_orbax(opath, on_devices, cfg))

@@ -40,8 +40,8 @@ def child(args) -> None:
   from jax.sharding import Mesh, NamedSharding
   import numpy as np
   from magistral_jax.model import transformer as T
-  from magistral_jax.parallel.sharding import (GENERATOR_RULES, TRAINER_RULES, make_mesh,
-                                               param_shardings)
+  from magistral_jax.parallel.sharding import make_mesh, param_shardings
+  from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
   from magistral_jax.pipeline.remote import in_stream, out_stream, weight_transfer
 
   if args.model == "tiny":   # configs/tiny.py's 0.8M-parameter policy: latency, not bandwidth

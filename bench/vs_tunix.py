@@ -111,7 +111,7 @@ def build_workload(args, workdir: str) -> dict:
   from magistral_jax.data import synthetic
   from magistral_jax.model.hf_checkpoint import save_hf_safetensors
   from magistral_jax.model.tokenizer import chat_messages
-  from magistral_jax.pipeline.build import system_prompt_for
+  from magistral_jax.data.prompts import system_prompt_for
 
   tok, tok_name = shared_tokenizer()
   if args.model == "tiny":
@@ -195,14 +195,14 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
   generator on the trainer's own devices, taking turns with the trainer (sync: it generates the
   batch in the trainer's thread, then frees its weights copy and KV cache for the train step, and
   the next iteration reloads the newest params where they are). The generator is
-  built as launch/train.py builds it (pipeline.build.make_generators with the run config's
+  built as launch/train.py builds it (pipeline.generators.make_generators with the run config's
   engine defaults, slots for the whole batch, max_prefill_length = the workload's prompt
   length), then every program it can run is compiled (Engine.precompile), so no timed
   iteration compiles: which prefill batch sizes and drain programs a run meets depends on
   thread timing."""
   from magistral_jax import config as config_lib
   from magistral_jax.pipeline import PipelineConfig, Rollouts
-  from magistral_jax.pipeline.build import make_generators, shared_prefix_for
+  from magistral_jax.pipeline.generators import make_generators, shared_prefix_for
   c = config_lib.default_config()
   c.engine.update(max_concurrent_decodes=spec["prompts_per_iteration"] * spec["group_size"],
                   max_prefill_length=spec["max_prompt_length"])
@@ -262,12 +262,13 @@ def run_ours(spec: dict) -> dict:
   """One run of our loop: warm-up + timed iterations. Returns this side's figures."""
   import jax
   import numpy as np
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.model.hf_checkpoint import load_hf_safetensors
   from magistral_jax.parallel import TRAINER_RULES, make_mesh
-  from magistral_jax.pipeline.build import system_prompt_for
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.rl.config import GRPOConfig
-  from magistral_jax.train.optimizer import OptimizerConfig, make_optimizer
+  from magistral_jax.train.optimizer import make_optimizer
+  from magistral_jax.train.config import OptimizerConfig
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.step import init_state, make_grpo_step
   from magistral_jax.verify import VerifierPool

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from magistral_jax.generate import Engine, SamplingConfig
 from magistral_jax.model import transformer as T
-from magistral_jax.parallel.sharding import TRAINER_RULES, make_mesh, param_shardings
+from magistral_jax.parallel.sharding import make_mesh, param_shardings
+from magistral_jax.parallel.config import TRAINER_RULES
 from magistral_jax.pipeline.rollouts import transfer_params
 
 

@@ -62,7 +62,7 @@ def load_policy(config, workdir, which: str, model_cfg, init_params, run):
   import jax
   from magistral_jax.model import transformer as tfm
   from magistral_jax.parallel import make_mesh
-  from magistral_jax.pipeline.build import run_devices
+  from magistral_jax.parallel.layout import run_devices
   from magistral_jax.train.checkpointing import RunCheckpointer
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.step import TrainState, state_shardings
@@ -124,10 +124,12 @@ def main(argv):
   from magistral_jax.eval.pass_at_k import format_curves
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.parallel import make_mesh
-  from magistral_jax.pipeline.build import (build_tokenizer_and_model, shared_prefix_for,
-                                            run_devices, system_prompt_for)
+  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  from magistral_jax.parallel.layout import run_devices
+  from magistral_jax.pipeline.generators import shared_prefix_for
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.verify import VerifierPool
 
   run = config_lib.validate(config, jax.device_count())

@@ -84,8 +84,9 @@ def main(argv):
   from magistral_jax.model.orbax_params import save_params_orbax
   from magistral_jax.parallel import make_mesh
   from magistral_jax.data.prompts import dataset_problems
-  from magistral_jax.pipeline.build import (build_tokenizer_and_model, sft_optimizer_config,
-                                            run_devices, system_prompt_for)
+  from magistral_jax.pipeline.build import build_tokenizer_and_model, sft_optimizer_config
+  from magistral_jax.parallel.layout import run_devices
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer

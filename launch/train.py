@@ -55,7 +55,7 @@ def stage_list(config) -> list[dict]:
 
 
 def stage_sampling(scfg, tok):
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   return SamplingConfig(temperature=scfg.sampling.temperature, top_p=scfg.sampling.top_p,
                         top_k=scfg.sampling.top_k, max_new_tokens=scfg.sampling.max_new_tokens,
                         eos_id=tok.eos_id)
@@ -63,7 +63,7 @@ def stage_sampling(scfg, tok):
 
 def generator_options(scfg, tok, system_prompt, alternate: bool = False) -> dict:
   """make_generators' keywords for a stage's config (on the leader and generator processes)."""
-  from magistral_jax.pipeline.build import shared_prefix_for
+  from magistral_jax.pipeline.generators import shared_prefix_for
   return dict(mesh_shape=dict(scfg.devices.generator_mesh),
               max_concurrent_decodes=scfg.engine.max_concurrent_decodes,
               max_prefill_length=scfg.engine.max_prefill_length,
@@ -82,8 +82,8 @@ def eval_loop_factory(config, model_cfg, devices, rules, tok, shared_prefix, eng
   compiled-in sampling; the evaluation's temperature is an input), so evaluating compiles
   nothing the run has not."""
   from magistral_jax.generate.loop import GeneratorLoop
-  from magistral_jax.generate.sampling import SamplingConfig
-  from magistral_jax.pipeline.build import engine_for
+  from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.pipeline.generators import engine_for
   sampling = SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
                             greedy=config.eval.greedy, max_new_tokens=config.eval.max_new_tokens,
                             eos_id=tok.eos_id)
@@ -113,7 +113,7 @@ def run_generator_process(config, run, layout, tok, model_cfg, system_prompt, sh
   from magistral_jax import config as config_lib
   from magistral_jax.parallel import make_mesh
   from magistral_jax.parallel.multihost import Mailbox
-  from magistral_jax.pipeline.build import make_generators
+  from magistral_jax.pipeline.generators import make_generators
   from magistral_jax.pipeline.remote import serve_generator, weight_transfer
   rules = run.sharding.generator_rules
   devices = layout.generator_devices()[layout.generator_index]
@@ -158,9 +158,12 @@ def main(argv):
   from magistral_jax.data.prompts import check_heldout_unseen, heldout_problems, train_prompts
   from magistral_jax.parallel import make_mesh, multihost
   from magistral_jax.pipeline import Rollouts
-  from magistral_jax.pipeline.build import (build_tokenizer_and_model, engine_for, is_colocated,
-                                            make_generators, sft_optimizer_config, sft_warm_start,
-                                            shared_prefix_for, run_devices, system_prompt_for)
+  from magistral_jax.pipeline.build import (build_tokenizer_and_model, is_colocated,
+                                            sft_optimizer_config)
+  from magistral_jax.parallel.layout import run_devices
+  from magistral_jax.train.sft import sft_warm_start
+  from magistral_jax.pipeline.generators import engine_for, make_generators, shared_prefix_for
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.metrics_writer import MetricsWriter, Progress
   from magistral_jax.train.optimizer import make_optimizer, learning_rate_schedule

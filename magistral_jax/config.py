@@ -1,18 +1,21 @@
 """The run configuration (ml_collections), shared by every recipe in configs/.
 
-`default_config()` holds every field with its default; a recipe (configs/tiny.py, medium.py, ...)
-overrides what it needs, and absl flags override anything (`--config.rl.eps_high=0.3`,
-`--config.devices.generators=(1,)`: every sequence field is a tuple, the only sequence absl
-overrides). The sections with a typed dataclass (model, rl, optimizer, reward, sampling, engine,
-pipeline, sharding) take their defaults from it, so each default, and the comment that cites the paper
-(paper §.., NOT STATED), is written once, next to the dataclass field.
+Each section is a typed, frozen dataclass defined in the package that uses it (model/config.py,
+rl/config.py, generate/config.py, ...), where each default and the comment that cites the paper
+(paper §.., NOT STATED; docs/paper.md) is written once. `default_config()` assembles them into a
+ConfigDict: a recipe (configs/tiny.py, medium.py, ...) overrides what it needs, and absl flags
+override anything (`--config.rl.eps_high=0.3`, `--config.devices.generators=(1,)`: every
+sequence field is a tuple, the only sequence absl overrides).
 
-`validate(config)` turns a ConfigDict into typed dataclasses and raises a clear error before any
-work starts: unknown fields, wrong types, each dataclass's own checks (n_batch not divisible by
-n_mini, group size < 2, ...), a microbatch row too short for the longest sequence the generators
-can return (prompt limit + max_new_tokens), device counts that the machine cannot provide, and
-every stage's overridden config. It warns (log) when the master weights' dtype cannot hold an
-update of the learning rate (e.g. bf16 params at lr 1e-6: README, "Mixed precision").
+`validate(config)` turns the ConfigDict into a `RunConfig` of those dataclasses and raises a
+clear error before any work starts: unknown fields, wrong types, each section's own checks
+(n_batch not divisible by n_mini, group size < 2, ...), checks across sections (a microbatch row
+too short for the longest sequence the generators can return, device counts that the machine
+cannot provide), and every stage's overridden config. It warns (log) when the master weights'
+dtype cannot hold an update of the learning rate (README, "Mixed precision"). The run's code
+takes the RunConfig's section objects, not the ConfigDict.
+
+This module imports the config modules only, so it sits below everything that uses config.
 """
 from __future__ import annotations
 
@@ -22,74 +25,25 @@ import logging
 import ml_collections as mlc
 
 from magistral_jax.configurable import as_tuples, checked_fields, config_section
-from magistral_jax.generate.engine import default_windows
-from magistral_jax.generate.loop import check_loop_prefill_below
-from magistral_jax.generate.sampling import SamplingConfig
-from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import ShardingConfig
-from magistral_jax.pipeline.build import check_device_layout, is_colocated
-from magistral_jax.pipeline.rollouts import PipelineConfig
-from magistral_jax.rewards.reward import RewardConfig
+from magistral_jax.data.config import DataConfig
+from magistral_jax.eval.config import EvalConfig
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
+from magistral_jax.model.config import InitConfig, ModelConfig
+from magistral_jax.parallel.config import DevicesConfig, ShardingConfig
+from magistral_jax.pipeline.config import PipelineConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.train.optimizer import OptimizerConfig, update_rounding_warning
+from magistral_jax.train.config import (CheckpointConfig, OptimizerConfig, SFTConfig,
+                                        update_rounding_warning)
+from magistral_jax.verify.config import VerifierConfig
 
 log = logging.getLogger(__name__)
 
-# The fields of generate.sampling.SamplingConfig the `sampling` section holds (the rest: eos_id
-# comes from the tokenizer, greedy and stop_strings are evaluation-only).
+# The fields of SamplingConfig the `sampling` section holds (the rest: eos_id comes from the
+# tokenizer, greedy and stop_strings are evaluation-only).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
 STAGE_KEYS = ("name", "num_batches", "overrides")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """The generators' knobs (section `engine`) for generate.engine.Engine and
-  generate.loop.GeneratorLoop."""
-  max_concurrent_decodes: int = 16   # decode slots per generator
-  max_prefill_length: int = 256      # the longest prompt a generator prefills, in tokens
-  # On a weights update the KV cache of in-flight sequences is kept, as in the paper (paper §5);
-  # True recomputes it under the new weights.
-  recompute_kv_on_update: bool = False
-  # On CPU, each generator times its decode step with both dot libraries (YNNPACK, Eigen) at
-  # start-up and keeps the faster (Engine.tune): worth it for a real model on CPU (1.1-2.3x per
-  # step on the 2-core hosts measured), not for the tiny model, whose run it would mostly spend
-  # compiling (two compilations per step program). A no-op on accelerators.
-  tune: bool = False
-  # n > 1 gives each decode step the smallest of n windows over the KV cache that holds its
-  # active slots, so it reads that much of the cache instead of all of it (one compiled step per
-  # window, halving from the whole cache: S, S/2, ...; Engine.window_for). 1 = dense attention
-  # over the whole cache.
-  attention_windows: int = 1
-  # A worker thread prefills queued prompts while the loop decodes (GeneratorLoop); on CPU the
-  # two overlap (1.2-1.5x more work per second, docs/perf_log.md), on an accelerator they share the
-  # device queue. False prefills in the loop thread between steps.
-  background_prefill: bool = True
-  # With background_prefill, when fewer than this fraction of the slots would decode, the loop
-  # fills every free slot with its own prefill before stepping (GeneratorLoop; keeps
-  # prefill-bound workloads from decoding near-empty batches).
-  loop_prefill_below: float = 0.5
-  # The token prefix every prompt of the run starts with (the rendered system prompt and
-  # chat-template head; pipeline.build.shared_prompt_prefix) is prefilled once per weights
-  # version and each prompt is prefilled as its own rest only (GeneratorLoop shared_prefix; the
-  # same samples up to float rounding). Used when that prefix has at least
-  # generate.loop.SHARED_PREFIX_MIN_TOKENS tokens.
-  shared_prefix_cache: bool = True
-  # The generator loop dispatches decode step n+1 before it fetches and records step n, so the
-  # device decodes while the host transfers tokens, does the bookkeeping and refills slots
-  # (GeneratorLoop overlap_host; one step in flight). Same samples; a finished sample's slot is
-  # refilled one step later. Measured on an H100, batch 256, the synchronous loop step took
-  # 1.7-1.9x the device step. False: dispatch, fetch, record in turn.
-  overlap_host: bool = True
-
-  def __post_init__(self):
-    try:   # the Engine's own check of the window count, before any engine is built
-      default_windows(self.max_prefill_length + 1, self.attention_windows)
-    except ValueError as e:
-      raise ValueError(f"engine.attention_windows={self.attention_windows}: {e}") from None
-    try:
-      check_loop_prefill_below(self.loop_prefill_below)
-    except ValueError as e:
-      raise ValueError(f"engine.{e}") from None
+SYSTEM_PROMPTS = ("magistral", "tiny", "none")
 
 
 def default_config() -> mlc.ConfigDict:
@@ -110,57 +64,30 @@ def default_config() -> mlc.ConfigDict:
   # file system) and their devices match the key (always on GPU, whose key leaves them out).
   c.compilation_cache_dir = "~/.cache/magistral_jax/xla"
   c.compilation_cache_max_gb = 20.0
-  # ---- policy ----
+  # ---- policy: model/config.py ----
   c.model = config_section(ModelConfig)
-  # Where the initial weights come from: random | gguf | hf | orbax (+ path). With gguf/hf the
-  # checkpoint's own config.json/metadata replaces c.model's architecture fields.
-  c.init = mlc.ConfigDict(dict(source="random", path=""))
+  c.init = config_section(InitConfig)
   c.tokenizer = "char"          # char | gguf | a tokenizer.json path | a mistral-common name
   c.system_prompt = "magistral"  # magistral (paper §2, the paper's Fig. 2) | tiny | none
-  # ---- RL objective and batching (paper §1, §4, §5): rl/config.py GRPOConfig ----
+  # ---- RL objective and batching (paper §1, §4, §5): rl/config.py, train/config.py ----
   c.rl = config_section(GRPOConfig)
   c.optimizer = config_section(OptimizerConfig)
-  # ---- generation ----
+  # ---- generation: generate/config.py ----
   c.sampling = mlc.ConfigDict({f: getattr(SamplingConfig(), f) for f in SAMPLING_FIELDS})
   c.engine = config_section(EngineConfig)
-  # ---- reward (paper §2): rewards/reward.py RewardConfig ----
+  # ---- reward (paper §2): rewards/config.py; its verifier pool: verify/config.py ----
   c.reward = config_section(RewardConfig)
-  c.verifier = mlc.ConfigDict(dict(num_workers=2, task_timeout_s=60.0, max_tasks_per_worker=500))
-  # ---- pipeline, devices and sharding (paper §5): pipeline/rollouts.py PipelineConfig ----
+  c.verifier = config_section(VerifierConfig)
+  # ---- pipeline, devices and sharding (paper §5): pipeline/config.py, parallel/config.py ----
   c.pipeline = config_section(PipelineConfig)
-  # Device layout: the first `trainer` devices train; then one slice per generator (the paper's
-  # disaggregated layout). colocated=True: one generator on the trainer's own devices
-  # (`generators` unused), generation and training taking turns (pipeline.mode sync) or
-  # generating one batch ahead while a batch trains (async); pipeline/rollouts.py.
-  # trainer_processes > 0: a run of many JAX processes (one per host, parallel/multihost.py):
-  # processes 0..trainer_processes-1 train on all their devices, every other process serves one
-  # generator on its own devices (`trainer` and `generators` unused): on all of them, or on its
-  # first `generator_process_devices` (> 0).
-  c.devices = mlc.ConfigDict(dict(trainer=4, generators=(2, 2), trainer_mesh={"fsdp": -1},
-                                  generator_mesh={"tensor": -1}, colocated=False,
-                                  trainer_processes=0, generator_process_devices=0))
-  # Logical axis -> mesh axes tables of the trainer and the generators (parallel/sharding.py).
+  c.devices = config_section(DevicesConfig)
   c.sharding = config_section(ShardingConfig)
-  # ---- data ----
-  # source: the RL stream (data/prompts.py). The held-out evaluation set is the first `heldout`
-  # problems of a seeded epoch of heldout_source (e.g. "gsm8k_test" for a run that trains on
-  # "gsm8k_train"), or of source itself when heldout_source is "" (the stream then skips them).
-  # A held-out set that shares a problem with the stream (id or question text) stops the run.
-  c.data = mlc.ConfigDict(dict(source="synthetic", heldout_source="", data_dir="", min_steps=1,
-                               max_steps=3, max_operand=20, allow_negative=True, heldout=64,
-                               sft_slip_rate=0.0, sft_ramble_rate=0.0))
-  # ---- cold-start SFT (Magistral Small; also the tiny warm start) ----
-  # lr schedule: linear warmup, then constant or cosine down to final_lr_frac at the last step.
-  c.sft = mlc.ConfigDict(dict(num_steps=0, batch_size=16, learning_rate=3e-3, row_len=512,
-                              rows_per_micro=4, epochs=4, warmup_steps=0, schedule="constant",
-                              final_lr_frac=0.1))
-  # ---- evaluation (paper §4: temperature 0.7, top-p 1.0 math / 0.95 code) ----
-  # before: launch/train.py evaluates the initial weights (False: a control run from the same
-  # weights as the run it controls); every: also every that many batches (the learning curve).
-  c.eval = mlc.ConfigDict(dict(k=1, temperature=0.7, top_p=1.0, greedy=True,
-                               max_new_tokens=256, before=True, every=0))
-  # ---- checkpoints and logging ----
-  c.checkpoint = mlc.ConfigDict(dict(every=5, keep=3, keep_every=0, async_save=True))
+  # ---- data (data/config.py), cold-start SFT and checkpoints (train/config.py), evaluation
+  # (eval/config.py) ----
+  c.data = config_section(DataConfig)
+  c.sft = config_section(SFTConfig)
+  c.eval = config_section(EvalConfig)
+  c.checkpoint = config_section(CheckpointConfig)
   # Stages run in sequence (Medium: 16k/24k/32k, batch 8k/4k/2k): a tuple of dicts, each with
   # `name`, `num_batches` and `overrides` ({"rl.n_batch": 4096, "reward.l_max": ...}).
   c.stages = ()
@@ -188,20 +115,38 @@ def apply_overrides(config: mlc.ConfigDict, overrides: dict) -> mlc.ConfigDict:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+  """A validated run config: one frozen dataclass per section, and the run's scalars."""
   model: ModelConfig
+  init: InitConfig
   rl: GRPOConfig
   optimizer: OptimizerConfig
-  reward: RewardConfig
+  sampling: SamplingConfig   # the training sampler's (eos_id: the tokenizer's, set by the run)
   engine: EngineConfig
+  reward: RewardConfig
+  verifier: VerifierConfig
   pipeline: PipelineConfig
+  devices: DevicesConfig
   sharding: ShardingConfig   # .trainer_rules, .generator_rules: the tables the code takes
+  data: DataConfig
+  sft: SFTConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
+  seed: int = 0
+  num_batches: int = 10
+  stop_after_batches: int = 0
+  tokenizer: str = "char"
+  system_prompt: str = "magistral"
+
+  @property
+  def colocated(self) -> bool:
+    return self.devices.colocated
 
 
 def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfig:
   """Typed configs from the ConfigDict, with every check that can fail before any work; each
   stage's overridden config is checked too."""
   run = _typed(config, num_devices)
-  warnings = _precision_warnings(config, run)
+  warnings = _precision_warnings(run)
   for i, stage in enumerate(config.stages):
     name = stage.get("name", i)
     unknown = sorted(set(stage) - set(STAGE_KEYS))
@@ -210,7 +155,7 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
                        f"{list(STAGE_KEYS)}")
     try:
       scfg = apply_overrides(config, dict(stage.get("overrides", {})))
-      warnings += _precision_warnings(scfg, _typed(scfg, num_devices))
+      warnings += _precision_warnings(_typed(scfg, num_devices))
     except (TypeError, ValueError) as e:
       raise ValueError(f"stages[{i}] ({name!r}): {e}") from None
   for w in dict.fromkeys(warnings):   # once each, in order
@@ -218,42 +163,53 @@ def validate(config: mlc.ConfigDict, num_devices: int | None = None) -> RunConfi
   return run
 
 
-def _precision_warnings(config: mlc.ConfigDict, run: RunConfig) -> list[str]:
+def _precision_warnings(run: RunConfig) -> list[str]:
   """The RL optimizer's and the cold-start SFT's learning rates against the master weights'
-  dtype (train.optimizer.update_rounding_warning)."""
-  out = [update_rounding_warning(run.model.param_dtype, run.optimizer.learning_rate, "optimizer")]
-  sft = config.get("sft")
-  if sft is not None and "learning_rate" in sft:
-    out.append(update_rounding_warning(run.model.param_dtype, float(sft.learning_rate), "sft"))
+  dtype (train.config.update_rounding_warning)."""
+  out = [update_rounding_warning(run.model.param_dtype, run.optimizer.learning_rate, "optimizer"),
+         update_rounding_warning(run.model.param_dtype, run.sft.learning_rate, "sft")]
   return [w for w in out if w]
 
 
 def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
   """validate() of one config, its stages aside."""
   try:
-    run = RunConfig(model=ModelConfig.from_config_dict(config.model),
-                    rl=GRPOConfig.from_config_dict(config.rl),
-                    optimizer=OptimizerConfig.from_config_dict(config.optimizer),
-                    reward=_section(RewardConfig, config, "reward"),
-                    engine=_section(EngineConfig, config, "engine"),
-                    pipeline=_section(PipelineConfig, config, "pipeline"),
-                    sharding=_section(ShardingConfig, config, "sharding"))
-    # The samplers' own checks (temperature > 0, top-p in (0, 1], ...), before the model loads:
-    # the training sampler's and the evaluation's.
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(RunConfig)}
+                     - {"compilation_cache_dir", "compilation_cache_max_gb", "stages"})
+    if unknown:
+      raise ValueError(f"unknown config field(s): {unknown}")
+    if config.get("system_prompt", "magistral") not in SYSTEM_PROMPTS:
+      raise ValueError(f"system_prompt must be one of {list(SYSTEM_PROMPTS)}, got "
+                       f"{config.system_prompt!r}")
     unknown = sorted(set(config.sampling) - set(SAMPLING_FIELDS))
     if unknown:
       raise ValueError(f"unknown sampling config field(s): {unknown}; valid: "
                        f"{list(SAMPLING_FIELDS)}")
-    SamplingConfig(**config.sampling)
-    SamplingConfig(temperature=config.eval.temperature, top_p=config.eval.top_p,
-                   greedy=config.eval.greedy, max_new_tokens=config.eval.max_new_tokens)
+    run = RunConfig(model=ModelConfig.from_config_dict(config.model),
+                    init=_section(InitConfig, config, "init"),
+                    rl=GRPOConfig.from_config_dict(config.rl),
+                    optimizer=OptimizerConfig.from_config_dict(config.optimizer),
+                    # the sampler's own checks (temperature > 0, top-p in (0, 1], ...)
+                    sampling=SamplingConfig(**config.sampling),
+                    engine=_section(EngineConfig, config, "engine"),
+                    reward=_section(RewardConfig, config, "reward"),
+                    verifier=_section(VerifierConfig, config, "verifier"),
+                    pipeline=_section(PipelineConfig, config, "pipeline"),
+                    devices=_section(DevicesConfig, config, "devices"),
+                    sharding=_section(ShardingConfig, config, "sharding"),
+                    data=_section(DataConfig, config, "data"),
+                    sft=_section(SFTConfig, config, "sft"),
+                    eval=_section(EvalConfig, config, "eval"),
+                    checkpoint=_section(CheckpointConfig, config, "checkpoint"),
+                    **{k: config[k] for k in ("seed", "num_batches", "stop_after_batches",
+                                              "tokenizer", "system_prompt") if k in config})
+    run.eval.sampling()   # the evaluation sampler's own checks
   except TypeError as e:
     raise ValueError(f"bad config: {e}") from e
   run.pipeline.bounds(run.rl)
-  run.rl.check_row_fits(run.engine.max_prefill_length, config.sampling.max_new_tokens)
+  run.rl.check_row_fits(run.engine.max_prefill_length, run.sampling.max_new_tokens)
   if num_devices is not None:
-    check_device_layout(config.devices.trainer, config.devices.generators, num_devices,
-                        is_colocated(config))
+    run.devices.check_layout(num_devices)
   return run
 
 

@@ -10,19 +10,19 @@ from absl import flags
 from ml_collections import config_flags
 
 from magistral_jax import config as config_lib
-from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel import sharding
+from magistral_jax.parallel import config as parallel_config
 from magistral_jax.pipeline import PipelineConfig
-from magistral_jax.rewards.reward import RewardConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.train.optimizer import OptimizerConfig
+from magistral_jax.train.config import OptimizerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small")
 SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
             "reward": RewardConfig, "engine": config_lib.EngineConfig,
-            "sharding": sharding.ShardingConfig, "pipeline": PipelineConfig}
+            "sharding": parallel_config.ShardingConfig, "pipeline": PipelineConfig}
 
 
 def _load(name, arg=None):
@@ -93,10 +93,10 @@ def test_tuple_and_optional_fields_are_overridable_from_the_command_line():
 
 
 def test_rules_from_config_round_trips_and_names_what_is_wrong():
-  for rules in (sharding.TRAINER_RULES, sharding.GENERATOR_RULES):
-    assert sharding.rules_from_config(rules) == rules
+  for rules in (parallel_config.TRAINER_RULES, parallel_config.GENERATOR_RULES):
+    assert parallel_config.rules_from_config(rules) == rules
     # As a config written to JSON reads back: lists, made tuples again (hashable for ShardingCtx).
-    back = sharding.rules_from_config(json.loads(json.dumps(rules)))
+    back = parallel_config.rules_from_config(json.loads(json.dumps(rules)))
     assert back == rules and hash(back)
   c = config_lib.default_config()
   saved = mlc.ConfigDict(json.loads(c.to_json()))
@@ -110,7 +110,7 @@ def test_rules_from_config_round_trips_and_names_what_is_wrong():
       ((("embed",),), r"\[0\] = \('embed',\): expected a \(logical axis, mesh axes\) pair"),
       ((("embed", 3),), r"expected a mesh axis")]:
     with pytest.raises(ValueError, match=message):
-      sharding.rules_from_config(rules, where)
+      parallel_config.rules_from_config(rules, where)
     c = config_lib.default_config()
     c.sharding.trainer_rules = rules
     with pytest.raises(ValueError, match=message):
@@ -119,13 +119,14 @@ def test_rules_from_config_round_trips_and_names_what_is_wrong():
 
 def test_logical_axes_cover_every_name_the_model_uses():
   import jax
+  from magistral_jax.parallel import sharding
   from magistral_jax.model import transformer
   names = set()
   for tree in (transformer.param_logical_axes(ModelConfig()), transformer.cache_logical_axes(),
                transformer.cache_logical_axes(per_layer=2)):
     for axes in jax.tree.leaves(tree, is_leaf=sharding.is_logical_axes):
       names.update(a for a in axes if a is not None)
-  assert names <= set(sharding.LOGICAL_AXES)
+  assert names <= set(parallel_config.LOGICAL_AXES)
 
 
 def test_each_check_lives_in_its_dataclass():

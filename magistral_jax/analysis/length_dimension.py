@@ -48,7 +48,7 @@ def fit_reward_log_length(reward: np.ndarray, length: np.ndarray) -> dict:
 
 def system_prompt_for(name: str) -> str | None:
   """The run config's `system_prompt` name -> its text (as launch/train.py resolves it)."""
-  from magistral_jax.pipeline.build import system_prompt_for as f
+  from magistral_jax.data.prompts import system_prompt_for as f
   return f(name)
 
 
@@ -204,7 +204,7 @@ def length_dimension(workdir: str, *, multiples1: Sequence[float] = (-2.0, 0.0, 
   Sampling follows the run's training sampler (config.sampling: temperature, top-p, top-k,
   max_new_tokens, so the length penalty bites where it did in training) unless overridden."""
   from magistral_jax import config as config_lib
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   config = run_lib.read_config(workdir)
   reward_cfg = config_lib.validate(config).reward
   model_cfg, tok = run_lib.model_and_tokenizer(config)

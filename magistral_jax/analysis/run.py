@@ -158,9 +158,11 @@ def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 def model_and_tokenizer(config):
   """(ModelConfig, tokenizer) of the run's policy, as launch/train.py builds them, reading only
   metadata (no initial weights)."""
-  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  from magistral_jax import config as config_lib
+  from magistral_jax.model.loading import load_policy
   try:
-    tok, model_cfg, _ = build_tokenizer_and_model(config, load_weights=False)
+    run = config_lib.validate(config)
+    tok, model_cfg, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)
   except ValueError as e:
     raise RunError(str(e)) from e
   return model_cfg, tok

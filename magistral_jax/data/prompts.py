@@ -21,9 +21,20 @@ from typing import Iterable, Mapping
 from magistral_jax.data import records, synthetic
 from magistral_jax.data.loader import ProblemLoader
 from magistral_jax.data.splits import KeySet, check_disjoint, problem_key
+from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
+from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
 
 # Short names for the public sets shipped in magistral_jax/data/sources (records.SHIPPED).
 SHIPPED_ALIASES = {"gsm8k": "gsm8k_test", "mbpp": "mbpp_sample20"}
+
+
+def system_prompt_for(name: str) -> str | None:
+  """The run config's `system_prompt` name -> its text: "magistral" (paper §2), "tiny" (the
+  one-line prompt of the synthetic task) or "none"."""
+  table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
+  if name not in table:
+    raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
+  return table[name]
 
 
 def source_names(source: str) -> list[str]:

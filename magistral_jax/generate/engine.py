@@ -45,7 +45,8 @@ from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultT
 from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError, Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import GENERATOR_RULES, ShardingCtx
+from magistral_jax.parallel.sharding import ShardingCtx
+from magistral_jax.parallel.config import GENERATOR_RULES
 
 Array = jax.Array
 

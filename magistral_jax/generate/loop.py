@@ -68,7 +68,7 @@ from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_request
 from magistral_jax.generate.prefix_cache import (SHARED_PREFIX_MIN_TOKENS, SharedPrefixCache,
                                                  common_prefix, useful_shared_prefix)
 from magistral_jax.generate.requests import GeneratorError, Request, RequestSamples, Sample
-from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
 from magistral_jax.generate.slots import SlotTable
 
 log = logging.getLogger(__name__)

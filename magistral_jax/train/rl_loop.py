@@ -23,7 +23,7 @@ import numpy as np
 
 from magistral_jax.parallel.memory import backend_peak_bytes, bytes_in_use, compiled_temp_bytes
 from magistral_jax.parallel.multihost import local_devices, to_host
-from magistral_jax.parallel.sharding import DEFAULT_RULES
+from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
 from magistral_jax.train.step import TrainState, shard_batch

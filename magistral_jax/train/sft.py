@@ -8,16 +8,22 @@ microbatch gradients add up to the minibatch gradient exactly.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+import time
+from typing import Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import DEFAULT_RULES, ShardingCtx
+from magistral_jax.parallel.sharding import ShardingCtx
+from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.collate import Completion, aggregation_weights, pack
-from magistral_jax.train.step import make_train_step
+from magistral_jax.parallel.multihost import to_host
+from magistral_jax.train.step import make_train_step, shard_batch
+
+log = logging.getLogger(__name__)
 
 
 def sft_collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], row_len: int,
@@ -56,3 +62,35 @@ def make_sft_step(model_cfg: ModelConfig, tx, mesh=None, rules=DEFAULT_RULES, do
   """step(state, batch) -> (state, metrics) for the SFT cold start."""
   return make_train_step(model_cfg, tx, sft_loss_fn(model_cfg, mesh, rules), mesh, rules,
                          summarize_sft, donate=donate, lr_schedule=lr_schedule)
+
+
+def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str]], *,
+                   num_steps: int, batch_size: int, row_len: int, rows_per_micro: int,
+                   system_prompt: str | None, mesh=None, log_every: int = 10, writer=None):
+  """Cold-start SFT: `num_steps` steps of next-token loss on (problem, completion) pairs, the
+  prompt built with the tokenizer's chat template and masked out of the loss."""
+  it = iter(examples)
+  t0 = time.time()
+  metrics = {}
+  for step in range(num_steps):
+    pairs = []
+    for _ in range(batch_size):
+      problem, completion = next(it)
+      prompt = tokenizer.apply_chat_template(problem, system_prompt)
+      # A pair longer than the row is cut to it: the model learns its start and never its end
+      # (synthetic.ramble_trace relies on it). A prompt alone over the row is an error.
+      room = row_len - len(prompt)
+      if room < 1:
+        raise ValueError(f"sft: a prompt of {len(prompt)} tokens leaves no room in a row of "
+                         f"{row_len} tokens; raise sft.row_len")
+      pairs.append((prompt, (tokenizer.encode(completion) + [tokenizer.eos_id])[:room]))
+    arrays, _ = sft_collate(pairs, row_len, rows_per_micro)
+    state, metrics = sft_step(state, shard_batch(arrays, mesh))
+    if (step + 1) % log_every == 0 or step + 1 == num_steps:
+      metrics = {k: float(v) for k, v in to_host(metrics).items()}
+      rate = (step + 1) / (time.time() - t0)
+      log.info("sft step %d/%d | %.2f steps/s | nll/token %.4f", step + 1, num_steps, rate,
+               metrics.get("nll_per_token", float("nan")))
+      if writer is not None:
+        writer.write(step + 1, {f"sft/{k}": v for k, v in metrics.items()})
+  return state, metrics

@@ -20,8 +20,9 @@ import optax
 
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import (DEFAULT_RULES, ShardingCtx, logical_sharding,
-                                             param_shardings, replicated)
+from magistral_jax.parallel.sharding import (ShardingCtx, logical_sharding, param_shardings,
+                                             replicated)
+from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.loss import combine_metrics, empty_metrics, grpo_loss, summarize_metrics
 

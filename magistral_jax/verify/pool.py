@@ -53,7 +53,8 @@ import threading
 import time
 
 from magistral_jax.rewards import sandbox
-from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
+from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
+from magistral_jax.rewards.config import RewardConfig
 
 log = logging.getLogger(__name__)
 

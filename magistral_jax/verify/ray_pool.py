@@ -12,7 +12,8 @@ import concurrent.futures
 import threading
 import time
 
-from magistral_jax.rewards.reward import RewardConfig, RewardResult, compute_reward, failed_result
+from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.verify.pool import release_uid_offsets, slot_uids
 
 

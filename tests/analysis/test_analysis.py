@@ -160,7 +160,7 @@ def test_fit_reward_against_log_length():
 
 def test_grid_evaluation_on_the_tiny_model_switches_weights_without_recompiling(planted_run):
   from magistral_jax import config as config_lib
-  from magistral_jax.generate.sampling import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   config = planted_run["config"]
   model_cfg, tok = R.model_and_tokenizer(config)
   steps, trees = R.load_all_params(planted_run["workdir"])

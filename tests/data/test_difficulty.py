@@ -9,7 +9,8 @@ import os
 import pytest
 
 from magistral_jax.data import difficulty as D
-from magistral_jax.rewards.reward import RewardConfig, compute_reward
+from magistral_jax.rewards.reward import compute_reward
+from magistral_jax.rewards.config import RewardConfig
 
 K = 8
 

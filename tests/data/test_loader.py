@@ -57,7 +57,8 @@ def test_problem_dicts_have_the_pipeline_fields(data_dir):
 
 
 def test_problem_dicts_score_with_the_reward_function(data_dir):
-  from magistral_jax.rewards.reward import RewardConfig, compute_reward
+  from magistral_jax.rewards.reward import compute_reward
+  from magistral_jax.rewards.config import RewardConfig
   probs = {p["id"]: p for p in loader.ProblemLoader(data_dir, ["m"], num_epochs=1, shard_index=0,
                                                        shard_count=1).take(100)}
   cfg = RewardConfig(language_bonus=0.0)
@@ -156,7 +157,8 @@ def test_sft_loader_resumes_exactly_from_saved_state(data_dir):
 
 
 def test_shipped_code_problems_score_their_reference_solutions_in_the_sandbox(tmp_path):
-  from magistral_jax.rewards.reward import RewardConfig, compute_reward
+  from magistral_jax.rewards.reward import compute_reward
+  from magistral_jax.rewards.config import RewardConfig
   tb.build_shipped(str(tmp_path), names=["humaneval", "mbpp_sample20"])
   cfg = RewardConfig(language_bonus=0.0)
   for name in ("humaneval", "mbpp_sample20"):

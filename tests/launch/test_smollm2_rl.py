@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from magistral_jax.data import gsm8k_traces, jsonl, records
-from magistral_jax.rewards.reward import RewardConfig, compute_reward
+from magistral_jax.rewards.reward import compute_reward
+from magistral_jax.rewards.config import RewardConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

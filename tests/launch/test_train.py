@@ -107,8 +107,9 @@ def test_the_evaluation_and_every_stage_share_the_generators_engine():
   sys.path.insert(0, os.path.join(ROOT, "launch"))
   import train
   from magistral_jax.model import transformer as T
-  from magistral_jax.parallel.sharding import GENERATOR_RULES
-  from magistral_jax.pipeline.build import build_tokenizer_and_model, make_generators
+  from magistral_jax.parallel.config import GENERATOR_RULES
+  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  from magistral_jax.pipeline.generators import make_generators
   c = _load()
   tok, model_cfg, _ = build_tokenizer_and_model(c, load_weights=False)
   params = T.init_params(model_cfg, jax.random.PRNGKey(0))

@@ -279,6 +279,7 @@ def test_orbax_restore_onto_a_different_mesh(hf_dir, tmp_path, target):
 def test_orbax_restore_with_the_model_param_shardings(hf_dir, tmp_path):
   """Trainer layout (fsdp x tensor) -> generator layout (tensor only), via the lead's rules."""
   sharding = pytest.importorskip("magistral_jax.parallel.sharding")
+  from magistral_jax.parallel import config as parallel_config
   transformer = pytest.importorskip("magistral_jax.model.transformer")
   cfg, host = load_hf_safetensors(hf_dir)
   axes = transformer.param_logical_axes(cfg)
@@ -286,7 +287,7 @@ def test_orbax_restore_with_the_model_param_shardings(hf_dir, tmp_path):
   gen_mesh = sharding.make_mesh({"data": 4, "tensor": 2})
   params = jax.device_put(host, sharding.param_shardings(axes, train_mesh, shapes_tree=host))
   save_params_orbax(str(tmp_path / "params"), params)
-  dst = sharding.param_shardings(axes, gen_mesh, sharding.GENERATOR_RULES, shapes_tree=host)
+  dst = sharding.param_shardings(axes, gen_mesh, parallel_config.GENERATOR_RULES, shapes_tree=host)
   restored = restore_params_orbax(str(tmp_path / "params"), target_shardings=dst)
   for want, got, sh in zip(jax.tree.leaves(host), jax.tree.leaves(restored), jax.tree.leaves(dst)):
     assert got.sharding == sh

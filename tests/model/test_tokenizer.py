@@ -158,23 +158,24 @@ def test_load_tokenizer_dispatch(hf_dir):
 
 
 def test_shared_prompt_prefix_starts_every_rendered_prompt(tokenizer):
-  """pipeline.build.shared_prompt_prefix: the token prefix the engine prefills once per weights
-  version (GeneratorLoop shared_prefix) is the system prompt's, and every prompt starts with it."""
-  import ml_collections
+  """pipeline.generators.shared_prompt_prefix: the token prefix the engine prefills once per
+  weights version (GeneratorLoop shared_prefix) is the system prompt's, and every prompt starts
+  with it."""
+  import dataclasses
+  from magistral_jax.generate.config import EngineConfig
   from magistral_jax.generate.prefix_cache import SHARED_PREFIX_MIN_TOKENS
-  from magistral_jax.pipeline import build
+  from magistral_jax.pipeline import generators as build
   prefix = build.shared_prompt_prefix(tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT)
   # Most of the system prompt's tokens (the template head too), but not the problem's.
   assert len(prefix) >= 0.9 * len(tokenizer.encode(tk.MAGISTRAL_SYSTEM_PROMPT.split("{problem}")[0]))
   for text in TEXTS + ["What is 2+3?", " 7", "(a) Soit $x$ un réel."]:
     assert tokenizer.apply_chat_template(text, tk.MAGISTRAL_SYSTEM_PROMPT)[:len(prefix)] == prefix
-  engine = ml_collections.ConfigDict(dict(shared_prefix_cache=True, max_prefill_length=4096))
+  engine = EngineConfig(shared_prefix_cache=True, max_prefill_length=4096)
   assert build.shared_prefix_for(engine, tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT) == prefix
-  engine.max_prefill_length = len(prefix)   # no room left for a problem: off
-  assert build.shared_prefix_for(engine, tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT) is None
-  engine.max_prefill_length, engine.shared_prefix_cache = 4096, False
-  assert build.shared_prefix_for(engine, tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT) is None
+  short = dataclasses.replace(engine, max_prefill_length=len(prefix))   # no room for a problem
+  assert build.shared_prefix_for(short, tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT) is None
+  off = dataclasses.replace(engine, shared_prefix_cache=False)
+  assert build.shared_prefix_for(off, tokenizer, tk.MAGISTRAL_SYSTEM_PROMPT) is None
   # Without a system prompt only the template's head is shared: too short to be worth it.
-  engine.shared_prefix_cache = True
   assert len(build.shared_prompt_prefix(tokenizer, None)) < SHARED_PREFIX_MIN_TOKENS
   assert build.shared_prefix_for(engine, tokenizer, None) is None

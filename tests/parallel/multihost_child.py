@@ -21,7 +21,8 @@ import numpy as np
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import make_mesh, multihost
-from magistral_jax.parallel.sharding import GENERATOR_RULES, TRAINER_RULES, param_shardings
+from magistral_jax.parallel.sharding import param_shardings
+from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
 from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,
                                            serve_generator, weight_transfer)
 from magistral_jax.pipeline.errors import PipelineError

@@ -12,7 +12,8 @@ import pytest
 
 from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import TRAINER_RULES, make_mesh
+from magistral_jax.parallel.sharding import make_mesh
+from magistral_jax.parallel.config import TRAINER_RULES
 from magistral_jax.pipeline.rollouts import Rollouts
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig

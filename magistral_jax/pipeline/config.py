@@ -1,0 +1,47 @@
+"""The run config's `pipeline` section: the paper's asynchronous bounds (paper §4, §5)."""
+from __future__ import annotations
+
+import dataclasses
+
+from magistral_jax.rl.config import GRPOConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """The run config's `pipeline` section (magistral_jax/config.py takes its defaults from here)."""
+  mode: str = "async"        # 'async' (paper) | 'sync' (barrier between phases)
+  # The paper's n_async (paper §4: n_async / n_batch <= 2 for Medium): completions generated and
+  # not yet trained on (generating, scoring, waiting for their group or a batch, being trained
+  # on). 0 means 2 * n_batch.
+  n_async: int = 0
+  # Loosens that bound: generating + queued may reach n_async + max_queue, while generating alone
+  # stays within n_async. 0 (the default) is the paper's bound.
+  max_queue: int = 0
+  sample_every: int = 5      # log one decoded sample every N batches (0 = never)
+  batch_timeout_s: float = 1800.0  # a batch that does not fill in this time is an error, not a hang
+  # Stop, naming the likely cause (e.g. no completion meets the format), once this many groups in
+  # a row were dropped: no batch can form. 0 = never. A run that drops 95% of its groups at random
+  # sees 256 in a row about once in 10^7 groups (98%: once in 10^4).
+  max_consecutive_dropped: int = 256
+  wait_log_s: float = 30.0   # while the trainer waits for a batch, a progress line this often
+
+  def __post_init__(self):
+    if self.mode not in ("async", "sync"):
+      raise ValueError(f"pipeline.mode must be async|sync, got {self.mode!r}")
+    if (min(self.n_async, self.max_queue, self.sample_every, self.max_consecutive_dropped,
+            self.wait_log_s) < 0 or self.batch_timeout_s <= 0):
+      raise ValueError(f"pipeline: n_async, max_queue, sample_every, max_consecutive_dropped, "
+                       f"wait_log_s must be >= 0 and batch_timeout_s > 0, got {self}")
+
+  def bounds(self, grpo: GRPOConfig) -> tuple[int, int]:
+    """(n_async, max_queue) with the 0 default of n_async resolved; errors for bounds that could
+    never fill a batch."""
+    n_async = self.n_async or 2 * grpo.n_batch
+    if self.mode == "async":
+      if n_async < grpo.group_size:
+        raise ValueError(f"n_async={n_async} < group_size={grpo.group_size}: no group could "
+                         "ever be submitted")
+      if n_async + self.max_queue < grpo.n_batch:
+        raise ValueError(f"n_async + max_queue = {n_async + self.max_queue} < "
+                         f"n_batch={grpo.n_batch}: a batch could never fill")
+    return n_async, self.max_queue

@@ -1,0 +1,84 @@
+"""A run's generators: one engine and continuous-batching loop per device slice, built from the
+`engine` and `sampling` sections, and the prompt prefix they share."""
+from __future__ import annotations
+
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
+from magistral_jax.generate.cpu_options import tune_engine
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.config import GENERATOR_RULES
+from magistral_jax.parallel.sharding import make_mesh
+
+
+_PREFIX_PROBES = ("0", "x + y = ?", "Why?", "\n# Title", "Le problème", "```python", " x",
+                  "  (a)")
+
+
+def shared_prompt_prefix(tokenizer, system_prompt: str | None) -> list[int]:
+  """The token ids every chat prompt of a run starts with: the common prefix of the chat
+  template rendered around a few unlike probe problems (the template's head and the system
+  prompt; a boundary token that a problem's first characters could merge into is left out
+  because the probes disagree on it). GeneratorLoop checks each prompt against it anyway."""
+  return common_prefix([tokenizer.apply_chat_template(p, system_prompt) for p in _PREFIX_PROBES])
+
+
+def shared_prefix_for(engine_cfg: EngineConfig, tokenizer,
+                      system_prompt: str | None) -> list[int] | None:
+  """What a run's generators get as `shared_prefix` (engine.shared_prefix_cache): the prompts'
+  common prefix when it is worth caching (prefix_cache.useful_shared_prefix: at least
+  SHARED_PREFIX_MIN_TOKENS tokens, room left under engine.max_prefill_length), else None."""
+  if not engine_cfg.shared_prefix_cache:
+    return None
+  return useful_shared_prefix(shared_prompt_prefix(tokenizer, system_prompt),
+                              engine_cfg.max_prefill_length)
+
+
+def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig,
+               engine_cfg: EngineConfig = EngineConfig(), *, engines: dict | None = None,
+               mesh_shape: dict | None = None, rules=GENERATOR_RULES) -> Engine:
+  """An Engine on `devices` (mesh `mesh_shape`, default tensor parallel over them), shaped by
+  the `engine` section, decoding up to sampling.max_new_tokens. With `engines` (a run's dict of
+  the engines it has built) the one built before with the same mesh, rules, shapes and
+  compiled-in sampling (top-p, top-k, greedy) is reused, so the run's evaluation and each
+  stage's generators on those devices share its compiled programs: the sampling temperature is
+  an input of them, and a loop brings its own (GeneratorLoop's `sampling`). Without a match (or
+  without `engines`) a new one is built."""
+  mesh = make_mesh(dict(mesh_shape or {"tensor": len(devices)}), devices)
+  shape = dict(max_concurrent_decodes=engine_cfg.max_concurrent_decodes,
+               max_prefill_length=engine_cfg.max_prefill_length,
+               max_decode_length=sampling.max_new_tokens,
+               attention_windows=engine_cfg.attention_windows)
+  key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape,
+         repr(tuple(rules)), sampling.top_p, sampling.top_k, sampling.greedy,
+         tuple(sorted(shape.items())))
+  if engines is not None and key in engines:
+    return engines[key]
+  engine = Engine(model_cfg, mesh, rules, sampling=sampling, **shape)
+  if engines is not None:
+    engines[key] = engine
+  return engine
+
+
+def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig,
+                    engine_cfg: EngineConfig = EngineConfig(), *, mesh_shape: dict | None = None,
+                    version: int = 0, detokenize=None, seed: int = 0, rules=GENERATOR_RULES,
+                    shared_prefix=None, engines: dict | None = None) -> list[GeneratorLoop]:
+  """One engine + generator loop per device slice (tensor parallel over the slice by default),
+  shaped and run as the `engine` section says (generate/config.py EngineConfig), decoding up to
+  sampling.max_new_tokens. With engine_cfg.tune each engine times its decode step with both CPU
+  dot libraries and keeps the faster, for its drain (compact) steps too (a no-op on
+  accelerators). `shared_prefix`: token ids most prompts start with, prefilled once per weights
+  version (see shared_prefix_for). `engines`: see engine_for (a run passes its dict, so an engine
+  built before on a slice is reused)."""
+  loops = []
+  for i, devs in enumerate(device_slices):
+    engine = engine_for(model_cfg, devs, sampling, engine_cfg, engines=engines,
+                        mesh_shape=mesh_shape, rules=rules)
+    loop = GeneratorLoop(engine, params, version, sampling=sampling, detokenize=detokenize,
+                         seed=seed + i, shared_prefix=shared_prefix, options=engine_cfg)
+    if engine_cfg.tune:
+      tune_engine(engine, loop.params)
+    loops.append(loop)
+  return loops
