@@ -70,12 +70,12 @@ import common
 
 import psutil
 
-from magistral_jax.data import records
+from magistral_jax.prompt_helpers import prompt_helpers
 from magistral_jax.rewards import RewardConfig, code_check, sandbox
 from magistral_jax.rewards import reward as reward_mod
-from magistral_jax.rewards.attacks import SEARCH
+from magistral_jax.rewards.code_cpp import CXX_FLAGS, precompiled_header_dir
+from magistral_jax.rewards.code_stdio import outputs_match, task_tolerance
 from magistral_jax.verify import VerifierPool
-from magistral_jax.verify import pool as pool_mod
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
 PROJECT = common.ROOT
@@ -85,6 +85,11 @@ SECRET = secrets.token_hex(16)                  # planted outside any run dir
 WRITE_TARGETS = ["/tmp", "/dev/shm", "/var/tmp", HOME, PROJECT]
 PLANT_DIRS = ["/tmp", "/dev/shm", HOME, PROJECT]
 PYTHON = code_check.default_python()
+# The search-and-print forgery of the hostile sandbox tests (tests/rewards/test_sandbox_hostile.py
+# says what it reaches for): a program text they and this benchmark share.
+with open(os.path.join(common.ROOT, "tests", "rewards", "search_attack.txt"),
+          encoding="utf-8") as f:
+  SEARCH = f.read()
 
 
 def _code(src: str, lang: str = "python") -> str:
@@ -582,8 +587,8 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
     t = item.task
     if "tests" not in t:
       if "test_code" in t:
-        # The prompt's helpers over the candidate's, as the harness runs them (code_check.py).
-        helpers = records.prompt_helpers(t.get("problem", ""), t["entry_point"]) or ""
+        # The prompt's helpers over the candidate's, as the harness runs them (code_asserts.py).
+        helpers = prompt_helpers(t.get("problem", ""), t["entry_point"]) or ""
         test = f"{helpers}\n{t['test_code']}\ncheck({t['entry_point']})\n"
       else:
         test = (t.get("test_setup_code") or "") + "\n" + "\n".join(t["test_list"]) + "\n"
@@ -598,8 +603,8 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
     if item.lang == "cpp":
       with open(os.path.join(d, "prog.cpp"), "w") as f:
         f.write(item.src)
-      pch = code_check.precompiled_header_dir()
-      argv = ["g++", *code_check.CXX_FLAGS] + ([f"-I{pch}"] if pch else []) + \
+      pch = precompiled_header_dir()
+      argv = ["g++", *CXX_FLAGS] + ([f"-I{pch}"] if pch else []) + \
           ["prog.cpp", "-o", "prog"]
       if subprocess.run(argv, capture_output=True, timeout=60, cwd=d).returncode != 0:
         return False
@@ -614,9 +619,8 @@ def bare_run(item: Item, root: str, timeout_s: float = 10.0) -> bool:
                            timeout=timeout_s, cwd=d)
       except subprocess.TimeoutExpired:
         return False
-      if r.returncode != 0 or not code_check.outputs_match(r.stdout.decode(errors="replace"),
-                                                           case["output"],
-                                                           code_check.task_tolerance(t)):
+      if r.returncode != 0 or not outputs_match(r.stdout.decode(errors="replace"),
+                                                case["output"], task_tolerance(t)):
         return False
     return True
   finally:
@@ -1121,7 +1125,7 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
                         max_tasks_per_worker=max_tasks_per_worker)
     # Every sandbox uid of this process (its pools' slots and a stand-alone Sandbox's).
     block = sandbox.process_uid_base()
-    uids = range(min(block, pool.uid_base), max(block + pool_mod.UIDS_PER_PROCESS,
+    uids = range(min(block, pool.uid_base), max(block + sandbox.UIDS_PER_PROCESS,
                                                 pool.uid_base + workers))
     try:
       # Warm: every worker ready (a trivial task each), then the start RSS.

@@ -23,7 +23,9 @@ import time
 import common
 
 from magistral_jax.rewards import RewardConfig
-from magistral_jax.rewards import code_check, math_check, sandbox
+from magistral_jax.rewards import code_check, code_cpp, math_check, sandbox
+from magistral_jax.rewards.code_asserts import run_assert_tests
+from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.verify import VerifierPool
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
@@ -88,7 +90,7 @@ def bench_python(n):
   progs = humaneval_programs(n)
   python = code_check.default_python()
   sbx = sandbox.default_sandbox()
-  limits = sandbox.Limits(cpu_s=4.0, memory_mb=300)
+  limits = Limits(cpu_s=4.0, memory_mb=300)
   # Bare baseline: the same program in a file, run with subprocess.run.
   d = tempfile.mkdtemp()
   files = []
@@ -109,7 +111,7 @@ def bench_python(n):
     t = time.perf_counter()
     w = sbx.make_dir()
     try:
-      sbx_ok += code_check._run_assert_tests(sbx, w, python, code, test, entry, limits).passed
+      sbx_ok += run_assert_tests(sbx, w, python, code, test, entry, limits).passed
     finally:
       sbx.remove_dir(w)
     sbx_s += time.perf_counter() - t
@@ -131,8 +133,8 @@ int main() { int n; cin >> n; vector<long long> a(n); for (auto &x : a) cin >> x
 def bench_cpp(repeats):
   sbx = sandbox.default_sandbox()
   t = time.perf_counter()
-  code_check._pch_dirs.clear()
-  pch = code_check.precompiled_header_dir()
+  code_cpp._pch_dirs.clear()
+  pch = code_cpp.precompiled_header_dir()
   pch_ready_s = time.perf_counter() - t
   out = {}
   for name, use in (("pch", True), ("no_pch", False)):
@@ -140,7 +142,7 @@ def bench_cpp(repeats):
     for _ in range(repeats):   # the compile alone, each in a fresh sandbox dir
       w = sbx.make_dir()
       t = time.perf_counter()
-      ok, msg = code_check.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use)
+      ok, msg = code_cpp.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use)
       times.append(time.perf_counter() - t)
       sbx.remove_dir(w)
       assert ok, msg

@@ -18,14 +18,11 @@ aborts the file.
 """
 import json
 import os
-import sys
 
 from absl import app, flags, logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from magistral_jax.rewards import RewardConfig  # noqa: E402
-from magistral_jax.verify.score_file import score_file  # noqa: E402
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.verify.score_file import score_file
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "JSONL file of completions.")

@@ -63,7 +63,7 @@ SERIAL = {
     "tests/rewards/test_sandbox_hostile.py": "scans the host for escaped files and processes",
     "tests/rewards/test_sandbox_soak.py": "scans the host for leaked sandboxes",
     "tests/verify/test_pool.py": "task timeouts and leak checks",
-    "tests/data/test_code_filter.py": "4 s sandbox timeouts",
+    "tests/curate/test_code_filter.py": "4 s sandbox timeouts",
 }
 
 

@@ -42,7 +42,7 @@ def _canon(out: str) -> str:
 
 
 def _matches(got, expected: str) -> bool:
-  from magistral_jax.rewards.code_check import outputs_match   # the reward's own comparison
+  from magistral_jax.rewards.code_stdio import outputs_match   # the reward's own comparison
   return got is not None and outputs_match(got, expected)
 
 
@@ -112,7 +112,9 @@ def sandbox_run_fn(*, timeout_s: float = 4.0, memory_mb: int = 300, compile_time
                    python: str | None = None) -> RunFn:
   """Runs solutions in the rewards' sandbox with the reward's limits (4 s, 300 MB per test)."""
   from magistral_jax.rewards import code_check
-  from magistral_jax.rewards.sandbox import Limits, default_sandbox
+  from magistral_jax.rewards.code_cpp import compile_cpp
+  from magistral_jax.rewards.sandbox import default_sandbox
+  from magistral_jax.rewards.sandbox_limits import Limits
   limits = Limits(cpu_s=timeout_s, memory_mb=memory_mb)
   py = python or code_check.default_python()
 
@@ -134,7 +136,7 @@ def sandbox_run_fn(*, timeout_s: float = 4.0, memory_mb: int = 300, compile_time
     workdir = sbx.make_dir()
     try:
       if lang == "cpp":
-        ok, msg = code_check.compile_cpp(sbx, workdir, solution["code"], compile_timeout_s)
+        ok, msg = compile_cpp(sbx, workdir, solution["code"], compile_timeout_s)
         if not ok:
           log.info("%s: reference solution does not compile: %s", rec["id"], msg)
           return [None] * len(tests)

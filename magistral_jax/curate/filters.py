@@ -18,18 +18,18 @@ import multiprocessing
 import os
 from typing import Sequence
 
-from magistral_jax.data import code_filter as cf
-from magistral_jax.data import difficulty as df
+from magistral_jax.curate import code_filter as cf
+from magistral_jax.curate import difficulty as df
+from magistral_jax.curate import translate as tr
 from magistral_jax.data import format_filter as ff
 from magistral_jax.data import jsonl
 from magistral_jax.data import tfds_builders
-from magistral_jax.data import translate as tr
 
 log = logging.getLogger(__name__)
 
 # Each filter and the record kind it applies to, in the order they run. "difficulty" needs
 # samplers (a generator per checkpoint) and a grader; "translate" a translator: both are passed in
-# (launch/filter_data.py builds them from model files).
+# (curate/run.py builds them from model files).
 FILTERS = {"format": "math", "code": "code", "difficulty": "math", "translate": "math"}
 
 

@@ -18,9 +18,10 @@ reason; readers count the reason and skip the row, so a bad row never stops a bu
 """
 from __future__ import annotations
 
-import ast
 import os
 from typing import Any, Callable, Mapping
+
+from magistral_jax.prompt_helpers import prompt_helpers
 
 KINDS = ("math", "code", "sft")
 TEST_TYPES = ("stdin_stdout", "assert")
@@ -153,22 +154,6 @@ def code_canonical(row, *, source: str, row_number: int) -> dict:
       "solutions": _solutions(_field(row, "solutions", required=False, default=[]), "python"),
       "source": _text(row, "source", required=False, default=source) or source,
   }
-
-
-def prompt_helpers(prompt: str, entry_point: str) -> str | None:
-  """The prompt's own code less the function to write: the helpers a HumanEval prompt defines
-  beside the entry point (`poly` beside `find_zero`, `encode_shift` beside `decode_shift`), its
-  imports and constants. None when the prompt is not Python that defines `entry_point`."""
-  try:
-    tree = ast.parse(prompt)
-  except (SyntaxError, ValueError, RecursionError, MemoryError):
-    return None
-  is_entry = lambda n: (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        and n.name == entry_point)
-  if not any(is_entry(n) for n in tree.body):
-    return None
-  tree.body = [n for n in tree.body if not is_entry(n)]
-  return ast.unparse(tree)
 
 
 def humaneval(row, *, source: str, row_number: int) -> dict:

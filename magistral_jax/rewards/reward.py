@@ -13,6 +13,7 @@ import traceback
 from typing import Any, Sequence
 
 from magistral_jax.rewards import code_check, format as fmt, language, math_check, sandbox
+from magistral_jax.rewards.code_result import VerifierFault
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.length import length_penalty
 
@@ -82,7 +83,7 @@ def compute_reward(task: dict, response: str, response_tokens: int | None, cfg: 
   """
   try:
     return _compute(task, response, response_tokens, cfg, group_seed)
-  except code_check.VerifierFault as e:   # no verdict: the group is dropped, not scored wrong
+  except VerifierFault as e:   # no verdict: the group is dropped, not scored wrong
     return failed_result(f"{VERIFIER_FAULT}: {e}")
   except (ValueError, TypeError, KeyError) as e:
     return failed_result(f"{BAD_TASK}: {type(e).__name__}: {e}")

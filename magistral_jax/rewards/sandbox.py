@@ -38,9 +38,9 @@ construction rather than by a check on the instance:
     program plants is in its own tmpfs, which nothing of ours ever opens.
   - Hangs in our own process: the memfd means no open() and no pipe write of ours for stdin
     (a FIFO cannot block us, nor a program that never reads); the conversation with a Python
-    candidate (Channel) writes non-blocking, draining its output meanwhile, and every read and
-    write stops at the run's deadline. Decoding refuses sets and dict keys whose hashes collide
-    (code_check.py), so it stays linear.
+    candidate (sandbox_channel.py) writes non-blocking, draining its output meanwhile, and every
+    read and write stops at the run's deadline. Decoding refuses sets and dict keys whose hashes
+    collide (code_codec.py), so it stays linear.
   - Cleanup that could be defeated, and unbounded writes: what the program writes lives in its
     tmpfs (size and inode quota), gone with the namespace: no 2,500-deep tree or gigabyte ever
     reaches the host. The host directory holds only our files and the compiler's output, and
@@ -256,7 +256,8 @@ class Sandbox:
               SETUP_SOURCE, repr(spec), *([] if python_src is not None else argv)], None
     if isolation == ISOLATION_NAMESPACES:
       # setpriv/prlimit instead of a Python preexec_fn: without one, subprocess can vfork, which
-      # saves ~10 ms per run in a worker that holds SymPy (a plain fork copies its page tables).
+      # spares every run the copy of the page tables that a plain fork makes in a worker that
+      # holds SymPy.
       return [*self._prefix, *prlimit_args(limits), "--", self._unshare, "--net", "--ipc",
               "--pid", "--fork", "--kill-child", f"--setuid={self.uid}", f"--setgid={self.uid}", "--",
               *argv], None

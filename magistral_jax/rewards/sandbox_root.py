@@ -11,7 +11,7 @@ import os
 # argv: spec (a Python literal), then the program's argv.
 SETUP_SOURCE = r"""
 import ctypes, os, sys
-# The spec is a literal we wrote (repr); eval without builtins, not json (~20 ms of imports).
+# The spec is a literal we wrote (repr); eval without builtins, not json (whose imports cost).
 spec = eval(sys.argv[1], {"__builtins__": {}}); argv = sys.argv[2:]
 libc = ctypes.CDLL(None, use_errno=True)
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18

@@ -3,7 +3,7 @@
 One dispatcher thread owns the workers. It hands a task to an idle worker, waits on the result
 pipes, the worker sentinels and a wake-up pipe, and enforces each task's deadline:
   - timeout: the worker is SIGKILLed, the future gets reward 0 with an error, and a fresh worker
-    takes the slot once the old one's sandboxes are gone (see "Sandboxes of a dead worker");
+    takes the slot once the old one's sandboxes are gone (verify/uids.py);
   - crash: same, with "worker died";
   - recycling: after `max_tasks_per_worker` tasks a successor is started in the background; the
     old worker keeps taking tasks until the successor reports ready (a worker needs seconds to
@@ -16,24 +16,9 @@ serving. Should the dispatcher fail anyway, every running and queued task resolv
 that names the failure, and `submit` raises from then on ("verifier pool stopped: ...").
 
 Workers are started with the "spawn" method: the parent is usually a JAX process with threads,
-where fork is unsafe.
-
-Sandbox uids. Each slot owns an unprivileged uid for its sandbox, `uid_base + slot`, taken from
-this process's block 1_000_000 + 256 * pid + k, k = 0..254 (k = 255 is a stand-alone Sandbox's).
-Pools alive in one process get disjoint slots of the block, so no two live workers anywhere on
-the machine share a uid, and killing every process of a slot's uid hits only that slot's
-sandboxes.
-
-Sandboxes of a dead worker. As root, the sandbox's setup drops to the slot uid with setresuid,
-which clears the parent-death signal that `unshare --kill-child` armed on the namespace's first
-process; the sandbox re-arms it, but a worker SIGKILLed in between leaves that run alive (issue
-#50: 65 processes outlived the scorer, the slot uids sat at their RLIMIT_NPROC and the next
-compiles failed). So whenever a worker is killed or dies, and for every slot at start and at
-close, the pool kills every process of the slot's uid (a process running as that uid sends
-SIGKILL to all it may signal: `setpriv --reuid=U -- kill -9 -1`) and waits until none is left,
-before the slot's successor starts. Without root nothing needs it, and nothing could do it: the
-sandbox then runs in a user namespace as our own uid (a kill as that uid would hit us), and it
-never changes uid, so the parent-death signal is never cleared.
+where fork is unsafe. The worker's side, and starting and stopping one: verify/worker.py. Each
+slot's sandboxes run as a uid of its own, and whatever still runs as it once its worker is gone
+is killed: verify/uids.py.
 """
 from __future__ import annotations
 
@@ -46,174 +31,18 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import queue
-import shutil
-import signal
-import subprocess
 import threading
 import time
 
 from magistral_jax.rewards import sandbox
-from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
 from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import RewardResult, failed_result
+from magistral_jax.verify.config import VerifierConfig
+from magistral_jax.verify.uids import (MAX_SLOTS, MIN_SWEEP_UID, kill_uid_processes,
+                                       release_uid_offsets, slot_uids)
+from magistral_jax.verify.worker import Worker, start_worker, stop_worker
 
 log = logging.getLogger(__name__)
-
-UIDS_PER_PROCESS = sandbox.UIDS_PER_PROCESS
-MAX_SLOTS = UIDS_PER_PROCESS - 1       # slots 0..254; 255 is a stand-alone Sandbox's uid
-# Below this a uid may be a real account (or root, or ours): never kill all of its processes.
-MIN_SWEEP_UID = 100_000
-
-_uid_lock = threading.Lock()
-_uid_offsets_in_use: set[int] = set()   # offsets in this process's block held by live pools
-
-
-def claim_uid_offsets(n: int) -> int:
-  """The first of `n` consecutive free offsets (0..254) in this process's uid block."""
-  with _uid_lock:
-    for first in range(MAX_SLOTS - n + 1):
-      if _uid_offsets_in_use.isdisjoint(range(first, first + n)):
-        _uid_offsets_in_use.update(range(first, first + n))
-        return first
-    held = len(_uid_offsets_in_use)
-  raise ValueError(f"no {n} free sandbox uids left for a verifier pool in this process: its other "
-                   f"pools hold {held} of the {MAX_SLOTS} slot uids")
-
-
-def slot_uids(num_workers: int, uid_base: int | None) -> tuple[int, range]:
-  """(uid_base, the offsets claimed in this process's block) for a pool of `num_workers` slots:
-  `uid_base` as given (nothing claimed), or claimed from this process's block when None. Give
-  the offsets back with release_uid_offsets when the pool closes."""
-  if uid_base is not None:
-    return uid_base, range(0)
-  first = claim_uid_offsets(num_workers)
-  return sandbox.process_uid_base() + first, range(first, first + num_workers)
-
-
-def release_uid_offsets(offsets: range):
-  with _uid_lock:
-    _uid_offsets_in_use.difference_update(offsets)
-
-
-def uid_processes(uid: int) -> tuple[list[int], int]:
-  """(pids of the live processes, count of zombies) whose real, effective, saved or filesystem
-  uid is `uid`, from /proc/*/status."""
-  live, zombies = [], 0
-  want = str(uid)
-  for name in os.listdir("/proc"):
-    if not name.isdigit():
-      continue
-    try:
-      with open(f"/proc/{name}/status") as f:
-        status = f.read()
-    except OSError:   # exited meanwhile
-      continue
-    state = uids = None
-    for line in status.splitlines():
-      if line.startswith("State:"):
-        state = line.split()[1:2]
-      elif line.startswith("Uid:"):
-        uids = line.split()[1:]
-        break   # State comes before Uid
-    if uids is None or want not in uids:
-      continue
-    if state and state[0] in ("Z", "X"):   # dead, waiting to be reaped: nothing left to kill
-      zombies += 1
-    else:
-      live.append(int(name))
-  return live, zombies
-
-
-def _kill_as(uid: int, timeout_s: float):
-  """Runs `kill -9 -1` as `uid`: the kernel signals every process that uid may signal (all of
-  its own, in any PID namespace below ours) in one pass that forks cannot race, except the
-  killer itself. No preexec_fn: the pool lives in threaded (JAX) processes."""
-  setpriv, kill = shutil.which("setpriv"), shutil.which("kill")
-  if not setpriv or not kill:
-    return
-  try:
-    subprocess.run([setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", kill,
-                    "-9", "-1"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, close_fds=True, timeout=max(0.1, timeout_s))
-  except subprocess.TimeoutExpired:
-    pass   # the rounds below go on; what is left is reported
-
-
-def _kill_pid_of(pid: int, uid: int):
-  """SIGKILLs `pid` if it still runs as `uid` (a pidfd, so a recycled pid is never hit): the
-  backstop where `kill -1` could not run (no setpriv, or its exec refused at the uid's
-  RLIMIT_NPROC)."""
-  try:
-    fd = os.pidfd_open(pid)
-  except (AttributeError, OSError):
-    return
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      uids = next(l.split()[1:] for l in f if l.startswith("Uid:"))
-    if str(uid) in uids:
-      signal.pidfd_send_signal(fd, signal.SIGKILL)
-  except (OSError, StopIteration, AttributeError):
-    pass
-  finally:
-    os.close(fd)
-
-
-def kill_uid_processes(uid: int, timeout_s: float = 5.0) -> tuple[int, int]:
-  """Kills every process of `uid` and waits (at most `timeout_s`) until none is left alive.
-  Returns (processes alive at the start, processes still alive at the end). Root only: the
-  caller checks. Refuses uids below MIN_SWEEP_UID and our own."""
-  if uid < MIN_SWEEP_UID or uid in (os.getuid(), os.geteuid()):
-    raise ValueError(f"refusing to kill every process of uid {uid}: not a sandbox uid")
-  live, _ = uid_processes(uid)
-  found = len(live)
-  deadline = time.monotonic() + timeout_s
-  while live and time.monotonic() < deadline:
-    _kill_as(uid, deadline - time.monotonic())
-    for pid in live:
-      _kill_pid_of(pid, uid)
-    settle = min(deadline, time.monotonic() + 0.5)
-    while live and time.monotonic() < settle:   # SIGKILLed processes take moments to exit
-      time.sleep(0.01)
-      live, _ = uid_processes(uid)
-  return found, len(live)
-
-
-def _worker_main(conn, slot: int, uid: int, cfg: RewardConfig):
-  import signal
-  signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
-  from magistral_jax.rewards import sandbox
-  from magistral_jax.rewards import math_check, language
-  sandbox.configure(uid=uid, allow_weak=cfg.allow_weak_sandbox)
-  try:   # warm the heavy imports before reporting ready
-    math_check.math_equal("1", "1")
-    language.detect_language("warm up")
-  except Exception:
-    pass
-  conn.send(("ready", os.getpid()))
-  while True:
-    try:
-      msg = conn.recv()
-    except (EOFError, OSError):
-      return
-    if msg is None:
-      return
-    tid, task, response, response_tokens, group_seed = msg
-    try:
-      res = compute_reward(task, response, response_tokens, cfg, group_seed)
-    except BaseException as e:   # compute_reward catches Exception; this is SystemExit & co.
-      res = failed_result(f"worker error: {type(e).__name__}: {e}")
-    conn.send(("done", tid, res))
-
-
-@dataclasses.dataclass
-class _Worker:
-  slot: int
-  proc: mp.Process
-  conn: mpc.Connection
-  ready: bool = False
-  tid: int | None = None
-  deadline: float = 0.0
-  tasks_done: int = 0
-  retired: bool = False
 
 
 @dataclasses.dataclass
@@ -233,7 +62,7 @@ class VerifierPool:
                sweep_timeout_s: float = 5.0):
     if not 1 <= num_workers <= MAX_SLOTS:
       raise ValueError(f"num_workers must be in 1..{MAX_SLOTS} (each slot takes one of the "
-                       f"{UIDS_PER_PROCESS} sandbox uids of this process, the last is a "
+                       f"{sandbox.UIDS_PER_PROCESS} sandbox uids of this process, the last is a "
                        f"stand-alone Sandbox's), got {num_workers}")
     self.num_workers = num_workers
     self.reward_cfg = reward_cfg or RewardConfig()
@@ -259,21 +88,28 @@ class VerifierPool:
     self._wake_r, self._wake_w = os.pipe()
     os.set_blocking(self._wake_w, False)
     os.set_blocking(self._wake_r, False)
-    self._successors: dict[int, _Worker] = {}   # slot -> worker starting up to replace it
-    self._workers: list[_Worker] = []
+    self._successors: dict[int, Worker] = {}   # slot -> worker starting up to replace it
+    self._workers: list[Worker] = []
     try:
       for s in range(num_workers):
         self._sweep(s)   # a previous process with our pid may have left runs of these uids
         self._workers.append(self._start_worker(s))
     except BaseException:   # e.g. no process could be started: give back what we took
       for w in self._workers:
-        self._stop_worker(w, kill=True)
+        stop_worker(w, self._cleanup, kill=True)
       self._closed = True
       release_uid_offsets(self._uid_offsets)
       raise
     self._t0 = time.monotonic()
     self._thread = threading.Thread(target=self._dispatch, name="verifier-pool", daemon=True)
     self._thread.start()
+
+  @classmethod
+  def from_config(cls, cfg: VerifierConfig,
+                  reward_cfg: RewardConfig | None = None) -> "VerifierPool":
+    """The pool the run config's `verifier` section describes, scoring with `reward_cfg`."""
+    return cls(num_workers=cfg.num_workers, reward_cfg=reward_cfg,
+               task_timeout_s=cfg.task_timeout_s, max_tasks_per_worker=cfg.max_tasks_per_worker)
 
   # ------------------------------------------------------------------ public API
 
@@ -367,17 +203,12 @@ class VerifierPool:
     except (BlockingIOError, OSError):
       pass   # pipe full: the dispatcher is already due to wake
 
-  def _all_workers(self) -> list[_Worker]:
+  def _all_workers(self) -> list[Worker]:
     """The slot holders and the successors starting up to replace them."""
     return [*self._workers, *self._successors.values()]
 
-  def _start_worker(self, slot: int) -> _Worker:
-    parent, child = self._ctx.Pipe(duplex=True)
-    proc = self._ctx.Process(target=_worker_main, name=f"verifier-{slot}",
-                             args=(child, slot, self.uid_base + slot, self.reward_cfg), daemon=True)
-    proc.start()
-    child.close()
-    return _Worker(slot, proc, parent)
+  def _start_worker(self, slot: int) -> Worker:
+    return start_worker(self._ctx, slot, self.uid_base + slot, self.reward_cfg)
 
   def _cleanup(self, what: str, fn, *args):
     """Runs one cleanup step. Its failure is logged and counted, never raised: a cleanup that
@@ -391,24 +222,6 @@ class VerifierPool:
       log.error("verifier pool: %s failed (%s: %s); serving on", what, type(e).__name__, e,
                 exc_info=True)
       return None
-
-  def _stop_worker(self, w: _Worker, kill: bool):
-    w.retired = True
-    if not kill:
-      try:
-        w.conn.send(None)
-      except Exception:
-        kill = True
-    if kill:
-      self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
-    self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 1.0 if kill else 5.0)
-    if w.proc.is_alive():
-      self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
-      self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 1.0)
-    if not w.proc.is_alive():   # a killed worker leaves its run dir behind
-      self._cleanup(f"removing the run dirs of worker {w.proc.pid}", sandbox.remove_leftovers,
-                    w.proc.pid)
-    self._cleanup(f"closing the pipe of worker {w.proc.pid}", w.conn.close)
 
   def _sweep(self, slot: int):
     """Kills whatever still runs as the slot's uid (see the module docstring). Called only when
@@ -428,24 +241,24 @@ class VerifierPool:
     log.warning("verifier slot %d: killed %d process(es) of its sandbox uid %d that outlived their "
                 "worker%s", slot, found - left, uid, f"; {left} still alive" if left else "")
 
-  def _replace(self, w: _Worker, kill: bool):
+  def _replace(self, w: Worker, kill: bool):
     """Retires w; its successor (if one is ready) or a new worker takes the slot, once nothing of
     the slot's uid is left running."""
-    self._stop_worker(w, kill)
+    stop_worker(w, self._cleanup, kill)
     nxt = self._successors.pop(w.slot, None)
     if nxt is not None and not nxt.ready:
       # Still starting: its sandbox probes run as the slot uid, and the sweep below would kill
       # them (the worker would then settle for a weaker sandbox, or none). A fresh one follows.
-      self._stop_worker(nxt, kill=True)
+      stop_worker(nxt, self._cleanup, kill=True)
       nxt = None
     self._sweep(w.slot)
     if self._closed:
       if nxt is not None:
-        self._stop_worker(nxt, kill=True)
+        stop_worker(nxt, self._cleanup, kill=True)
       return
     self._workers[w.slot] = nxt if nxt is not None else self._start_worker(w.slot)
 
-  def _maybe_recycle(self, w: _Worker):
+  def _maybe_recycle(self, w: Worker):
     """Called when w is idle: starts its successor once w has done its share of tasks, and hands
     the slot over once the successor is ready."""
     if w.tasks_done < self.max_tasks_per_worker or self._closed:
@@ -575,7 +388,7 @@ class VerifierPool:
                         "timeouts")
           self._replace(w, kill=True)
 
-  def _on_successor_event(self, nxt: _Worker, obj):
+  def _on_successor_event(self, nxt: Worker, obj):
     """A message or exit of a successor that is still starting up (it sends only "ready")."""
     if obj is nxt.conn:
       try:
@@ -594,9 +407,9 @@ class VerifierPool:
     log.warning("verifier successor for slot %d died while starting (exit code %s)", nxt.slot,
                 nxt.proc.exitcode)
     del self._successors[nxt.slot]
-    self._stop_worker(nxt, kill=True)
+    stop_worker(nxt, self._cleanup, kill=True)
 
-  def _on_crash(self, w: _Worker, running: dict):
+  def _on_crash(self, w: Worker, running: dict):
     if self._workers[w.slot] is not w or w.retired:
       return
     code = w.proc.exitcode
@@ -614,7 +427,7 @@ class VerifierPool:
     """Stops every worker: asks them to exit (kills them after 5 s, or at once unless
     `graceful`), removes their run dirs, then kills whatever still runs as a slot uid."""
     for w in list(self._successors.values()):
-      self._stop_worker(w, kill=True)
+      stop_worker(w, self._cleanup, kill=True)
     self._successors.clear()
     for w in self._workers:
       if w.retired or not graceful:

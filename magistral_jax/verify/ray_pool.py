@@ -14,7 +14,7 @@ import time
 
 from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
 from magistral_jax.rewards.config import RewardConfig
-from magistral_jax.verify.pool import release_uid_offsets, slot_uids
+from magistral_jax.verify.uids import release_uid_offsets, slot_uids
 
 
 def _ray():

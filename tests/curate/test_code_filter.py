@@ -1,7 +1,7 @@
 """Code filter: reference solutions, run in the real sandbox, vote on the tests."""
 import pytest
 
-from magistral_jax.data import code_filter as cf
+from magistral_jax.curate import code_filter as cf
 
 SUM_OK = "a, b = map(int, input().split())\nprint(a + b)\n"
 SUM_OK2 = "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from magistral_jax.data import difficulty as D
-from magistral_jax.rewards.reward import compute_reward
+from magistral_jax.curate import difficulty as D
 from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward
 
 K = 8
 

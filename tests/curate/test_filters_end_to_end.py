@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from magistral_jax.data import difficulty as D
-from magistral_jax.data import filters
+from magistral_jax.curate import difficulty as D
+from magistral_jax.curate import filters
+from magistral_jax.curate import translate as T
 from magistral_jax.data import jsonl
 from magistral_jax.data import loader
-from magistral_jax.data import translate as T
 
 
 class ByteTokenizer:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from magistral_jax.data import translate as T
+from magistral_jax.curate import translate as T
 
 PROBLEM = "What is the sum of the first ten positive integers? Give the answer as an integer."
 # Translations written for this test; the translator below returns the one the prompt asks for.

@@ -113,7 +113,8 @@ def test_report_counts_each_drop_under_one_reason():
 
 def test_filter_to_dataset_writes_jsonl_report_and_a_loadable_dataset(tmp_path):
   import json
-  from magistral_jax.data import filters, jsonl, loader
+  from magistral_jax.curate import filters
+  from magistral_jax.data import jsonl, loader
   src = tmp_path / "raw.jsonl"
   with open(src, "w") as f:
     f.write(json.dumps({"id": "p", "problem": "Prove that 1 < 2.", "answer": "proof"}) + "\n")

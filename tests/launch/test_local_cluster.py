@@ -1,4 +1,4 @@
-"""launch/local_cluster.py: N processes of one run on this machine, their environment, prefixed
+"""launch/local_cluster.py (parallel/local_cluster.py): N processes of one run on this machine, their environment, prefixed
 logs, and supervision (a failure stops the rest, no orphan grandchildren). The children are small
 plain-Python scripts, no jax."""
 import io
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from magistral_jax.parallel import local_cluster
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import local_cluster  # noqa: E402
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 

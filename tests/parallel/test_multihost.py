@@ -5,15 +5,14 @@ with -9: the others stop within a bounded time, leaving no worker process behind
 across processes, a killed generator and the resume: tests/launch/test_multihost_run.py."""
 import io
 import os
-import sys
 import time
 
 import pytest
 
+from magistral_jax.parallel.local_cluster import run_cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-from local_cluster import run_cluster  # noqa: E402
 
 
 def _cluster(*args):
@@ -70,7 +69,6 @@ def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_pat
 
 def test_the_layout_of_one_process_and_its_errors():
   import jax
-  sys.path.insert(0, ROOT)
   from configs import tiny
   from magistral_jax.parallel import multihost
   assert multihost.process_layout(tiny.get_config()) is None   # one process: split_devices

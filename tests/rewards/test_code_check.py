@@ -7,7 +7,8 @@ import pytest
 
 import magistral_jax
 from magistral_jax.rewards import RewardConfig, compute_reward
-from magistral_jax.rewards.code_check import draw_tests, extract_code_block, outputs_match
+from magistral_jax.rewards.code_check import draw_tests, extract_code_block
+from magistral_jax.rewards.code_stdio import outputs_match
 
 SOURCES = os.path.join(os.path.dirname(magistral_jax.__file__), "data", "sources")
 CFG = RewardConfig(language_bonus=0.0)

@@ -12,8 +12,9 @@ import time
 import pytest
 
 import magistral_jax
-from magistral_jax.rewards import RewardConfig, code_check, compute_reward, sandbox
-from magistral_jax.rewards.attacks import SEARCH
+from magistral_jax.rewards import (RewardConfig, code_asserts, code_check, code_codec,
+                                   compute_reward, sandbox)
+from magistral_jax.rewards.sandbox_limits import Limits
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=3.0)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(magistral_jax.__file__)))
@@ -190,7 +191,15 @@ def test_the_dataset_and_its_answers_are_not_visible(sbx):
 
 # ----------------------------------------------------------------------------- forged verdicts
 
-# SEARCH (rewards/attacks.py): every place a token could hide in the candidate's process, printed.
+# SEARCH prints every string the candidate's process can reach (argv, the environment, its files,
+# every object the garbage collector tracks, every stack frame's globals and locals, other
+# processes' command lines and environments) on stdout and on every other file descriptor it may
+# hold. A harness that keeps a "passed" token where the candidate can reach it is forged by it;
+# ours keeps none there (rewards/code_asserts.py), so printing it all must never pass. A program
+# text, not a module of ours (bench/sandbox_soak.py reads it too); an exit appended makes it whole.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "search_attack.txt"),
+          encoding="utf-8") as f:
+  SEARCH = f.read()
 
 ANY_EQ = """
 class Any:
@@ -261,7 +270,7 @@ def test_forged_verdicts_do_not_pass(sbx, name, task):
   assert r.parts["correct"] == 0.0, (name, r.info)
   assert r.error is None, r.error
   # Stopped by its CPU limit, or, idle, at the wall-clock backstop behind it.
-  assert time.monotonic() - t0 < sandbox.Limits(cpu_s=CFG.test_timeout_s).backstop_s + 5
+  assert time.monotonic() - t0 < Limits(cpu_s=CFG.test_timeout_s).backstop_s + 5
 
 
 def test_right_answers_still_pass_under_the_same_harness(sbx):
@@ -301,26 +310,26 @@ def test_cpp_forgeries_do_not_pass(sbx):
 
 def test_no_secret_token_exists_to_find():
   # The verdict mechanism is values compared here; the old per-run secret is gone.
-  assert not hasattr(code_check, "_HARNESS") and "secret" not in code_check._DRIVER
+  assert not hasattr(code_check, "_HARNESS") and "secret" not in code_asserts._DRIVER
 
 
 def test_codec_round_trips_plain_values_and_rejects_the_rest():
   for v in [None, True, 0, -3, 2**70, 1.5, float("inf"), "s", [1, (2, 3)], {1: "a", (1,): {2}},
             frozenset({1}), b"\x00", 1 + 2j, [[[]]], {"t": 1}]:
-    back = code_check.decode_value(code_check.encode_value(v))
+    back = code_codec.decode_value(code_codec.encode_value(v))
     assert back == v and type(back) is type(v)
     # The driver writes the same JSON without the json module.
-    assert code_check.driver_write(v) == code_check.encode_value(v)
+    assert code_codec.driver_write(v) == code_codec.encode_value(v)
   class I(int):
     pass
   for bad in [I(1), object(), [object()], lambda: 0, {1: object()}]:
-    for write in (code_check.encode_value, code_check.driver_write):
+    for write in (code_codec.encode_value, code_codec.driver_write):
       with pytest.raises((TypeError, ValueError)):
         write(bad)
   deep = []
   for _ in range(200):
     deep = [deep]
-  for write in (code_check.encode_value, code_check.driver_write):
+  for write in (code_codec.encode_value, code_codec.driver_write):
     with pytest.raises(ValueError):
       write(deep)
 
@@ -333,7 +342,7 @@ def test_without_a_mount_namespace_the_sandbox_refuses(monkeypatch, caplog):
     s = sandbox.Sandbox()
   assert s.isolation == sandbox.ISOLATION_REFUSED and "REFUSING" in caplog.text
   with pytest.raises(sandbox.SandboxUnavailable):
-    s.run(["true"], "/", sandbox.Limits())
+    s.run(["true"], "/", Limits())
   monkeypatch.setattr(sandbox, "_default", s)
   assert sandbox.isolation_level() == sandbox.ISOLATION_REFUSED
   r = compute_reward(DOUBLE, _code("def f(x):\n  return 2 * x"), None, CFG)

@@ -15,8 +15,11 @@ import pytest
 
 import magistral_jax
 from magistral_jax.data import records
-from magistral_jax.rewards import RewardConfig, code_check, compute_reward, run_tree, sandbox
-from magistral_jax.verify.pool import uid_processes
+from magistral_jax.prompt_helpers import prompt_helpers
+from magistral_jax.rewards import RewardConfig, compute_reward, run_tree, sandbox
+from magistral_jax.rewards.code_codec import decode_parsed
+from magistral_jax.rewards.sandbox_limits import Limits
+from magistral_jax.verify.uids import uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(magistral_jax.__file__)))
@@ -84,10 +87,10 @@ def test_helpers_named_by_the_prompt_are_the_prompts(sbx, form):
 
 
 def test_prompt_helpers_drop_only_the_entry_point():
-  src = records.prompt_helpers(HUMANEVAL["HumanEval/32"]["prompt"], "find_zero")
+  src = prompt_helpers(HUMANEVAL["HumanEval/32"]["prompt"], "find_zero")
   assert "def poly" in src and "import math" in src and "find_zero" not in src
-  assert records.prompt_helpers("not python (", "f") is None
-  assert records.prompt_helpers("def g():\n  pass\n", "f") is None
+  assert prompt_helpers("not python (", "f") is None
+  assert prompt_helpers("def g():\n  pass\n", "f") is None
 
 
 # ----------------------------------------------------------------------------- the boundary
@@ -134,11 +137,11 @@ def test_a_flood_of_equal_hashes_is_refused_quickly():
   flood = {"s": [k * (2 ** 61 - 1) for k in range(1, 50001)]}
   t0 = time.monotonic()
   with pytest.raises(ValueError, match="colliding"):
-    code_check._decode_parsed(flood)
+    decode_parsed(flood)
   with pytest.raises(ValueError, match="colliding"):
-    code_check._decode_parsed({"d": [[k, 0] for k in flood["s"]]})
+    decode_parsed({"d": [[k, 0] for k in flood["s"]]})
   assert time.monotonic() - t0 < 5
-  assert code_check._decode_parsed({"s": list(range(50000))}) == set(range(50000))
+  assert decode_parsed({"s": list(range(50000))}) == set(range(50000))
 
 
 def test_a_forged_answer_line_with_colliding_hashes_fails_the_call(sbx):
@@ -160,7 +163,7 @@ def test_a_candidate_that_stops_reading_cannot_block_our_write(sbx):
   t0 = time.monotonic()
   r = _score(_check(["assert candidate('x' * 2_000_000) == 1"]), src)
   assert r.parts["correct"] == 0.0
-  assert time.monotonic() - t0 < sandbox.Limits(cpu_s=CFG.test_timeout_s).backstop_s + 5
+  assert time.monotonic() - t0 < Limits(cpu_s=CFG.test_timeout_s).backstop_s + 5
 
 
 # ----------------------------------------------------------------------------- output comparison
@@ -345,9 +348,10 @@ def test_the_namespace_dies_with_whoever_started_it():
   uid = sandbox.process_uid_base() + 201
   script = (
       "import sys, time\nsys.path.insert(0, %r)\nfrom magistral_jax.rewards import sandbox\n"
+      "from magistral_jax.rewards.sandbox_limits import Limits\n"
       "s = sandbox.Sandbox(uid=%d)\nd = s.make_dir()\n"
       "p = s.start(['/usr/bin/python3', '-c', 'import os, time\\nif os.fork() == 0:\\n"
-      "  os.setsid()\\n  time.sleep(1000)\\ntime.sleep(1000)'], d, sandbox.Limits(cpu_s=60))\n"
+      "  os.setsid()\\n  time.sleep(1000)\\ntime.sleep(1000)'], d, Limits(cpu_s=60))\n"
       "print('started', flush=True)\ntime.sleep(1000)\n" % (PROJECT, uid))
   mid = subprocess.Popen([os.sys.executable, "-c", script], stdout=subprocess.PIPE)
   try:
@@ -372,14 +376,14 @@ def test_the_backstop_judges_idle_programs_wrong_and_busy_ones_a_fault(sbx):
   d = sbx.make_dir()
   try:
     # Backstop 1 s, CPU limit 30 s: busy past the backstop is the host's doing in this setup.
-    limits = sandbox.Limits(cpu_s=30, wall_factor=0.0, wall_extra_s=1.0)
+    limits = Limits(cpu_s=30, wall_factor=0.0, wall_extra_s=1.0)
     busy = sbx.run(["/usr/bin/python3", "-c", "while True: pass"], d, limits)
     assert busy.timed_out and busy.fault and "overloaded" in busy.fault, busy
     idle = sbx.run(["/usr/bin/python3", "-c", "import time; time.sleep(100)"], d, limits)
     assert idle.timed_out and idle.fault is None, idle
     # Used up its CPU: its own time limit, whatever the clock says.
     spent = sbx.run(["/usr/bin/python3", "-c", "while True: pass"], d,
-                    sandbox.Limits(cpu_s=0.5, wall_factor=0.0, wall_extra_s=1.5))
+                    Limits(cpu_s=0.5, wall_factor=0.0, wall_extra_s=1.5))
     assert spent.fault is None and spent.returncode != 0, spent
   finally:
     sbx.remove_dir(d)

@@ -14,7 +14,7 @@ import pytest
 
 from magistral_jax.rewards import RewardConfig, sandbox
 from magistral_jax.verify import VerifierPool
-from magistral_jax.verify import pool as pool_mod
+from magistral_jax.verify.uids import claim_uid_offsets, kill_uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)
 MATH = {"kind": "math", "problem": "p", "answer": "5"}
@@ -189,7 +189,7 @@ def test_slot_uids_are_this_process_own_and_never_shared(pool):
     assert not mine & theirs
     assert all(base <= u < base + 255 for u in mine | theirs)
     with pytest.raises(ValueError, match="free sandbox uids"):
-      pool_mod.claim_uid_offsets(255)
+      claim_uid_offsets(255)
   for n in (0, 256, 1000):
     with pytest.raises(ValueError, match="num_workers"):
       VerifierPool(n, CFG)
@@ -215,7 +215,7 @@ def test_kill_uid_processes_kills_everything_of_the_uid_and_nothing_else():
   _escaped_sandbox(uid)
   bystander = subprocess.Popen(["sleep", "30"])
   try:
-    found, left = pool_mod.kill_uid_processes(uid)
+    found, left = kill_uid_processes(uid)
     assert found >= 2 and left == 0
     assert _uid_processes({uid}) == []
     assert _alive(bystander.pid) and _alive(os.getpid())
@@ -224,7 +224,7 @@ def test_kill_uid_processes_kills_everything_of_the_uid_and_nothing_else():
     bystander.wait()
   for uid in (0, os.getuid(), 1000):   # root's, ours, a real account's: never
     with pytest.raises(ValueError, match="refusing"):
-      pool_mod.kill_uid_processes(uid)
+      kill_uid_processes(uid)
 
 
 @root_only

@@ -1,0 +1,293 @@
+"""Assert tests, HumanEval style (`test_code` defining `check(candidate)` + `entry_point`) or
+MBPP style (`test_list` of assert lines, optional `test_setup_code`), against a sandboxed candidate.
+
+The test code runs in OUR process; the candidate's module is loaded in a sandboxed process by
+_DRIVER, and the test code calls its functions through proxies: each call sends the arguments
+(checked plain, as a Python literal) on the child's stdin, and the child answers with the return
+value as JSON (or the exception's name), never pickle. Only plain values cross (code_codec.py:
+None, bool, int, float, str, list, tuple, dict, set, frozenset, bytes, complex, of exactly those
+types); anything else, an object with its own __eq__ included, is a failed call. So the
+comparisons, the expected values and the verdict never exist in the candidate's process: exiting
+early, raising, patching builtins, print or sys.stdout, or writing forged answer lines can only
+make calls fail or return values it chose, which pass only if they are the right ones. The verdict
+is "every test statement ran without an exception, and no call into the candidate failed",
+decided here. What the boundary would otherwise hide or change is put back by construction:
+  - helpers: the functions the task's own code defines (a HumanEval prompt's `poly` beside
+    `find_zero`, `encode_shift` beside `decode_shift`: `test_setup_code`, or for `test_code`
+    tasks the prompt less its entry point, magistral_jax/prompt_helpers.py) run in OUR
+    process, so the tests never call a copy the candidate redefined, nor hand the candidate
+    the arguments they pass to a helper. For `test_code` tasks the entry point is the only
+    name that reaches the candidate; MBPP asserts name the function to write, so there any
+    name the tests and their setup leave undefined is the candidate's;
+  - exceptions: a call that raises fails the candidate (CandidateError, recorded in
+    `_Candidate.failures`), never re-raised as itself: a StopIteration would silently end a
+    map() or zip() in the test, and a test's own handlers could swallow anything else;
+  - effects: a call's changes to its arguments are applied to the caller's objects in place,
+    and a result that is one of the arguments is returned as the caller's own object, so
+    tests that check "sorted in place", "input left alone" or `is not x` see what a shared
+    process would show;
+  - decoding is linear: sets and dict keys whose hashes collide are refused.
+A stdlib module the solution imported (from a short allowed list, _TEST_MODULES) is imported for
+the tests under the same name.
+"""
+from __future__ import annotations
+
+import builtins
+import importlib
+import json
+import os
+import time
+
+from magistral_jax.rewards.code_codec import WRITER, decode_parsed, decode_value, encode_value
+from magistral_jax.rewards.code_result import CodeResult, VerifierFault, write_source
+from magistral_jax.rewards.sandbox_channel import Channel
+from magistral_jax.rewards.sandbox_root import interpreter_binds
+
+# The sandboxed side: loads solution.py, then answers calls read from stdin. Our pipes are moved to
+# private fds first, so the candidate's prints go to stderr (drained and mostly dropped) and its
+# input() sees EOF. A request is a Python literal (id, function, args, kwargs) that we wrote from
+# values CODEC accepted; an answer is one JSON line. Nothing here is secret: the candidate may
+# read, patch or replace all of it.
+_DRIVER = WRITER + r'''
+import os
+_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set,
+             "frozenset": frozenset}
+def _main():
+  rfd, wfd = os.dup(0), os.dup(1)
+  null = os.open("/dev/null", os.O_RDONLY)
+  os.dup2(null, 0)
+  os.dup2(2, 1)
+  rin, wout = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
+  ns = {"__name__": "solution", "__builtins__": __builtins__}
+  def reply(text):
+    wout.write(text.encode() + b"\n")
+    wout.flush()
+  try:
+    with open("solution.py", encoding="utf-8") as f:
+      exec(compile(f.read(), "solution.py", "exec"), ns)
+  except BaseException as e:
+    reply('{"load_error":' + _esc(type(e).__name__ + ": " + str(e)[:300]) + "}")
+    return
+  items = [(k, v) for k, v in list(ns.items()) if type(k) is str and not k.startswith("__")]
+  reply('{"names":' + write(sorted(k for k, v in items if callable(v))) + ',"modules":'
+        + write([[k, v.__name__] for k, v in items if type(v) is type(os) and type(v.__name__) is str])
+        + "}")
+  for line in rin:
+    rid, fn, args, kwargs = eval(line, _LITERALS)
+    before = write([args, kwargs])
+    try:
+      result = ns[fn](*args, **kwargs)
+    except BaseException as e:
+      reply('{"id":%d,"err":[%s,%s]}' % (rid, _esc(type(e).__name__), _esc(str(e)[:300])))
+      continue
+    try:
+      # What the caller could see besides the value: the arguments as the call left them (when
+      # it changed them), and which argument the result IS, when it is one of them.
+      after = write([args, kwargs])
+      same = [i for i, a in enumerate(args) if result is a]
+      same = same[0] if same else next((k for k, a in kwargs.items() if result is a), None)
+      reply('{"id":%d,"ok":%s,"args":%s,"same":%s}' % (
+          rid, write(result), "null" if after == before else after,
+          "null" if same is None else write(same)))
+    except BaseException as e:   # not a plain value: a failed call, not an exception to test for
+      reply('{"id":%d,"bad":%s}' % (rid, _esc(str(e)[:300])))
+_main()
+'''
+
+
+_TEST_MODULES = frozenset({
+    "math", "cmath", "re", "string", "collections", "itertools", "functools", "operator", "heapq",
+    "bisect", "fractions", "decimal", "statistics", "copy", "datetime", "random"})
+
+
+class CandidateError(Exception):
+  """A call into the candidate failed: it raised, returned a value that is not plain, died, or
+  ran out of time or output. Sticky: once raised, the candidate has failed, whatever the test
+  code does with the exception."""
+
+
+class _Candidate:
+  """Our end of the conversation with the driver: proxies that call the candidate's functions.
+
+  A call's effects come back as a shared-process harness would show them: arguments the call
+  changed are changed in the caller's objects, in place, and a result that IS one of the
+  arguments is the caller's own object. Every failure (see CandidateError) is recorded in
+  `failures`, and a candidate with any fails, even when the test code catches the exception."""
+
+  def __init__(self, channel: Channel):
+    self.channel = channel
+    self.calls = 0
+    self.failures: list[str] = []
+    try:   # the driver speaks first, once the solution is loaded
+      hello = self._parse(channel.read_line())
+    except Channel.Closed as e:
+      raise self._closed(e, "solution did not load") from None
+    if "load_error" in hello:
+      raise CandidateError("solution does not load: " + str(hello["load_error"])[:300])
+    names = hello.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+      raise CandidateError("bad hello from the driver")
+    self.names = names
+    modules = hello.get("modules", [])
+    self.modules = {m[0]: m[1] for m in modules if isinstance(m, list) and len(m) == 2
+                    and all(isinstance(x, str) for x in m)} if isinstance(modules, list) else {}
+
+  @staticmethod
+  def _closed(e: Channel.Closed, what: str) -> Exception:
+    if e.fault:
+      return VerifierFault(f"{what}: {e.fault}")
+    return CandidateError(f"{what}: {e}")
+
+  @staticmethod
+  def _parse(line: bytes) -> dict:
+    try:
+      msg = json.loads(line)
+    except (ValueError, RecursionError):   # RecursionError: a line nested deeper than we parse
+      raise CandidateError("garbled answer") from None
+    if not isinstance(msg, dict):
+      raise CandidateError("garbled answer")
+    return msg
+
+  def call(self, fn: str, args: tuple, kwargs: dict):
+    try:
+      return self._call(fn, args, kwargs)
+    except CandidateError as e:
+      self.failures.append(str(e))
+      raise
+
+  def _call(self, fn: str, args: tuple, kwargs: dict):
+    self.calls += 1
+    try:
+      # Checked plain (exact types), then sent as a Python literal the driver can eval without
+      # builtins; the arguments are the tests' (ours), never the candidate's.
+      sent_args, sent_kwargs = decode_value(encode_value([list(args), dict(kwargs)]))
+      req = repr((self.calls, fn, sent_args, sent_kwargs)).encode()
+    except (TypeError, ValueError) as e:
+      raise CandidateError(f"argument not passable as plain data: {e}") from None
+    try:
+      msg = self._parse(self.channel.request(req))
+    except Channel.Closed as e:
+      raise self._closed(e, f"call {fn}") from None
+    if msg.get("id") != self.calls:
+      raise CandidateError("answer out of sequence")
+    if "ok" in msg:
+      try:
+        value = decode_parsed(msg["ok"])
+        if msg.get("args") is not None:
+          new_args, new_kwargs = decode_parsed(msg["args"])
+          _update_in_place(list(args), new_args)
+          _update_in_place(dict(kwargs), new_kwargs)
+      except (TypeError, ValueError, KeyError, IndexError, RecursionError) as e:
+        raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
+      same = msg.get("same")
+      if type(same) is int and 0 <= same < len(args):
+        return args[same]
+      if type(same) is str and same in kwargs:
+        return kwargs[same]
+      return value
+    if "bad" in msg:
+      raise CandidateError(f"returned a value that is not plain data: {str(msg['bad'])[:200]}")
+    err = msg.get("err")
+    if isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err):
+      # Never re-raised as itself: a StopIteration would silently end a map() or zip() in the
+      # test, and any exception could be caught by the test's own handlers.
+      raise CandidateError(f"raised {err[0]}: {err[1]}")
+    raise CandidateError("garbled answer")
+
+  def proxy(self, fn: str):
+    def call(*args, **kwargs):
+      return self.call(fn, args, kwargs)
+    call.__name__ = call.__qualname__ = fn
+    return call
+
+
+def _update_in_place(mine, theirs):
+  """Makes the caller's containers `mine` equal to `theirs` (what the candidate left its copies
+  as), in place, keeping the identity of nested containers where the shapes agree."""
+  if type(mine) is not type(theirs):
+    raise ValueError("the call changed an argument's type")
+  if type(mine) is list:
+    if len(mine) != len(theirs):
+      mine[:] = theirs
+      return
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+      if type(a) is type(b) and type(a) in (list, dict, set, tuple):
+        _update_in_place(a, b)
+      elif not (type(a) is type(b) and a == b):
+        mine[i] = b
+  elif type(mine) is dict:
+    for k in [k for k in mine if k not in theirs]:
+      del mine[k]
+    for k, b in theirs.items():
+      a = mine.get(k)
+      if k in mine and type(a) is type(b) and type(a) in (list, dict, set, tuple):
+        _update_in_place(a, b)
+      else:
+        mine[k] = b
+  elif type(mine) is set:
+    if mine != theirs:
+      mine.clear()
+      mine.update(theirs)
+  elif type(mine) is tuple:          # immutable itself; the containers in it may have changed
+    if len(mine) != len(theirs):
+      raise ValueError("the call changed a tuple")
+    for a, b in zip(mine, theirs):
+      if type(a) is type(b) and type(a) in (list, dict, set, tuple):
+        _update_in_place(a, b)
+
+
+def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limits,
+                     setup_src: str = "") -> CodeResult:
+  """Runs the assert tests in OUR process against the candidate in a sandboxed one (see the module
+  docstring): passed only if every test statement ran without raising and no call into the
+  candidate failed. `setup_src` (the task's own helpers) runs here first; with an
+  `entry_point` (HumanEval), the entry point is the only name that reaches the candidate."""
+  write_source(os.path.join(workdir, "solution.py"), code)
+  exe, binds = interpreter_binds(python)
+  # One process serves all calls, so the backstop covers the whole test program.
+  start = time.monotonic()
+  proc = sandbox.start([exe], workdir, limits, ro_binds=binds, python_src=_DRIVER,
+                       inputs=["solution.py"])
+  channel = Channel(proc, start, limits)
+  try:
+    try:
+      cand = _Candidate(channel)
+    except CandidateError as e:
+      return CodeResult(False, f"{e}: " + bytes(channel.err).decode(errors="replace")[-300:], 1)
+    ns = {"__name__": "tests", "__builtins__": builtins}
+    if entry_point and entry_point in cand.names:
+      ns[entry_point] = cand.proxy(entry_point)   # a test may name it (HumanEval/33 does)
+    if not entry_point:
+      # MBPP style: the asserts call the function to write by its name; any name they use that
+      # the task's code does not define is the candidate's.
+      for name in cand.names:
+        if not hasattr(builtins, name):
+          ns[name] = cand.proxy(name)
+    # Tests sometimes use a module only the solution imported (`math.isclose(...)`): the same
+    # stdlib module, imported here, where it is in _TEST_MODULES (the candidate names them; we
+    # import nothing else on its word).
+    for name, module in cand.modules.items():
+      if module in _TEST_MODULES and name not in ns and not hasattr(builtins, name):
+        ns[name] = importlib.import_module(module)
+    try:
+      # The task's helpers and tests define their names over the candidate's: a helper the tests
+      # call is the prompt's, run here, never the candidate's copy of it.
+      exec(compile(setup_src + "\n" + test_src, "tests.py", "exec"), ns)
+      if entry_point:
+        if entry_point not in cand.names:
+          return CodeResult(False, f"entry point {entry_point!r} not defined", 1)
+        ns["check"](cand.proxy(entry_point))
+    except VerifierFault:
+      raise
+    except CandidateError as e:
+      return CodeResult(False, f"call failed: {e}: "
+                        + bytes(channel.err).decode(errors="replace")[-200:], 1)
+    except Exception as e:   # AssertionError and whatever a wrong value makes the tests raise
+      return CodeResult(False, f"test failed: {type(e).__name__}: {str(e)[:200]}", 1)
+    if cand.failures:          # a failed call that the test code caught and went on from
+      return CodeResult(False, f"call failed: {cand.failures[0][:300]}", 1)
+    return CodeResult(True, "", 1)
+  except CandidateError as e:
+    return CodeResult(False, str(e), 1)
+  finally:
+    channel.close()
