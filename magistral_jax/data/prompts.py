@@ -44,7 +44,7 @@ def source_names(source: str) -> list[str]:
 
 def heldout_source(config) -> str:
   """Where the held-out problems come from: data.heldout_source, or data.source when empty."""
-  return config.data.get("heldout_source", "") or config.data.source
+  return config.data.heldout_source or config.data.source
 
 
 def data_dir_for(config, workdir: str | None = None) -> str:
@@ -99,7 +99,7 @@ def check_heldout_unseen(config, problems: Iterable[Mapping], workdir: str | Non
     return
   keys = [problem_key(p) for p in problems]
   skipped = KeySet([])
-  if not config.data.get("heldout_source", ""):
+  if not config.data.heldout_source:
     skipped = KeySet(problem_key(p) for p in heldout_problems(config, workdir))
     keys = [k for k in keys if k not in skipped]
     if not keys:

@@ -140,14 +140,13 @@ def options(data_cfg) -> dict:
   """The problem-distribution keyword arguments of a run config's `data` section."""
   return dict(min_steps=data_cfg.min_steps, max_steps=data_cfg.max_steps,
               max_operand=data_cfg.max_operand,
-              allow_negative=data_cfg.get("allow_negative", True))
+              allow_negative=data_cfg.allow_negative)
 
 
 def sft_pairs_for(data_cfg, seed: int) -> Iterator[tuple[str, str]]:
   """`sft_pairs` of a run config's `data` section (its problem options, sft_slip_rate and
   sft_ramble_rate)."""
-  return sft_pairs(seed, data_cfg.get("sft_slip_rate", 0.0), data_cfg.get("sft_ramble_rate", 0.0),
-                   **options(data_cfg))
+  return sft_pairs(seed, data_cfg.sft_slip_rate, data_cfg.sft_ramble_rate, **options(data_cfg))
 
 
 def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:

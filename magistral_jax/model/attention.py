@@ -160,7 +160,7 @@ def dense_attention(q: Array, keys: Array, values: Array, mask: Array, keys_t: b
   head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is ~2x
   faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.) Transposed keys
   [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x [Dh, S] matmul
-  per (b, k), which XLA:CPU runs ~1.6x faster at T = 1 than the [S, Dh] form."""
+  per (b, k), which XLA:CPU runs faster at T = 1 than the [S, Dh] form."""
   b, t, h, dh = q.shape
   k = values.shape[1]
   g, sk = h // k, values.shape[2]

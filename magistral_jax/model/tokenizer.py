@@ -237,7 +237,7 @@ class HFTokenizer(Tokenizer):
         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
   def _compiled_template(self):
-    # Compiling the template costs ~7 ms, far more than rendering it: do it once.
+    # Compiling the template costs far more than rendering it: do it once.
     if self._template is None or self._template_src != self.chat_template:
       import jinja2.sandbox
 

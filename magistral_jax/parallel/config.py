@@ -136,11 +136,12 @@ def check_device_layout(trainer_devices: int, generator_devices: Sequence[int],
                         num_devices: int, colocated: bool = False) -> None:
   """Raises a clear error unless the trainer and every generator get >= 1 of `num_devices`
   (colocated: the trainer's devices alone, which the generator shares)."""
+  import jax   # the platform, for the message
   generator_devices = tuple(generator_devices)
   if colocated:
     if not 1 <= trainer_devices <= num_devices:
       raise ValueError(f"devices: colocated on trainer={trainer_devices} devices, but this "
-                       f"machine has {num_devices}")
+                       f"machine has {num_devices} ({jax.default_backend()})")
     return
   if trainer_devices < 1 or not generator_devices or any(n < 1 for n in generator_devices):
     raise ValueError(f"device layout needs >= 1 device for the trainer and each generator, got "
@@ -148,5 +149,6 @@ def check_device_layout(trainer_devices: int, generator_devices: Sequence[int],
   need = trainer_devices + sum(generator_devices)
   if need > num_devices:
     raise ValueError(f"devices: trainer={trainer_devices} + generators={generator_devices} = "
-                     f"{need} devices, but this machine has {num_devices}; {COLOCATED_HINT}")
+                     f"{need} devices, but this machine has {num_devices} "
+                     f"({jax.default_backend()}); {COLOCATED_HINT}")
 

@@ -120,10 +120,10 @@ def check_process_layout(trainer_processes: int, num_processes: int,
                      f"generator process has {local_devices} device(s) (0 means all of them)")
 
 
-def process_layout(config) -> ProcessLayout | None:
-  """The roles of this run's processes, or None for a run in one process (every layout of
-  parallel.layout.split_devices)."""
-  t = int(config.devices.get("trainer_processes", 0))
+def process_layout(devices) -> ProcessLayout | None:
+  """The roles of this run's processes (its `devices` section, parallel/config.py DevicesConfig),
+  or None for a run in one process (every layout of parallel.layout.split_devices)."""
+  t = int(devices.trainer_processes)
   n = jax.process_count()
   if n == 1:
     if t:
@@ -135,10 +135,10 @@ def process_layout(config) -> ProcessLayout | None:
   if t == 0:
     raise ValueError(f"this run has {n} JAX processes: set devices.trainer_processes (e.g. "
                      "--config=configs/tiny.py:multihost) to say which of them train")
-  if config.devices.get("colocated", False):
+  if devices.colocated:
     raise ValueError("devices.colocated is a one-process layout; a run of many processes gives "
                      "the generators processes of their own (devices.trainer_processes)")
-  k = int(config.devices.get("generator_process_devices", 0))
+  k = int(devices.generator_process_devices)
   check_process_layout(t, n, k, jax.local_device_count())
   return ProcessLayout(jax.process_index(), n, tuple(range(t)), tuple(range(t, n)), k)
 

@@ -19,6 +19,7 @@ from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import DEFAULT_RULES
+from magistral_jax.train.config import SFTConfig
 from magistral_jax.rl.collate import Completion, aggregation_weights, pack
 from magistral_jax.parallel.multihost import to_host
 from magistral_jax.train.step import make_train_step, shard_batch
@@ -64,11 +65,14 @@ def make_sft_step(model_cfg: ModelConfig, tx, mesh=None, rules=DEFAULT_RULES, do
                          summarize_sft, donate=donate, lr_schedule=lr_schedule)
 
 
-def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str]], *,
-                   num_steps: int, batch_size: int, row_len: int, rows_per_micro: int,
-                   system_prompt: str | None, mesh=None, log_every: int = 10, writer=None):
-  """Cold-start SFT: `num_steps` steps of next-token loss on (problem, completion) pairs, the
-  prompt built with the tokenizer's chat template and masked out of the loss."""
+def sft_warm_start(state, sft_step, tokenizer, examples: Iterable[tuple[str, str]],
+                   cfg: SFTConfig, *, system_prompt: str | None, mesh=None, log_every: int = 10,
+                   writer=None):
+  """Cold-start SFT: cfg.num_steps steps of next-token loss on (problem, completion) pairs,
+  cfg.batch_size a step, packed into rows of cfg.row_len tokens; the prompt built with the
+  tokenizer's chat template and masked out of the loss."""
+  num_steps, batch_size, row_len = cfg.num_steps, cfg.batch_size, cfg.row_len
+  rows_per_micro = cfg.rows_per_micro
   it = iter(examples)
   t0 = time.time()
   metrics = {}

@@ -1,0 +1,47 @@
+"""A generator process of a many-host run (README.md, "Many hosts"): one generator on this
+process's devices, driven by the trainer leader (pipeline.remote.serve_generator), scoring the
+evaluations it is asked for with its own verifier pool. Its weights only ever come from the
+trainer, by device-to-device transfer."""
+from __future__ import annotations
+
+import logging
+
+from magistral_jax.config import RunConfig
+from magistral_jax.parallel.multihost import Mailbox, ProcessLayout
+from magistral_jax.parallel.sharding import make_mesh
+from magistral_jax.pipeline.generators import make_generators
+from magistral_jax.pipeline.remote import serve_generator, weight_transfer
+from magistral_jax.run.evaluation import eval_loop_factory, run_eval
+from magistral_jax.run.stages import Stage, training_sampling
+from magistral_jax.verify import VerifierPool
+
+log = logging.getLogger(__name__)
+
+
+def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLayout, tok,
+                          model_cfg, system_prompt, shared_prefix) -> None:
+  rules = run.sharding.generator_rules
+  devices = layout.generator_devices()[layout.generator_index]
+  mesh = make_mesh(run.devices.generator_mesh, devices)
+  transfer = weight_transfer(model_cfg, mesh, rules, layout.trainer_devices())
+  engines = {}   # generators.engine_for: the evaluation and every stage share an engine
+  eval_loop = eval_loop_factory(run, model_cfg, devices, tok, shared_prefix, engines)
+  pool = VerifierPool.from_config(run.verifier, run.reward)
+
+  def make_loop(si, params, version):
+    srun = stages[si].run
+    [loop] = make_generators(model_cfg, params, [devices], training_sampling(srun, tok.eos_id),
+                             srun.engine, mesh_shape=srun.devices.generator_mesh,
+                             version=version, seed=run.seed + si, rules=rules,
+                             shared_prefix=shared_prefix, engines=engines)
+    return loop
+
+  def make_eval(tag, params, problems):
+    return run_eval(eval_loop, pool, tok, problems, run, system_prompt, params, tag)
+
+  log.info("process %d: %s on %d device(s)", layout.process_id, layout.role, len(devices))
+  try:
+    serve_generator(layout, Mailbox("run"), make_loop=make_loop, make_eval=make_eval,
+                    transfer=transfer)
+  finally:
+    pool.close()
