@@ -1,10 +1,14 @@
 """Generation: the JetStream-contract engine, sampling, and the continuous-batching loop."""
-from magistral_jax.generate.cpu_options import CpuOptions
-from magistral_jax.generate.engine import Engine
-from magistral_jax.generate.loop import GeneratorLoop
-from magistral_jax.generate.requests import GeneratorError, Request, Sample
-from magistral_jax.generate.config import SamplingConfig
-from magistral_jax.generate.sampling import sample, token_logprob
-from magistral_jax.generate.shapes import default_buckets
-from magistral_jax.generate.state import DecodeState, Prefix, Prefixes, ResultTokens
-from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError
+from magistral_jax.lazy_exports import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "cpu_options": ("CpuOptions",),
+    "engine": ("Engine",),
+    "loop": ("GeneratorLoop",),
+    "requests": ("GeneratorError", "Request", "Sample"),
+    "config": ("EngineConfig", "SamplingConfig"),
+    "sampling": ("sample", "token_logprob"),
+    "shapes": ("default_buckets",),
+    "state": ("DecodeState", "Prefix", "Prefixes", "ResultTokens"),
+    "weights": ("NonFiniteError", "ParamsMismatchError"),
+})

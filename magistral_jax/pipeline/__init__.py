@@ -1,7 +1,9 @@
-"""The generation side of the RL run: generators, verifier pool and group scoring (Rollouts), and
-the assembly of a run's parts (build)."""
-from magistral_jax.pipeline.errors import PipelineError
-from magistral_jax.pipeline.rollouts import RolloutBatch, Rollouts
-from magistral_jax.pipeline.config import PipelineConfig
+"""The generation side of the RL run: a run's generators (generators), the verifier pool and
+group scoring (Rollouts), and the many-process roles (remote)."""
+from magistral_jax.lazy_exports import lazy_exports
 
-__all__ = ["PipelineConfig", "PipelineError", "RolloutBatch", "Rollouts"]
+__getattr__, __all__ = lazy_exports(__name__, {
+    "errors": ("PipelineError",),
+    "rollouts": ("RolloutBatch", "Rollouts"),
+    "config": ("PipelineConfig",),
+})

@@ -1,8 +1,9 @@
 """Rewards (paper §2): format gate, math and code correctness, length penalty, language bonus."""
-from magistral_jax.rewards.format import FormatResult, check_format, find_boxed
-from magistral_jax.rewards.length import length_penalty
-from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
-from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.lazy_exports import lazy_exports
 
-__all__ = ["FormatResult", "check_format", "find_boxed", "length_penalty", "RewardConfig",
-           "RewardResult", "compute_reward", "failed_result"]
+__getattr__, __all__ = lazy_exports(__name__, {
+    "format": ("FormatResult", "check_format", "find_boxed"),
+    "length": ("length_penalty",),
+    "reward": ("RewardResult", "compute_reward", "failed_result"),
+    "config": ("RewardConfig",),
+})

@@ -1,11 +1,9 @@
-"""CPU verifier pool: scores completions with `magistral_jax.rewards.compute_reward`."""
-from magistral_jax.verify.pool import VerifierPool
+"""CPU verifier pool: scores completions with `magistral_jax.rewards.compute_reward`. The Ray
+backend (an optional extra) is imported only when asked for, so `ray` stays optional."""
+from magistral_jax.lazy_exports import lazy_exports
 
-
-def RayVerifierPool(*args, **kwargs):   # noqa: N802  (a class behind a lazy import)
-  """The Ray backend (optional extra); imported lazily so `ray` stays optional."""
-  from magistral_jax.verify.ray_pool import RayVerifierPool as cls
-  return cls(*args, **kwargs)
-
-
-__all__ = ["VerifierPool", "RayVerifierPool"]
+__getattr__, __all__ = lazy_exports(__name__, {
+    "pool": ("VerifierPool",),
+    "ray_pool": ("RayVerifierPool",),
+    "config": ("VerifierConfig",),
+})
