@@ -22,7 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small")
 SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
             "reward": RewardConfig, "engine": config_lib.EngineConfig,
-            "sharding": parallel_config.ShardingConfig, "pipeline": PipelineConfig}
+            "sharding": parallel_config.ShardingConfig, "pipeline": PipelineConfig,
+            "init": config_lib.InitConfig, "verifier": config_lib.VerifierConfig,
+            "devices": config_lib.DevicesConfig, "data": config_lib.DataConfig,
+            "sft": config_lib.SFTConfig, "eval": config_lib.EvalConfig,
+            "checkpoint": config_lib.CheckpointConfig}
 
 
 def _load(name, arg=None):
@@ -235,3 +239,58 @@ def test_one_device_runs_the_colocated_variants_and_the_error_names_them():
     config_lib.validate(_flags(["train", f"--config={ROOT}/configs/tiny.py",
                                 "--config.devices.colocated=True"] + [
                                     "--config.devices.trainer=2"]), num_devices=1)
+
+
+def test_every_section_is_a_frozen_dataclass_and_names_a_bad_field():
+  """validate() hands the run each section as its frozen dataclass; an unknown field or a bad
+  value in any section is an error naming the section and the field."""
+  run = config_lib.validate(config_lib.default_config())
+  for name, cls in SECTIONS.items():
+    section = getattr(run, name)
+    assert isinstance(section, cls) and cls.__dataclass_params__.frozen, name
+    c = config_lib.default_config()
+    c[name]["no_such_field"] = 1
+    with pytest.raises(ValueError, match=rf"no_such_field"):
+      config_lib.validate(c)
+  for section, field, value in [("verifier", "num_workers", 0), ("eval", "k", 0),
+                                ("checkpoint", "every", 0), ("data", "heldout", -1),
+                                ("sft", "schedule", "linear"), ("init", "source", "pickle"),
+                                ("devices", "trainer_mesh", {"model": 2})]:
+    c = config_lib.default_config()
+    c[section][field] = value
+    with pytest.raises(ValueError, match=rf"{section}\.{field}"):
+      config_lib.validate(c)
+  c = config_lib.default_config()
+  c.no_such_section = 1
+  with pytest.raises(ValueError, match="no_such_section"):
+    config_lib.validate(c)
+
+
+def test_config_imports_only_the_config_modules():
+  """config.py sits below everything that uses config: importing it loads the sections' config
+  modules (and the package faces, which export lazily), no implementation."""
+  import subprocess
+  import sys
+  code = ("import sys; import magistral_jax.config; "
+          "print(' '.join(m for m in sys.modules if m.startswith('magistral_jax')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  loaded = out.stdout.split()
+  allowed = {"magistral_jax", "magistral_jax.config", "magistral_jax.configurable",
+             "magistral_jax.lazy_exports", "magistral_jax.rewards.length"}
+  implementation = [m for m in loaded if m not in allowed and not m.endswith(".config")
+                    and m.count(".") > 1]
+  assert not implementation, implementation
+
+
+def test_a_stage_runs_on_the_config_with_its_overrides():
+  from magistral_jax.run.stages import stages
+  c = config_lib.default_config()
+  c.stages = ({"name": "short", "num_batches": 2, "overrides": {"reward.l_max": 512,
+                                                                "reward.l_cache": 128}},
+              {"name": "long", "num_batches": 3, "overrides": {}})
+  run = config_lib.validate(c)
+  short, long_ = stages(c, run)
+  assert (short.name, short.num_batches, short.run.reward.l_max) == ("short", 2, 512)
+  assert long_.run is run and long_.num_batches == 3
+  assert [s.num_batches for s in stages(config_lib.default_config(), run)] == [run.num_batches]
+

@@ -22,8 +22,10 @@ class EvalConfig:
   every: int = 0
 
   def __post_init__(self):
-    if self.k < 1 or self.every < 0:
-      raise ValueError(f"eval: k must be >= 1 and every >= 0, got k={self.k} every={self.every}")
+    if self.k < 1:
+      raise ValueError(f"eval.k={self.k}: at least one sample per problem")
+    if self.every < 0:
+      raise ValueError(f"eval.every={self.every} must be >= 0 (0: before and after only)")
 
   def sampling(self, eos_id: int | None = None) -> SamplingConfig:
     """The evaluation's sampler."""

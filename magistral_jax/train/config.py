@@ -110,5 +110,6 @@ class CheckpointConfig:
   async_save: bool = True
 
   def __post_init__(self):
-    if self.every < 1 or self.keep < 1 or self.keep_every < 0:
-      raise ValueError(f"checkpoint: every and keep must be >= 1 and keep_every >= 0, got {self}")
+    for f, least in (("every", 1), ("keep", 1), ("keep_every", 0)):
+      if getattr(self, f) < least:
+        raise ValueError(f"checkpoint.{f}={getattr(self, f)} must be >= {least}")
