@@ -4,7 +4,6 @@ The HF source is a small random MistralForCausalLM written by transformers' save
 """
 import json
 import os
-import sys
 
 import jax
 import numpy as np
@@ -20,12 +19,10 @@ from magistral_jax.model.hf_checkpoint import (SAFETENSORS_INDEX, SAFETENSORS_SI
 from magistral_jax.model.hf_layout import CheckpointError
 from magistral_jax.model.orbax_params import (read_orbax_config, restore_params_orbax,
                                               save_params_orbax)
+from magistral_jax.run import convert as convert_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
-import convert_checkpoint  # noqa: E402
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -299,7 +296,7 @@ def test_orbax_restore_of_missing_checkpoint_is_clear(tmp_path):
     restore_params_orbax(str(tmp_path / "nope"))
 
 
-# ---- launch/convert_checkpoint.py ---------------------------------------------------------------
+# ---- launch/convert_checkpoint.py (run/convert.py) -----------------------------------------------
 def test_convert_hf_to_orbax_and_back_is_bit_exact(tmp_path):
   src = _save_hf(_hf_model(dtype="bfloat16"), tmp_path / "src")
   convert_checkpoint.convert("hf_to_orbax", str(src), str(tmp_path / "orbax"))

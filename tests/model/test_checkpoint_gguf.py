@@ -249,10 +249,9 @@ def test_smollm2_chat_template_matches_transformers(smollm2, smollm2_hf):
                        "<|im_end|>\n<|im_start|>assistant\n")
 
 
-# ---- launch/convert_checkpoint.py on GGUF input -------------------------------------------------
+# ---- launch/convert_checkpoint.py (run/convert.py) on GGUF input ---------------------------------
 def test_convert_gguf_to_hf_writes_weights_config_and_tokenizer(tmp_path):
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
-  import convert_checkpoint
+  from magistral_jax.run import convert as convert_checkpoint
   from magistral_jax.model.tokenizer import HFTokenizer
   path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_state())
   convert_checkpoint.convert("gguf_to_hf", path, str(tmp_path / "hf"))
