@@ -73,9 +73,7 @@ def test_eval_from_checkpoint_and_from_init_agree(sft_run, tmp_path):
 
 def test_sft_loader_batches_match_the_trainer_collation():
   """A packed SftLoader row -> the same targets/loss mask/positions sft_collate builds."""
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import sft as sft_launch
-  from magistral_jax.train.sft import sft_collate
+  from magistral_jax.train.sft import loader_batch_arrays, sft_collate
   pairs = [([1, 5, 6], [7, 8, 2]), ([1, 9], [10, 11, 12, 2])]
   arrays, _ = sft_collate(pairs, 16, 1)
   # The loader's packed row: each sequence whole, loss_mask on response tokens, segment ids 1..
@@ -89,7 +87,7 @@ def test_sft_loader_batches_match_the_trainer_collation():
     row["segment_ids"][0, start:start + n] = seg
     row["positions"][0, start:start + n] = np.arange(n)
     start += n
-  got = sft_launch.loader_batch_to_arrays(row, 1)
+  got = loader_batch_arrays(row, 1)
   mask = arrays["loss_mask"][0, 0] > 0
   assert int(mask.sum()) == int(got["loss_mask"].sum()) == 7
   # sft_collate drops each sequence's last input token; compare the predicted (target) tokens.
@@ -97,7 +95,7 @@ def test_sft_loader_batches_match_the_trainer_collation():
                                 arrays["targets"][0, 0][mask])
   np.testing.assert_allclose(got["weights"].sum(), 1.0)
   with pytest.raises(ValueError, match="multiple of sft.rows_per_micro"):
-    sft_launch.loader_batch_to_arrays({k: np.concatenate([v] * 3) for k, v in row.items()}, 2)
+    loader_batch_arrays({k: np.concatenate([v] * 3) for k, v in row.items()}, 2)
 
 
 def test_sft_on_a_built_trace_dataset(tmp_path):
@@ -119,16 +117,12 @@ def test_sft_on_a_built_trace_dataset(tmp_path):
   assert r.returncode != 0 and "data.data_dir" in r.stdout + r.stderr
 
 
-def _sweep_module():
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import sweep
-  return sweep
-
-
 def test_sweep_expands_the_grid_and_checks_axes_before_running():
-  sweep = _sweep_module()
+  from magistral_jax.run import sweep
+  from magistral_jax.run.recipes import load_recipe
+  tiny = load_recipe("configs/tiny.py", ROOT)
   axes = sweep.parse_sweep("rl.eps_high=0.2,0.28; rl.adv_norm=minibatch,group")
-  sweep.check_axes(sweep.load_config("configs/tiny.py"), axes)
+  sweep.check_axes(tiny, axes)
   points = sweep.expand("configs/tiny.py:batches=2", axes, "/r", extra="--config.seed=3")
   assert [p["name"] for p in points] == [
       "eps_high_0.2-adv_norm_minibatch", "eps_high_0.2-adv_norm_group",
@@ -137,9 +131,11 @@ def test_sweep_expands_the_grid_and_checks_axes_before_running():
       "--config=configs/tiny.py:batches=2", "--workdir=/r/eps_high_0.2-adv_norm_group",
       "--config.rl.eps_high=0.2", "--config.rl.adv_norm=group", "--config.seed=3"]
   with pytest.raises(ValueError, match="no field 'rl.eps_hgh'"):
-    sweep.check_axes(sweep.load_config("configs/tiny.py"), sweep.parse_sweep("rl.eps_hgh=0.2"))
+    sweep.check_axes(tiny, sweep.parse_sweep("rl.eps_hgh=0.2"))
   with pytest.raises(ValueError, match="is int"):
-    sweep.check_axes(sweep.load_config("configs/tiny.py"), sweep.parse_sweep("rl.n_batch=x"))
+    sweep.check_axes(tiny, sweep.parse_sweep("rl.n_batch=x"))
+  with pytest.raises(FileNotFoundError, match="no such file"):
+    load_recipe("configs/nosuch.py", ROOT)
   for bad in ("", "rl.eps_high", "rl.eps_high=", "a=1;a=2"):
     with pytest.raises(ValueError):
       sweep.parse_sweep(bad)

@@ -44,3 +44,27 @@ def test_sft_step_matches_masked_cross_entropy_and_learns():
   assert float(m["tokens"]) == count
   np.testing.assert_allclose(losses[0], nll / count, rtol=1e-5)
   assert losses[-1] < losses[0] - 0.1
+
+
+def test_one_rule_makes_rows_of_text_pairs():
+  """sft_pairs_to_tokens, the rule of every SFT (launch/sft.py and the RL run's warm start): a
+  pair of up to row_len + 1 tokens is kept whole, a longer one has its response cut to fit (the
+  end never learned), a prompt over row_len tokens is an error."""
+  import pytest
+  from magistral_jax.model.char_tokenizer import char_tokenizer
+  from magistral_jax.train.sft import sft_pair_arrays, sft_pairs_to_tokens
+  tok = char_tokenizer()
+  p = len(tok.apply_chat_template("1+2", None))
+  row = p + 4   # room for 5 response tokens: 4 characters and EOS
+  (whole, cut), n_cut = sft_pairs_to_tokens([("1+2", "abcd"), ("1+2", "abcdefgh")], tok, None,
+                                            row)
+  assert n_cut == 1
+  assert whole[1] == tok.encode("abcd") + [tok.eos_id]
+  assert len(whole[0]) + len(whole[1]) == row + 1
+  assert cut[1] == tok.encode("abcde")   # cut: no EOS, so the model never learns to stop here
+  arrays, n_cut = sft_pair_arrays([("1+2", "abcdefgh")], tok, None, row, 1)
+  assert n_cut == 1 and int(arrays["loss_mask"].sum()) == 5   # one row, every position used
+  [(_, one)], _ = sft_pairs_to_tokens([("1+2", "abc")], tok, None, p)
+  assert one == tok.encode("a")   # a prompt of row_len tokens: one response token
+  with pytest.raises(ValueError, match="raise sft.row_len"):
+    sft_pairs_to_tokens([("1+2", "abc")], tok, None, p - 1)
