@@ -19,7 +19,7 @@ train-tiny: run
 
 # The shipped SmolLM2-135M-Instruct answers one GSM8K problem (greedy, KV cache): answer.json.
 answer: setup
-	.venv/bin/python launch/main.py --workdir=$(WORKDIR)
+	.venv/bin/python launch/answer.py --workdir=$(WORKDIR)
 
 test: setup-test
 	tools/test.sh $(PYTEST_ARGS)
