@@ -1,6 +1,7 @@
 """The run config: defaults come from the typed dataclasses, every sequence field is a tuple that
 absl flags can override, sharding rules are config, and each check lives in one dataclass."""
 import dataclasses
+import importlib
 import json
 import os
 
@@ -30,11 +31,7 @@ SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig
 
 
 def _load(name, arg=None):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"configs/{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+  return importlib.import_module(f"configs.{name}").get_config(arg)
 
 
 def test_each_section_default_is_its_dataclass_default():

@@ -1,9 +1,7 @@
 """analysis/: checkpoints of a run read back (params only), the checkpoint PCA recovers planted
 directions, the perturbation grid is scored through the engine + verifier pool without
 recompiling, reward vs log(length) fit, run-report metric handling, clear errors."""
-import importlib.util
 import json
-import os
 
 import jax
 import numpy as np
@@ -14,16 +12,13 @@ from magistral_jax.analysis import pca as P
 from magistral_jax.analysis import report
 from magistral_jax.analysis import run as R
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = (0, 1, 2, 3, 4)
 DRIFT, WOBBLE, NOISE = 4.0, 1.5, 1e-3   # norms (whole weight vector) of the planted motions
 
 
 def _tiny_config(arg="batches=4,sft_steps=0"):
-  spec = importlib.util.spec_from_file_location("tiny_cfg", os.path.join(ROOT, "configs/tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+  from configs import tiny
+  return tiny.get_config(arg)
 
 
 def _unit(v):

@@ -157,18 +157,17 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
 
   # The checkpoint two processes saved restores in one, on another mesh.
   import jax
-  sys.path.insert(0, ROOT)
   from configs import tiny
   from magistral_jax import config as config_lib
+  from magistral_jax.model.loading import load_policy
   from magistral_jax.parallel import make_mesh
-  from magistral_jax.pipeline.build import build_tokenizer_and_model
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.step import init_state
-  config = tiny.get_config("multihost")
-  _, model_cfg, _ = build_tokenizer_and_model(config, load_weights=False)
+  run = config_lib.validate(tiny.get_config("multihost"))
+  _, model_cfg, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)
   mesh = make_mesh({"fsdp": 2}, jax.devices()[:2])
-  state = init_state(model_cfg, make_optimizer(config_lib.validate(config).optimizer),
+  state = init_state(model_cfg, make_optimizer(run.optimizer),
                      jax.random.PRNGKey(1), mesh)
   ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"))
   step, restored, meta = ckpt.restore_latest(abstract_like(state))

@@ -8,7 +8,7 @@ the saved step and finish. A rehearsal must catch what a recipe run would hit at
 - a sequence longer than a microbatch row (the row-fit relation of the recipe is kept, and the
   rehearsal generates sequences of the longest length a stage allows and trains on them).
 """
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -27,11 +27,7 @@ STOP_AFTER = {"medium": 3, "small": 2}
 
 
 def _module(name):
-  spec = importlib.util.spec_from_file_location(f"{name}_cfg",
-                                                os.path.join(ROOT, f"configs/{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return importlib.import_module(f"configs.{name}")
 
 
 # Extra launch/train.py flags for both launches, e.g. MAGISTRAL_REHEARSAL_FLAGS=

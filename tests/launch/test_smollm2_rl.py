@@ -75,8 +75,7 @@ def test_sft_and_rl_train_on_gsm8k_train_and_evaluate_on_gsm8k_test(tmp_path):
   """configs/smollm2.py: the traces launch/sft.py builds (its block, replayed) are all of GSM8K's
   train split, checked against every test problem; the RL runs' held-out sets are test problems
   and their prompt streams train problems, checked as launch/train.py does."""
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  import smollm2
+  from configs import smollm2
   from magistral_jax.data.prompts import (check_heldout_unseen, dataset_problems,
                                           heldout_problems, train_prompts)
   from magistral_jax import config as config_lib

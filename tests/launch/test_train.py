@@ -14,12 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _load(arg=None):
-  sys.path.insert(0, ROOT)
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("tiny_cfg", os.path.join(ROOT, "configs/tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
+  from configs import tiny
+  return tiny.get_config(arg)
 
 
 def _train(workdir, *flags, timeout=900):
@@ -75,12 +71,9 @@ def test_unknown_flag_override_fails_before_work(tmp_path):
                                   "smollm2:learn,task=synthetic/999/2-4",
                                   "small", "medium", "sft_small"])
 def test_every_recipe_validates(name):
-  import importlib.util
+  import importlib
   name, _, arg = name.partition(":")
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"configs/{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config(arg or None)
+  c = importlib.import_module(f"configs.{name}").get_config(arg or None)
   run = config_lib.validate(c)
   if name == "medium":   # the paper's stage schedule: 16k/24k/32k budgets, 8k/4k/2k batches
     assert [s["overrides"]["rl.n_batch"] for s in c.stages] == [8192, 4096, 2048]
