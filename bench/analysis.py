@@ -19,9 +19,6 @@ Last line: one JSON object with every number.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import common
 
 common.use_cpu_devices()
@@ -69,10 +66,8 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax.analysis import length_dimension as ld
   from magistral_jax.analysis import run as R
   from magistral_jax.generate.config import SamplingConfig
-  spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs/tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  config = mod.get_config()
+  from magistral_jax.run.recipes import load_recipe
+  config = load_recipe("configs/tiny.py", ROOT)
   model_cfg, tok = R.model_and_tokenizer(config)
   params = jax.tree.map(np.asarray, common.random_params(model_cfg))
   flat = P.flatten_params(params)

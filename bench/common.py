@@ -30,9 +30,9 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
+# The repository (recipes, launchers); magistral_jax itself is installed (`make setup-test`:
+# editable), and `python bench/X.py` puts bench/ first on sys.path for `import common`.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:   # the repository's magistral_jax, also when it is not installed
-  sys.path.insert(0, ROOT)
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 

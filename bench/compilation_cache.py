@@ -23,8 +23,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common   # bench/common.py (bench/ is first on sys.path when run as a script)
 
 ROOT = common.ROOT
 

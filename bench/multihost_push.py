@@ -27,10 +27,7 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-import common  # noqa: E402
+import common   # bench/common.py (bench/ is first on sys.path when run as a script)
 
 
 def child(args) -> None:
@@ -45,10 +42,10 @@ def child(args) -> None:
   from magistral_jax.pipeline.remote import in_stream, out_stream, weight_transfer
 
   if args.model == "tiny":   # configs/tiny.py's 0.8M-parameter policy: latency, not bandwidth
-    from configs import tiny
     from magistral_jax.model.config import ModelConfig
-    cfg = ModelConfig.from_config_dict(tiny.get_config().model).replace(
-        param_dtype=args.param_dtype)
+    from magistral_jax.run.recipes import load_recipe
+    tiny = load_recipe("configs/tiny.py", common.ROOT)
+    cfg = ModelConfig.from_config_dict(tiny.model).replace(param_dtype=args.param_dtype)
     source = "random init (configs/tiny.py shapes)"
   else:
     cfg, _, source, _ = common.load_model(args.model, args.param_dtype, weights="random")
@@ -118,8 +115,7 @@ def main() -> None:
   args = p.parse_args()
   if args.distributed:
     return child(args)
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  from local_cluster import run_cluster
+  from magistral_jax.parallel.local_cluster import run_cluster
   out = io.StringIO()
   argv = [os.path.abspath(__file__)] + sys.argv[1:]
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -88,8 +88,10 @@ import common   # bench/common.py; it does not import jax
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TUNIX_PYTHON = os.path.join(HERE, "peers", ".venv-tunix", "bin", "python")
 TUNIX_SIDE = os.path.join(HERE, "peers", "tunix_side.py")
-sys.path.insert(0, os.path.join(HERE, "peers"))
-from peer_common import jitter, peak_memory_bytes, side_summary, weights_checksum  # noqa: E402,F401
+# bench/peers/peer_common.py, shared with tunix_side.py (which runs with bench/peers/ first on
+# its sys.path and imports it as peer_common).
+from peers.peer_common import (jitter, peak_memory_bytes, side_summary,  # noqa: F401
+                               weights_checksum)
 SIDE_KEYS = ("completions_per_s", "rollout_tokens_per_s", "train_step_s", "peak_memory_bytes",
              "iteration_s")
 # A tiny Llama for the tests (SmolLM2's tokenizer and vocabulary, 2 narrow layers).
@@ -200,25 +202,19 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
   length), then every program it can run is compiled (Engine.precompile), so no timed
   iteration compiles: which prefill batch sizes and drain programs a run meets depends on
   thread timing."""
-  from magistral_jax import config as config_lib
+  from magistral_jax.generate.config import EngineConfig
   from magistral_jax.pipeline import PipelineConfig, Rollouts
   from magistral_jax.pipeline.generators import make_generators, shared_prefix_for
-  c = config_lib.default_config()
-  c.engine.update(max_concurrent_decodes=spec["prompts_per_iteration"] * spec["group_size"],
-                  max_prefill_length=spec["max_prompt_length"])
-  if spec.get("engine_tune") is not None:   # --engine_tune: the config default unless given
-    c.engine.update(tune=bool(spec["engine_tune"]))
-  e = c.engine
+  # The run config's engine section takes its defaults from EngineConfig.
+  tune = {} if spec.get("engine_tune") is None else {"tune": bool(spec["engine_tune"])}
+  e = EngineConfig(max_concurrent_decodes=spec["prompts_per_iteration"] * spec["group_size"],
+                   max_prefill_length=spec["max_prompt_length"],
+                   background_prefill=False,   # stepped in turn
+                   **tune)   # --engine_tune: the config default unless given
   shared = shared_prefix_for(e, tokenizer, system_prompt)
-  gens = make_generators(
-      model_cfg, params, [list(trainer_devices)], sampling,
-      mesh_shape={"tensor": len(trainer_devices)},
-      max_concurrent_decodes=e.max_concurrent_decodes, max_prefill_length=e.max_prefill_length,
-      max_decode_length=sampling.max_new_tokens, seed=seed,
-      recompute_kv_on_update=e.recompute_kv_on_update, tune=e.tune,
-      attention_windows=e.attention_windows, background_prefill=False,   # stepped in turn
-      loop_prefill_below=e.loop_prefill_below,
-      shared_prefix=shared, overlap_host=e.overlap_host)
+  gens = make_generators(model_cfg, params, [list(trainer_devices)], sampling, e,
+                         mesh_shape={"tensor": len(trainer_devices)}, seed=seed,
+                         shared_prefix=shared)
   for g in gens:   # only the prefill buckets this workload's prompts take (whole, or their rest)
     lengths = [len(ids) - (len(shared) if shared and ids[:len(shared)] == shared else 0)
                for ids in (t["ids"] for t in spec["prompts"])]
@@ -235,6 +231,19 @@ def reward_config(max_new_tokens: int):
   penalty only past max_new_tokens (l_max 2N, l_cache N), which no completion reaches."""
   from magistral_jax.rewards import RewardConfig
   return RewardConfig(l_max=2 * max_new_tokens, l_cache=max_new_tokens, language_bonus=0.0)
+
+
+def score(path: str) -> list[float]:
+  """--score: our rewards of the completions in `path` (JSON: completions, answers,
+  max_new_tokens) under reward_config, jitter added: what tunix_side.py --score prints for the
+  same file, when both sides score alike (tests/bench/test_vs_tunix.py)."""
+  from magistral_jax.rewards.reward import compute_reward
+  with open(path) as f:
+    spec = json.load(f)
+  cfg = reward_config(spec["max_new_tokens"])
+  return [compute_reward({"kind": "math", "problem": "", "answer": a}, c,
+                         spec["max_new_tokens"], cfg).reward + jitter(c)
+          for c, a in zip(spec["completions"], spec["answers"])]
 
 
 class JitteredPool:
@@ -499,7 +508,12 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--side_timeout_s", type=float, default=3600)
   ap.add_argument("--keep_workdir", help="write the workload here and keep it")
+  ap.add_argument("--score", help="print our rewards of a JSON file's completions (see score)")
   args = ap.parse_args()
+
+  if args.score:
+    common.emit({"rewards": score(args.score)})
+    return
 
   if args.side == "ours":
     if not args.spec:

@@ -233,8 +233,18 @@ def _version(name):
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--spec", required=True)
+  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
+  ap.add_argument("--score", help="print reward_fn of a JSON file's completions and answers "
+                  "(no tunix import: our interpreter runs it too, tests/bench/test_vs_tunix.py)")
   args = ap.parse_args()
+  if args.score:
+    with open(args.score) as f:
+      spec = json.load(f)
+    print(json.dumps({"rewards": reward_fn(None, spec["completions"], spec["answers"])}),
+          flush=True)
+    return 0
+  if not args.spec:
+    ap.error("--spec or --score is required")
   with open(args.spec) as f:
     spec = json.load(f)
   if spec["platform"] == "cpu":

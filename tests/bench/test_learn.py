@@ -1,8 +1,8 @@
-"""bench/learn.py's own logic (issue #51), without launching a model: the task picked from a
-headroom table, the control's coin rate from the RL run's metrics, the archive that comes back
-from a device machine, and the report of two runs written by launch/train.py's write_eval. The
-whole command ran on CPU with --shrink and on an H100 (BENCHMARKS.md "A real model learns")."""
-import importlib.util
+"""bench/learn.py's own logic (issue #51; magistral_jax/run/learn.py), without launching a
+model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
+the archive that comes back from a device machine, and the report of two runs written by
+launch/train.py's write_eval. The whole command ran on CPU with --shrink and on an H100
+(BENCHMARKS.md "A real model learns")."""
 import json
 import os
 import subprocess
@@ -16,10 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def learn():
-  spec = importlib.util.spec_from_file_location("bench_learn", os.path.join(ROOT, "bench/learn.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from magistral_jax.run import learn
+  return learn
 
 
 def _set(p1, head):
@@ -77,7 +75,8 @@ def test_report_of_two_runs_and_the_archive(learn, tmp_path):
              "after": [2, 2, 3, 1, 2, 1, 1, 2]}
   _write_run(train, tmp_path / "rl", [("before", 0), ("batch2", 2), ("after", 4)], correct)
   _write_run(train, tmp_path / "control", [("after", 4)], {"after": correct["before"]})
-  curve = learn.curve(str(tmp_path / "rl"))
+  from magistral_jax.analysis.report import load_heldout_curve
+  curve = load_heldout_curve(str(tmp_path / "rl"))
   assert [(c["tag"], c["batch"]) for c in curve] == [("before", 0), ("batch2", 2), ("after", 4)]
   before = learn.read_json(str(tmp_path / "rl" / "eval_before.json"))
   after = learn.read_json(str(tmp_path / "rl" / "eval_after.json"))

@@ -1,7 +1,8 @@
 """The short form of bench/vs_tunix.py: a tiny workload end to end, our side always, the tunix side
 only where its venv (bench/peers/.venv-tunix, bench/peers/setup_tunix.sh) exists. Checks the
 JSON last line's keys and that both sides ran the same workload; no timing assertions (the
-figures are the bench's, on a quiet host)."""
+figures are the bench's, on a quiet host). Both scripts run as subprocesses, as a user runs
+them."""
 import json
 import os
 import subprocess
@@ -10,12 +11,11 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
-import tunix_side  # noqa: E402  (imports nothing of tunix until it runs)
-import vs_tunix  # noqa: E402
-
-HAVE_TUNIX = os.access(vs_tunix.DEFAULT_TUNIX_PYTHON, os.X_OK)
+# bench/vs_tunix.py's DEFAULT_TUNIX_PYTHON and SIDE_KEYS.
+HAVE_TUNIX = os.access(os.path.join(ROOT, "bench", "peers", ".venv-tunix", "bin", "python"),
+                       os.X_OK)
+SIDE_KEYS = ("completions_per_s", "rollout_tokens_per_s", "train_step_s", "peak_memory_bytes",
+             "iteration_s")
 PROMPTS, G, NEW = 1, 2, 4
 
 
@@ -36,7 +36,7 @@ def test_the_last_line_has_every_key(result):
             "memory_ratio", "workload", "versions", "device"):
     assert k in result
   for side in ("ours", "tunix"):
-    for k in vs_tunix.SIDE_KEYS:
+    for k in SIDE_KEYS:
       assert f"{side}_{k}" in result
   ours = result["ours"]
   assert ours["completions_per_s"] > 0 and ours["rollout_tokens_per_s"] > 0
@@ -64,19 +64,28 @@ def test_tunix_side_or_a_clear_skip(result):
   assert result["speedup_vs_tunix"] > 0 and result["memory_ratio"] > 0
 
 
-def test_both_sides_score_alike():
-  # The tunix side's reward function against our verifier under the bench's reward config.
-  from magistral_jax.rewards.reward import compute_reward
-  assert vs_tunix.jitter("abc") == tunix_side.jitter("abc")
-  assert 0 <= vs_tunix.jitter("x" * 100) < 0.01
-  cfg = vs_tunix.reward_config(NEW)
-  task = {"kind": "math", "problem": "Compute 7-3.", "answer": "4"}
+def _rewards(script, path):
+  """The rewards `script --score=path` prints (our interpreter: tunix_side.py imports nothing of
+  tunix to score)."""
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", *script), f"--score={path}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])["rewards"]
+
+
+def test_both_sides_score_alike(tmp_path):
+  # The tunix side's reward function against our verifier under the bench's reward config, each
+  # with the shared tie-breaker (peer_common.jitter, < 0.01) added.
   completions = ["<think>7-3=4</think> so \\boxed{4}", "<think>7-3=5</think> \\boxed{5}",
                  "no format \\boxed{4}", "<think>a</think> no answer",
                  " <think>x</think> \\boxed{4}", "<think>a<think>b</think> \\boxed{4}",
                  "<think>a</think>\\boxed{-4}"]
-  theirs = [r - tunix_side.jitter(c) for r, c in
-            zip(tunix_side.reward_fn(None, completions, ["4"] * len(completions)), completions)]
-  ours = [compute_reward(task, c, NEW, cfg).reward for c in completions]
+  path = tmp_path / "completions.json"
+  path.write_text(json.dumps({"completions": completions, "answers": ["4"] * len(completions),
+                              "max_new_tokens": NEW}))
+  ours = _rewards(["vs_tunix.py"], path)
+  theirs = _rewards(["peers", "tunix_side.py"], path)
   assert theirs == pytest.approx(ours)
-  assert ours == pytest.approx([1.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.1])
+  base = [1.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.1]
+  assert all(0 <= r - b < 0.01 for r, b in zip(ours, base)), ours
+  assert len({round(r - b, 6) for r, b in zip(ours, base)}) > 1   # the tie-breaker varies
