@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Mapping
 
 # The repository (recipes, launchers); magistral_jax itself is installed (`make setup-test`:
-# editable), and `python bench/X.py` puts bench/ first on sys.path for `import common`.
+# editable), and `python bench/X.py` imports its siblings (`import common`) from bench/.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

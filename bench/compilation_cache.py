@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-import common   # bench/common.py (bench/ is first on sys.path when run as a script)
+import common   # bench/common.py, beside the script
 
 ROOT = common.ROOT
 

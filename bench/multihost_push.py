@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-import common   # bench/common.py (bench/ is first on sys.path when run as a script)
+import common   # bench/common.py, beside the script
 
 
 def child(args) -> None:

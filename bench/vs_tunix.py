@@ -88,8 +88,8 @@ import common   # bench/common.py; it does not import jax
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TUNIX_PYTHON = os.path.join(HERE, "peers", ".venv-tunix", "bin", "python")
 TUNIX_SIDE = os.path.join(HERE, "peers", "tunix_side.py")
-# bench/peers/peer_common.py, shared with tunix_side.py (which runs with bench/peers/ first on
-# its sys.path and imports it as peer_common).
+# bench/peers/peer_common.py, shared with tunix_side.py (a script in bench/peers/, which imports
+# it as its sibling peer_common).
 from peers.peer_common import (jitter, peak_memory_bytes, side_summary,  # noqa: F401
                                weights_checksum)
 SIDE_KEYS = ("completions_per_s", "rollout_tokens_per_s", "train_step_s", "peak_memory_bytes",
