@@ -14,6 +14,7 @@ import pytest
 
 from magistral_jax.rewards import RewardConfig, sandbox
 from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.config import VerifierConfig
 from magistral_jax.verify.uids import claim_uid_offsets, kill_uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)
@@ -107,6 +108,20 @@ def test_recycling_keeps_the_slot_serving_while_the_successor_starts():
       time.sleep(0.05)
     assert p.metrics()["recycled"] >= 1
     assert len(p.worker_pids()) <= 2   # at most the worker and one successor
+
+
+def test_from_config_builds_the_pool_the_verifier_section_describes():
+  cfg = VerifierConfig(num_workers=1, task_timeout_s=30.0, max_tasks_per_worker=7)
+  with VerifierPool.from_config(cfg, CFG) as p:
+    assert (p.num_workers, p.task_timeout_s, p.max_tasks_per_worker) == (1, 30.0, 7)
+    assert p.reward_cfg is CFG
+    assert p.submit(MATH, _math(5)).result(timeout=60).reward == 1.0
+
+
+@pytest.mark.parametrize("field", ["num_workers", "task_timeout_s", "max_tasks_per_worker"])
+def test_verifier_config_errors_name_the_field(field):
+  with pytest.raises(ValueError, match=f"verifier.{field}="):
+    VerifierConfig(**{field: 0})
 
 
 def test_timed_out_task_resolves_to_zero_and_the_pool_recovers(pool):
