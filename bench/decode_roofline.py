@@ -44,6 +44,7 @@ cache `--max_new 4096` against `--max_new 4096 --attention_windows 4`; CPU
 `python bench/decode_roofline.py --models smollm2 --batch 16`.
 Last line: one JSON object.
 """
+import dataclasses
 import os
 import time
 
@@ -109,6 +110,7 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+  from magistral_jax.generate.loop import DIRECT
   dtype = args.dtype
   cfg, params, source, _ = common.load_model(name, dtype)
   timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
@@ -129,7 +131,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   embed_bytes = dev_params["embed"]["embedding"].nbytes
   itemsize = jnp.dtype(dtype).itemsize
 
-  loop = GeneratorLoop(eng, dev_params, compact_drain=False, overlap_host=not args.no_overlap)
+  loop = GeneratorLoop(eng, dev_params, compact_drain=False,
+                       options=dataclasses.replace(DIRECT, overlap_host=not args.no_overlap))
   rs = np.random.RandomState(0)
   for i in range(args.batch):
     loop.submit(Request(i, rs.randint(0, cfg.vocab_size, args.prompt).tolist(),
@@ -181,7 +184,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "attention_windows": list(eng.attention_windows), "live_positions": live_len,
       "sampling": "greedy" if args.greedy else "temperature 1",
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
-      "fill_s": fill_s, "overlap_host": loop.overlap_host,
+      "fill_s": fill_s, "overlap_host": loop.options.overlap_host,
       "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
       "engine_step_ms_per_round": [x * 1e3 for x in engine_ts],
       "loop_step_ms_per_round": [x * 1e3 for x in loop_ts],

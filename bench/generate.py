@@ -17,7 +17,7 @@ generate exactly the requested lengths. For each batch size B (slots for us, bat
         attends over the smallest of N windows of the KV cache that holds its active slots
         (Engine.window_for; every window's step is precompiled). Mid-run, new weights are pushed from
         another thread `n_updates` times (same values, new version). The engine's precompile
-        picks the generate step's CPU dot library by timing both (Engine.tune_generate).
+        picks the generate step's CPU dot library by timing both (cpu_options.tune_engine).
   hf:   the same requests in static batches of B; each batch runs until its longest member is
         done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
 Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
@@ -60,6 +60,7 @@ of the same shapes, written to HF safetensors for transformers so both sides hol
 weights; `--model llama1b` times the Llama-3.2-1B shapes that way. bench/gpu_suite.sh runs the
 GPU measurements the engine issue asks for in one call.
 """
+import dataclasses
 import os
 import threading
 import time
@@ -80,6 +81,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
              temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True,
              loop_prefill_below=0.5, time_prefill=False, shared_prefix=0):
   from magistral_jax.generate import Engine, GeneratorLoop, Request
+  from magistral_jax.generate.loop import DIRECT
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])
   # With a shared prefix the rests of the prompts (p_len - shared_prefix tokens) get a bucket.
@@ -89,7 +91,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
                prefill_buckets=buckets, sampling=sampling_config(temperature, top_p, 8),
                attention_windows=attention_windows)
   shared = list(prompts[0][:shared_prefix]) if shared_prefix else None
-  # Warm-up: pick the generate step's CPU dot library by timing both (Engine.tune_generate),
+  # Warm-up: pick the generate step's CPU dot library by timing both (cpu_options.tune_engine),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   warm = GeneratorLoop(eng, params, shared_prefix=shared)
   eng.precompile(warm.params, existing_prefix=warm.shared_prefix_cache())
@@ -100,8 +102,9 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   # The shared prefix is prefilled here, before the clock starts (transformers' prefix cache is
   # made before its clock too), and again after each weight push by the first prefill that
   # needs it, while the loop runs.
-  loop = GeneratorLoop(eng, params, compact_drain=compact, background_prefill=background_prefill,
-                       loop_prefill_below=loop_prefill_below, shared_prefix=shared)
+  options = dataclasses.replace(DIRECT, background_prefill=background_prefill,
+                                loop_prefill_below=loop_prefill_below)
+  loop = GeneratorLoop(eng, params, options=options, compact_drain=compact, shared_prefix=shared)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size

@@ -7,7 +7,7 @@ shares the device (its own mesh and param shardings). Timed, alternating, median
 rounds after a warm-up:
   push  what the RL pipeline does after each optimizer step (Rollouts.push): cast to the
         generator's dtype on the trainer's devices and move onto its param shardings
-        (pipeline.rollouts.transfer_params), then check finiteness and split into the engine's
+        (generate.weights.transfer_params), then check finiteness and split into the engine's
         per-layer decode layout (Engine.load_params), until ready.
   copy  the baseline: a device-to-device copy (`jax.device_put(..., may_alias=False)`) of the
         bytes the generator receives (the params already in `--gen_dtype`), nothing else.
@@ -25,7 +25,7 @@ from magistral_jax.generate import Engine, SamplingConfig
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.sharding import make_mesh, param_shardings
 from magistral_jax.parallel.config import TRAINER_RULES
-from magistral_jax.pipeline.rollouts import transfer_params
+from magistral_jax.generate.weights import transfer_params
 
 
 def tree_bytes(tree) -> int:

@@ -10,9 +10,10 @@ medians of the engine's step, docs/perf_log.md):
   16 208 -> 168 ms), YNNPACK from 32 on (1.04-1.11x at 32-64 slots);
 - another 2-core host, with AVX-512: YNNPACK faster at every slot count (Eigen / YNNPACK step
   time 2.3x at 4 slots, 1.24x at 8, 1.14x at 16, 1.3x at 32).
-So the engine measures: with dot_library="auto" (the default) GenerateStep.tune (Engine.tune,
-run by precompile) compiles the step both ways and keeps the faster; until then, and with a fixed
-choice, generate_compiler_options' slot-count rule applies. Only the generate step is affected;
+So the engine measures: with dot_library="auto" (the default) tune_engine (run by
+Engine.precompile, and by a run's generators with engine.tune) compiles the step both ways and
+keeps the faster (GenerateStep.tune); until then, and with a fixed choice,
+generate_compiler_options' slot-count rule applies. Only the generate step is affected;
 prefill's [N * bucket, D] matmuls keep the defaults. Off CPU the dot library is ignored.
 
 Drain compaction (compaction.py) is the other setting: a step costs about the same however many
@@ -133,3 +134,22 @@ class GenerateStep:
     log.info("generate step on CPU, %d slots: %s; %s chosen", self.slots,
              ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()), best)
     return self.tuning
+
+
+def tune_generate(engine, params, rounds: int = 3, steps: int = 2) -> dict | None:
+  """Times `engine`'s generate step with each CPU dot library and keeps the faster one (CPU only,
+  and only with dot library "auto"; returns None otherwise), at the full window on a scratch
+  state with every slot active (GenerateStep.tune). `params` as returned by load_params."""
+  slots = engine.max_concurrent_decodes
+  return engine.generate_step.tune(
+      params, lambda: engine.set_active(engine.init_decode_state(), np.ones((slots,), bool)),
+      engine.cache_length, rounds, steps)
+
+
+def tune_engine(engine, params) -> dict | None:
+  """tune_generate for `engine` and each of its compact (drain) engines; returns the engine's
+  tuning. Compiles both step programs of each engine, and nothing else."""
+  out = tune_generate(engine, params)
+  for n in engine.compact_sizes:
+    tune_generate(engine.compact_engine(n), params)
+  return out

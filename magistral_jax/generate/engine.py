@@ -102,8 +102,9 @@ class Engine:
     self.state_shardings = state_shardings(self.shard, jax.eval_shape(self._init_state))
 
     self.platform = mesh.devices.flat[0].platform
-    # The attention window (argument 2) is static: one program per window.
-    self._step = GenerateStep(lambda options: jax.jit(
+    # The attention window (argument 2) is static: one program per window. Its dot library on CPU
+    # is what cpu_options.tune_engine chooses (the only thing tuning changes in an engine).
+    self.generate_step = GenerateStep(lambda options: jax.jit(
         self._generate_impl,
         in_shardings=(self.decode_param_shardings, self.state_shardings),
         out_shardings=(self.state_shardings, ResultTokens(*([rep] * 5))), donate_argnums=(1,),
@@ -158,36 +159,21 @@ class Engine:
     counts = {name: getattr(self, f"_{name}")._cache_size()
               for name in ("prefill", "insert", "resample", "set_active", "prefill_many",
                            "insert_many")}
-    counts["generate"] = self._step.cache_size()
+    counts["generate"] = self.generate_step.cache_size()
     counts["compact"] = self._compaction.cache_size()
     return counts
 
-  # ---- CPU dot-library tuning (cpu_options.py) -------------------------------------------------
+  # ---- CPU dot-library tuning (cpu_options.tune_engine sets generate_step's choice) ------------
   @property
   def generate_library(self) -> str | None:
     """The CPU dot library of the generate step in use (None off CPU)."""
-    return self._step.library
+    return self.generate_step.library
 
   @property
   def generate_tuning(self) -> dict | None:
-    """What tune_generate measured: {"chosen", "step_ms": {library: median ms}}, or None."""
-    return self._step.tuning
-
-  def tune_generate(self, params, rounds: int = 3, steps: int = 2) -> dict | None:
-    """Times the generate step with each CPU dot library and keeps the faster one (CPU only,
-    and only with dot library "auto"; returns None otherwise), at the full window on a scratch
-    state with every slot active (GenerateStep.tune). `params` as returned by load_params."""
-    return self._step.tune(
-        params, lambda: self.set_active(self.init_decode_state(), np.ones((self._slots,), bool)),
-        self.cache_length, rounds, steps)
-
-  def tune(self, params) -> dict | None:
-    """tune_generate for this engine and each of its compact (drain) engines; returns this
-    engine's tuning. Compiles both step programs of each engine, and nothing else."""
-    out = self.tune_generate(params)
-    for n in self.compact_sizes:
-      self.compact_engine(n).tune_generate(params)
-    return out
+    """What cpu_options.tune_generate measured: {"chosen", "step_ms": {library: median ms}}, or
+    None."""
+    return self.generate_step.tuning
 
   # ---- params --------------------------------------------------------------------------------
   def load_params(self, params) -> Any:
@@ -222,8 +208,8 @@ class Engine:
                  existing_prefix: Prefix | None = None) -> None:
     """Compiles every program a run uses (shapes.precompile), so a timed or latency-sensitive
     run compiles nothing later; with `tune` it first picks the generate step's dot library
-    (tune). `params` as returned by load_params. With `existing_prefix` (the shared prefix a
-    GeneratorLoop continues) the programs that continue it are compiled too."""
+    (cpu_options.tune_engine). `params` as returned by load_params. With `existing_prefix` (the
+    shared prefix a GeneratorLoop continues) the programs that continue it are compiled too."""
     shapes.precompile(self, params, buckets or self.prefill_buckets, tune, existing_prefix)
 
   # ---- prompts -------------------------------------------------------------------------------
@@ -437,7 +423,7 @@ class Engine:
       window = self.cache_length
     elif window not in self.attention_windows:
       raise ValueError(f"attention window {window} is not one of {self.attention_windows}")
-    return self._step.fn(params, decode_state, int(window))
+    return self.generate_step.fn(params, decode_state, int(window))
 
   def window_for(self, positions: int) -> int:
     """The smallest attention window covering `positions` cache positions (the largest

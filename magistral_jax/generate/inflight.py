@@ -1,10 +1,31 @@
-"""What the device has computed that the host has not yet recorded (GeneratorLoop overlap_host).
+"""What the device has computed that the host has not yet recorded (GeneratorLoop with
+EngineConfig.overlap_host, the default).
 
-With overlap_host the loop dispatches decode step n+1 before it fetches step n's results, and
-refills made while a step is in flight leave their first tokens on the device until the next
-step's results are fetched (generate/loop.py's docstring says why and what it changes). This
-module keeps that lead: at most one dispatched step (`InFlight`) and the pending first tokens,
-the positions they advance each slot by, and their recording into the slot table.
+The loop dispatches decode step n+1 before it fetches and records step n's results, so the device
+computes step n+1 while the host transfers step n's tokens, does the bookkeeping, refills slots
+and dispatches the next step (one step in flight at most). Dispatching a jitted step over
+hundreds of weight and cache arrays and fetching its results cost real host time; done in turn
+with the step they leave the device idle for a large share of the loop's time (BENCHMARKS.md,
+"Generation"). The decode state is threaded functionally on the device, so what the host
+dispatches between steps (inserts, activity masks, compaction) queues after the step in flight.
+
+What it changes: a sample that finishes at step n (EOS, stop string, length) is known only after
+step n+1 was dispatched with its slot still active; that step's token for it is dropped (never
+recorded or counted) and the slot is refilled one step later than without overlap (its write
+lands at most at position prompt + max_new - 1 < cache length, and an insert rewrites the slot's
+length, token, key and activity). Each in-flight step keeps the slots it advances and their
+samples (a slot refilled since is not the same sample: its result is dropped) and the policy
+version of the weights it was dispatched with, which its tokens carry. The samples (tokens,
+log-probs, versions) are those without overlap: tokens depend only on a sample's own prompt,
+PRNG stream and position (tests/generate/test_engine_and_loop.py); only the schedule of refills,
+hence the step count and when a weights update reaches a sample, differs. The step in flight is
+recorded before the loop reports nothing to do, at the end of run_until_idle, when the loop
+thread stops, and before a KV recompute on update. Refills overlap too: the first tokens of
+samples inserted while a step is in flight are fetched and recorded with the next step's results
+(a sample finishing on its first token is known a step later, like any other finish).
+
+This module keeps that lead: at most one dispatched step (`InFlight`) and the pending first
+tokens, the positions they advance each slot by, and their recording into the slot table.
 """
 from __future__ import annotations
 

@@ -2,12 +2,11 @@
 
 One iteration (`step`):
   1. swap in pending weights, if any (a pointer swap at a decode-step boundary; the KV cache of
-     in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set);
-  2. refill free slots: the requests that the free slots need are prefilled together (one
-     `prefill_many` call per length bucket and batch size, one prefill per request however many
-     group samples it has), topped up with the next queued requests up to `prefill_ahead`
-     prompts per refill; then all new samples go into their slots in one `insert_many` call;
-     samples that do not fit wait for the next free slots, reusing the same prefix. With
+     in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set:
+     loop_weights.py);
+  2. refill free slots (refill.py): the requests that the free slots need are prefilled
+     together, topped up with the next queued requests up to `prefill_ahead` prompts, and the
+     new samples go into their slots in one `insert_many` call per prefill batch. With
      `shared_prefix` a prompt starting with it is prefilled as its rest only (prefix_cache.py).
      With background_prefill a worker thread does the prefilling ahead, while the loop decodes
      (prefill_worker.py), and the loop inserts what is ready;
@@ -18,30 +17,11 @@ One iteration (`step`):
      vectorised bookkeeping in numpy (slots.py): finish on EOS, a stop string or max tokens;
      stream finished samples out as `Sample`s.
 
-Host work overlapped with the device (`overlap_host`, the default): step 4 dispatches decode step
-n+1 before it fetches and records step n's results, so the device computes step n+1 while the
-host transfers step n's tokens, does the bookkeeping, refills slots and dispatches the next step
-(one step in flight at most). Dispatching a jitted step over hundreds of weight and cache arrays
-and fetching its results cost real host time; done in turn with the step they left the device
-idle for up to half the loop's time (GPU, batch 256: 3.2 ms a device step, 6.1 ms a loop step,
-Llama-3.2-1B shape). The decode state is threaded functionally on the device, so what the host
-dispatches between steps (inserts, activity masks, compaction) queues after the step in flight.
-What it changes: a sample that finishes at step n (EOS, stop string, length) is known only after
-step n+1 was dispatched with its slot still active; that step's token for it is dropped (never
-recorded or counted) and the slot is refilled one step later than without overlap (its write
-lands at most at position prompt + max_new - 1 < cache length, and an insert rewrites the slot's
-length, token, key and activity). Each in-flight step keeps the slots it advances and their
-samples (a slot refilled since is not the same sample: its result is dropped) and the policy
-version of the weights it was dispatched with, which its tokens carry. The samples (tokens,
-log-probs, versions) are those without overlap: tokens depend only on a sample's own prompt,
-PRNG stream and position (tests/generate/test_engine_and_loop.py); only the schedule of refills,
-hence the step count and when a weights update reaches a sample, differs. The step in flight is
-recorded before the loop reports nothing to do, at the end of run_until_idle, when the loop
-thread stops, and before a KV recompute on update. Refills overlap too: the first tokens of
-samples inserted while a step is in flight are fetched and recorded with the next step's results
-(a sample finishing on its first token is known a step later, like any other finish);
-inflight.DeviceLead keeps that lead. overlap_host=False is the old synchronous step (dispatch,
-fetch, record).
+Host work overlapped with the device (EngineConfig.overlap_host, the default): step 4 dispatches
+decode step n+1 before it fetches and records step n's results, so the device computes while the
+host transfers, does its bookkeeping and refills slots (inflight.py says what that changes: the
+same samples, a finished sample's slot refilled a step later). overlap_host=False is the old
+synchronous step (dispatch, fetch, record).
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
 exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
@@ -55,34 +35,31 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from magistral_jax.generate.compaction import Drain
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.inflight import DeviceLead
+from magistral_jax.generate.loop_weights import LoopWeights, recompute_caches
 from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_requests
-from magistral_jax.generate.prefix_cache import (SHARED_PREFIX_MIN_TOKENS, SharedPrefixCache,
-                                                 common_prefix, useful_shared_prefix)
+from magistral_jax.generate.prefix_cache import SharedPrefixCache
+from magistral_jax.generate.refill import Refill
 from magistral_jax.generate.requests import GeneratorError, Request, RequestSamples, Sample
-from magistral_jax.generate.config import SamplingConfig
 from magistral_jax.generate.slots import SlotTable
+from magistral_jax.generate.weights import transfer_params
 
 log = logging.getLogger(__name__)
 
-# Re-exported: callers import these from the loop.
-__all__ = ["GeneratorLoop", "GeneratorError", "Request", "Sample", "SHARED_PREFIX_MIN_TOKENS",
-           "check_loop_prefill_below", "common_prefix", "useful_shared_prefix"]
-
-
-def check_loop_prefill_below(fraction: float) -> float:
-  """GeneratorLoop's loop_prefill_below: a fraction of the slots, in [0, 1]."""
-  if not 0.0 <= fraction <= 1.0:
-    raise ValueError(f"loop_prefill_below={fraction}: a fraction of the slots, in [0, 1]")
-  return float(fraction)
+# A bare GeneratorLoop prefills in its own thread, between steps: a caller that steps the loop
+# itself (run_until_idle, a colocated phase, most tests) then gets the same schedule on every
+# run, with no worker thread racing it. A run's generators take the `engine` section instead
+# (pipeline.generators.make_generators), whose default prefills in the background.
+DIRECT = EngineConfig(background_prefill=False)
 
 
 class GeneratorLoop:
@@ -90,26 +67,24 @@ class GeneratorLoop:
   (counters.LoopCounters) read as attributes too: loop.steps, loop.decode_time_s, ..."""
 
   def __init__(self, engine: Engine, params, version: int = 0, *,
+               options: EngineConfig = DIRECT, sampling: SamplingConfig | None = None,
                detokenize: Callable[[Sequence[int]], str] | None = None,
-               callback: Callable[[Sample], None] | None = None,
-               recompute_kv_on_update: bool = False, seed: int = 0, idle_wait_s: float = 0.005,
-               sampling: SamplingConfig | None = None, truncate_prompts: bool | None = None,
-               compact_drain: bool = True, prefill_ahead: int | None = None,
-               background_prefill: bool = False, loop_prefill_below: float = 0.5,
-               shared_prefix: Sequence[int] | None = None, overlap_host: bool = True):
+               callback: Callable[[Sample], None] | None = None, seed: int = 0,
+               shared_prefix: Sequence[int] | None = None, idle_wait_s: float = 0.005,
+               truncate_prompts: bool | None = None, compact_drain: bool = True,
+               prefill_ahead: int | None = None):
     self.engine = engine
-    # With overlap_host, step() dispatches decode step n+1 before recording step n's results
-    # (one step in flight; see the module docstring); False: dispatch, fetch, record in turn.
-    self.overlap_host = bool(overlap_host)
-    # With background_prefill, a worker thread prefills queued requests while the loop decodes
-    # (prefill_worker.py), keeping about `prefill_ahead` prefilled samples ready for the next
-    # free slots. The loop prefills itself when too few slots would decode (loop_prefill_below,
-    # next), or when nothing is decoding and the worker is idle (one prefill batch).
-    self.background_prefill = bool(background_prefill)
-    # loop_prefill_below: see PrefillWorker.top_up. 0 = the worker alone (the loop prefills only
-    # when nothing decodes and the worker is idle); 1 = the loop prefills whenever a slot is
-    # free and no prefilled sample waits for it.
-    self.loop_prefill_below = check_loop_prefill_below(loop_prefill_below)
+    # The loop's knobs of the `engine` section (its shapes are the engine's own):
+    # - overlap_host: step() dispatches decode step n+1 before recording step n's results (one
+    #   step in flight; inflight.py); False: dispatch, fetch, record in turn.
+    # - background_prefill: a worker thread prefills queued requests while the loop decodes
+    #   (prefill_worker.py), keeping about `prefill_ahead` prefilled samples ready for the next
+    #   free slots. The loop prefills itself when too few slots would decode
+    #   (loop_prefill_below, PrefillWorker.top_up: 0 = the worker alone, the loop prefilling only
+    #   when nothing decodes and the worker is idle; 1 = whenever a slot is free and no
+    #   prefilled sample waits for it), or when nothing is decoding and the worker is idle.
+    # - recompute_kv_on_update: loop_weights.py.
+    self.options = options
     # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
     # need first, then the next ones in the queue) are prefilled in the same call; the extra
     # prefixes wait for the next free slots. A batched prefill costs less per prompt than one
@@ -134,12 +109,11 @@ class GeneratorLoop:
       raise ValueError("SamplingConfig.stop_strings needs a detokenize callable")
     self.detokenize = detokenize
     self.callback = callback
-    self.recompute_kv_on_update = recompute_kv_on_update
     self.idle_wait_s = idle_wait_s
-    self.params = engine.load_params(params)
-    self.version = int(version)
     self.counters = LoopCounters()
     self._lock = threading.Lock()
+    self.weights = LoopWeights(engine, params, version, self._lock, self.counters,
+                               options.recompute_kv_on_update)
     self._shared = None if shared_prefix is None else SharedPrefixCache(
         engine, shared_prefix, self._lock, lambda: self.version, self.counters)
     self.shared_prefix: list[int] | None = self._shared.tokens if self._shared else None
@@ -152,13 +126,14 @@ class GeneratorLoop:
                             self.sampling, detokenize, self._emit)
     # The step in flight and the first tokens of inserts not yet fetched (inflight.py).
     self._ahead = DeviceLead(self._slots, self._drain, self.counters)
-    self._pending: tuple[Any, int] | None = None
-    self._pending_since_step = 0
     self._stop = threading.Event()
     self._prefiller = PrefillWorker(self._requests, self._lock, self._stop, self._prefill,
-                                    lambda: (self.params, self.version),
+                                    self.weights.current,
                                     engine.prefill_batch_sizes[-1], self.prefill_ahead,
                                     self.counters)
+    self._refill = Refill(engine, options, self.sampling.temperature, self._requests, self._groups,
+                          self._slots, self._drain, self._ahead, self._prefiller, self._prefill,
+                          self.weights.stale, self.prefill_ahead)
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self._error_tb = ""
@@ -197,22 +172,44 @@ class GeneratorLoop:
       padded, _, _ = self.engine.pad_prompt(prompt[-rest:])
     self._requests.put(RequestSamples(request, prompt, padded, n, truncated, key, mx, rest=rest))
 
+  # ---- weights (loop_weights.py) ---------------------------------------------------------------
+  @property
+  def params(self):
+    """The weights in use (engine.load_params' layout); None while released."""
+    return self.weights.params
+
+  @property
+  def version(self) -> int:
+    """The policy version of the weights in use."""
+    return self.weights.version
+
   def update_params(self, params, version: int) -> None:
     """Thread-safe. Validates (tree, shapes, finiteness) and moves the new weights onto the
     engine's mesh in the caller's thread; the loop swaps them in at its next step boundary.
     Bad params raise here and the loop keeps generating with the old ones."""
-    version = int(version)
-    params = self.engine.load_params(params)
-    with self._lock:
-      latest = self.version if self._pending is None else max(self.version, self._pending[1])
-      if version <= latest:
-        # Tokens carry the version they were sampled under, and the shared prefix's cache (and
-        # the recompute ablation's staleness test) is keyed by it: two weights under one number
-        # would be indistinguishable downstream.
-        raise ValueError(f"update_params: version {version} must be greater than the loop's "
-                         f"latest version {latest}")
-      self._pending = (params, version)
-      self._pending_since_step = self.counters.steps
+    self.weights.update(params, version)
+
+  def push(self, params, version: int, cast: dict | None = None) -> None:
+    """A trainer's push (Generator.push): `params` cast to the engine's weight dtype on the
+    trainer's devices (memoised per dtype in `cast`, a dict the generators of one push share),
+    moved device to device onto the engine's mesh and waited for, then update_params."""
+    new = transfer_params(params, self.engine, cast)
+    jax.block_until_ready(new)
+    self.update_params(new, version)
+
+  def _apply_pending_update(self) -> None:
+    self.weights.apply_pending(self._recompute_kv)
+
+  def _recompute_kv(self) -> None:
+    """recompute_kv_on_update: the caches are recomputed from the host's tokens, so the step in
+    flight (old weights, its own version) is recorded first: the host then has every token the
+    device state holds."""
+    self._flush()
+    if self._drain.compacted is not None:
+      self.state = self._drain.expand(self.state, self._slots.active)
+    self.state = recompute_caches(self.engine, self.params, self.state, self._slots, self._groups)
+
+  # ---- running it ------------------------------------------------------------------------------
 
   def start(self) -> "GeneratorLoop":
     if self._thread is not None:
@@ -308,7 +305,7 @@ class GeneratorLoop:
       raise RuntimeError(f"release: the loop still has work ({self.num_active} active slots, "
                          f"{self._requests.qsize()} queued requests); finish it first")
     with self._lock:
-      self.params, self._pending = None, None
+      self.weights.drop()
       self._groups.clear()   # requests whose samples are all out: their prompts' KV goes too
       if self._shared:
         self._shared.clear()
@@ -325,11 +322,7 @@ class GeneratorLoop:
     update_params does: the engine's serving dtype on its mesh) and an empty KV cache."""
     if not self.released:
       raise RuntimeError("reload: the loop holds its weights and cache; use update_params")
-    if int(version) < self.version:
-      raise ValueError(f"reload: version {version} is older than the loop's {self.version}")
-    params = self.engine.load_params(params)
-    with self._lock:
-      self.params, self.version = params, int(version)
+    self.weights.reload(params, version)
     self.state = self.engine.init_decode_state()
     self._slots.device_active = np.zeros_like(self._slots.device_active)
 
@@ -359,7 +352,7 @@ class GeneratorLoop:
     """One loop iteration; returns False when there was nothing to decode. With overlap_host it
     dispatches a decode step and then records the one dispatched by the previous call."""
     self._apply_pending_update()
-    self._fill_slots()
+    self.state = self._refill.fill(self.state)
     active = self._slots.active
     if not active.any():
       # A step in flight only advanced samples that have finished since (nothing is active):
@@ -388,7 +381,7 @@ class GeneratorLoop:
     c.decode_time_s += time.perf_counter() - t0
     # overlap_host: the previous step is recorded while this one runs.
     self._ahead.dispatched(res, rows, slots, owners, self.version)
-    if not self.overlap_host:
+    if not self.options.overlap_host:
       self._flush()
     return True
 
@@ -401,54 +394,12 @@ class GeneratorLoop:
     return (not self._requests.empty() or self._prefiller.holds_work()
             or any(g.waiting > 0 for g in self._groups))
 
-  def _apply_pending_update(self):
-    with self._lock:
-      pending, self._pending = self._pending, None
-      since = self._pending_since_step
-      if pending is None:
-        return
-      t0 = time.perf_counter()
-      # Under the lock: the prefill worker reads the (params, version) pair under it too.
-      self.params, self.version = pending
-    if self.recompute_kv_on_update:
-      # The caches are recomputed from the host's tokens: the step in flight (old weights, its
-      # own version) is recorded first, so the host has every token the device state holds.
-      self._flush()
-      if self._drain.compacted is not None:
-        self.state = self._drain.expand(self.state, self._slots.active)
-      for i, s in enumerate(self._slots.samples):
-        if s is not None:
-          self.state = self.engine.refresh_slot(self.params, self.state, i,
-                                                self._slots.in_cache(i))
-      for g in self._groups:
-        g.prefix = None  # re-prefilled under the new weights when their turn comes
-      jax.block_until_ready(self.state)
-    self.counters.update_pauses_s.append(time.perf_counter() - t0)
-    self.counters.update_pause_steps.append(self.counters.steps - since)
-
   def _emit(self, sample: Sample) -> None:
     self.completions.put(sample)
     if self.callback is not None:
       self.callback(sample)
 
   # ---- refill --------------------------------------------------------------------------------
-  def _next_sample(self, take_request: bool = True):
-    """(group, sample index) for the next free slot, taking a new request when needed (and
-    `take_request`)."""
-    while self._groups and self._groups[0].waiting <= 0:
-      self._groups.popleft()
-    if not self._groups:
-      if not take_request:
-        return None
-      try:
-        self._groups.append(self._requests.get_nowait())
-      except queue.Empty:
-        return None
-    g = self._groups[0]
-    i = g.next_index
-    g.next_index += 1
-    return g, i
-
   def _prefill(self, groups: list[RequestSamples], params=None, version: int | None = None
                ) -> None:
     """prefill_requests under the loop's current weights unless `params` / `version` are given
@@ -457,76 +408,3 @@ class GeneratorLoop:
       params, version = self.params, self.version
     prefill_requests(self.engine, groups, params, version, self._shared, self.counters,
                      self._lock)
-
-  def _stale(self, g: RequestSamples) -> bool:
-    """Whether a group needs a (new) prefill before its next sample goes into a slot."""
-    return g.prefix is None or (self.recompute_kv_on_update and g.prefix_version != self.version)
-
-  def _fill_slots(self):
-    bg, slots = self.background_prefill, self._slots
-    if bg:
-      self._prefiller.collect(self._groups, decoding=bool(slots.active.any()))
-    while True:
-      if bg:  # (again after a sample that finished on its first token)
-        self._prefiller.top_up(self._groups, int(slots.active.sum()),
-                               self.engine.max_concurrent_decodes, self.loop_prefill_below)
-      plan = []  # (slot, group, sample index)
-      for slot in np.flatnonzero(~slots.active):
-        nxt = self._next_sample(take_request=not bg)
-        if nxt is None:
-          break
-        plan.append((int(slot), *nxt))
-      if not plan:
-        break
-      if self._drain.compacted is not None:  # new work: the compacted slots go back first
-        self.state = self._drain.expand(self.state, slots.active)
-      need, seen = [], set()
-      for _, g, _ in plan:
-        if self._stale(g) and id(g) not in seen:
-          seen.add(id(g))
-          need.append(g)
-      if need:  # prefill ahead: queued requests join this call (FIFO order is kept)
-        for g in self._groups:
-          if len(need) >= self.prefill_ahead:
-            break
-          if self._stale(g) and id(g) not in seen:
-            seen.add(id(g))
-            need.append(g)
-        while not bg and len(need) < self.prefill_ahead:
-          try:
-            g = self._requests.get_nowait()
-          except queue.Empty:
-            break
-          self._groups.append(g)
-          need.append(g)
-      self._prefill(need)
-      # One insert per prefill batch the plan draws from (usually one).
-      calls: dict[int, list] = {}
-      for entry in plan:
-        calls.setdefault(id(entry[1].prefix[0]), []).append(entry)
-      firsts = []
-      for entries in calls.values():
-        for slot, g, i in entries:
-          slots.assign(slot, g, i)
-        self.state, tok, lp = self.engine.insert_many(
-            entries[0][1].prefix[0], self.state, [e[0] for e in entries],
-            [e[1].prefix[1] for e in entries], np.stack([e[1].key for e in entries]),
-            [e[2] for e in entries], slots.active, temperature=self.sampling.temperature)
-        slots.device_active = slots.active.copy()
-        firsts.append((np.array([e[0] for e in entries]), [e[1].request.id for e in entries],
-                       np.array([e[1].prefix_version for e in entries]), tok, lp))
-      if self.overlap_host and self._ahead.step is not None:
-        # The inserts queue after the step in flight: their first tokens are fetched and
-        # recorded with the next step's results instead of waited for here, so refills overlap
-        # with the device too. A sample that finishes on its first token is then known a step
-        # later (that step's token for it is dropped), like a finish at any other step.
-        self._ahead.firsts.extend(firsts)
-        break
-      finished = self._ahead.record_firsts(firsts)   # one transfer for all first tokens
-      if not finished:  # a sample can finish on its first token: refill its slot right away
-        break
-    if bg:
-      self._prefiller.after_refill(self._groups)
-    if not np.array_equal(slots.device_active, slots.active):
-      self.state = self.engine.set_active(self.state, slots.active)
-      slots.device_active = slots.active.copy()

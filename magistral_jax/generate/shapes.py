@@ -15,6 +15,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from magistral_jax.generate.cpu_options import tune_engine
+
 log = logging.getLogger(__name__)
 
 
@@ -122,7 +124,7 @@ def precompile(engine, params, buckets: Sequence[int], tune: bool, existing_pref
   generate step, set_active, and the drain's programs (gather, the smaller engines' steps,
   scatter back), run once on a scratch decode state."""
   if tune:
-    engine.tune(params)
+    tune_engine(engine, params)
   slots = engine.max_concurrent_decodes
   state = engine.init_decode_state()
   runs = [(b, None) for b in buckets]

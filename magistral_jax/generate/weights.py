@@ -1,4 +1,5 @@
-"""An engine's weights: validating what it is given and putting it on its mesh in the decode layout.
+"""An engine's weights: validating what it is given and putting it on its mesh in the decode layout;
+a trainer's push onto an engine (transfer_params).
 
 `load` returns the params in the model's serving dtype (ModelConfig.serving_param_dtype: the
 compute dtype, e.g. bf16 under fp32 master weights; every use casts a weight to it anyway) and
@@ -103,3 +104,16 @@ class Weights:
     if not bool(finite):
       raise NonFiniteError("params contain NaN or Inf; refusing to generate with them")
     return params
+
+
+def transfer_params(params, engine, cast: dict | None = None):
+  """The trainer's params as `engine` receives them in a push: cast to its weight dtype on the
+  trainer's devices (memoised per dtype in `cast`, so several generators share one cast), then
+  moved device to device onto its param shardings. may_alias=False: the trainer donates its
+  state next step, so the generator must never share its buffers (an uncast push, or leaves the
+  cast forwards unchanged, would be the trainer's own)."""
+  cast = {} if cast is None else cast
+  dt = engine.param_dtype
+  if dt not in cast:
+    cast[dt] = engine.cast_params(params)
+  return jax.device_put(cast[dt], engine.param_shardings, may_alias=False)

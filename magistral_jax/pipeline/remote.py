@@ -26,6 +26,7 @@ from typing import Callable
 
 import jax
 
+from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
@@ -64,17 +65,15 @@ def weight_transfer(model_cfg, mesh, rules, trainer_devices) -> WeightTransfer:
 # ---- the trainer side --------------------------------------------------------------------------
 
 class RemoteGenerator:
-  """A generator running in another process, as Rollouts sees a GeneratorLoop: submit requests,
-  samples back through `callback`, pushes, check(), the loop's counters."""
-
-  background_prefill = False
+  """A generator running in another process, as Rollouts sees a GeneratorLoop (the
+  generate.protocol.Generator it implements): submit requests, samples back through `callback`,
+  pushes, check(), the loop's counters (those the process sends with its samples)."""
 
   def __init__(self, mailbox: Mailbox, index: int, process: int, engine, transfer: WeightTransfer):
     self.mailbox, self.index, self.process = mailbox, index, process
     self.engine, self.transfer = engine, transfer   # engine: limits and layout only, never run
     self.callback: Callable[[Sample], None] | None = None
-    self.decode_time_s = self.idle_time_s = 0.0
-    self.steps = self.active_slot_steps = self.shared_prefix_hits = 0
+    self.counters = LoopCounters()
     self._acks: dict = {}
     self._error: str | None = None
     self._cond = threading.Condition()
@@ -100,9 +99,10 @@ class RemoteGenerator:
     self.check()
     self.send(("requests", [request]))
 
-  def push(self, params, version: int) -> None:
+  def push(self, params, version: int, cast: dict | None = None) -> None:
     """One push (Rollouts.push; every trainer process calls transfer.send in the same order):
-    the message first, so the generator joins the transfer, then the transfer, then its ack."""
+    the message first, so the generator joins the transfer, then the transfer, then its ack.
+    `cast` is unused: the transfer casts to the generator's serving dtype itself."""
     self.send(("push", int(version)))
     self.transfer.send(params)
     self.wait_for(("ack", int(version)), f"the push of version {version}")
@@ -150,7 +150,7 @@ class RemoteGenerator:
       if kind == "samples":
         _, samples, counters = msg
         for name, value in counters.items():
-          setattr(self, name, value)
+          setattr(self.counters, name, value)
         for s in samples:
           if self.callback is not None:
             self.callback(s)
@@ -197,12 +197,12 @@ class LeaderRollouts(Rollouts):
 
 
 class FollowerRollouts:
-  """Rollouts as trainer processes 1..T-1 see them: the leader's batches, and their part of
-  every push (the staging program runs on the whole trainer mesh)."""
+  """Rollouts as trainer processes 1..T-1 see them (a train.rollout_source.RolloutSource): the
+  leader's batches, and their part of every push (the staging program runs on the whole trainer
+  mesh)."""
 
   def __init__(self, *, mailbox: Mailbox, follower: int, stage: int, transfers,
                batch_timeout_s: float):
-    """No metrics writer runs on these processes (the leader's writes), hence no sample_text."""
     self.mailbox, self.transfers = mailbox, transfers
     self.stream = f"stage{stage}/batch/{follower}"
     self.batch_timeout_s = batch_timeout_s
@@ -230,11 +230,18 @@ class FollowerRollouts:
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
     return batch_metrics(batch, trained_version)
 
-  def __enter__(self):
+  def sample_text(self, batch: RolloutBatch) -> str:
+    """Empty: no metrics writer runs on these processes (the leader's writes the samples)."""
+    return ""
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self) -> "FollowerRollouts":
     return self
 
   def __exit__(self, *exc):
-    pass
+    self.close()
 
 
 def remote_eval(layout, mailbox, transfer: WeightTransfer, params, tag: str, problems):
@@ -290,10 +297,10 @@ class _Outbox:
         return
       samples, self._samples = self._samples, []
     self._last = time.time()
-    counters = {} if loop is None else dict(
-        decode_time_s=loop.decode_time_s, steps=loop.steps,
-        active_slot_steps=loop.active_slot_steps, idle_time_s=loop.idle_time_s,
-        shared_prefix_hits=loop.shared_prefix_hits)
+    c = None if loop is None else loop.counters
+    counters = {} if c is None else dict(
+        decode_time_s=c.decode_time_s, steps=c.steps, active_slot_steps=c.active_slot_steps,
+        idle_time_s=c.idle_time_s, shared_prefix_hits=c.shared_prefix_hits)
     self.mailbox.send(self.stream, ("samples", samples, counters))
 
 

@@ -32,7 +32,8 @@ scored), every generation finishes, then the trainer runs and pushes, then gener
 Tokens in a batch therefore all carry one version.
 
 Colocated (`colocated=True`, config devices.colocated): the generators run on the trainer's own
-devices, for a run on one GPU or one TPU VM whose chips should not be split. Two schedules:
+devices, for a run on one GPU or one TPU VM whose chips should not be split. Two schedules
+(pipeline.schedule, chosen once):
 - sync, the default: generation and training take turns (pipeline.taking_turns: the trainer's
   thread steps the generators, which free their weights copy and KV cache before each train
   step and reload the newest params after it; the phases report their memory);
@@ -53,14 +54,14 @@ import time
 import traceback
 from typing import Iterator, Sequence
 
-import jax
 import numpy as np
 
-from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.protocol import Generator
 from magistral_jax.generate.requests import Request, Sample
+from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
-from magistral_jax.pipeline.taking_turns import TakingTurns
+from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
 
@@ -72,23 +73,12 @@ log = logging.getLogger(__name__)
 INTERRUPTED = threading.Event()
 
 
-def transfer_params(params, engine, cast: dict | None = None):
-  """The trainer's params as `engine` receives them in a push: cast to its weight dtype on the
-  trainer's devices (memoised per dtype in `cast`, so several generators share one cast), then
-  moved device to device onto its param shardings. may_alias=False: the trainer donates its
-  state next step, so the generator must never share its buffers (an uncast push, or leaves the
-  cast forwards unchanged, would be the trainer's own)."""
-  cast = {} if cast is None else cast
-  dt = engine.param_dtype
-  if dt not in cast:
-    cast[dt] = engine.cast_params(params)
-  return jax.device_put(cast[dt], engine.param_shardings, may_alias=False)
-
 class Rollouts:
   """Generators + verifier pool + group scoring. See the module docstring.
 
   Args:
-    generators: one GeneratorLoop per generator slice (engine on its own mesh).
+    generators: one Generator (generate.protocol) per generator slice: a GeneratorLoop (engine
+      on its own mesh) or a pipeline.remote.RemoteGenerator.
     pool: a VerifierPool (or anything with submit(task, response, tokens, seed) -> Future).
     tokenizer: builds prompts (apply_chat_template) and detokenizes responses.
     prompts: iterator of task dicts ({"id", "kind", "problem", "answer", ...}).
@@ -98,7 +88,7 @@ class Rollouts:
     colocated: the generators share the trainer's devices (see the module docstring).
   """
 
-  def __init__(self, *, generators: Sequence[GeneratorLoop], pool, tokenizer,
+  def __init__(self, *, generators: Sequence[Generator], pool, tokenizer,
                prompts: Iterator[dict], grpo_cfg: GRPOConfig,
                cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None,
                seed: int = 0, colocated: bool = False):
@@ -136,8 +126,7 @@ class Rollouts:
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
-    self._turns = (TakingTurns(self.generators) if self.colocated and cfg.mode == "sync"
-                   else None)
+    self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, i=i: self._generated.put((i, c)))
 
@@ -148,9 +137,7 @@ class Rollouts:
     self._started = True
     self._last_metrics_t = time.time()
     self._gen_t0 = [self._gen_counters(g) for g in self.generators]
-    if self._turns is None:
-      for g in self.generators:
-        g.start()
+    self.schedule.start()
     threads = [("collector", self._collect)]
     if self.cfg.mode == "async":
       threads.append(("feeder", self._feed))
@@ -172,28 +159,11 @@ class Rollouts:
     return self._groups.take(need, time.time() - t0)
 
   def push(self, params, version: int) -> float:
-    """Device-to-device reshard of the trainer's params onto every generator, which continue
-    their in-flight sequences on them as policy `version`. Returns the seconds it took.
-
-    The params are cast to the generators' weight dtype (bf16 under fp32 master weights and bf16
-    compute, ModelConfig.serving_param_dtype) on the trainer's devices first, once per dtype,
-    so the transfer moves half the bytes.
-
-    Colocated sync: the params are only noted; the next generation phase loads them (0 s here,
-    its load time is the metric `weight_reload_s`)."""
-    if self._turns is not None:
-      self._turns.push(params, version)
-      return 0.0
-    t = time.time()
-    cast = {}
-    for g in self.generators:
-      if hasattr(g, "push"):   # a generator in another process (pipeline.remote)
-        g.push(params, version)
-        continue
-      new = transfer_params(params, g.engine, cast)
-      jax.block_until_ready(new)
-      g.update_params(new, version)
-    return time.time() - t
+    """The trainer's params to every generator, which continue their in-flight sequences on
+    them as policy `version` (schedule.Concurrent.push: device to device, cast once per dtype on
+    the trainer's devices first). Colocated sync: the params are only noted; the next generation
+    phase loads them (schedule.TakingTurns.push). Returns the seconds it took."""
+    return self.schedule.push(params, version)
 
   def done(self, batch: RolloutBatch) -> None:
     """The trainer has consumed `batch`: its completions leave the off-policy bound."""
@@ -387,19 +357,15 @@ class Rollouts:
       # kept. A dropped group is replaced as soon as it is scored, not once the whole round is:
       # rounds would wait on each one's longest completion while the slots empty (BENCHMARKS.md
       # "One GPU": most decode slots idle when most groups are dropped).
-      if self._turns is not None:
-        self._turns.begin()
+      self.schedule.begin()
       while len(ready) < need:
         while len(ready) + len(pending) < need and self._submit_group():
           pass
         if not pending and self._prompts_exhausted:
           raise StopIteration
-        if self._turns is not None:   # the generation phase, in this thread; scoring alongside
-          tick(0.0 if self._turns.step() else 0.05)
-        else:
-          tick()
-      if self._turns is not None:
-        self._turns.end()
+        # Taking turns, the generation phase runs in this thread, the scoring alongside.
+        tick(0.0 if self.schedule.generate() else 0.05)
+      self.schedule.end()
     else:
       while len(ready) < need:
         tick()
@@ -420,8 +386,9 @@ class Rollouts:
     return describe(g.info[0], g.results[0], self.tokenizer.decode)
 
   @staticmethod
-  def _gen_counters(g: GeneratorLoop) -> tuple:
-    return g.decode_time_s, g.steps, g.active_slot_steps, g.idle_time_s
+  def _gen_counters(g: Generator) -> tuple:
+    c = g.counters
+    return c.decode_time_s, c.steps, c.active_slot_steps, c.idle_time_s
 
   def _system_metrics(self) -> dict:
     now = time.time()
@@ -430,12 +397,12 @@ class Rollouts:
     util, occ, decode_frac = [], [], []
     for i, g in enumerate(self.generators):
       d0, s0, a0, i0 = self._gen_t0[i]
-      steps = g.steps - s0
-      occ.append((g.active_slot_steps - a0) / max(1, steps * g.engine.max_concurrent_decodes))
-      working = max(0.0, 1.0 - (g.idle_time_s - i0) / wall)
+      d, steps, a, idle = self._gen_counters(g)
+      occ.append((a - a0) / max(1, (steps - s0) * g.engine.max_concurrent_decodes))
+      working = max(0.0, 1.0 - (idle - i0) / wall)
       util.append(occ[-1] * working)
-      decode_frac.append(min(1.0, (g.decode_time_s - d0) / wall))
-      self._gen_t0[i] = self._gen_counters(g)
+      decode_frac.append(min(1.0, (d - d0) / wall))
+      self._gen_t0[i] = (d, steps, a, idle)
     lat = list(self._verifier_latencies)
     return {
         # Share of generator capacity holding live sequences: slot occupancy over decode steps x
@@ -454,8 +421,9 @@ class Rollouts:
         "prompts_skipped": float(self.counters["prompts_skipped"]),
         # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
         # shared_prefix), over the run so far, all generators.
-        "generator_shared_prefix_hits": float(sum(g.shared_prefix_hits for g in self.generators)),
+        "generator_shared_prefix_hits": float(sum(g.counters.shared_prefix_hits
+                                                  for g in self.generators)),
         "generating_completions": float(self._generating),
         "queued_completions": float(self._queued),
-        **(self._turns.metrics if self._turns is not None else {}),
+        **self.schedule.metrics,
     }

@@ -8,7 +8,7 @@ threads: a generation phase steps each generator in the trainer's thread until i
                               device-to-device transfer
     begin()                -> every generator loads the newest pushed params (cast to its dtype
                               and laid out for decoding) and gets an empty KV cache
-    step() ... step()      -> the phase: one decode step of each busy generator per call
+    generate() ...         -> the phase: one decode step of each busy generator per call
     end()                  -> every generator frees its weights copy and its KV cache
                               (GeneratorLoop.release), so that the train step's activations have
                               the memory the cache had
@@ -16,7 +16,7 @@ threads: a generation phase steps each generator in the trainer's thread until i
 Each phase reports its memory: `memory/generate_peak_bytes`, the bytes in use on the devices at
 the end of the phase, when the weights copy, the KV cache and the shared prefix cache are all
 allocated; `memory/generation_released_bytes`, what the release freed; and `weight_reload_s`, the
-load at its start.
+load at its start. The methods are those of every schedule (pipeline.schedule.Schedule).
 """
 from __future__ import annotations
 
@@ -29,21 +29,29 @@ from magistral_jax.pipeline.errors import PipelineError
 
 
 class TakingTurns:
-  """The generation phases of colocated sync mode, over `generators` built with
+  """The generation phases of colocated sync mode, over GeneratorLoops built with
   background_prefill=False (the trainer's thread steps them; no thread of theirs may)."""
 
   def __init__(self, generators: Sequence[GeneratorLoop]):
     for g in generators:
-      if g.background_prefill:
+      if not isinstance(g, GeneratorLoop):
+        raise TypeError(f"colocated sync mode steps GeneratorLoops in the trainer's thread, not "
+                        f"a {type(g).__name__}")
+      if g.options.background_prefill:
         raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
                          "build them with background_prefill=False")
     self.generators = list(generators)
     self._latest: tuple | None = None   # (params, version) of the newest push, not loaded yet
     self.metrics: dict[str, float] = {}
 
-  def push(self, params, version: int) -> None:
-    """The trainer's newest params: the next phase loads them."""
+  def start(self) -> None:
+    """Nothing to start: the generators have no thread of their own."""
+
+  def push(self, params, version: int) -> float:
+    """The trainer's newest params: only noted, the next phase loads them (0 s here; its load
+    time is the metric `weight_reload_s`)."""
     self._latest = (params, int(version))
+    return 0.0
 
   def begin(self) -> None:
     """The generators get the newest pushed params and an empty KV cache."""
@@ -58,7 +66,7 @@ class TakingTurns:
     self._latest = None
     self.metrics["weight_reload_s"] = time.time() - t
 
-  def step(self) -> bool:
+  def generate(self) -> bool:
     """One decode step of each generator with work; an idle one records its step in flight (the
     last samples). Returns whether any generator was busy."""
     busy = False

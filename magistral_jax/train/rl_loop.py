@@ -2,21 +2,22 @@
 
     repeat:
       take a batch of n_batch completions: G per prompt, each scored by the verifiers, with
-        Â = r − mean(r) over its group; groups with no signal already dropped   (Rollouts)
+        Â = r − mean(r) over its group; groups with no signal already dropped   (RolloutSource)
       split it into n_batch/n_mini minibatches of whole groups by a fixed permutation; normalise
         Â over each; pack it into microbatches by greedy collation            (rl.make_minibatches)
       for each minibatch: one optimizer step on the GRPO loss                  (Trainer.step)
                           then push θ to the generators, which continue their in-flight
-                          sequences, KV cache and all, on the new weights      (Rollouts.push)
+                          sequences, KV cache and all, on the new weights  (RolloutSource.push)
 
-Generation never waits for this loop in async mode: the Rollouts threads keep generating with the
-weights of the last push while the trainer steps.
+Generation never waits for this loop in async mode: the generators (pipeline.rollouts.Rollouts,
+train.rollout_source.RolloutSource) keep generating with the weights of the last push while the
+trainer steps.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -26,10 +27,8 @@ from magistral_jax.parallel.multihost import local_devices, to_host
 from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
+from magistral_jax.train.rollout_source import RolloutSource
 from magistral_jax.train.step import TrainState, shard_batch
-
-if TYPE_CHECKING:
-  from magistral_jax.pipeline.rollouts import Rollouts
 
 
 @dataclasses.dataclass
@@ -82,7 +81,7 @@ class Trainer:
     return local_devices(jax.tree.leaves(self.state.params)[0].sharding.device_set)
 
 
-def train(trainer: Trainer, rollouts: "Rollouts", cfg: GRPOConfig, num_batches: int, *,
+def train(trainer: Trainer, rollouts: RolloutSource, cfg: GRPOConfig, num_batches: int, *,
           seed: int = 0, writer=None, sample_every: int = 0,
           on_batch: Callable[[Trainer, dict], None] | None = None) -> list[dict]:
   """Runs `num_batches` batches (n_batch/n_mini optimizer steps each), or fewer if the prompts run

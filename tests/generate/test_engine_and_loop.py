@@ -13,6 +13,9 @@ import pytest
 from magistral_jax.generate import (Engine, GeneratorError, GeneratorLoop, NonFiniteError,
                                     ParamsMismatchError, Request, SamplingConfig)
 from magistral_jax.generate import sampling as S
+from magistral_jax.generate.config import EngineConfig
+from magistral_jax.generate.cpu_options import tune_generate
+from magistral_jax.generate.loop import DIRECT
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
@@ -21,6 +24,11 @@ CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_laye
                   num_kv_heads=2, head_dim=8)
 GREEDY = SamplingConfig(greedy=True, max_new_tokens=8)
 SAMPLED = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8)
+
+
+def opts(**kw) -> EngineConfig:
+  """A loop's options: a bare loop's (generate.loop.DIRECT: prefill in the loop thread) but `kw`."""
+  return dataclasses.replace(DIRECT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +122,8 @@ def test_continuous_batching_matches_one_at_a_time(params, mesh):
     # dispatched before its finish was known computes a token that is dropped): on samples this
     # short that is a sixth of the slot-steps, on RL-length ones a fraction of a percent.
     assert batched_loop.metrics()["slot_utilization"] > 0.65
-    sync_loop = GeneratorLoop(engine(mesh, sampling=sampling), params, overlap_host=False)
+    sync_loop = GeneratorLoop(engine(mesh, sampling=sampling), params,
+                              options=opts(overlap_host=False))
     sync = run(sync_loop, reqs())
     assert all(sync[k].tokens == batched[k].tokens for k in alone)
     assert sync_loop.metrics()["slot_utilization"] > 0.8
@@ -166,7 +175,7 @@ def test_recompute_kv_on_update_equals_fresh_prefill_under_new_weights(params, m
   p = prompts(1, seed=4)[0]
   if shared:   # a prompt continuing the loop's shared prefix (SHARED, defined below)
     p = SHARED + p[:6]
-  loop = GeneratorLoop(eng, params, recompute_kv_on_update=True,
+  loop = GeneratorLoop(eng, params, options=opts(recompute_kv_on_update=True),
                        shared_prefix=SHARED if shared else None)
   loop.submit(Request("x", p, max_new_tokens=10))
   for _ in range(3):
@@ -238,7 +247,7 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   for i, p in enumerate(ps[:4]):
     loop.submit(Request(i, p, max_new_tokens=6))
   loop.step()   # the 4 slots hold samples; the next requests wait for a slot
-  loop.params = bad
+  loop.weights.params = bad
   for i, p in enumerate(ps[4:], 4):
     loop.submit(Request(i, p, max_new_tokens=6))
   loop.start()
@@ -249,15 +258,15 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   # A sample that would finish on its first token: that token's logits are checked too (the
   # prompt's last position), so no completion with a NaN log-prob reaches the trainer.
   first = GeneratorLoop(engine(mesh), params)
-  first.params = bad
+  first.weights.params = bad
   first.submit(Request("one", prompts(1)[0], max_new_tokens=1))
   with pytest.raises(NonFiniteError, match=r"prompt logits for requests \['one'\]"):
     first.step()
   assert first.completions.empty()
   # With the background prefill worker: when the loop thread dies the worker stops with it.
   # (prefill_ahead=2: a live worker would keep waiting for the dead loop to take its backlog.)
-  bg = GeneratorLoop(engine(mesh), params, background_prefill=True, prefill_ahead=2)
-  bg.params = bad
+  bg = GeneratorLoop(engine(mesh), params, options=opts(background_prefill=True), prefill_ahead=2)
+  bg.weights.params = bad
   for i, p in enumerate(prompts(24, seed=12)):
     bg.submit(Request(i, p, max_new_tokens=6))
   bg.start()
@@ -552,7 +561,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
     Engine(CFG, mesh, max_concurrent_decodes=2, max_prefill_length=8, max_decode_length=8,
            cpu_dot_library="blas")
   fixed = engine(mesh, slots=2, cpu_dot_library="ynnpack")
-  assert fixed.tune_generate(fixed.load_params(params)) is None
+  assert tune_generate(fixed, fixed.load_params(params)) is None
   assert fixed.generate_library == "ynnpack" and fixed.generate_tuning is None
 
   eng = engine(mesh, slots=4, cpu_dot_library="auto")
@@ -579,7 +588,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
                                np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
     toks, lps = [], []
     for _ in range(5):
-      st, r = eng._step.jit(lib)(p, st, eng.cache_length)
+      st, r = eng.generate_step.jit(lib)(p, st, eng.cache_length)
       toks.append(int(r.tokens[0]))
       lps.append(float(r.logprobs[0]))
     outs[lib] = (toks, lps)
@@ -762,14 +771,14 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
     sync = run(GeneratorLoop(eng, params), reqs())
     # loop_prefill_below=0: the worker alone keeps the slots fed (see the next test for the loop's
     # own prefill when too few slots would decode).
-    loop = GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=0.0)
+    loop = GeneratorLoop(eng, params, options=opts(background_prefill=True, loop_prefill_below=0.0))
     calls = []
     _by_thread(eng, calls)
     try:
       bg = run(loop, reqs())
       # The same through the threaded loop (start / get / stop).
-      threaded = GeneratorLoop(eng, params, background_prefill=True,
-                               loop_prefill_below=0.0).start()
+      threaded = GeneratorLoop(eng, params, options=opts(background_prefill=True,
+                                                         loop_prefill_below=0.0)).start()
       try:
         for r in reqs():
           threaded.submit(r)
@@ -806,9 +815,10 @@ def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
   eng = engine(mesh)
   sync = run(GeneratorLoop(eng, params), reqs())
   with pytest.raises(ValueError, match="loop_prefill_below"):
-    GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=1.5)
+    opts(background_prefill=True, loop_prefill_below=1.5)
   for below, least in ((1.0, 4), (0.5, 2)):
-    loop = GeneratorLoop(eng, params, background_prefill=True, loop_prefill_below=below)
+    loop = GeneratorLoop(eng, params, options=opts(background_prefill=True,
+                                                   loop_prefill_below=below))
     seen = []
     orig = eng.generate
     def counted(*a):
@@ -835,7 +845,8 @@ def test_background_prefill_under_weight_updates(params, mesh):
   ps = prompts(12, seed=6)
   fresh = run(GeneratorLoop(eng, new), [Request(i, p, max_new_tokens=8) for i, p in enumerate(ps)])
   for recompute in (False, True):
-    loop = GeneratorLoop(eng, params, background_prefill=True, recompute_kv_on_update=recompute)
+    loop = GeneratorLoop(eng, params, options=opts(background_prefill=True,
+                                                   recompute_kv_on_update=recompute))
     for i, p in enumerate(ps):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
@@ -866,7 +877,7 @@ def test_background_prefill_under_weight_updates(params, mesh):
 
 def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
   eng = engine(mesh)
-  loop = GeneratorLoop(eng, params, background_prefill=True)
+  loop = GeneratorLoop(eng, params, options=opts(background_prefill=True))
   orig = eng.prefill_many
   def flaky(*a):
     if threading.current_thread().name == "generator-prefill":
@@ -956,8 +967,9 @@ def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params,
   ps += [[9] + SHARED + [1, 2], list(SHARED)]   # does not start with it; is only the prefix
   reqs = lambda: [Request(i, x, group_size=2 if i % 3 == 0 else 1, max_new_tokens=3 + i % 5,
                           seed=i) for i, x in enumerate(ps)]
-  ref = run(GeneratorLoop(eng, params, background_prefill=background), reqs())
-  loop = GeneratorLoop(eng, params, background_prefill=background, shared_prefix=SHARED)
+  ref = run(GeneratorLoop(eng, params, options=opts(background_prefill=background)), reqs())
+  loop = GeneratorLoop(eng, params, options=opts(background_prefill=background),
+                       shared_prefix=SHARED)
   out = run(loop, reqs())
   assert out.keys() == ref.keys()
   for k in ref:
@@ -1045,7 +1057,8 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   out, loops = {}, {}
   for overlap in (False, True):
     out[overlap], loops[overlap] = _overlap_run(eng, params, sc, first(), rest(), 3, new,
-                                                overlap_host=overlap, compact_drain=compact)
+                                                options=opts(overlap_host=overlap),
+                                                compact_drain=compact)
   sync, ovl = out[False], out[True]
   assert sync.keys() == ovl.keys() and len(sync) == (19 if compact else 15)
   reasons = collections.Counter(c.finish_reason for c in sync.values())
@@ -1089,8 +1102,8 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   slot = next(i for i, s in enumerate(loop._slots.samples) if s is not None)
   assert loop._slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
-  alone = run(GeneratorLoop(eng, params, overlap_host=False), [Request("y", p,
-                                                                     max_new_tokens=10)])["y", 0]
+  alone = run(GeneratorLoop(eng, params, options=opts(overlap_host=False)),
+              [Request("y", p, max_new_tokens=10)])["y", 0]
   assert c.tokens == alone.tokens and len(c.tokens) == 10
   # A refill while a step is in flight does not wait for the insert: the new sample's first
   # token is fetched and recorded with the next step's results.
@@ -1106,7 +1119,8 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   slot = next(i for i, s in enumerate(r._slots.samples) if s and s.group.request.id == 4)
   assert [f[0].tolist() for f in r._ahead.step.firsts] == [[slot]] and r._slots._count[slot] == 0
   got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
-  want = run(GeneratorLoop(eng, params, compact_drain=False, overlap_host=False), reqs())
+  want = run(GeneratorLoop(eng, params, compact_drain=False, options=opts(overlap_host=False)),
+             reqs())
   assert got.keys() == want.keys()
   for k in want:
     assert got[k].tokens == want[k].tokens and got[k].versions.tolist() == [0] * len(got[k].tokens)
@@ -1130,7 +1144,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   n = GeneratorLoop(eng, params, compact_drain=False)
   n.submit(Request("n", p, max_new_tokens=10))
   n.step()
-  n.params = bad
+  n.weights.params = bad
   n.step()   # dispatches the NaN step, records the good one
   with pytest.raises(NonFiniteError, match="non-finite logits in slots"):
     n.step()
@@ -1200,7 +1214,7 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
          for name, sc in (("cold", cold), ("hot", hot))}
   shared = engine(mesh, sampling=cold)
   programs = lambda: (shared._prefill_many._cache_size(), shared._insert_many._cache_size(),
-                      shared._step.cache_size())
+                      shared.generate_step.cache_size())
   run(GeneratorLoop(shared, params, seed=1, sampling=hot), reqs[:1])   # compile everything once
   before = programs()
   for name, sc in (("hot", hot), ("cold", cold), ("hot", hot)):

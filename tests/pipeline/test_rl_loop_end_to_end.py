@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from magistral_jax.data import synthetic
-from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
@@ -27,7 +27,7 @@ from magistral_jax.rewards import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.metrics_writer import MetricsWriter
 from magistral_jax.train.optimizer import make_optimizer
-from magistral_jax.train.config import OptimizerConfig
+from magistral_jax.train.config import OptimizerConfig, SFTConfig
 from magistral_jax.train.sft import make_sft_step
 from magistral_jax.train.rl_loop import Trainer, train
 from magistral_jax.train.step import init_state, make_grpo_step
@@ -49,7 +49,7 @@ def setup():
   state = init_state(cfg, tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES)
   examples = ((p["problem"], synthetic.trace(p)) for p in synthetic.problems(0))
   state, _ = sft_warm_start(state, make_sft_step(cfg, tx, tmesh, TRAINER_RULES), tok, examples,
-                            num_steps=80, batch_size=16, row_len=512, rows_per_micro=4,
+                            SFTConfig(num_steps=80, batch_size=16, row_len=512, rows_per_micro=4),
                             system_prompt=synthetic.TINY_SYSTEM_PROMPT, mesh=tmesh)
   params = jax.device_get(state.params)
   pool = VerifierPool(1, RewardConfig(l_max=MAX_NEW, l_cache=16), task_timeout_s=20)
@@ -71,9 +71,10 @@ class Run:
     gens = make_generators(s["cfg"], s["params"], gdevs or s["gdevs"],
                            SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW,
                                           eos_id=s["tok"].eos_id),
-                           max_concurrent_decodes=8, max_prefill_length=64,
-                           max_decode_length=MAX_NEW, seed=seed, tune=tune,
-                           background_prefill=not (colocated and mode == "sync"))
+                           EngineConfig(max_concurrent_decodes=8, max_prefill_length=64,
+                                        tune=tune,
+                                        background_prefill=not (colocated and mode == "sync")),
+                           seed=seed)
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
                              cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
@@ -92,7 +93,8 @@ class Run:
 def test_async_pipeline_end_to_end(setup, tmp_path):
   run = Run(setup, "async", str(tmp_path), n_async=32, tune=True)
   pipe = run.rollouts
-  # make_generators tuned each engine's CPU dot library, its drain engines' too (Engine.tune).
+  # make_generators tuned each engine's CPU dot library, its drain engines' too
+  # (cpu_options.tune_engine).
   for gen in pipe.generators:
     engines = [gen.engine] + [gen.engine.compact_engine(n) for n in gen.engine.compact_sizes]
     assert all(e.generate_tuning["chosen"] == e.generate_library for e in engines)
@@ -120,7 +122,7 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
   for i, g in enumerate(pipe.generators):
     # What the generator decodes with (its engine's per-layer decode layout) is the same weights,
     # on its own devices.
-    held = g._pending[0] if g._pending is not None else g.params
+    held = g.weights.pending[0] if g.weights.pending is not None else g.params
     assert T.is_decode_layout(held)
     assert jax.tree.leaves(held)[0].sharding.device_set == set(setup["gdevs"][i])
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),

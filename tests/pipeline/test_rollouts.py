@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 
+from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.requests import Sample
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
@@ -49,8 +50,7 @@ class ScriptedGenerator:
     # Limits well inside a row of GRPO's microbatches (Rollouts checks them).
     self.engine = types.SimpleNamespace(max_concurrent_decodes=8, max_prefill_length=64,
                                         max_decode_length=64)
-    self.decode_time_s = self.steps = self.active_slot_steps = self.idle_time_s = 0
-    self.shared_prefix_hits = 0
+    self.counters = LoopCounters()
     self._requests, self._stop, self._thread = queue.Queue(), threading.Event(), None
 
   def start(self):

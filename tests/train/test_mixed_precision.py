@@ -1,9 +1,7 @@
 """Mixed precision: fp32 master weights and optimizer state with bf16 compute, bf16 generators fed
 by a push that casts before it moves, and the trainer-vs-sampler log-prob mismatch metrics."""
 import functools
-import importlib.util
-import os
-import types
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -14,24 +12,21 @@ from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfi
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.parallel.config import TRAINER_RULES
-from magistral_jax.pipeline.rollouts import Rollouts
+from magistral_jax.pipeline.schedule import Concurrent
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import collate_minibatch
 from magistral_jax.train import optimizer as O
+from magistral_jax.train.config import OptimizerConfig, update_rounding_warning
 from magistral_jax.train import step as S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, logits_chunk=16)
 G = GRPOConfig(n_batch=8, n_mini=8, group_size=4, microbatch_tokens=256, microbatch_rows=8)
 
 
 def recipe(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"configs/{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return importlib.import_module(f"configs.{name}").get_config()
 
 
 def covering_batch(seed=0):
@@ -51,7 +46,7 @@ def covering_batch(seed=0):
 def one_step(param_dtype, dtype, lr):
   """(state before, state after, metrics) of one real GRPO train step on the tiny model."""
   cfg = CFG.replace(param_dtype=param_dtype, dtype=dtype)
-  tx = O.make_optimizer(O.OptimizerConfig(learning_rate=lr))
+  tx = O.make_optimizer(OptimizerConfig(learning_rate=lr))
   state = S.init_state(cfg, tx, jax.random.PRNGKey(0))
   step = S.make_grpo_step(cfg, G, tx, donate=False)
   new, metrics = step(state, S.shard_batch(covering_batch()))
@@ -101,7 +96,7 @@ def test_fp32_params_get_fp32_optimizer_state_under_bf16_compute():
     assert floats and all(x.dtype == jnp.float32 for x in floats)
   # A bf16 checkpoint (e.g. an HF bf16 release) still becomes an fp32 master copy.
   cfg = CFG.replace(param_dtype="float32", dtype="bfloat16")
-  tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
+  tx = O.make_optimizer(OptimizerConfig(learning_rate=1e-6))
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), before.params)
   st = S.init_state(cfg, tx, jax.random.PRNGKey(0), params=bf16)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((st.params, st.opt_state))
@@ -115,9 +110,9 @@ def test_serving_dtype_is_the_narrower_of_param_and_compute_dtype():
 
 
 def test_update_rounding_warning():
-  assert O.update_rounding_warning("bfloat16", 1e-6)
-  assert O.update_rounding_warning("float32", 1e-6) is None
-  assert O.update_rounding_warning("bfloat16", 1e-3) is None
+  assert update_rounding_warning("bfloat16", 1e-6)
+  assert update_rounding_warning("float32", 1e-6) is None
+  assert update_rounding_warning("bfloat16", 1e-3) is None
 
 
 # ---- the generator side: push, decode, mismatch metrics ------------------------------------------
@@ -129,7 +124,7 @@ TRAINER_CFG = CFG.replace(param_dtype="float32", dtype="float32")
 @functools.lru_cache(maxsize=None)
 def trainer_state():
   # Scaled-up init: peaked distributions, so bf16 rounding is visible in the log-probs.
-  tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
+  tx = O.make_optimizer(OptimizerConfig(learning_rate=1e-6))
   tmesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
   params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
                         S.init_state(TRAINER_CFG, tx, jax.random.PRNGKey(1)).params)
@@ -155,10 +150,12 @@ def test_push_casts_to_the_generator_dtype_on_the_trainer_before_moving():
   cast = eng.cast_params(state.params)
   for c, p in zip(jax.tree.leaves(cast), jax.tree.leaves(state.params)):
     assert c.dtype == jnp.bfloat16 and c.sharding.is_equivalent_to(p.sharding, p.ndim)
-  # What Rollouts.push hands a generator: bf16 already on the generator's mesh (half the bytes).
+  # What a push (Rollouts.push: schedule.Concurrent, GeneratorLoop.push) hands a generator's
+  # update_params: bf16 already on the generator's mesh (half the bytes).
   got = []
-  gen = types.SimpleNamespace(engine=eng, update_params=lambda p, v: got.append((p, v)))
-  Rollouts.push(types.SimpleNamespace(generators=[gen], _turns=None), state.params, 1)
+  loop.update_params = lambda p, v: got.append((p, v))
+  Concurrent([loop]).push(state.params, 1)
+  del loop.update_params
   (pushed, version), = got
   assert version == 1
   gen_devices = set(eng.mesh.devices.flat)
@@ -167,7 +164,7 @@ def test_push_casts_to_the_generator_dtype_on_the_trainer_before_moving():
   nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
   assert nbytes(pushed) * 2 == nbytes(state.params)
   loop.update_params(pushed, version)
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(loop._pending[0]))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(loop.weights.pending[0]))
 
 
 def sampled_batch(dtype):
