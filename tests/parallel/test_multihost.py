@@ -70,10 +70,14 @@ def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_pat
 def test_the_layout_of_one_process_and_its_errors():
   import jax
   from configs import tiny
+  from magistral_jax import config as config_lib
   from magistral_jax.parallel import multihost
-  assert multihost.process_layout(tiny.get_config()) is None   # one process: split_devices
+
+  def devices(arg=None):
+    return config_lib.validate(tiny.get_config(arg)).devices
+  assert multihost.process_layout(devices()) is None   # one process: split_devices
   with pytest.raises(ValueError, match="many processes, but this is one.*local_cluster"):
-    multihost.process_layout(tiny.get_config("multihost"))
+    multihost.process_layout(devices("multihost"))
   with pytest.raises(ValueError, match="1 <= trainer_processes < num_processes"):
     multihost.check_process_layout(3, 3)
   with pytest.raises(ValueError, match="generator_process_devices=3: a generator process has 2"):
