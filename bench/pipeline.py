@@ -170,7 +170,7 @@ def main():
   from magistral_jax.rewards import RewardConfig
   from magistral_jax.rl.config import GRPOConfig
   from magistral_jax.train.optimizer import make_optimizer
-  from magistral_jax.train.config import OptimizerConfig
+  from magistral_jax.train.config import OptimizerConfig, SFTConfig
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
@@ -198,9 +198,10 @@ def main():
   state = init_state(cfg, tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES)
   examples = ((p["problem"], synthetic.trace(p)) for p in problems(0))
   state, sft_m = sft_warm_start(state, make_sft_step(cfg, tx, tmesh, TRAINER_RULES), tok, examples,
-                                num_steps=args.sft_steps, batch_size=8, row_len=256,
-                                rows_per_micro=8, system_prompt=synthetic.TINY_SYSTEM_PROMPT,
-                                mesh=tmesh, log_every=50)
+                                SFTConfig(num_steps=args.sft_steps, batch_size=8, row_len=256,
+                                          rows_per_micro=8),
+                                system_prompt=synthetic.TINY_SYSTEM_PROMPT, mesh=tmesh,
+                                log_every=50)
   params = jax.device_get(state.params)
   del state
   sft_s = time.time() - t
