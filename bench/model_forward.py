@@ -48,7 +48,7 @@ def main():
 
   import torch
   import transformers
-  from magistral_jax.generate.engine import generate_compiler_options
+  from magistral_jax.generate.cpu_options import generate_compiler_options
   from magistral_jax.model import transformer as T
 
   threads = os.cpu_count()

@@ -36,24 +36,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from magistral_jax.generate import sampling as S
 from magistral_jax.generate import shapes
 from magistral_jax.generate.compaction import Compaction, compaction_sizes
-from magistral_jax.generate.cpu_options import (CpuOptions, GenerateStep,
-                                                generate_compiler_options)
-from magistral_jax.generate.shapes import default_buckets, default_windows
+from magistral_jax.generate.cpu_options import CpuOptions, GenerateStep
+from magistral_jax.generate.shapes import default_buckets
 from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultTokens,
                                           check_slots, existing_prefix_cache, put_rows, put_slot,
                                           start_cache, state_shardings)
-from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError, Weights
+from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import GENERATOR_RULES
 
 Array = jax.Array
-
-__all__ = ["Engine", "DecodeState", "Prefix", "Prefixes", "ResultTokens", "NonFiniteError",
-           "ParamsMismatchError", "CpuOptions", "default_buckets", "default_windows",
-           "generate_compiler_options"]   # re-exported: callers import these from the engine
-
 
 class Engine:
   """Slots, a KV cache and three jitted programs (prefill / insert / generate) on one mesh.

@@ -703,7 +703,7 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
   """With attention windows a step reads only the first W cache positions, W the smallest window
   holding every active slot (prompt + tokens so far). Greedy or sampled, with drain compaction,
   every sample and log-prob is the dense step's; each window is compiled once, by precompile."""
-  from magistral_jax.generate.engine import default_windows
+  from magistral_jax.generate.shapes import default_windows
   assert default_windows(288, 3) == (80, 144, 288)
   assert default_windows(2048, 4) == (256, 512, 1024, 2048)
   assert default_windows(32, 1) == (32,) and default_windows(32, 4) == (16, 32)
