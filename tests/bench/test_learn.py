@@ -1,12 +1,11 @@
 """bench/learn.py's own logic (issue #51; magistral_jax/run/learn.py), without launching a
 model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
 the archive that comes back from a device machine, and the report of two runs written by
-launch/train.py's write_eval. The whole command ran on CPU with --shrink and on an H100
+run/evaluation.py's write_eval. The whole command ran on CPU with --shrink and on an H100
 (BENCHMARKS.md "A real model learns")."""
 import json
 import os
 import subprocess
-import sys
 import tarfile
 
 import pytest
@@ -48,17 +47,15 @@ def test_control_rate_is_the_rl_runs_mean_verdict_rate(learn, tmp_path):
     learn.mean_accuracy(str(tmp_path))
 
 
-def _write_run(train, wd, tag_batches, correct):
-  class C:
-    class eval:
-      k = 4
+def _write_run(wd, tag_batches, correct):
+  from magistral_jax.run.evaluation import write_eval
   os.makedirs(wd, exist_ok=True)
   for tag, batch in tag_batches:
     rows = [{"id": f"heldout-0-{i}", "n": 4, "correct": c} for i, c in enumerate(correct[tag])]
     res = {"pass@1": sum(correct[tag]) / (4 * len(rows)), "format_rate": 1.0,
            "response_length_mean": 50.0, "headroom": 0.1, "num_problems": len(rows),
            "rows": rows}
-    train.write_eval(wd, tag, batch, res, C)
+    write_eval(wd, tag, batch, res, k=4)
   with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
     for b in range(1, 5):
       f.write(json.dumps({"step": b, "reward": 0.1 * b, "accuracy": 0.05 * b,
@@ -66,15 +63,13 @@ def _write_run(train, wd, tag_batches, correct):
 
 
 def test_report_of_two_runs_and_the_archive(learn, tmp_path):
-  """write_eval's files (launch/train.py) are what the report pairs and plots; the archive keeps
-  the evaluations, curves, metrics and logs, and leaves the weights behind."""
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import train
+  """write_eval's files (run/evaluation.py) are what the report pairs and plots; the archive
+  keeps the evaluations, curves, metrics and logs, and leaves the weights behind."""
   from magistral_jax.eval.paired import compare_evals
   correct = {"before": [0, 1, 2, 0, 1, 0, 0, 1], "batch2": [1, 1, 2, 1, 1, 0, 1, 1],
              "after": [2, 2, 3, 1, 2, 1, 1, 2]}
-  _write_run(train, tmp_path / "rl", [("before", 0), ("batch2", 2), ("after", 4)], correct)
-  _write_run(train, tmp_path / "control", [("after", 4)], {"after": correct["before"]})
+  _write_run(tmp_path / "rl", [("before", 0), ("batch2", 2), ("after", 4)], correct)
+  _write_run(tmp_path / "control", [("after", 4)], {"after": correct["before"]})
   from magistral_jax.analysis.report import load_heldout_curve
   curve = load_heldout_curve(str(tmp_path / "rl"))
   assert [(c["tag"], c["batch"]) for c in curve] == [("before", 0), ("batch2", 2), ("after", 4)]

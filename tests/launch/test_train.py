@@ -92,31 +92,31 @@ def test_every_recipe_validates(name):
 
 
 def test_the_evaluation_and_every_stage_share_the_generators_engine():
-  """launch/train.py builds its engines through build.engine_for with one dict per run: the
-  tiny default's evaluation (T=0.7) runs on the first generator's engine (T=1.0), and a later
+  """The run builds its engines through pipeline.generators.engine_for with one dict per run:
+  the tiny default's evaluation (T=0.7) runs on the first generator's engine (T=1.0), and a later
   stage with the same shapes reuses it, so neither compiles programs of its own. An evaluation
   whose compiled-in sampling differs (greedy) gets its own engine."""
+  import dataclasses
   import jax
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  import train
   from magistral_jax.model import transformer as T
-  from magistral_jax.parallel.config import GENERATOR_RULES
-  from magistral_jax.pipeline.build import build_tokenizer_and_model
+  from magistral_jax.model.loading import load_policy
   from magistral_jax.pipeline.generators import make_generators
-  c = _load()
-  tok, model_cfg, _ = build_tokenizer_and_model(c, load_weights=False)
+  from magistral_jax.run.evaluation import eval_loop_factory
+  from magistral_jax.run.stages import training_sampling
+  run = config_lib.validate(_load())
+  tok, model_cfg, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)
   params = T.init_params(model_cfg, jax.random.PRNGKey(0))
   devs = jax.devices()[4:6]
   engines = {}
-  evaluation = train.eval_loop_factory(c, model_cfg, devs, GENERATOR_RULES, tok, None, engines)
-  kw = dict(rules=GENERATOR_RULES, engines=engines,
-            **train.generator_options(c, tok, None))
-  stage_1 = make_generators(model_cfg, params, [devs], train.stage_sampling(c, tok), **kw)
-  stage_2 = make_generators(model_cfg, params, [devs], train.stage_sampling(c, tok), **kw)
+  evaluation = eval_loop_factory(run, model_cfg, devs, tok, None, engines)
+  kw = dict(mesh_shape=run.devices.generator_mesh, rules=run.sharding.generator_rules,
+            engines=engines)
+  sampling = training_sampling(run, tok.eos_id)
+  stage_1 = make_generators(model_cfg, params, [devs], sampling, run.engine, **kw)
+  stage_2 = make_generators(model_cfg, params, [devs], sampling, run.engine, **kw)
   loop = evaluation(params)
   assert len(engines) == 1 and loop.engine is stage_1[0].engine is stage_2[0].engine
   assert (loop.sampling.temperature, stage_1[0].sampling.temperature) == (0.7, 1.0)
-  greedy = _load()
-  greedy.eval.greedy = True
-  train.eval_loop_factory(greedy, model_cfg, devs, GENERATOR_RULES, tok, None, engines)
+  greedy = dataclasses.replace(run, eval=dataclasses.replace(run.eval, greedy=True))
+  eval_loop_factory(greedy, model_cfg, devs, tok, None, engines)
   assert len(engines) == 2
