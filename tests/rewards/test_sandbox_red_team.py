@@ -347,12 +347,12 @@ def test_the_namespace_dies_with_whoever_started_it():
   # takes the namespace with it.
   uid = sandbox.process_uid_base() + 201
   script = (
-      "import sys, time\nsys.path.insert(0, %r)\nfrom magistral_jax.rewards import sandbox\n"
+      "import time\nfrom magistral_jax.rewards import sandbox\n"
       "from magistral_jax.rewards.sandbox_limits import Limits\n"
       "s = sandbox.Sandbox(uid=%d)\nd = s.make_dir()\n"
       "p = s.start(['/usr/bin/python3', '-c', 'import os, time\\nif os.fork() == 0:\\n"
       "  os.setsid()\\n  time.sleep(1000)\\ntime.sleep(1000)'], d, Limits(cpu_s=60))\n"
-      "print('started', flush=True)\ntime.sleep(1000)\n" % (PROJECT, uid))
+      "print('started', flush=True)\ntime.sleep(1000)\n" % uid)
   mid = subprocess.Popen([os.sys.executable, "-c", script], stdout=subprocess.PIPE)
   try:
     assert mid.stdout.readline().strip() == b"started"

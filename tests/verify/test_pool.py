@@ -337,10 +337,9 @@ def test_a_failed_dispatcher_fails_every_task_and_stops_the_pool(monkeypatch):
 
 
 _RAY_CHECK = r"""
-import os, sys
-sys.path.insert(0, sys.argv[1])
+import os
 import ray
-from test_pool import CFG, GOOD, MATH, STDIN, _code, _math
+from tests.verify.test_pool import CFG, GOOD, MATH, STDIN, _code, _math
 from magistral_jax.verify import RayVerifierPool
 ray.init(num_cpus=2, include_dashboard=False)
 try:
@@ -364,7 +363,8 @@ def test_ray_backend_has_the_same_interface():
   # In a process of its own: Ray's runtime lives in its driver process (threads, a connection to
   # its own services), and a failure of it must fail this test, not abort the whole session.
   pytest.importorskip("ray")
-  here = os.path.dirname(os.path.abspath(__file__))
-  r = subprocess.run([sys.executable, "-c", _RAY_CHECK, here], capture_output=True, text=True,
-                     timeout=600)
+  # From the repository root, where `python -c` finds this file as tests.verify.test_pool.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  r = subprocess.run([sys.executable, "-c", _RAY_CHECK], cwd=root, capture_output=True,
+                     text=True, timeout=600)
   assert r.returncode == 0 and "ray backend ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
