@@ -87,7 +87,7 @@ def main(scenario, tmp=None):
         if error is not None:
           sys.stdout.write(f"OK: the leader got: {str(error)!r}\n")
           sys.stdout.flush()
-        mailbox.send(in_stream(0), ("exit",))   # as launch/train.py's leader does on its way out
+        mailbox.send(in_stream(0), ("exit",))   # as the run's leader does on its way out (run/train.py)
   elif scenario in ("transfer", "trainer_killed"):
     for version in ((1, 2) if scenario == "transfer" else (1,)):
       assert mailbox.receive(in_stream(0), 120) == ("push", version)
