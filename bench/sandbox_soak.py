@@ -43,8 +43,15 @@ Reported (last line, one JSON object):
   separate phase of --ratio_tasks tasks, pool and bare interleaved in chunks, bare with --workers
   threads; goal >= 0.5), isolation_level().
 
+--controls runs no soak: it plants a leak of every kind the soak looks for (files, a run dir, a
+child process, SysV and POSIX IPC objects, listening sockets), checks that the leak detectors
+above count each one and that remove_ipc takes the IPC objects away, also the verdict rule and
+that every mix holds ALWAYS, and reports each named check true or false (with details for the
+false ones) as its JSON last line, exiting 0 either way (tests/rewards/test_sandbox_soak.py
+judges).
+
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
-                               [--chaos_every_s=0]
+                               [--chaos_every_s=0] [--no_progress] [--controls]
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ import common
 import psutil
 
 from magistral_jax.prompt_helpers import prompt_helpers
-from magistral_jax.rewards import RewardConfig, code_check, sandbox
+from magistral_jax.rewards import RewardConfig, RewardResult, code_check, sandbox
 from magistral_jax.rewards import reward as reward_mod
 from magistral_jax.rewards.code_cpp import CXX_FLAGS, precompiled_header_dir
 from magistral_jax.rewards.code_stdio import outputs_match, task_tolerance
@@ -1196,6 +1203,134 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
   return res
 
 
+# ---- negative controls (--controls) ----------------------------------------------------------
+
+_LISTENER = ("import socket, time\nt = socket.socket()\nt.bind(('127.0.0.1', 0))\nt.listen()\n"
+             "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0mj_soak_control_%d' % id(u))\n"
+             "u.listen()\nprint('up', flush=True)\ntime.sleep(30)\n")
+
+
+def _jsonable(x):
+  return json.loads(json.dumps(x, default=lambda o: sorted(o) if isinstance(o, (set, frozenset))
+                                else repr(o)))
+
+
+def _control_leaks(check):
+  """Without a pool: a file an attack named, a run dir of a worker pid, a live child of ours, and
+  a wrong verdict are all counted."""
+  made = [os.path.join("/tmp", MARK + "_control"), "/tmp/mj_sbx_999999999_control"]
+  child = None
+  before = listing()
+  try:
+    for p in made:
+      open(p, "w").close()
+    child = subprocess.Popen(["sleep", "30"])
+    files, _ = leaked_files(before, listing(), range(0), {999999999})
+    check("files_named_and_run_dir_seen", sorted(made) == [f for f in files if f in made],
+          dict(made=sorted(made), leaked=files[:20]))
+    procs = leaked_processes(range(0))
+    check("child_process_seen", child.pid in [p["pid"] for p in procs],
+          dict(child=child.pid, leaked=procs[:20]))
+  finally:
+    if child is not None:
+      child.kill()
+      child.wait()
+    for p in made:
+      try:
+        os.remove(p)
+      except OSError:
+        pass
+  item = Item("hostile", "stdin_py", "x", {}, "")
+  cfg = RewardConfig(language_bonus=0.0)
+  check("hostile_pass_is_a_wrong_verdict",
+        not verdict_ok(item, RewardResult(1.0, {"correct": 0.9}), cfg))
+  check("hostile_fail_is_the_right_verdict",
+        verdict_ok(item, RewardResult(0.1, {"correct": 0.0}), cfg))
+
+
+def _control_mix(check):
+  """Every mix holds each of ALWAYS once, and the IPC attacks are hostile variants."""
+  bare_dir = tempfile.mkdtemp(prefix="mj_soak_bare_")
+  try:
+    items = build_mix(len(ALWAYS), 0, 0.2, 0.05, Catalog(bare_dir), include=ALWAYS)
+    names = sorted(i.name for i in items)
+    check("mix_is_always", names == sorted(ALWAYS), dict(mix=names, always=sorted(ALWAYS)))
+    check("ipc_attacks_are_hostile", set(IPC_ATTACKS) <= set(HOSTILE),
+          dict(missing=sorted(set(IPC_ATTACKS) - set(HOSTILE))))
+  finally:
+    shutil.rmtree(bare_dir, ignore_errors=True)
+
+
+def _control_ipc(check):
+  """SysV shared memory, a semaphore set and a message queue under the attacks' key (and a
+  keyless segment, seen by its owner's uid), a POSIX message queue and a /dev/shm entry named like
+  the attacks', and listening TCP and unix sockets of a child of ours are all counted; remove_ipc
+  then takes the IPC objects away."""
+  c = libc()
+  ipc0, mq0, files0, socks0 = sysv_objects(), posix_mqueues(), listing(), listeners()
+  made, mq, child = [], -1, None
+  shm_file = f"/dev/shm/{MARK}_control"
+  me = range(os.getuid(), os.getuid() + 1)
+  try:
+    made = [("shm", c.shmget(IPC_KEY_LEFT, 4096, IPC_CREAT | 0o600)),
+            ("sem", c.semget(IPC_KEY_LEFT, 1, IPC_CREAT | 0o600)),
+            ("msg", c.msgget(IPC_KEY_LEFT, IPC_CREAT | 0o600)),
+            ("shm", c.shmget(0, 4096, IPC_CREAT | 0o600))]
+    mq = c.mq_open(MQ_LEFT.encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    open(shm_file, "w").close()
+    child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE)
+    check("ipc_objects_made", all(i >= 0 for _, i in made) and mq >= 0, dict(made=made, mq=mq))
+    keyed, _ = leaked_sysv(ipc0, sysv_objects(), range(0))
+    got = sorted((o["kind"], o["id"]) for o in keyed)
+    check("sysv_by_key_seen", got == sorted(made[:3]), dict(made=sorted(made[:3]), leaked=got))
+    owned, _ = leaked_sysv(ipc0, sysv_objects(), me)
+    got = {(o["kind"], o["id"]) for o in owned}
+    check("sysv_by_owner_seen", set(made) <= got, dict(made=made, leaked=got))
+    got = leaked_mqueues(mq0, posix_mqueues())[0]
+    check("posix_mqueue_seen", got == [MQ_LEFT], dict(expected=[MQ_LEFT], leaked=got))
+    got = leaked_posix_shm(files0, listing(), range(0))[0]
+    check("posix_shm_seen", got == [shm_file], dict(expected=[shm_file], leaked=got))
+    line = child.stdout.readline()
+    check("listener_child_up", line == b"up\n", dict(line=repr(line)))
+    socks, _ = leaked_listeners(socks0, listeners(), range(0))
+    got = {x["proto"] for x in socks if child.pid in x["holders"]}
+    check("tcp_and_unix_listeners_seen", got == {"tcp", "unix"},
+          dict(child=child.pid, protos=got, leaked=socks[:20]))
+  finally:
+    if child is not None:
+      child.kill()
+      child.wait()
+    if mq >= 0:
+      c.mq_close(mq)
+    remove_ipc([dict(kind=k, id=i) for k, i in made if i >= 0], [MQ_LEFT], [shm_file])
+  left = {(o["kind"], o["id"]) for o in leaked_sysv(ipc0, sysv_objects(), me)[0]}
+  check("sysv_removed", not set(made) & left, dict(made=made, left=left))
+  got = leaked_mqueues(mq0, posix_mqueues())[0]
+  check("posix_mqueue_removed", got == [], dict(left=got))
+  check("posix_shm_removed", not os.path.exists(shm_file), dict(left=shm_file))
+
+
+CONTROLS = {"leaks": _control_leaks, "mix": _control_mix, "ipc": _control_ipc}
+
+
+def controls() -> dict:
+  """The negative controls of the leak detectors and the verdict rule, without a soak: checks
+  named "<group>.<check>" -> whether it held, and details for those that did not (an exception in
+  a group is "<group>.raised", false)."""
+  checks, details = {}, {}
+  for group, fn in CONTROLS.items():
+    def check(name, ok, detail=None, group=group):
+      checks[f"{group}.{name}"] = bool(ok)
+      if not ok:
+        details[f"{group}.{name}"] = _jsonable(detail)
+    try:
+      fn(check)
+    except Exception as e:   # reported, not raised: the caller judges
+      check("raised", False, f"{type(e).__name__}: {e}")
+  return dict(bench="sandbox_soak", mode="controls", isolation_level=sandbox.isolation_level(),
+              checks=checks, details=details, ok=all(checks.values()))
+
+
 def main():
   ap = common.argument_parser(__doc__)
   ap.add_argument("--tasks", type=int, default=5000, help="tasks in the soak")
@@ -1211,12 +1346,19 @@ def main():
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--chaos_every_s", type=float, default=0.0,
                   help="SIGKILL a busy worker about this often during the soak (0: never)")
+  ap.add_argument("--no_progress", action="store_true", help="no progress lines during the soak")
+  ap.add_argument("--controls", action="store_true",
+                  help="no soak: the negative controls of the leak checks (see above)")
   args = ap.parse_args()
   # SIGTERM (e.g. from `timeout`) unwinds through run()'s cleanup: the planted files go.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  if args.controls:
+    common.emit(controls())
+    return
   res = run(args.tasks, args.workers, args.hostile_share, args.cpp_share, args.seed,
             args.test_timeout_s, args.task_timeout_s, args.ratio_tasks,
-            args.max_tasks_per_worker, chaos_every_s=args.chaos_every_s)
+            args.max_tasks_per_worker, progress=not args.no_progress,
+            chaos_every_s=args.chaos_every_s)
   common.emit(res, ndigits=4)
 
 
