@@ -5,11 +5,9 @@ The decode step's matmuls are [slots, D] x [D, F]: matrix-vector-like products t
 weights, plus small batched attention products over the KV cache. On XLA:CPU they run either
 through YNNPACK (XLA's default dot fusion) or through XLA's own emitter / Eigen (YNNPACK turned
 off), and which one is faster depends on the host CPU, not only on the shapes (interleaved A/B
-medians of the engine's step, docs/perf_log.md):
-- one 2-core host: Eigen faster below 32 slots (SmolLM2-135M step, batch 8 117 -> 99 ms, batch
-  16 208 -> 168 ms), YNNPACK from 32 on (1.04-1.11x at 32-64 slots);
-- another 2-core host, with AVX-512: YNNPACK faster at every slot count (Eigen / YNNPACK step
-  time 2.3x at 4 slots, 1.24x at 8, 1.14x at 16, 1.3x at 32).
+medians of the engine's step; the figures are in docs/perf_log.md, sessions 6, 9 and 11):
+- on one host Eigen was faster below 32 slots and YNNPACK from 32 on;
+- on another, with AVX-512, YNNPACK was faster at every slot count.
 So the engine measures: with dot_library="auto" (the default) tune_engine (run by
 Engine.precompile, and by a run's generators with engine.tune) compiles the step both ways and
 keeps the faster (GenerateStep.tune); until then, and with a fixed choice,

@@ -2,12 +2,12 @@
 thread that prefills queued requests while the loop decodes.
 
 On a CPU host a prefill and decode steps running at the same time get more work done than the
-two one after the other (the decode step alone leaves part of the cores idle: SmolLM2-135M,
-2 cores, 1.2-1.5x; docs/perf_log.md). The worker takes requests from the loop's queue in order, one
-prefill batch at a time, under the weights current when it takes them, and hands them over
-prefilled (`ready`); it exits when the queue is empty (the loop starts a new one when work
-arrives, `after_refill`). It keeps about `ahead` prefilled samples waiting for the next free
-slots. The loop's own share of prefilling in this mode is `top_up`.
+two one after the other (the decode step alone leaves part of the cores idle; docs/perf_log.md,
+session 15). The worker takes requests from the loop's queue in order, one prefill batch at a
+time, under the weights current when it takes them, and hands them over prefilled (`ready`); it
+exits when the queue is empty (the loop starts a new one when work arrives, `after_refill`). It
+keeps about `ahead` prefilled samples waiting for the next free slots. The loop's own share of
+prefilling in this mode is `top_up`.
 """
 from __future__ import annotations
 
@@ -153,9 +153,8 @@ class PrefillWorker:
     Counting active plus prefilled-and-waiting samples, the loop does not step a mostly empty
     batch while the worker catches up: on a prefill-bound workload (long prompts, short
     completions) the worker alone cannot keep the slots busy, and a step costs the same with few
-    slots active as with all (SmolLM2-135M, 2-core CPU: 0.3-0.5 slot use while queued at
-    below=0.0, 0.9 at 0.5, and the run 1.1-1.3x faster; no loss on a decode-bound workload;
-    docs/perf_log.md)."""
+    slots active as with all (with below > 0 the slots stay far busier and the run is faster;
+    no loss on a decode-bound workload; docs/perf_log.md, session 16)."""
     with self.cv:
       waiting = sum(g.waiting for g in groups)
       if active + waiting < below * n_slots:

@@ -34,8 +34,8 @@ def default_windows(cache_length: int, n: int, multiple: int = 16) -> tuple[int,
   """n attention windows that halve from the whole cache down: S, S/2, ..., S/2^(n-1) (rounded
   up to `multiple` positions). n = 1: dense attention over the whole cache every step. Halving,
   not even spacing: on XLA:CPU a window's slice of the cache is copied before the products, so a
-  window near the cache length can cost more than the dense step (measured: 1536 of 2048
-  positions 0.81x the dense step's speed, 1024 1.19x, 512 1.76x; docs/perf_log.md)."""
+  window near the cache length can cost more than the dense step, while halving windows pay
+  more and more (docs/perf_log.md, session 14)."""
   if n < 1:
     raise ValueError(f"the number of attention windows must be >= 1, got {n}")
   ws = {min(cache_length, -(-cache_length // 2 ** i // multiple) * multiple) for i in range(n)}

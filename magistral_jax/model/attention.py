@@ -157,10 +157,11 @@ def dense_attention(q: Array, keys: Array, values: Array, mask: Array, keys_t: b
   [B, K, S, Dh], mask [B, T, S] -> [B, T, H, Dh].
 
   Both products are plain batched matmuls over (b, k), with the G query heads that share a KV
-  head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is ~2x
-  faster than einsums over [B, T, K, G, Dh] that leave the transposes to XLA.) Transposed keys
-  [B, K, Dh, S] (the per-layer cache) make the score product a plain [G*T, Dh] x [Dh, S] matmul
-  per (b, k), which XLA:CPU runs faster at T = 1 than the [S, Dh] form."""
+  head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is faster
+  than einsums over [B, T, K, G, Dh], which leave XLA to transpose around every product:
+  docs/perf_log.md, "Policy model forward".) Transposed keys [B, K, Dh, S] (the per-layer cache)
+  make the score product a plain [G*T, Dh] x [Dh, S] matmul per (b, k), which XLA:CPU runs faster
+  at T = 1 than the [S, Dh] form."""
   b, t, h, dh = q.shape
   k = values.shape[1]
   g, sk = h // k, values.shape[2]
@@ -186,10 +187,10 @@ def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = 
 # A packed row's segments are passed to cuDNN as a fixed number of (offset, length) slots per
 # row: T // CUDNN_TOKENS_PER_SEGMENT of them (at least 2), so rows whose sequences average at
 # least this many tokens fit; a row with more segments than slots takes the blockwise path.
-# Measured on an H100 (bench/packed_attention.py, bench/train_mfu.py): the program's memory grows
-# with slots x T^2 (one slot per token asked 1 TiB at T = 8K; T // 128 slots, +10 GiB at 8K and
-# 130 GiB at 32K), so the packed layout is used up to CUDNN_PACKED_MAX_T and longer packed rows
-# take blockwise attention (linear memory).
+# The program's memory grows with slots x T^2 (bench/packed_attention.py, bench/train_mfu.py on a
+# GPU: one slot per token does not fit at 8K, and T // 128 slots not at 32K; docs/perf_log.md,
+# "First accelerator run"), so the packed layout is used up to CUDNN_PACKED_MAX_T and longer
+# packed rows take blockwise attention (linear memory).
 CUDNN_TOKENS_PER_SEGMENT = 128
 CUDNN_PACKED_MAX_T = 8192
 

@@ -34,9 +34,10 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 class GGUFFile:
   """A GGUF file's metadata (plain Python values) and tensors (memory-mapped, not read).
 
-  gguf.GGUFReader builds numpy views for every metadata element, which takes ~15 s for a 49k-token
-  vocabulary; this parses the same header with struct in well under a second. Tensor bytes are
-  handed to gguf.quants.dequantize exactly as GGUFReader would hand them.
+  gguf.GGUFReader builds numpy views for every metadata element, which is slow for a large
+  vocabulary (one element per token); this parses the same header with struct, far faster
+  (docs/perf_log.md, "Checkpoints and tokenizers"). Tensor bytes are handed to
+  gguf.quants.dequantize exactly as GGUFReader would hand them.
   """
 
   def __init__(self, path: str):
