@@ -46,6 +46,8 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-5
   sliding_window: int | None = None      # Mistral: attend to at most this many previous tokens
+  attention_bias: bool = False           # biases on q/k/v (not o_proj): Qwen2, Qwen3 if set
+  qk_norm: bool = False                  # Qwen3: RMSNorm over head_dim on q and k before RoPE
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
   architecture: str = "LlamaForCausalLM"
@@ -224,6 +226,12 @@ LLAMA_3_2_1B = ModelConfig(
                              original_max_position_embeddings=8192),
     tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
     eos_token_id=128009)
+# Mistral Small 3 (Mistral-Small-24B-Base-2501) as its config.json ships: untied, no sliding window.
+MISTRAL_SMALL_3_24B = ModelConfig(
+    vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_layers=40, num_heads=32,
+    num_kv_heads=8, head_dim=128, rope_theta=100000000.0, sliding_window=None,
+    tie_word_embeddings=False, max_position_embeddings=32768, architecture="MistralForCausalLM",
+    bos_token_id=1, eos_token_id=2)
 
 
 INIT_SOURCES = ("random", "gguf", "hf", "orbax")

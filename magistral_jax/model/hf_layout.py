@@ -10,6 +10,9 @@ plain nested dict; every leaf under 'layers' is stacked over layers on axis 0 so
     layers/attn/k_proj/kernel    (L, D, K, Dh)
     layers/attn/v_proj/kernel    (L, D, K, Dh)
     layers/attn/o_proj/kernel    (L, H, Dh, D)     HF o_proj.weight (D, H*Dh), transposed
+    layers/attn/q_proj/bias      (L, H, Dh)        only with cfg.attention_bias (Qwen2)
+    layers/attn/{k,v}_proj/bias  (L, K, Dh)
+    layers/attn/{q,k}_norm/scale (L, Dh)           only with cfg.qk_norm (Qwen3)
     layers/mlp_norm/scale        (L, D)
     layers/mlp/{gate,up}_proj/kernel (L, D, F); layers/mlp/down_proj/kernel (L, F, D)
     final_norm/scale             (D,)
@@ -41,8 +44,9 @@ class CheckpointError(ValueError):
   """A checkpoint that does not match the model config (or cannot be read)."""
 
 
-# Per-layer tensors: (our path under 'layers', HF name suffix after 'model.layers.{i}.').
-_LAYER_TENSORS = (
+# Per-layer tensors of every architecture: (our path under 'layers', HF name suffix after
+# 'model.layers.{i}.').
+_BASE_LAYER_TENSORS = (
     (("attn_norm", "scale"), "input_layernorm.weight"),
     (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight"),
     (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight"),
@@ -53,17 +57,44 @@ _LAYER_TENSORS = (
     (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight"),
     (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight"),
 )
+# Qwen2 (and Qwen3 with attention_bias): biases on q/k/v, none on o_proj.
+_BIAS_LAYER_TENSORS = (
+    (("attn", "q_proj", "bias"), "self_attn.q_proj.bias"),
+    (("attn", "k_proj", "bias"), "self_attn.k_proj.bias"),
+    (("attn", "v_proj", "bias"), "self_attn.v_proj.bias"),
+)
+# Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE.
+_QK_NORM_LAYER_TENSORS = (
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight"),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight"),
+)
 
 
-def _layer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def layer_tensors(cfg: ModelConfig) -> tuple[tuple[tuple[str, ...], str], ...]:
+  """This config's per-layer tensors: (our path under 'layers', HF suffix after
+  'model.layers.{i}.'), in a fixed order."""
+  table = _BASE_LAYER_TENSORS
+  if cfg.attention_bias:
+    table += _BIAS_LAYER_TENSORS
+  if cfg.qk_norm:
+    table += _QK_NORM_LAYER_TENSORS
+  return table
+
+
+def layer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """HF suffix -> (torch) shape of one layer's tensor, for every entry of layer_tensors(cfg)."""
   d, f, h, k, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim)
-  return {
+  shapes = {
       "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
       "self_attn.q_proj.weight": (h * dh, d), "self_attn.k_proj.weight": (k * dh, d),
       "self_attn.v_proj.weight": (k * dh, d), "self_attn.o_proj.weight": (d, h * dh),
       "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+      "self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
+      "self_attn.v_proj.bias": (k * dh,),
+      "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
   }
+  return {suffix: shapes[suffix] for _, suffix in layer_tensors(cfg)}
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -72,15 +103,15 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "model.norm.weight": (cfg.hidden_size,)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-  per_layer = _layer_hf_shapes(cfg)
+  per_layer = layer_hf_shapes(cfg)
   for i in range(cfg.num_layers):
     for suffix, shape in per_layer.items():
       shapes[f"model.layers.{i}.{suffix}"] = shape
   return shapes
 
 
-def _hf_to_ours(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-  """One layer's HF tensor -> our per-layer layout (before stacking)."""
+def hf_to_ours_layer(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  """One layer's HF tensor (named by its suffix) -> our per-layer layout (before stacking)."""
   d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   if suffix == "self_attn.q_proj.weight":
     return w.T.reshape(d, h, dh)
@@ -88,18 +119,25 @@ def _hf_to_ours(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w.T.reshape(d, k, dh)
   if suffix == "self_attn.o_proj.weight":
     return w.T.reshape(h, dh, d)
+  if suffix == "self_attn.q_proj.bias":
+    return w.reshape(h, dh)
+  if suffix in ("self_attn.k_proj.bias", "self_attn.v_proj.bias"):
+    return w.reshape(k, dh)
   if suffix.startswith("mlp."):
     return w.T
   return w
 
 
-def _ours_to_hf(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+def ours_to_hf_layer(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  """The inverse of hf_to_ours_layer: one layer's slice of our tree -> the HF tensor."""
   d, h, dh = cfg.hidden_size, cfg.num_heads, cfg.head_dim
   if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                 "self_attn.v_proj.weight"):
     return w.reshape(d, -1).T
   if suffix == "self_attn.o_proj.weight":
     return w.reshape(h * dh, d).T
+  if suffix.endswith("_proj.bias"):
+    return w.reshape(-1)
   if suffix.startswith("mlp."):
     return w.T
   return w
@@ -136,8 +174,8 @@ def hf_to_params(get: Callable[[str], np.ndarray], cfg: ModelConfig, dtype=None)
   """Builds our tree from HF-named tensors. `get(name)` returns one tensor (already validated)."""
   cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype), copy=False))
   layers: dict = {}
-  for path, suffix in _LAYER_TENSORS:
-    stacked = np.stack([_hf_to_ours(suffix, get(f"model.layers.{i}.{suffix}"), cfg)
+  for path, suffix in layer_tensors(cfg):
+    stacked = np.stack([hf_to_ours_layer(suffix, get(f"model.layers.{i}.{suffix}"), cfg)
                         for i in range(cfg.num_layers)])
     node = layers
     for key in path[:-1]:
@@ -158,13 +196,13 @@ def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.nd
          "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"]).T
-  for path, suffix in _LAYER_TENSORS:
+  for path, suffix in layer_tensors(cfg):
     leaf = params["layers"]
     for key in path:
       leaf = leaf[key]
     leaf = np.asarray(leaf)
     for i in range(cfg.num_layers):
-      out[f"model.layers.{i}.{suffix}"] = _ours_to_hf(suffix, leaf[i], cfg)
+      out[f"model.layers.{i}.{suffix}"] = ours_to_hf_layer(suffix, leaf[i], cfg)
   return {n: np.ascontiguousarray(t) for n, t in out.items()}
 
 
