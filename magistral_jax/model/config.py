@@ -1,8 +1,12 @@
-"""Model configuration for the Mistral/Llama decoder family.
+"""Model configuration for the dense pre-norm decoder family: Mistral, Llama, Qwen2, Qwen3.
 
-A `ModelConfig` is built from a Hugging Face `config.json` (MistralForCausalLM, LlamaForCausalLM)
-or from an ml_collections ConfigDict (our configs/). Field names follow Hugging Face where one
-exists, so a reader can check a value against the checkpoint's config.json directly.
+A `ModelConfig` is built from a Hugging Face `config.json` (the architectures below) or from an
+ml_collections ConfigDict (our configs/). Field names follow Hugging Face where one exists, so a
+reader can check a value against the checkpoint's config.json directly. The architectures differ
+only in fields the model reads (biases on the attention projections, a per-head q/k norm, the
+sliding window); a config.json asking for anything the model does not implement (MoE, other RoPE
+types, Qwen's per-layer sliding window, quantized weights) is refused by name rather than loaded
+into a model that would silently compute something else.
 """
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ import jax.numpy as jnp
 
 from magistral_jax.configurable import checked_fields
 
-SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+MODEL_TYPES = {"MistralForCausalLM": "mistral", "LlamaForCausalLM": "llama",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# config.json keys that only a mixture-of-experts model sets (Qwen2-MoE/Qwen3-MoE, Mixtral,
+# DeepSeek): the dense model here has no router, so such a checkpoint cannot be loaded.
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
+             "num_experts_per_tok")
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "tpu_flash", "gpu_flash")
 
 
@@ -46,7 +57,8 @@ class ModelConfig:
   rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-5
   sliding_window: int | None = None      # Mistral: attend to at most this many previous tokens
-  attention_bias: bool = False           # biases on q/k/v (not o_proj): Qwen2, Qwen3 if set
+  attention_bias: bool = False           # biases on q/k/v: Qwen2; Llama/Qwen3 with attention_bias
+  o_proj_bias: bool = False              # a bias on o_proj: Llama/Qwen3 with attention_bias
   qk_norm: bool = False                  # Qwen3: RMSNorm over head_dim on q and k before RoPE
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
@@ -92,6 +104,28 @@ class ModelConfig:
     if self.attention_block_q < 1 or self.attention_block_k < 1:
       raise ValueError(f"attention blocks must be >= 1, got {self.attention_block_q}, "
                        f"{self.attention_block_k}")
+    self._check_architecture()
+
+  def _check_architecture(self):
+    """The fields must be ones `architecture` can express, or an exported config.json would
+    make transformers build a different model from the same weights."""
+    arch = self.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+      raise UnsupportedArchitectureError(
+          f"architecture {arch!r} is not supported; supported: "
+          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    fixed = {"Qwen2ForCausalLM": dict(attention_bias=True, o_proj_bias=False, qk_norm=False,
+                                      sliding_window=None),
+             "Qwen3ForCausalLM": dict(qk_norm=True, sliding_window=None),
+             "MistralForCausalLM": dict(attention_bias=False, o_proj_bias=False, qk_norm=False),
+             "LlamaForCausalLM": dict(qk_norm=False)}[arch]
+    wrong = [f"{k}={getattr(self, k)!r}" for k, v in fixed.items() if getattr(self, k) != v]
+    if arch in ("Qwen3ForCausalLM", "LlamaForCausalLM") and self.attention_bias != self.o_proj_bias:
+      wrong.append("attention_bias != o_proj_bias (its attention_bias sets both)")
+    if wrong:
+      raise UnsupportedArchitectureError(
+          f"{arch} cannot have {', '.join(wrong)}; it needs "
+          f"{', '.join(f'{k}={v!r}' for k, v in fixed.items())}")
 
   @property
   def jnp_dtype(self):
@@ -121,6 +155,8 @@ class ModelConfig:
   def num_params(self) -> int:
     d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
     attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    attn += self.attention_bias * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+    attn += self.o_proj_bias * d + self.qk_norm * 2 * self.head_dim
     per_layer = attn + 3 * d * f + 2 * d
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
     return self.vocab_size * d + l * per_layer + d + head
@@ -128,44 +164,36 @@ class ModelConfig:
   # ---- constructors -------------------------------------------------------------------------
   @classmethod
   def from_hf_config(cls, hf: Mapping[str, Any] | str, **overrides) -> "ModelConfig":
-    """Builds a config from a HF config.json dict (or a path to the file or its directory)."""
+    """Builds a config from a HF config.json dict (or a path to the file or its directory).
+    Raises UnsupportedArchitectureError naming whatever the model here would not compute."""
     if isinstance(hf, (str, os.PathLike)):
       path = os.path.join(hf, "config.json") if os.path.isdir(hf) else hf
       with open(path) as f:
         hf = json.load(f)
     archs = list(hf.get("architectures") or [])
     model_type = hf.get("model_type")
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type)
+    by_type = {t: a for a, t in MODEL_TYPES.items()}
+    arch = archs[0] if archs else by_type.get(model_type)
+    moe = [k for k in _MOE_KEYS if hf.get(k)]
+    if moe or "moe" in str(arch).lower() or "mixtral" in str(arch).lower():
+      raise UnsupportedArchitectureError(
+          f"{arch or model_type!r} is a mixture-of-experts model ({', '.join(moe) or arch}); "
+          "only dense models are supported")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise UnsupportedArchitectureError(
           f"unsupported architecture {arch or model_type!r} in config.json; "
           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-      raise UnsupportedArchitectureError(f"{arch} with attention_bias/mlp_bias is not supported")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-      raise UnsupportedArchitectureError(f"{arch} with hidden_act={act!r} is not supported (SwiGLU needs silu)")
+    problems = _unsupported_features(hf, arch)
+    if problems:
+      raise UnsupportedArchitectureError(f"{arch} config.json asks for what is not supported: "
+                                         + "; ".join(problems))
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    rs = hf.get("rope_scaling") or None
-    rope_theta = hf.get("rope_theta")
-    rope_params = hf.get("rope_parameters") or {}
-    if rope_theta is None:
-      rope_theta = rope_params.get("rope_theta", 10000.0)
-    if rs is None and rope_params.get("rope_type") not in (None, "default"):
-      rs = rope_params
-    scaling = None
-    if rs:
-      rtype = rs.get("rope_type", rs.get("type"))
-      if rtype in (None, "default"):
-        scaling = None
-      elif rtype == "llama3":
-        scaling = RopeScaling(
-            factor=float(rs["factor"]), low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
-      else:
-        raise UnsupportedArchitectureError(f"rope_scaling type {rtype!r} is not supported (only llama3)")
+    rope_theta, scaling = _rope(hf)
+    # Qwen2 always has q/k/v biases (its config.json has no attention_bias key); Llama and
+    # Qwen3 put one on every attention projection when attention_bias is set; Mistral never.
+    bias = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+        arch, bool(hf.get("attention_bias", False)))
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
       eos = eos[0]
@@ -176,6 +204,8 @@ class ModelConfig:
         rope_theta=float(rope_theta), rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         sliding_window=hf.get("sliding_window") if arch == "MistralForCausalLM" else None,
+        attention_bias=bias, o_proj_bias=bias and arch != "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         architecture=arch, bos_token_id=hf.get("bos_token_id"), eos_token_id=eos)
@@ -184,9 +214,9 @@ class ModelConfig:
 
   def to_hf_config(self) -> dict:
     """The inverse of from_hf_config (used when exporting safetensors directories)."""
+    arch = self.architecture
     hf = {
-        "architectures": [self.architecture],
-        "model_type": "mistral" if self.architecture == "MistralForCausalLM" else "llama",
+        "architectures": [arch], "model_type": MODEL_TYPES[arch],
         "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
         "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
         "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -196,8 +226,13 @@ class ModelConfig:
         "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
         "torch_dtype": self.param_dtype,
     }
-    if self.architecture == "MistralForCausalLM":
+    if arch == "MistralForCausalLM":
       hf["sliding_window"] = self.sliding_window
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+      hf.update(use_sliding_window=False, sliding_window=None,
+                max_window_layers=self.num_layers)
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+      hf["attention_bias"] = self.attention_bias
     if self.rope_scaling is not None:
       hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
     return hf
@@ -211,6 +246,55 @@ class ModelConfig:
     else:
       d["rope_scaling"] = None
     return cls(**d)
+
+
+def _unsupported_features(hf: Mapping[str, Any], arch: str) -> list[str]:
+  """What a supported architecture's config.json may still ask for that the model lacks."""
+  out = []
+  if hf.get("quantization_config"):
+    method = hf["quantization_config"].get("quant_method", "?")
+    out.append(f"quantized weights (quantization_config, {method!r}); use a bf16/fp32 checkpoint")
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    out.append(f"hidden_act={act!r} (the MLP is SwiGLU: silu)")
+  if arch == "LlamaForCausalLM" and hf.get("mlp_bias"):
+    out.append("mlp_bias=true (biases on the MLP projections)")
+  if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+    out.append(f"use_sliding_window=true (a sliding window of {hf.get('sliding_window')} on "
+               f"layers >= max_window_layers={hf.get('max_window_layers')})")
+  elif arch != "MistralForCausalLM":   # transformers' Mistral ignores layer_types
+    kinds = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
+    if kinds:
+      out.append(f"layer_types {kinds} (only full attention on every layer)")
+  return out
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, llama3 scaling or None) from either the old keys (rope_theta, rope_scaling) or
+  transformers 5's rope_parameters."""
+  rs = hf.get("rope_scaling") or None
+  rope_params = hf.get("rope_parameters") or {}
+  rope_theta = hf.get("rope_theta")
+  if rope_theta is None:
+    rope_theta = rope_params.get("rope_theta", 10000.0)
+  if rs is None and rope_params.get("rope_type") not in (None, "default"):
+    rs = rope_params
+  partial = (rs or rope_params).get("partial_rotary_factor", 1.0)
+  if partial != 1.0:
+    raise UnsupportedArchitectureError(f"partial_rotary_factor={partial} (RoPE on part of each "
+                                       "head) is not supported")
+  if not rs:
+    return rope_theta, None
+  rtype = rs.get("rope_type", rs.get("type"))
+  if rtype in (None, "default"):
+    return rope_theta, None
+  if rtype != "llama3":
+    raise UnsupportedArchitectureError(
+        f"rope_scaling type {rtype!r} is not supported (supported: default, llama3)")
+  return rope_theta, RopeScaling(
+      factor=float(rs["factor"]), low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+      high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+      original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
 
 
 # Shapes of public checkpoints (from their config.json), for random-init benchmarks: the values

@@ -52,7 +52,8 @@ def gguf_config(gf: GGUFFile, path: str = "") -> ModelConfig:
   arch = gf.get("general.architecture")
   if arch != "llama":
     raise UnsupportedArchitectureError(
-        f"GGUF {path} has unsupported architecture {arch!r}; supported: 'llama' (Llama/Mistral)")
+        f"GGUF {path} has unsupported architecture {arch!r}; supported: 'llama' (Llama/Mistral); "
+        "for other architectures (qwen2, qwen3) load the Hugging Face safetensors checkpoint")
 
   def req(key):
     v = gf.get(f"llama.{key}")

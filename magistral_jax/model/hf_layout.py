@@ -12,6 +12,7 @@ plain nested dict; every leaf under 'layers' is stacked over layers on axis 0 so
     layers/attn/o_proj/kernel    (L, H, Dh, D)     HF o_proj.weight (D, H*Dh), transposed
     layers/attn/q_proj/bias      (L, H, Dh)        only with cfg.attention_bias (Qwen2)
     layers/attn/{k,v}_proj/bias  (L, K, Dh)
+    layers/attn/o_proj/bias      (L, D)            only with cfg.o_proj_bias (Llama/Qwen3)
     layers/attn/{q,k}_norm/scale (L, Dh)           only with cfg.qk_norm (Qwen3)
     layers/mlp_norm/scale        (L, D)
     layers/mlp/{gate,up}_proj/kernel (L, D, F); layers/mlp/down_proj/kernel (L, F, D)
@@ -57,12 +58,14 @@ _BASE_LAYER_TENSORS = (
     (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight"),
     (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight"),
 )
-# Qwen2 (and Qwen3 with attention_bias): biases on q/k/v, none on o_proj.
+# Qwen2 (and Llama/Qwen3 with attention_bias): biases on q/k/v.
 _BIAS_LAYER_TENSORS = (
     (("attn", "q_proj", "bias"), "self_attn.q_proj.bias"),
     (("attn", "k_proj", "bias"), "self_attn.k_proj.bias"),
     (("attn", "v_proj", "bias"), "self_attn.v_proj.bias"),
 )
+# Llama/Qwen3 with attention_bias: a bias on o_proj as well (Qwen2 has none there).
+_O_BIAS_LAYER_TENSORS = ((("attn", "o_proj", "bias"), "self_attn.o_proj.bias"),)
 # Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE.
 _QK_NORM_LAYER_TENSORS = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight"),
@@ -76,6 +79,8 @@ def layer_tensors(cfg: ModelConfig) -> tuple[tuple[tuple[str, ...], str], ...]:
   table = _BASE_LAYER_TENSORS
   if cfg.attention_bias:
     table += _BIAS_LAYER_TENSORS
+  if cfg.o_proj_bias:
+    table += _O_BIAS_LAYER_TENSORS
   if cfg.qk_norm:
     table += _QK_NORM_LAYER_TENSORS
   return table
@@ -91,7 +96,7 @@ def layer_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
       "self_attn.v_proj.weight": (k * dh, d), "self_attn.o_proj.weight": (d, h * dh),
       "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
       "self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
-      "self_attn.v_proj.bias": (k * dh,),
+      "self_attn.v_proj.bias": (k * dh,), "self_attn.o_proj.bias": (d,),
       "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
   }
   return {suffix: shapes[suffix] for _, suffix in layer_tensors(cfg)}
@@ -136,7 +141,7 @@ def ours_to_hf_layer(suffix: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray
     return w.reshape(d, -1).T
   if suffix == "self_attn.o_proj.weight":
     return w.reshape(h * dh, d).T
-  if suffix.endswith("_proj.bias"):
+  if suffix.endswith("_proj.bias"):   # o_proj's is (D,) in both layouts
     return w.reshape(-1)
   if suffix.startswith("mlp."):
     return w.T

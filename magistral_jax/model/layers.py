@@ -1,4 +1,5 @@
-"""The decoder's building blocks in Flax (linen): RoPE, RMSNorm, attention, SwiGLU MLP and the
+"""The decoder's building blocks in Flax (linen): RoPE, RMSNorm, attention (with the optional
+q/k/v(/o) biases and per-head q/k norm of the Qwen architectures), SwiGLU MLP and the
 two scan bodies (training/scoring and decode) that model/transformer.py stacks over layers.
 
 KV cache layouts the attention reads and writes (see model/transformer.py's KVCache): the
@@ -99,6 +100,28 @@ class Kernel(nn.Module):
                          self.dtype)
 
 
+class Projection(nn.Module):
+  """An attention projection: {'kernel'} and, when `bias`, a {'bias'} over the kernel's last
+  `out_rank` axes (its outputs), the layout HF conversion maps onto. Applies `spec` (an einsum
+  of the input and the kernel) in the compute dtype."""
+  shape: tuple
+  axes: tuple
+  cfg: ModelConfig
+  out_rank: int
+  bias: bool = False
+
+  @nn.compact
+  def __call__(self, x, spec: str):
+    dt, pdt = self.cfg.jnp_dtype, self.cfg.jnp_param_dtype
+    w = logical_param(self, "kernel", self.shape, self.axes, nn.initializers.normal(0.02), pdt)
+    y = jnp.einsum(spec, x, w.astype(dt))
+    if self.bias:
+      b = logical_param(self, "bias", self.shape[-self.out_rank:], self.axes[-self.out_rank:],
+                        nn.initializers.zeros, pdt)
+      y = y + b.astype(dt)
+    return y
+
+
 class RMSNorm(nn.Module):
   cfg: ModelConfig
 
@@ -127,16 +150,17 @@ class Attention(nn.Module):
                layer=None, window=None):
     cfg, dt = self.cfg, self.cfg.jnp_dtype
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pdt = cfg.jnp_param_dtype
-    wq = Kernel((d, h, dh), ("embed", "heads", "head_dim"), pdt, name="q_proj")()
-    wk = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="k_proj")()
-    wv = Kernel((d, k, dh), ("embed", "kv_heads", "head_dim"), pdt, name="v_proj")()
-    wo = Kernel((h, dh, d), ("heads", "head_dim", "embed"), pdt, name="o_proj")()
-
+    qkv_bias = cfg.attention_bias
     x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, wq.astype(dt))
-    kk = jnp.einsum("btd,dhk->bthk", x, wk.astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, wv.astype(dt))
+    q = Projection((d, h, dh), ("embed", "heads", "head_dim"), cfg, 2, qkv_bias,
+                   name="q_proj")(x, "btd,dhk->bthk")
+    kk = Projection((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, 2, qkv_bias,
+                    name="k_proj")(x, "btd,dhk->bthk")
+    v = Projection((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, 2, qkv_bias,
+                   name="v_proj")(x, "btd,dhk->bthk")
+    if cfg.qk_norm:   # Qwen3: each head's query and key normalised over head_dim, before RoPE
+      q = RMSNorm(cfg, name="q_norm")(q)
+      kk = RMSNorm(cfg, name="k_norm")(kk)
     q = constrain(self.shard, q, ("act_batch", "act_length", "act_heads", None))
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, positions, inv_freq)
@@ -178,7 +202,8 @@ class Attention(nn.Module):
     out = attend(q, keys, values, spec, cfg, keys_t=keys_t,
                  self_only=kv_cache is None or self.from_empty, shard=self.shard)
     out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
-    y = jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
+    y = Projection((h, dh, d), ("heads", "head_dim", "embed"), cfg, 1, cfg.o_proj_bias,
+                   name="o_proj")(out, "bthk,hkd->btd")
     return y, new_cache
 
 

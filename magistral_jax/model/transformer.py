@@ -1,4 +1,4 @@
-"""The policy: a Mistral/Llama-family decoder in Flax (linen), and its functional API.
+"""The policy: a Mistral/Llama/Qwen-family decoder in Flax (linen), and its functional API.
 
 Layers (model/layers.py) are stacked with `nn.scan`, so every layer parameter has a leading
 'layers' axis, the compiled program holds one layer body (fast compiles), and the KV cache is one
@@ -21,6 +21,8 @@ Two call modes share the same weights:
 Params are a plain nested dict (see `param_logical_axes` for the layout and axis names):
   embed/embedding (V, D); layers/{attn_norm,mlp_norm}/scale (L, D);
   layers/attn/{q,k,v}_proj/kernel (L, D, H|K, Dh); layers/attn/o_proj/kernel (L, H, Dh, D);
+  with cfg.attention_bias layers/attn/{q,k,v}_proj/bias (L, H|K, Dh), with cfg.o_proj_bias
+  layers/attn/o_proj/bias (L, D), with cfg.qk_norm layers/attn/{q,k}_norm/scale (L, Dh);
   layers/mlp/{gate,up}_proj/kernel (L, D, F); layers/mlp/down_proj/kernel (L, F, D);
   final_norm/scale (D,); lm_head/kernel (D, V) unless embeddings are tied.
 """
