@@ -1,9 +1,10 @@
 """HF checkpoints: safetensors weights (one file, or shards with an index) and config.json.
 
 Loaders return host numpy arrays (bf16 through ml_dtypes) in our tree (model/hf_layout.py); put
-them on devices with `jax.device_put(params, shardings)`. Loading reads every file's header and
-validates the whole checkpoint (names, shapes, index against shards) before any tensor is read,
-so nothing is half-loaded.
+them on devices with `jax.device_put(params, shardings)`, or load them straight onto a mesh, with
+no host copy of the whole model, with model/hf_sharded.py (which shares the helpers here).
+Loading reads every file's header and validates the whole checkpoint (names, shapes, index
+against shards) before any tensor is read, so nothing is half-loaded.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def _safetensors_files(path: str) -> tuple[str, dict[str, str] | None]:
+def safetensors_files(path: str) -> tuple[str, dict[str, str] | None]:
   """(directory, tensor name -> file); a single file maps the name "" to itself."""
   if os.path.isfile(path):
     if path.endswith(".index.json"):
@@ -46,7 +47,8 @@ def _safetensors_files(path: str) -> tuple[str, dict[str, str] | None]:
   return directory, {n: os.path.join(directory, fn) for n, fn in weight_map.items()}
 
 
-def _open_safetensors(file: str):
+def open_safetensors(file: str):
+  """safe_open(file) over numpy; a file that cannot be opened raises CheckpointError naming it."""
   from safetensors import safe_open
   try:
     return safe_open(file, framework="numpy")
@@ -54,7 +56,7 @@ def _open_safetensors(file: str):
     raise CheckpointError(f"cannot read safetensors file {file}: {e}") from e
 
 
-def _read_headers(weight_map: dict[str, str]) -> tuple[dict[str, tuple], dict[str, str]]:
+def read_headers(weight_map: dict[str, str]) -> tuple[dict[str, tuple], dict[str, str]]:
   """Reads every file's header: name -> shape, name -> file. Checks the index agrees."""
   shapes, where = {}, {}
   files = sorted(set(weight_map.values()))
@@ -63,7 +65,7 @@ def _read_headers(weight_map: dict[str, str]) -> tuple[dict[str, tuple], dict[st
       listed = [n for n, f in weight_map.items() if f == file][:3]
       raise CheckpointError(f"safetensors shard {file} (listed in the index for {listed}...) "
                             "does not exist")
-    with _open_safetensors(file) as f:
+    with open_safetensors(file) as f:
       for name in f.keys():
         if name in where:
           raise CheckpointError(f"tensor {name} appears in both {where[name]} and {file}")
@@ -80,6 +82,14 @@ def _read_headers(weight_map: dict[str, str]) -> tuple[dict[str, tuple], dict[st
   return shapes, where
 
 
+def read_config(directory: str, path: str) -> ModelConfig:
+  """The ModelConfig of the config.json in a checkpoint's directory (`path` names it in errors)."""
+  cfg_path = os.path.join(directory, CONFIG_JSON)
+  if not os.path.exists(cfg_path):
+    raise CheckpointError(f"no {CONFIG_JSON} next to {path}; pass cfg=")
+  return ModelConfig.from_hf_config(cfg_path)
+
+
 def load_hf_safetensors(path: str, cfg: ModelConfig | None = None,
                         dtype=None) -> tuple[ModelConfig, dict]:
   """Loads a HF checkpoint (directory, model.safetensors, or index.json) into our tree.
@@ -87,15 +97,12 @@ def load_hf_safetensors(path: str, cfg: ModelConfig | None = None,
   cfg: defaults to the config.json in the checkpoint directory. dtype: cast every tensor to it
   (e.g. "float32"); default keeps the stored dtypes (the bit-exact path).
   """
-  directory, weight_map = _safetensors_files(path)
+  directory, weight_map = safetensors_files(path)
   if cfg is None:
-    cfg_path = os.path.join(directory, CONFIG_JSON)
-    if not os.path.exists(cfg_path):
-      raise CheckpointError(f"no {CONFIG_JSON} next to {path}; pass cfg=")
-    cfg = ModelConfig.from_hf_config(cfg_path)
-  shapes, where = _read_headers(weight_map)
+    cfg = read_config(directory, path)
+  shapes, where = read_headers(weight_map)
   validate_tensor_shapes(shapes, cfg, path)
-  handles = {file: _open_safetensors(file) for file in set(where.values())}
+  handles = {file: open_safetensors(file) for file in set(where.values())}
   try:
     def get(name):
       try:

@@ -9,12 +9,14 @@ from magistral_jax.model.config import InitConfig, ModelConfig
 from magistral_jax.model.gguf_checkpoint import gguf_config, load_gguf
 from magistral_jax.model.gguf_file import default_gguf_path, read_gguf
 from magistral_jax.model.hf_checkpoint import load_hf_safetensors
+from magistral_jax.model.hf_sharded import load_hf_sharded
 from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
 from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
+from magistral_jax.parallel.config import DEFAULT_RULES
 
 
 def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
-                load_weights: bool = True):
+                load_weights: bool = True, mesh=None, rules=None):
   """(tokenizer, ModelConfig, initial params or None) of a run's policy: its `model`, `init` and
   `tokenizer` sections.
 
@@ -22,6 +24,11 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
   run's dtype/remat/logits_chunk/logits_vocab_pieces/attention_* kept). With load_weights=False
   only metadata is read (params is None): enough to build engines or abstract params, e.g. for
   analysing a run's checkpoints.
+
+  mesh (and rules, default parallel.config.DEFAULT_RULES): where the params will live. An hf
+  checkpoint is then loaded straight onto it, laid out by `rules` as train/step.py's init_state
+  takes them, with no host copy of the whole model (model/hf_sharded.py); the other sources
+  return their params as they do without a mesh.
   """
   src, path = init.source, init.path
   model_cfg = model
@@ -41,7 +48,9 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
       cfg_g, tok = gguf_config(gf, gpath), HFTokenizer.from_gguf_metadata(gf.metadata, gpath)
     model_cfg = cfg_g.replace(**keep)
   elif src == "hf":
-    if load_weights:
+    if load_weights and mesh is not None:
+      cfg_h, params = load_hf_sharded(path, mesh, DEFAULT_RULES if rules is None else rules)
+    elif load_weights:
       cfg_h, params = load_hf_safetensors(path)
     else:
       cfg_h = ModelConfig.from_hf_config(path)

@@ -1,0 +1,154 @@
+"""Benchmark: loading a HF safetensors checkpoint onto the trainer's mesh, today's way against
+load_hf_sharded (model/hf_sharded.py).
+
+The checkpoint: random bf16 weights of the Llama-3.2-1B shapes (model.config.LLAMA_3_2_1B,
+about 2.5 GB; `--shape smollm2` for SmolLM2-135M's, about 270 MB), written once by
+save_hf_safetensors into --dir (a temporary directory unless given). Then each loader runs in a
+fresh process of its own, on the trainer's mesh, {"fsdp": -1} over 8 simulated CPU devices with
+TRAINER_RULES, as a run's trainer lays its params out:
+
+  baseline  load_hf_safetensors (every tensor into host memory, the layers stacked), then
+            jax.device_put onto param_shardings: what run/train.py does today (load_policy,
+            then init_state's device_put)
+  sharded   load_hf_sharded(path, mesh, TRAINER_RULES): each leaf built on its devices, layer
+            by layer, from the memory-mapped file
+
+Each process measures its load's wall time (from the call to the params being ready) and its
+peak resident memory above its resident memory just before the load (VmHWM - VmRSS, from
+/proc/self/status; getrusage's ru_maxrss would also count this parent's high-water mark, which
+Linux carries into a child through fork and exec). Under XLA:CPU device memory is host memory, so
+both peaks include the placed params themselves (`params_mb`); the goal is about what each loader
+holds beyond them, `*_overhead_mb` = peak - params: load_hf_sharded's at most 1/4 of today's,
+and its load no slower (speed_ratio = baseline_load_s / sharded_load_s >= 1). With --repeats N
+the two processes alternate N times and each figure is the median over its N processes.
+
+Usage: .venv/bin/python bench/hf_load.py [--shape llama1b|smollm2] [--repeats 1] [--dir DIR]
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import common
+
+common.use_cpu_devices(8)   # the trainer's mesh in the child processes (they inherit XLA_FLAGS)
+
+SHAPES = ("llama1b", "smollm2")
+
+
+def _status_kb(key: str) -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def child(loader: str, path: str) -> None:
+  """One load in this process; prints its figures as one JSON line."""
+  import jax
+  from magistral_jax.model import transformer as T
+  from magistral_jax.model.hf_checkpoint import load_hf_safetensors
+  from magistral_jax.model.hf_sharded import load_hf_sharded
+  from magistral_jax.parallel.config import TRAINER_RULES
+  from magistral_jax.parallel.sharding import make_mesh, param_shardings
+  mesh = make_mesh({"fsdp": -1})
+  jax.block_until_ready(jax.jit(lambda: jax.numpy.zeros(8))())   # the runtime, before the mark
+  before_kb = _status_kb("VmRSS")
+  t = time.perf_counter()
+  if loader == "baseline":
+    cfg, host = load_hf_safetensors(path)
+    shardings = param_shardings(T.param_logical_axes(cfg), mesh, TRAINER_RULES,
+                                shapes_tree=host)
+    params = jax.block_until_ready(jax.device_put(host, shardings))
+  else:
+    cfg, params = load_hf_sharded(path, mesh, TRAINER_RULES)
+    jax.block_until_ready(params)
+  load_s = time.perf_counter() - t
+  common.emit({"loader": loader, "load_s": load_s,
+               "peak_mb": (_status_kb("VmHWM") - before_kb) / 1024,
+               "params_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
+               "devices": len(mesh.devices.flat)})
+
+
+def write_checkpoint(shape: str, path: str) -> float:
+  """Random bf16 weights of `shape` into `path`; returns the weight files' GB."""
+  import jax
+  import ml_dtypes
+  import numpy as np
+  from magistral_jax.model import config as model_config
+  from magistral_jax.model import transformer as T
+  from magistral_jax.model.hf_checkpoint import save_hf_safetensors
+  cfg = (model_config.LLAMA_3_2_1B if shape == "llama1b" else model_config.SMOLLM2_135M)
+  cfg = cfg.replace(param_dtype="bfloat16")
+  rng = np.random.default_rng(0)
+  # Finite bf16 of either sign and a modest magnitude: random bits below the exponent's top.
+  params = jax.tree.map(lambda s: (rng.integers(0, 1 << 14, s.shape, np.uint16) |
+                                   (rng.integers(0, 2, s.shape, np.uint16) << 15)).view(
+                                       ml_dtypes.bfloat16), T.param_shapes(cfg))
+  files = save_hf_safetensors(params, cfg, path)
+  return sum(os.path.getsize(f) for f in files) / 1e9
+
+
+def run_child(loader: str, path: str) -> dict:
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", loader,
+                        "--path", path], capture_output=True, text=True)
+  if out.returncode != 0:
+    raise RuntimeError(f"{loader} load failed:\n{out.stderr[-5000:]}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+  p = common.argument_parser(__doc__)
+  p.add_argument("--shape", choices=SHAPES, default="llama1b")
+  p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--dir", default=None, help="where to write the checkpoint (kept if given)")
+  p.add_argument("--child", choices=("baseline", "sharded"), help=argparse.SUPPRESS)
+  p.add_argument("--path", help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.child:
+    return child(args.child, args.path)
+  work = args.dir or tempfile.mkdtemp(prefix="hf_load_bench_")
+  try:
+    path = os.path.join(work, f"{args.shape}_bf16")
+    t = time.perf_counter()
+    checkpoint_gb = write_checkpoint(args.shape, path)
+    print(f"wrote {checkpoint_gb:.2f} GB to {path} in {time.perf_counter() - t:.1f}s",
+          file=sys.stderr)
+    runs = {"baseline": [], "sharded": []}
+    for r in range(args.repeats):
+      for loader in (("baseline", "sharded") if r % 2 == 0 else ("sharded", "baseline")):
+        runs[loader].append(run_child(loader, path))
+        print(json.dumps(runs[loader][-1]), file=sys.stderr)
+  finally:
+    if args.dir is None:
+      shutil.rmtree(work, ignore_errors=True)
+  med = {k: {f: statistics.median(x[f] for x in v) for f in ("load_s", "peak_mb", "params_mb")}
+         for k, v in runs.items()}
+  params_mb = med["sharded"]["params_mb"]
+  base_over = med["baseline"]["peak_mb"] - med["baseline"]["params_mb"]
+  shard_over = med["sharded"]["peak_mb"] - params_mb
+  res = {
+      "shape": args.shape, "checkpoint_gb": checkpoint_gb, "params_mb": params_mb,
+      "mesh": {"fsdp": runs["sharded"][0]["devices"]}, "repeats": args.repeats,
+      "baseline_peak_rss_mb": med["baseline"]["peak_mb"],
+      "sharded_peak_rss_mb": med["sharded"]["peak_mb"],
+      "rss_ratio": med["sharded"]["peak_mb"] / med["baseline"]["peak_mb"],
+      "baseline_overhead_mb": base_over, "sharded_overhead_mb": shard_over,
+      "overhead_ratio": shard_over / base_over,
+      "baseline_load_s": med["baseline"]["load_s"], "sharded_load_s": med["sharded"]["load_s"],
+      "speed_ratio": med["baseline"]["load_s"] / med["sharded"]["load_s"],
+      "goal": "sharded_overhead_mb <= baseline_overhead_mb / 4 and speed_ratio >= 1",
+      **common.host_info(),
+  }
+  res["goal_met"] = bool(res["overhead_ratio"] <= 0.25 and res["speed_ratio"] >= 1)
+  common.emit(res, ndigits=3)
+
+
+if __name__ == "__main__":
+  main()
