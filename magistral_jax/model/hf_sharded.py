@@ -8,12 +8,12 @@ by `jax.device_put(params, shardings)`, bit for bit, where `shardings` is
 layout train/step.py's init_state and generate/weights.py take (so init_state's device_put of
 them is a no-op). Each leaf is created already laid out and filled piece by piece:
 
-- A stacked leaf (everything under 'layers', stacked over the layers on axis 0; see
-  model/hf_layout.py) starts as zeros made on its devices. Then, layer by layer, that layer's HF
-  tensor is read, viewed in our per-layer layout (hf_layout.hf_to_ours_layer: transposes and
-  reshapes, no copy), cut into the slices this process's devices hold, each slice put on its
-  devices, and the layer written into the stack by a jitted dynamic_update_slice that donates
-  the stack (so it is updated in place, not copied per layer).
+- The stacked leaves (everything under 'layers', stacked over the layers on axis 0; see
+  model/hf_layout.py) start as zeros made on their devices. Then, layer by layer, each of that
+  layer's HF tensors is read, viewed in our per-layer layout (hf_layout.hf_to_ours_layer:
+  transposes and reshapes, no copy), cut into the slices this process's devices hold and put on
+  them; one jitted dynamic_update_slice per layer, donating the stacks, writes the layer in
+  place (not into copies of the stacks).
 - A leaf with no layer axis (embedding, final norm, lm_head) is assembled from its devices'
   slices, each read from the file on its own: the embedding is the largest tensor.
 
@@ -24,13 +24,16 @@ is checked equal to the embedding, before any tensor is placed. `dtype` means wh
 there: cast every tensor to it (on the host, by numpy, slice by slice, as that loader casts), or
 None to keep the stored dtypes.
 
-Host memory. Slices are put on their devices one at a time (jax.make_array_from_callback would
-first call back for every device and hold all the slices), and files are read through
-safe_open's memory map in runs of at most _CHUNK_BYTES of whole rows, each through a map opened
-and closed for that run: a mapped page counts in the process's resident memory for as long as
-its map lives, so one map held through the load would end up holding the whole file. Besides
-the placed params themselves, the host holds at most one layer's tensor and its device slices,
-or one device's slice of a leaf with no layer axis, plus one run of mapped rows.
+Host memory. A non-layered leaf's slices are put on their devices one at a time
+(jax.make_array_from_callback would first call back for every device and hold all the slices;
+the embedding is as large as a few layers); a layer tensor's slices go in one transfer. Files
+are read through safe_open's memory map in runs of at most _CHUNK_BYTES of whole rows, each
+through a map opened and closed for that run: a mapped page counts in the process's resident
+memory for as long as its map lives, so one map held through the load would end up holding the
+whole file. Besides
+the placed params themselves, the loader holds at most one layer's arrays on the devices, one
+layer tensor and its slices (or one device's slice of a leaf with no layer axis) on the host,
+and one run of mapped rows.
 
 Many processes. Every process makes the same calls in the same order (the zeros and the updates
 are programs over the whole mesh); `jax.make_array_from_single_device_arrays` takes only this
