@@ -52,7 +52,7 @@ share_cpu_executables_across_devices()
 SERIAL = {
     "tests/launch/test_smollm2_rl.py": "compute-bound: SFT and RL on the 135M model",
     "tests/launch/test_tiny_learns.py": "compute-bound end-to-end run",
-    "tests/launch/test_colocated.py": "compute-bound end-to-end run",
+    "tests/launch/test_qwen_recipe.py": "compute-bound end-to-end runs (one device)",
     "tests/launch/test_rehearsals.py": "compute-bound end-to-end runs",
     "tests/parallel/test_multihost.py": "processes on a 10 s heartbeat timeout",
     "tests/launch/test_multihost_run.py": "processes on a 10 s heartbeat timeout",
@@ -78,7 +78,7 @@ SERIAL = {
 # subprocesses a test starts follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
 FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
-    "tests/launch/test_colocated.py", "tests/launch/test_rehearsals.py",
+    "tests/launch/test_qwen_recipe.py", "tests/launch/test_rehearsals.py",
     "tests/launch/test_multihost_run.py", "tests/model/test_smollm2_parity.py",
     "tests/generate/test_smollm2_decode.py", "tests/model/test_checkpoint_gguf.py",
     "tests/notebooks/test_notebooks.py",

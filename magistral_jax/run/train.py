@@ -57,8 +57,13 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=1))
+  mesh = None   # a trainer's params load straight onto its mesh (generator processes load none)
+  if layout is None or layout.is_trainer:
+    tdev = run_devices(run.devices)[0] if layout is None else layout.trainer_devices()
+    mesh = make_mesh(run.devices.trainer_mesh, tdev)
   tok, model_cfg, init_params = load_policy(
-      run.model, run.init, run.tokenizer, load_weights=layout is None or layout.is_trainer)
+      run.model, run.init, run.tokenizer, load_weights=mesh is not None, mesh=mesh,
+      rules=run.sharding.trainer_rules)
   system_prompt = system_prompt_for(run.system_prompt)
   shared_prefix = shared_prefix_for(run.engine, tok, system_prompt)
   if layout is not None and not layout.is_trainer:
@@ -66,6 +71,7 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
                                  shared_prefix)
   rl = RLRun(run, stages, layout, workdir, tok, model_cfg, init_params, system_prompt,
              shared_prefix)
+  del init_params   # the train state holds the weights now; no second copy for the whole run
   try:
     rl.train()
   finally:
