@@ -15,6 +15,11 @@ from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
 from magistral_jax.parallel.config import DEFAULT_RULES
 
 
+# The fields of the run's `model` section a checkpoint's architecture does not replace: the
+# run's dtypes, remat and head / attention knobs.
+RUN_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "logits_chunk", "logits_vocab_pieces",
+                    "attention_impl", "attention_block_q", "attention_block_k")
+
 def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
                 load_weights: bool = True, mesh=None, rules=None):
   """(tokenizer, ModelConfig, initial params or None) of a run's policy: its `model`, `init` and
@@ -32,12 +37,7 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
   """
   src, path = init.source, init.path
   model_cfg = model
-  keep = dict(param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype, remat=model_cfg.remat,
-              logits_chunk=model_cfg.logits_chunk,
-              logits_vocab_pieces=model_cfg.logits_vocab_pieces,
-              attention_impl=model_cfg.attention_impl,
-              attention_block_q=model_cfg.attention_block_q,
-              attention_block_k=model_cfg.attention_block_k)
+  keep = {f: getattr(model_cfg, f) for f in RUN_MODEL_FIELDS}
   params, tok = None, None
   if src == "gguf":   # architecture and vocabulary come from the file's metadata
     if load_weights:

@@ -16,9 +16,9 @@ from magistral_jax.generate.engine import Engine
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import MISTRAL_SMALL_3_24B, ModelConfig
 from magistral_jax.parallel.config import GENERATOR_RULES
-from magistral_jax.parallel.sharding import make_mesh
+from magistral_jax.parallel.sharding import is_logical_axes, make_mesh
 from magistral_jax.rl.collate import FIELDS
-from magistral_jax.run import plan as plan_lib
+from magistral_jax.run import footprint, plan as plan_lib
 from magistral_jax.run.recipes import load_recipe
 from magistral_jax.train.optimizer import make_optimizer
 from magistral_jax.train.step import TrainState, batch_sharding, make_grpo_step, state_shardings
@@ -65,7 +65,7 @@ def _compiled_train_peak(run) -> int:
                                    jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=bsh)
            for k in FIELDS}
   analysis = step.lower(state, batch).compile().memory_analysis()
-  return plan_lib.compiled_peak_bytes(analysis)
+  return footprint.compiled_peak_bytes(analysis)
 
 
 @pytest.mark.parametrize("remat,impl,mesh_shape,rows,row_len", [
@@ -74,16 +74,16 @@ def _compiled_train_peak(run) -> int:
 ])
 def test_trainer_estimate_bounds_the_compiled_step(remat, impl, mesh_shape, rows, row_len):
   run = _tiny_run(remat, impl, mesh_shape, rows, row_len)
-  est = plan_lib.trainer_bytes(run, run.model, "cpu")
+  est = footprint.trainer_bytes(run, run.model, "cpu")
   assert est["attention"] == impl and est["remat"] == remat
   peak = _compiled_train_peak(run)
   assert peak <= est["total"] <= TRAIN_TOLERANCE * peak, (est["parts"], peak)
   # Weights and moments are exact: the compiled step's arguments hold them and the batch.
   p = est["parts"]
   assert p["weights"] == sum(
-      plan_lib.shard_elems(s.shape, ax, run.sharding.trainer_rules, est["mesh"]) * 4
+      footprint.shard_elems(s.shape, ax, run.sharding.trainer_rules, est["mesh"]) * 4
       for ax, s in zip(jax.tree.leaves(tfm.param_logical_axes(run.model),
-                                       is_leaf=plan_lib.is_logical_axes),
+                                       is_leaf=is_logical_axes),
                        jax.tree.leaves(tfm.param_shapes(run.model))))
   assert p["optimizer"] >= 2 * p["weights"]
 
@@ -100,8 +100,8 @@ def test_generator_decode_state_is_the_engines_exactly():
                  if s.device == devices[0])
   cache_on_first = sum(s.data.nbytes for a in jax.tree.leaves((state.cache.k, state.cache.v))
                        for s in a.addressable_shards if s.device == devices[0])
-  est = plan_lib.decode_state_bytes(cfg, 8, 24 + 40, GENERATOR_RULES,
-                                    plan_lib.mesh_sizes(mesh_shape, 4))
+  est = footprint.decode_state_bytes(cfg, 8, 24 + 40, GENERATOR_RULES,
+                                     footprint.mesh_sizes(mesh_shape, 4))
   assert est["kv_cache"] == cache_on_first
   assert est["kv_cache"] + est["slot_vectors"] == on_first
   # 8 slots x 64 positions x 3 layers x (K + V) x 2 kv heads x 16 over data 2 x tensor 2, bf16.
