@@ -65,6 +65,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
   from magistral_jax.analysis import run as R
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.run.recipes import load_recipe
   config = load_recipe("configs/tiny.py", ROOT)
@@ -78,7 +79,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   problems = ld.prompt_set(config, prompts)
   kw = dict(sampling=SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens,
                                     eos_id=tok.eos_id),
-            samples_per_prompt=samples, system_prompt=ld.system_prompt_for(config.system_prompt),
+            samples_per_prompt=samples, system_prompt=system_prompt_for(config.system_prompt),
             max_concurrent_decodes=8, max_prefill_length=64)
   reward_cfg = config_lib.validate(config).reward
   from magistral_jax.verify import VerifierPool

@@ -20,6 +20,7 @@ import numpy as np
 
 from magistral_jax.analysis import pca as pca_lib
 from magistral_jax.analysis import run as run_lib
+from magistral_jax.data import prompts
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ def fit_reward_log_length(reward: np.ndarray, length: np.ndarray) -> dict:
   ss_tot = float(np.sum((r - r.mean()) ** 2))
   r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
   return {"slope": float(slope), "intercept": float(intercept), "r2": float(r2), "n": n}
-
-
-def system_prompt_for(name: str) -> str | None:
-  """The run config's `system_prompt` name -> its text (as launch/train.py resolves it)."""
-  from magistral_jax.data.prompts import system_prompt_for as f
-  return f(name)
 
 
 def prompt_set(config, num_prompts: int, split: str = "heldout") -> list[dict]:
@@ -224,7 +219,7 @@ def length_dimension(workdir: str, *, multiples1: Sequence[float] = (-2.0, 0.0, 
   problems = list(problems) if problems is not None else prompt_set(config, num_prompts)
   with GridScorer(model_cfg, tok, reward_cfg, problems, like, sampling=sampling,
                   samples_per_prompt=samples_per_prompt,
-                  system_prompt=system_prompt_for(config.system_prompt),
+                  system_prompt=prompts.system_prompt_for(config.system_prompt),
                   max_concurrent_decodes=config.engine.max_concurrent_decodes,
                   max_prefill_length=config.engine.max_prefill_length, devices=devices,
                   num_workers=num_workers or config.verifier.num_workers,

@@ -155,6 +155,7 @@ def test_fit_reward_against_log_length():
 
 def test_grid_evaluation_on_the_tiny_model_switches_weights_without_recompiling(planted_run):
   from magistral_jax import config as config_lib
+  from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.generate.config import SamplingConfig
   config = planted_run["config"]
   model_cfg, tok = R.model_and_tokenizer(config)
@@ -166,7 +167,7 @@ def test_grid_evaluation_on_the_tiny_model_switches_weights_without_recompiling(
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=24, eos_id=tok.eos_id)
   with ld.GridScorer(model_cfg, tok, config_lib.validate(config).reward, problems, trees[-1],
                      sampling=sampling, samples_per_prompt=2,
-                     system_prompt=ld.system_prompt_for(config.system_prompt),
+                     system_prompt=system_prompt_for(config.system_prompt),
                      max_concurrent_decodes=8, max_prefill_length=64) as scorer:
     first = scorer.score(trees[-1])                  # compiles the engine's programs
     compiled = scorer.engine.compile_counts()
