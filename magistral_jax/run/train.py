@@ -58,8 +58,11 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=1))
   mesh = None   # a trainer's params load straight onto its mesh (generator processes load none)
+  if layout is None:
+    tdev, gdevs = run_devices(run.devices)
+  else:
+    tdev, gdevs = layout.trainer_devices(), layout.generator_devices()
   if layout is None or layout.is_trainer:
-    tdev = run_devices(run.devices)[0] if layout is None else layout.trainer_devices()
     mesh = make_mesh(run.devices.trainer_mesh, tdev)
   tok, model_cfg, init_params = load_policy(
       run.model, run.init, run.tokenizer, load_weights=mesh is not None, mesh=mesh,
@@ -69,8 +72,8 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
   if layout is not None and not layout.is_trainer:
     return run_generator_process(run, stages, layout, tok, model_cfg, system_prompt,
                                  shared_prefix)
-  rl = RLRun(run, stages, layout, workdir, tok, model_cfg, init_params, system_prompt,
-             shared_prefix)
+  rl = RLRun(run, stages, layout, workdir, mesh, gdevs, tok, model_cfg, init_params,
+             system_prompt, shared_prefix)
   del init_params   # the train state holds the weights now; no second copy for the whole run
   try:
     rl.train()
@@ -82,8 +85,8 @@ class RLRun:
   """A trainer process's run: the train state and its checkpoints, the verifier pool, the
   evaluation, and (on the leader) the metrics and summary files. See the module docstring."""
 
-  def __init__(self, run, stages: list[Stage], layout, workdir, tok, model_cfg, init_params,
-               system_prompt, shared_prefix):
+  def __init__(self, run, stages: list[Stage], layout, workdir, tmesh, gdevs, tok, model_cfg,
+               init_params, system_prompt, shared_prefix):
     self.run, self.stages, self.layout, self.workdir = run, stages, layout, workdir
     self.tok, self.model_cfg = tok, model_cfg
     self.system_prompt, self.shared_prefix = system_prompt, shared_prefix
@@ -92,11 +95,8 @@ class RLRun:
     self.writer = MetricsWriter(workdir) if self.leader else None
     log.info("shared prompt prefix: %s", f"{len(shared_prefix)} tokens, prefilled once per "
              "weights version" if shared_prefix else "off")
-    if layout is None:
-      self.tdev, self.gdevs = run_devices(run.devices)
-    else:
-      self.tdev, self.gdevs = layout.trainer_devices(), layout.generator_devices()
-    self.tmesh = make_mesh(run.devices.trainer_mesh, self.tdev)
+    self.tmesh, self.gdevs = tmesh, gdevs   # the trainer's mesh (its params are on it already)
+    self.tdev = list(tmesh.devices.flat)
     log.info("model %.2fM params | trainer %s | generators %s", model_cfg.num_params() / 1e6,
              dict(self.tmesh.shape), f"colocated on the trainer's {len(self.tdev)} device(s), "
              f"{'taking turns' if run.pipeline.mode == 'sync' else 'one batch ahead'}"
