@@ -10,12 +10,18 @@ them is a no-op). Each leaf is created already laid out and filled piece by piec
 
 - The stacked leaves (everything under 'layers', stacked over the layers on axis 0; see
   model/hf_layout.py) start as zeros made on their devices. Then, layer by layer, each of that
-  layer's HF tensors is read, viewed in our per-layer layout (hf_layout.hf_to_ours_layer:
-  transposes and reshapes, no copy), cut into the slices this process's devices hold and put on
+  layer's HF tensors is memory-mapped, viewed in our per-layer layout (hf_layout.hf_to_ours_layer:
+  transposes and reshapes, no copy), cut into the views this process's devices hold and put on
   them; one jitted dynamic_update_slice per layer, donating the stacks, writes the layer in
   place (not into copies of the stacks).
 - A leaf with no layer axis (embedding, final norm, lm_head) is assembled from its devices'
   slices, each read from the file on its own: the embedding is the largest tensor.
+
+Why it is fast: a device's slice of a transposed tensor is handed to jax.device_put as a strided
+view of the mapped file. The runtime's transfer gathers it (a tiled transpose) in the one copy it
+makes anyway; a numpy copy of the view first would be a second pass, and a slow one (numpy's
+transpose walks the source with a stride of a whole row). Reading the mapped bytes directly,
+rather than through safetensors' get_tensor, saves a third.
 
 The per-layer tensors come from hf_layout.layer_tensors(cfg), so every architecture that table
 knows loads here too. Validation is load_hf_safetensors': every header is read and the names and
@@ -26,14 +32,12 @@ None to keep the stored dtypes.
 
 Host memory. A non-layered leaf's slices are put on their devices one at a time
 (jax.make_array_from_callback would first call back for every device and hold all the slices;
-the embedding is as large as a few layers); a layer tensor's slices go in one transfer. Files
-are read through safe_open's memory map in runs of at most _CHUNK_BYTES of whole rows, each
-through a map opened and closed for that run: a mapped page counts in the process's resident
-memory for as long as its map lives, so one map held through the load would end up holding the
-whole file. Besides
-the placed params themselves, the loader holds at most one layer's arrays on the devices, one
-layer tensor and its slices (or one device's slice of a leaf with no layer axis) on the host,
-and one run of mapped rows.
+the embedding is as large as a few layers), copied out of maps of at most _CHUNK_BYTES of whole
+rows each; a layer tensor's views go in one transfer, from one map of that tensor. Every map is
+unmapped when its last view is dropped (see _Reader). Besides the placed params themselves, the
+loader holds at most one layer's arrays on the devices, one mapped layer tensor and the slices
+the transfer gathers from it (or one device's slice of a leaf with no layer axis, and one run of
+mapped rows) on the host.
 
 Many processes. Every process makes the same calls in the same order (the zeros and the updates
 are programs over the whole mesh); `jax.make_array_from_single_device_arrays` takes only this
@@ -41,12 +45,16 @@ process's devices' pieces, so each process reads, casts and transfers only what 
 hold. For a leaf with no layer axis that is the rows of its devices' slices. A layer tensor is
 read whole (its transposed layout scatters a device's slice over the HF tensor, and with
 row-major storage a band of columns touches every page anyway), one layer at a time, and only
-this process's slices of it are kept.
+this process's slices of it are kept. tests/model/test_hf_sharded.py loads onto a mesh over 2 JAX
+processes and checks both.
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
+import mmap
+import struct
 from typing import Callable, Sequence
 
 import jax
@@ -133,11 +141,18 @@ def _at(tree, path: Sequence[str]):
 
 
 class _Reader:
-  """Reads tensors, or blocks of them, from the checkpoint's files (see _CHUNK_BYTES)."""
+  """Reads tensors, or blocks of their rows, through memory maps of just those bytes.
+
+  The byte ranges come from each file's header (safetensors: a little-endian u64 header length,
+  the JSON header with each tensor's dtype, shape and data_offsets, then the data). A map is
+  made for one read and unmapped when the last array viewing it is dropped: a mapped page counts
+  in the process's resident memory for as long as its map lives, so one map held through the
+  load would end up holding the whole file."""
 
   def __init__(self, where: dict[str, str], shapes: dict[str, tuple]):
     self.where, self.shapes = where, shapes
     self._dtypes: dict[str, np.dtype] = {}
+    self._offsets: dict[str, int] = {}   # name -> the byte its data starts at, in its file
     for file in sorted(set(where.values())):   # one pass over each file's header
       with open_safetensors(file) as f:
         for name in f.keys():
@@ -145,26 +160,39 @@ class _Reader:
           # An empty block reads no data but carries the stored dtype.
           self._dtypes[name] = (sl[0:0] if shapes[name] else f.get_tensor(name)).dtype
           del sl   # a slice object keeps the map alive
-
-  def _run(self, name: str, box: tuple) -> np.ndarray:
-    file = self.where[name]
-    with open_safetensors(file) as f:
-      try:
-        sl = f.get_slice(name)
-        out = sl[box] if box else f.get_tensor(name)
-        del sl
-        return out
-      except Exception as e:
-        raise CheckpointError(f"cannot read tensor {name} from {file}: {e}") from e
+      self._offsets.update(_data_offsets(file, {n: (shapes[n], self._dtypes[n])
+                                                for n, w in where.items() if w == file}))
 
   def dtype(self, name: str) -> np.dtype:
     return self._dtypes[name]
 
+  def view(self, name: str, r0: int = 0, r1: int | None = None) -> np.ndarray:
+    """Rows r0:r1 of tensor `name` (all of it by default), a read-only view on their own map."""
+    shape, dt = self.shapes[name], self.dtype(name)
+    r1 = (shape[0] if shape else 1) if r1 is None else r1
+    row = dt.itemsize * math.prod(shape[1:])
+    start = self._offsets[name] + r0 * row
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    length = (r1 - r0) * row
+    if length == 0:
+      return np.empty((0,) + tuple(shape[1:]), dt)
+    try:
+      with open(self.where[name], "rb") as f:
+        # MAP_POPULATE: the pages are mapped in one call rather than faulted in one by one.
+        m = mmap.mmap(f.fileno(), start - aligned + length, offset=aligned,
+                      flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ)
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"cannot read tensor {name} from {self.where[name]}: {e}") from e
+    out = np.frombuffer(m, dt, (r1 - r0) * math.prod(shape[1:]), start - aligned)
+    return out.reshape(((r1 - r0),) + tuple(shape[1:]) if shape else ())
+
   def read(self, name: str, box: Sequence[slice] = ()) -> np.ndarray:
-    """The block `box` (a slice per leading axis; the rest whole) of tensor `name`, a new array."""
+    """The block `box` (a slice per leading axis; the rest whole) of tensor `name`, a new array,
+    copied out of maps of at most _CHUNK_BYTES of its rows at a time."""
     shape = self.shapes[name]
     if not shape:
-      return self._run(name, ())
+      return np.array(self.view(name))
     box = [slice(*s.indices(n)) for s, n in zip(box, shape)]
     box += [slice(0, n, 1) for n in shape[len(box):]]
     if any(s.step != 1 for s in box):
@@ -172,15 +200,30 @@ class _Reader:
     r0, r1 = box[0].start, box[0].stop
     row_bytes = self.dtype(name).itemsize * math.prod(shape[1:])
     per = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    if r1 - r0 <= per:
-      return self._run(name, tuple(box))
-    out = None
+    out = np.empty((r1 - r0,) + tuple(s.stop - s.start for s in box[1:]), self.dtype(name))
     for a in range(r0, r1, per):
-      part = self._run(name, (slice(a, min(r1, a + per)),) + tuple(box[1:]))
-      if out is None:
-        out = np.empty((r1 - r0,) + part.shape[1:], part.dtype)
-      out[a - r0:a - r0 + part.shape[0]] = part
+      b = min(r1, a + per)
+      out[a - r0:b - r0] = self.view(name, a, b)[(slice(None),) + tuple(box[1:])]
     return out
+
+
+def _data_offsets(file: str, tensors: dict[str, tuple[tuple, np.dtype]]) -> dict[str, int]:
+  """name -> absolute byte offset of its data in `file`, from the safetensors header, each
+  checked to span exactly its shape's bytes."""
+  try:
+    with open(file, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+    out = {}
+    for name, (shape, dt) in tensors.items():
+      begin, end = header[name]["data_offsets"]
+      if end - begin != dt.itemsize * math.prod(shape):
+        raise ValueError(f"tensor {name} spans {end - begin} bytes, not the "
+                         f"{dt.itemsize * math.prod(shape)} of {dt.name}{list(shape)}")
+      out[name] = 8 + n + begin
+    return out
+  except (OSError, ValueError, KeyError, struct.error) as e:
+    raise CheckpointError(f"cannot read the safetensors header of {file}: {e}") from e
 
 
 def _check_tied(reader: _Reader, path: str) -> None:
@@ -228,8 +271,8 @@ def _load_leaf(reader: _Reader, name: str, transposed: bool, shape: tuple,
   """A leaf with no layer axis: HF tensor `name`, or its transpose, read slice by slice."""
   def get(index):
     if transposed:
-      return np.ascontiguousarray(reader.read(name, index[::-1]).T, dtype=dt)
-    return np.ascontiguousarray(reader.read(name, index), dtype=dt)
+      return reader.read(name, index[::-1]).T.astype(dt, copy=False)
+    return reader.read(name, index).astype(dt, copy=False)
   return _assemble(shape, sharding, get, batched=False)
 
 
@@ -278,13 +321,13 @@ def _load_stacked(reader: _Reader, leaves: list, cfg: ModelConfig) -> tuple:
   for i in range(cfg.num_layers):
     layer = []
     for _, names, suffix, _, shape, sharding, dt in leaves:
-      ours = hf_to_ours_layer(suffix, reader.read(names[i]), cfg)
+      ours = hf_to_ours_layer(suffix, reader.view(names[i]), cfg)
       if ours.shape != shape[1:]:
         raise CheckpointError(f"{names[i]} in our layout has shape {ours.shape}, expected "
                               f"{shape[1:]}")
       # One layer tensor's slices together on the host: a transfer per tensor, not per device.
       layer.append(_assemble(shape[1:], _layer_sharding(sharding, len(shape)),
-                             lambda index: np.ascontiguousarray(ours[index], dtype=dt),
+                             lambda index: ours[index].astype(dt, copy=False),
                              batched=True))
       del ours
     stacks = put(stacks, tuple(layer), np.int32(i))

@@ -225,3 +225,27 @@ def test_load_policy_with_a_mesh_loads_onto_it(tmp_path):
   assert got_cfg == want_cfg and got_cfg.param_dtype == "float32"   # the run's, as before
   sh = param_shardings(tfm.param_logical_axes(got_cfg), mesh, rules, tfm.param_shapes(got_cfg))
   _assert_same(got, jax.device_put(want, sh), sh)
+
+
+def test_two_processes_each_load_their_own_slices(tmp_path):
+  """Many hosts, rehearsed as 2 JAX processes of 2 CPU devices (launch/local_cluster.py): one
+  load onto a 2x2 mesh over both; each process's shards equal the whole-model loader's blocks,
+  and it reads only its own devices' part of the leaves with no layer axis."""
+  import io
+  from magistral_jax.parallel.local_cluster import run_cluster
+  path = _write(tmp_path, "mistral", "bfloat16", max_shard_bytes=20_000)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = io.StringIO()
+  old = dict(os.environ)
+  os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+  try:
+    rc = run_cluster([os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                   "hf_sharded_child.py"), path],
+                     num_processes=2, devices_per_process=2, grace_s=30, out=out,
+                     handle_signals=False)
+  finally:
+    os.environ.clear()
+    os.environ.update(old)
+  text = out.getvalue()
+  assert rc == 0, text[-5000:]
+  assert "[p0] OK" in text and "[p1] OK" in text, text[-5000:]
