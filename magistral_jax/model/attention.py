@@ -19,16 +19,24 @@ Implementations (ModelConfig.attention_impl):
   tpu_flash  jax.experimental.pallas.ops.tpu.flash_attention on TPU: causal with segment ids,
              so it takes packed training rows, and prefill from an empty cache; no sliding
              window, and T a multiple of its 128-token blocks.
-  gpu_flash  jax.experimental.pallas.ops.gpu.attention.mha on NVIDIA GPUs (Pallas lowered
-             through Triton): causal with segment ids, the same calls as tpu_flash, with
-             memory linear in T, so it covers the packed rows longer than cuDNN's packed
-             layout takes (T a multiple of its 128-token blocks). It masks across sequences
-             but visits every tile under the diagonal: its work is the row's whole causal
-             triangle, not each sequence's. Only when asked for: auto does not pick it until
-             its speed is measured on a GPU.
-  auto       the accelerator's kernel where it applies; otherwise dense while the queries fit
-             one block (the score matrix is then block_q x S: already linear in S; decode is
-             T = 1), and blockwise beyond.
+  gpu_flash  our Pallas GPU flash kernel (model/flash_sparse.py; Pallas lowered through Triton on
+             NVIDIA GPUs): causal with segment ids, the same calls as tpu_flash, memory linear in
+             T, grouped-query attention without repeated KV heads, and block-sparse: a tile
+             whose queries and keys share no sequence of a packed row is not computed, forward
+             or backward, so its work is each sequence's causal triangle, not the row's. It
+             takes head_dim 16..128 (a power of 2) and T a multiple of 128.
+  auto       the accelerator's kernel where it applies: on NVIDIA GPUs cuDNN, and for packed rows
+             that cuDNN's packed layout does not take (past CUDNN_PACKED_MAX_T tokens, or before
+             Hopper) the gpu_flash kernel in half precision, once a tiny call of it has compiled
+             on this machine (gpu_flash_compiles: checked once per head_dim and dtype; where it
+             fails, auto says why and takes blockwise); on TPU tpu_flash. Otherwise dense while
+             the queries fit one block (the score matrix is then block_q x S: already linear in
+             S; decode is T = 1), and blockwise beyond.
+             (GPU timings of gpu_flash, with and without its skipping, against blockwise:
+             pending the next GPU session, bench/gpu_suite.sh flash. Before it, jax's own Pallas
+             GPU kernel, which visits every tile under the diagonal, took 121.7 ms against
+             blockwise's 304.1 ms for the forward and backward of a 32K row of 25 sequences on
+             an H100.)
 An implementation that does not apply to a call (the kernel of another platform, a mask it
 cannot express) falls back to blockwise, so one config serves the trainer and the generators
 wherever they run.
@@ -39,18 +47,23 @@ here is contiguous per slot ([B, K, S, Dh]), so they do not apply.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
+from magistral_jax.model import flash_sparse
 from magistral_jax.model.blockwise_attention import (NEG_INF, MaskSpec, blockwise_attention,
                                                      visible)
 from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
 
 Array = jax.Array
+log = logging.getLogger(__name__)
 # The default (forward) block of both Pallas flash kernels, TPU and GPU: T must be a multiple.
 PALLAS_FLASH_BLOCK = 128
+_HALF = (jnp.bfloat16, jnp.float16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,7 +123,7 @@ def cudnn_applies(*, platform: str, dtype, head_dim: int, q_len: int, kv_len: in
   attention among a row's own tokens (self_only: no cached prefix) with no effective sliding
   window; packed rows (segments) need its packed layout, compute capability 9.0 or newer, and
   at most CUDNN_PACKED_MAX_T tokens."""
-  return (platform == "cuda" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  return (platform == "cuda" and jnp.dtype(dtype) in _HALF
           and head_dim % 8 == 0 and head_dim <= 128 and self_only
           and (not segments or (capability >= 9.0 and q_len <= CUDNN_PACKED_MAX_T))
           and q_len == kv_len and _window_inert(window, q_len))
@@ -124,13 +137,44 @@ def pallas_flash_applies(kernel_platform: str, *, platform: str, q_len: int, kv_
           and q_len % PALLAS_FLASH_BLOCK == 0 and _window_inert(window, q_len))
 
 
+def gpu_flash_applies(*, platform: str, head_dim: int, q_len: int, kv_len: int,
+                      self_only: bool, window: int | None) -> bool:
+  """Our Pallas GPU kernel (model/flash_sparse.py): a Pallas flash kernel's mask, and the
+  shapes it takes (head_dim a power of 2 up to 128)."""
+  return (pallas_flash_applies("cuda", platform=platform, q_len=q_len, kv_len=kv_len,
+                               self_only=self_only, window=window)
+          and flash_sparse.supports(head_dim, q_len))
+
+
+@functools.cache
+def gpu_flash_compiles(head_dim: int, dtype: str) -> bool:
+  """Whether the gpu_flash kernel, forward and backward, compiles on this machine for this
+  head_dim and dtype: a tiny call (one 256-token row of two sequences, GQA) is lowered and
+  compiled once per process. Triton's limits (shared memory, the GPU's generation) are only
+  known there; where it fails, auto takes blockwise attention instead and says why, once."""
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  def fwd_bwd(q, k, v, seg):
+    out, vjp = jax.vjp(lambda q, k, v: flash_sparse.flash_attention(q, k, v, seg), q, k, v)
+    return vjp(out)
+  try:
+    jax.jit(fwd_bwd).lower(shape(1, 256, 2, head_dim), shape(1, 1, 256, head_dim),
+                           shape(1, 1, 256, head_dim),
+                           jax.ShapeDtypeStruct((1, 256), jnp.int32)).compile()
+    return True
+  except Exception as e:   # noqa: BLE001: any failure means "not here"
+    log.warning("attention: the gpu_flash kernel does not compile here (head_dim %d, %s): "
+                "%s: %s; auto takes blockwise attention for the packed rows it would have "
+                "taken", head_dim, dtype, type(e).__name__, str(e)[:300])
+    return False
+
+
 def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,
                 kv_len: int, segments: bool, self_only: bool, window: int | None,
-                block_q: int, capability: float = 9.0) -> str:
+                block_q: int, capability: float = 9.0, flash_compiles: bool = True) -> str:
   """The implementation that computes one attention call: 'dense', 'blockwise', 'cudnn',
   'tpu_flash' or 'gpu_flash'. `self_only`: the queries attend to their own row's tokens only
   (training, scoring, prefill from an empty cache), not to a cache; `segments`: packed segment
-  ids."""
+  ids; `flash_compiles`: gpu_flash_compiles's answer on this machine (auto only)."""
   if requested not in IMPLS:
     raise ValueError(f"attention_impl must be one of {IMPLS}, got {requested!r}")
   if requested in ("dense", "blockwise"):
@@ -142,7 +186,12 @@ def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: i
     return "cudnn"
   if requested in ("auto", "tpu_flash") and pallas_flash_applies("tpu", **kw):
     return "tpu_flash"
-  if requested == "gpu_flash" and pallas_flash_applies("cuda", **kw):
+  if requested == "gpu_flash" and gpu_flash_applies(head_dim=head_dim, **kw):
+    return "gpu_flash"
+  # auto: the packed rows cuDNN did not take (past its packed layout's length, or before
+  # Hopper), in half precision, where the kernel compiles.
+  if (requested == "auto" and segments and jnp.dtype(dtype) in _HALF and flash_compiles
+      and gpu_flash_applies(head_dim=head_dim, **kw)):
     return "gpu_flash"
   if requested == "auto" and q_len <= block_q:
     return "dense"
@@ -232,18 +281,16 @@ def cudnn_packed_attention(q: Array, keys: Array, values: Array, segments: Array
   return jax.lax.cond(fits, lambda: kernel(q, k, v, lengths, offsets), fallback)
 
 
-def _pallas_call(kernel, q: Array, k: Array, v: Array, segments: Array | None, axes, shard):
-  """kernel(q, k, v[, segments]) -> q-shaped output, for q/k/v laid out along `axes` (logical
-  names, "act_batch" first). Under a mesh it runs per shard (shard_map over the batch and head
-  axes): a Pallas call is not partitioned by XLA."""
-  args = (q, k, v) + (() if segments is None else (segments,))
-  if shard is not None:
-    from magistral_jax.parallel.sharding import logical_to_spec
-    heads = logical_to_spec(axes, shard.rules, q.shape, shard.mesh)
-    rows = jax.sharding.PartitionSpec(heads[0], None)
-    kernel = jax.shard_map(kernel, mesh=shard.mesh, in_specs=(heads,) * 3 + (rows,) * (
-        len(args) - 3), out_specs=heads, check_vma=False)
-  return kernel(*args)
+def _per_shard(kernel, args, axes, shard):
+  """kernel(*args), for args laid out along `axes` (logical names, "act_batch" first; the
+  output is laid out as the first argument). Under a mesh it runs per shard (shard_map over the
+  batch and head axes): a Pallas call is not partitioned by XLA."""
+  if shard is None:
+    return kernel(*args)
+  from magistral_jax.parallel.sharding import logical_to_spec
+  specs = tuple(logical_to_spec(a, shard.rules, x.shape, shard.mesh) for x, a in zip(args, axes))
+  return jax.shard_map(kernel, mesh=shard.mesh, in_specs=specs, out_specs=specs[0],
+                       check_vma=False)(*args)
 
 
 def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
@@ -260,29 +307,34 @@ def tpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | 
     ids = fa.SegmentIds(seg[0], seg[0]) if seg else None
     return fa.flash_attention(qh, kh, vh, segment_ids=ids, causal=True, sm_scale=scale)
 
-  out = _pallas_call(kernel, q.transpose(0, 2, 1, 3), jnp.repeat(keys, g, axis=1),
-                     jnp.repeat(values, g, axis=1), segments,
-                     ("act_batch", "act_heads", None, None), shard)
+  heads = ("act_batch", "act_heads", None, None)
+  args = (q.transpose(0, 2, 1, 3), jnp.repeat(keys, g, axis=1), jnp.repeat(values, g, axis=1))
+  args += () if segments is None else (segments,)
+  out = _per_shard(kernel, args, (heads,) * 3 + (("act_batch", None),), shard)
   return out.transpose(0, 2, 1, 3)
 
 
 def gpu_flash_attention(q: Array, keys: Array, values: Array, segments: Array | None,
-                        shard=None, interpret: bool = False) -> Array:
-  """Causal self-attention through the Pallas GPU flash kernel: q [B, T, H, Dh], keys/values
-  [B, K, T, Dh], segments [B, T] or None. As for tpu_flash_attention, each KV head is repeated
-  over its G query heads. `interpret` runs the kernel in Pallas's interpreter (tests on CPU)."""
-  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
-  g = q.shape[2] // keys.shape[1]
-  scale = 1.0 / math.sqrt(q.shape[-1])
-
-  def kernel(q, k, v, *seg):
-    return gpu_attention.mha(q, k, v, seg[0] if seg else None, sm_scale=scale, causal=True,
-                             interpret=interpret)
-
-  return _pallas_call(kernel, q, jnp.repeat(keys, g, axis=1).swapaxes(1, 2),
-                      jnp.repeat(values, g, axis=1).swapaxes(1, 2), segments,
-                      ("act_batch", None, "act_heads", None), shard)
+                        shard=None, *, skip: bool = True, interpret: bool = False) -> Array:
+  """Causal attention within each packed segment through our Pallas GPU kernel
+  (flash_sparse.flash_attention): q [B, T, H, Dh], keys/values [B, K, T, Dh] (grouped-query
+  heads as they are), segments [B, T] or None. `skip` False visits every tile under the
+  diagonal (the benchmark's baseline); `interpret` runs the kernels in Pallas's interpreter
+  (tests on CPU). Under a mesh whose head axis divides the query heads but not the KV heads,
+  each KV head is repeated over its group first, so that every shard holds whole groups."""
+  q_axes, kv_axes, row_axes = ("act_batch", None, "act_heads", None), (
+      "act_batch", "act_heads", None, None), ("act_batch", None)
+  if segments is None:
+    segments = jnp.zeros(q.shape[:2], jnp.int32)
+  if shard is not None:
+    from magistral_jax.parallel.sharding import logical_to_spec
+    spec = lambda x, a: logical_to_spec(a, shard.rules, x.shape, shard.mesh)
+    if spec(q, q_axes)[2] != spec(keys, kv_axes)[1]:
+      g = q.shape[2] // keys.shape[1]
+      keys, values = jnp.repeat(keys, g, axis=1), jnp.repeat(values, g, axis=1)
+  kernel = functools.partial(flash_sparse.flash_attention, skip=skip, interpret=interpret)
+  return _per_shard(kernel, (q, keys, values, segments), (q_axes, kv_axes, kv_axes, row_axes),
+                    shard)
 
 
 def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t: bool = False,
@@ -294,10 +346,14 @@ def attend(q: Array, keys: Array, values: Array, spec: MaskSpec, cfg, *, keys_t:
   t, s = q.shape[1], values.shape[2]
   window = cfg.sliding_window
   where = platform()
-  impl = choose_impl(cfg.attention_impl, platform=where, dtype=q.dtype,
-                     head_dim=q.shape[-1], q_len=t, kv_len=s, segments=spec.q_seg is not None,
-                     self_only=self_only, window=window, block_q=cfg.attention_block_q,
-                     capability=cuda_capability() if where == "cuda" else 0.0)
+  choose = functools.partial(
+      choose_impl, cfg.attention_impl, platform=where, dtype=q.dtype, head_dim=q.shape[-1],
+      q_len=t, kv_len=s, segments=spec.q_seg is not None, self_only=self_only, window=window,
+      block_q=cfg.attention_block_q, capability=cuda_capability() if where == "cuda" else 0.0)
+  impl = choose()
+  if (impl == "gpu_flash" and cfg.attention_impl == "auto"
+      and not gpu_flash_compiles(q.shape[-1], jnp.dtype(q.dtype).name)):
+    impl = choose(flash_compiles=False)   # checked only where auto would take the kernel
   if impl == "dense":
     return dense_attention(q, keys, values, dense_mask(spec, window), keys_t)
   if impl == "cudnn" and spec.q_seg is not None:

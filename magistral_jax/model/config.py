@@ -83,9 +83,11 @@ class ModelConfig:
   logits_vocab_pieces: int = 0
   # Attention implementation (model/attention.py): "auto" | "dense" | "blockwise" | "cudnn" |
   # "tpu_flash" | "gpu_flash". auto: cuDNN flash on NVIDIA GPUs and the Pallas flash kernel on
-  # TPU where their masks apply; otherwise dense while the queries fit one block and blockwise
-  # (memory linear in T) beyond. "gpu_flash" (the Pallas GPU kernel, e.g. for packed rows longer
-  # than cuDNN's packed layout takes) only when asked for. "dense" is the reference.
+  # TPU where their masks apply; on NVIDIA GPUs, packed rows that cuDNN's packed layout does not
+  # take (past 8K tokens, or before Hopper) go to "gpu_flash", our block-sparse Pallas kernel
+  # (model/flash_sparse.py: only the tiles where a packed sequence meets itself), in half
+  # precision where it compiles; otherwise dense while the queries fit one block and blockwise
+  # (memory linear in T) beyond. "dense" is the reference.
   attention_impl: str = "auto"
   # Query / key tile of the blockwise attention: one [block_q, block_k] fp32 score tile per head
   # is live at a time.
