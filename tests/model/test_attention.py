@@ -181,8 +181,18 @@ def test_choose_impl_per_platform_and_mask():
   assert _choose(platform="cuda") == "cudnn"
   assert _choose(platform="cuda", q_len=100, kv_len=100) == "cudnn"
   assert _choose(platform="cuda", segments=True) == "cudnn"               # packed layout (sm90+)
-  assert _choose(platform="cuda", segments=True, capability=8.0) == "blockwise"
-  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384) == "blockwise"
+  # Packed rows cuDNN's packed layout does not take (before Hopper, past 8K tokens): the
+  # gpu_flash kernel, in half precision, where it compiles.
+  assert _choose(platform="cuda", segments=True, capability=8.0) == "gpu_flash"
+  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384) == "gpu_flash"
+  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384,
+                 flash_compiles=False) == "blockwise"
+  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384,
+                 dtype=jnp.float32) == "blockwise"
+  assert _choose(platform="cuda", segments=True, q_len=16100, kv_len=16100) == "blockwise"
+  assert _choose(platform="cuda", segments=True, q_len=16384, kv_len=16384,
+                 head_dim=96) == "blockwise"
+  assert _choose(platform="cuda", segments=True, capability=8.0, window=1024) == "blockwise"
   assert _choose(platform="cuda", capability=8.0) == "cudnn"
   assert _choose(platform="cuda", self_only=False, kv_len=8192) == "blockwise"  # cached prefix
   assert _choose(platform="cuda", dtype=jnp.float32) == "blockwise"
@@ -202,12 +212,15 @@ def test_choose_impl_per_platform_and_mask():
   assert _choose("cudnn") == "blockwise"
   assert _choose("cudnn", platform="cuda") == "cudnn"
   assert _choose("tpu_flash", platform="cuda") == "blockwise"
-  # The Pallas GPU kernel only when asked for, at any length that is a multiple of its block
-  # (auto keeps blockwise for packed rows past cuDNN's packed layout).
+  # The Pallas GPU kernel when asked for, at any length that is a multiple of its block and in
+  # any precision; auto only for packed rows.
   assert _choose("gpu_flash", platform="cuda", segments=True, q_len=32768,
                  kv_len=32768) == "gpu_flash"
-  assert _choose(platform="cuda", segments=True, q_len=32768, kv_len=32768) == "blockwise"
+  assert _choose(platform="cuda", segments=True, q_len=32768, kv_len=32768) == "gpu_flash"
+  assert _choose(platform="cuda", q_len=32768, kv_len=32768) == "cudnn"
   assert _choose("gpu_flash", platform="cuda", dtype=jnp.float32) == "gpu_flash"
+  assert _choose("gpu_flash", platform="cuda", flash_compiles=False) == "gpu_flash"
+  assert _choose("gpu_flash", platform="cuda", head_dim=256) == "blockwise"
   assert _choose("gpu_flash", platform="cuda", q_len=4000, kv_len=4000) == "blockwise"
   assert _choose("gpu_flash", platform="cuda", window=1024) == "blockwise"
   assert _choose("gpu_flash", platform="cuda", self_only=False) == "blockwise"
@@ -314,9 +327,10 @@ def test_tpu_flash_call_has_the_dense_mask(sharded):
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_gpu_flash_call_has_the_dense_mask(sharded):
-  """The Pallas GPU kernel (forward and its own backward), run in Pallas's interpreter on CPU:
-  packed segments with a padding tail, GQA; and under a 2x4 mesh through the shard_map
-  wrapper. The loss never reads the padding tail, so its cotangent is zero there."""
+  """Our Pallas GPU kernel (forward and backward), run in Pallas's interpreter on CPU: packed
+  segments with a padding tail, GQA; and under a 2x4 mesh through the shard_map wrapper (2 KV
+  heads over 4 head shards: repeated over their groups first). The loss never reads the
+  padding tail, so its cotangent is zero there."""
   from magistral_jax.parallel import ShardingCtx, make_mesh
   rng = np.random.RandomState(7)
   q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.float32)
@@ -345,7 +359,7 @@ def test_model_with_gpu_flash_equals_dense(sharded, monkeypatch):
   rng = np.random.RandomState(8)
   seg, pos = _packed_rows(2, 128, rng)
   tokens = jnp.asarray(rng.randint(0, 101, (2, 128)))
-  cfg = _tiny(num_kv_heads=4 if sharded else 2, attention_impl="gpu_flash")
+  cfg = _tiny(num_kv_heads=4 if sharded else 2, head_dim=16, attention_impl="gpu_flash")
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   shard = ShardingCtx(make_mesh({"fsdp": 2, "tensor": 4})) if sharded else None
   want = _logits_and_grads(cfg.replace(attention_impl="dense"), params, tokens, pos, seg)
@@ -355,6 +369,43 @@ def test_model_with_gpu_flash_equals_dense(sharded, monkeypatch):
   got = _logits_and_grads(cfg, params, tokens, pos, seg, shard)
   assert calls and all(c is shard for c in calls)   # the kernel ran, not a fallback
   _assert_model_close(got, want)
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_auto_takes_gpu_flash_for_long_packed_rows_where_it_compiles(compiles, monkeypatch):
+  """auto on an NVIDIA GPU (here a CPU that says it is one, an A100: cuDNN's packed layout
+  needs Hopper) sends a packed bf16 row to the gpu_flash kernel once its compile check passes,
+  and to blockwise where it fails; either way the attention is the packed mask's. The check
+  runs only where auto would take the kernel."""
+  import functools
+  monkeypatch.setattr(A, "platform", lambda: "cuda")
+  monkeypatch.setattr(A, "cuda_capability", lambda: 8.0)
+  checks, calls = [], []
+  monkeypatch.setattr(A, "gpu_flash_compiles", lambda *a: checks.append(a) or compiles)
+  kernel = functools.partial(A.gpu_flash_attention, interpret=True)
+  monkeypatch.setattr(A, "gpu_flash_attention", lambda *a: calls.append(1) or kernel(*a))
+  rng = np.random.RandomState(9)
+  q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.bfloat16)
+  seg, pos = _packed_rows(2, 128, rng)
+  spec = A.packed_spec(pos, seg)
+  cfg = _tiny(head_dim=16, dtype="bfloat16")
+  got = A.attend(q, keys, values, spec, cfg)
+  want = A.dense_attention(q, keys, values, A.dense_mask(spec, None), False)
+  _assert_close([got], [want], jnp.bfloat16)
+  assert checks == [(16, "bfloat16")] and bool(calls) == compiles
+  A.attend(q[:, :1], keys, values, A.cache_spec(pos[:, :1], jnp.asarray([1, 1]), 128), cfg,
+           self_only=False)
+  assert len(checks) == 1                          # decode: no kernel, no check
+
+
+def test_gpu_flash_compile_check_fails_on_cpu_and_says_why(caplog):
+  A.gpu_flash_compiles.cache_clear()
+  try:
+    with caplog.at_level("WARNING"):
+      assert not A.gpu_flash_compiles(16, "bfloat16")
+    assert "does not compile here" in caplog.text and "blockwise" in caplog.text
+  finally:
+    A.gpu_flash_compiles.cache_clear()
 
 
 def test_training_memory_grows_linearly_with_blockwise_attention():
