@@ -1,19 +1,30 @@
-"""Benchmark: packed-row attention (several sequences per row, causal within each) through
-cuDNN's packed layout and the Pallas GPU flash kernel against the blockwise baseline, on an
-NVIDIA GPU (cuDNN's packed layout: sm90+, rows up to attention.CUDNN_PACKED_MAX_T tokens).
+"""Benchmark: packed-row attention (several sequences per row, causal within each), forward +
+backward: our Pallas GPU flash kernel with its block-sparse skipping (model/flash_sparse.py), the
+same kernel over the row's whole causal triangle, and cuDNN's packed layout (up to
+attention.CUDNN_PACKED_MAX_T tokens, sm90+), against the blockwise baseline.
 
 For each T in --lengths, one row of T tokens holding sequences of random lengths (mean
---mean_len) and a padding tail, the Llama-3.2-1B attention shape (32 query heads, 8 KV heads,
-head_dim 64), bf16:
+--mean_len, at most T / 8) and a padding tail, the Llama-3.2-1B attention shape (32 query heads,
+8 KV heads, head_dim 64), bf16:
   check  each kernel's output and its gradients (q, k, v) against blockwise's, as
          ||got - want|| / ||want|| on the real (non-padding) tokens (bf16 operands: expect
          1e-3 to 1e-2; NaN fails).
   time   forward + backward of each (the median of --repeats after a warm-up).
-Last line: one JSON object with `<T>_rel_err_<kernel>_*`, `<T>_fwd_bwd_ms_<kernel>` and
-`<T>_blockwise_over_<kernel>_time` per T (a kernel that fails: `<T>_error_<kernel>`).
-Usage: python bench/packed_attention.py [--lengths 2048,8192,32768]
+  tiles  the fraction of the causal triangle's forward tiles the skipping kernel visits.
+Kernels (--impls): flash (skipping), flash_noskip (the whole causal triangle, masked), cudnn,
+and jax_mha (jax's own Pallas GPU kernel, jax.experimental.pallas.ops.gpu.attention.mha, which
+visits every tile under the diagonal: the reference the kernel replaced; not run by default).
+On a CPU the Pallas kernels run in Pallas's interpreter and cuDNN is skipped: the run checks the
+numbers, and its times measure the interpreter, not the kernels (the JSON says so under `note`);
+--lengths defaults to 512 there.
+Last line: one JSON object with `<T>_rel_err_<kernel>_*`, `<T>_fwd_bwd_ms_<kernel>`,
+`<T>_blockwise_over_<kernel>_time`, `<T>_flash_noskip_over_flash_time` (what skipping saves)
+and `<T>_visited_tile_fraction` per T (a kernel that fails: `<T>_error_<kernel>`).
+Usage: python bench/packed_attention.py [--lengths 8192,32768,65536] [--impls flash,...]
 """
 from __future__ import annotations
+
+import math
 
 import common
 import jax
@@ -21,7 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from magistral_jax.model import attention as A
+from magistral_jax.model import flash_sparse as FS
 from magistral_jax.model.blockwise_attention import blockwise_attention
+
+IMPLS = ("flash", "flash_noskip", "cudnn", "jax_mha")
 
 
 def packed_row(t: int, mean_len: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -34,18 +48,60 @@ def packed_row(t: int, mean_len: int, rng) -> tuple[np.ndarray, np.ndarray]:
   return seg, pos
 
 
+def jax_mha(q, keys, values, segments, interpret):
+  """jax's Pallas GPU kernel, each KV head repeated over its query heads (it takes no GQA)."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+  g = q.shape[2] // keys.shape[1]
+  rep = lambda x: jnp.repeat(x, g, axis=1).swapaxes(1, 2)
+  return gpu_attention.mha(q, rep(keys), rep(values), segments,
+                           sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
+                           interpret=interpret)
+
+
+def kernels(t: int, segments, blocks: FS.Blocks, impls, blockwise, on_cpu: bool) -> dict:
+  """name -> f(q, keys, values), the kernels of --impls that apply at this T and platform."""
+  out = {}
+  for name in impls:
+    if name == "flash":
+      out[name] = lambda q, k, v: FS.flash_attention(q, k, v, segments, blocks=blocks,
+                                                     interpret=on_cpu)
+    elif name == "flash_noskip":
+      out[name] = lambda q, k, v: FS.flash_attention(q, k, v, segments, skip=False,
+                                                     blocks=blocks, interpret=on_cpu)
+    elif name == "cudnn" and not on_cpu and t <= A.CUDNN_PACKED_MAX_T:
+      out[name] = lambda q, k, v: A.cudnn_packed_attention(q, k, v, segments,
+                                                           lambda: blockwise(q, k, v))
+    elif name == "jax_mha":
+      out[name] = lambda q, k, v: jax_mha(q, k, v, segments, on_cpu)
+  return out
+
+
 def main(argv=None):
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default="2048,8192,32768")
+  ap.add_argument("--lengths", default=None,
+                  help="comma-separated row lengths (default 2048,8192,32768; 512 on a CPU)")
   ap.add_argument("--mean_len", type=int, default=1024)
+  ap.add_argument("--impls", default="flash,flash_noskip,cudnn",
+                  help=f"kernels timed beside blockwise, from {IMPLS}")
+  ap.add_argument("--blocks", default=None,
+                  help="the kernel's tiles q,k,bwd_q,bwd_k (default flash_sparse.Blocks())")
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
-  rng = np.random.default_rng(0)
+  impls = [x for x in args.impls.split(",") if x]
+  if set(impls) - set(IMPLS):
+    ap.error(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; known {IMPLS}")
+  blocks = FS.Blocks(*(int(x) for x in args.blocks.split(","))) if args.blocks else FS.Blocks()
   dev = jax.devices()[0]
-  result = {"device": dev.device_kind, "capability": A.cuda_capability(), "jax": jax.__version__}
+  on_cpu = dev.platform == "cpu"
+  lengths = args.lengths or ("512" if on_cpu else "2048,8192,32768")
+  result = {"device": dev.device_kind, "capability": A.cuda_capability(), "jax": jax.__version__,
+            "blocks": f"q {blocks.q}, k {blocks.k}, bwd_q {blocks.bwd_q}, bwd_k {blocks.bwd_k}"}
+  if on_cpu:
+    result["note"] = ("CPU: the Pallas kernels ran in Pallas's interpreter (their times measure "
+                      "the interpreter, not the kernels); cuDNN skipped")
   h, k, dh = 32, 8, 64
-  for t in (int(x) for x in args.lengths.split(",")):
-    seg, pos = packed_row(t, args.mean_len, rng)
+  for t in (int(x) for x in lengths.split(",")):
+    seg, pos = packed_row(t, min(args.mean_len, t // 8), np.random.default_rng(t))
     spec = A.packed_spec(jnp.asarray(pos), jnp.asarray(seg))
     keys = jax.random.split(jax.random.PRNGKey(t), 4)
     q = jax.random.normal(keys[0], (1, t, h, dh), jnp.bfloat16)
@@ -54,10 +110,6 @@ def main(argv=None):
     ct = jax.random.normal(keys[3], q.shape, jnp.bfloat16) * jnp.asarray(seg > 0)[:, :, None, None]
     blockwise = lambda q, kk, v: blockwise_attention(q, kk, v, spec, window=None, block_q=512,
                                                      block_k=512)
-    kernels = {"gpu_flash": lambda q, kk, v: A.gpu_flash_attention(q, kk, v, spec.q_seg)}
-    if t <= A.CUDNN_PACKED_MAX_T:
-      kernels["cudnn"] = lambda q, kk, v: A.cudnn_packed_attention(q, kk, v, spec.q_seg,
-                                                                   lambda: blockwise(q, kk, v))
 
     def fwd_bwd(f):
       def run(q, kk, v):
@@ -68,7 +120,7 @@ def main(argv=None):
     real = np.asarray(seg > 0)[0]
     timed = {"blockwise": fwd_bwd(blockwise)}
     want = timed["blockwise"](q, kk, v)
-    for name, f in kernels.items():
+    for name, f in kernels(t, spec.q_seg, blocks, impls, blockwise, on_cpu).items():
       try:
         fn = fwd_bwd(f)
         got = fn(q, kk, v)
@@ -86,6 +138,11 @@ def main(argv=None):
       result[f"{t}_fwd_bwd_ms_{n}"] = x.median * 1e3
       if n != "blockwise":
         result[f"{t}_blockwise_over_{n}_time"] = tm["blockwise"].median / x.median
+    if "flash" in tm and "flash_noskip" in tm:
+      result[f"{t}_flash_noskip_over_flash_time"] = tm["flash_noskip"].median / tm["flash"].median
+    visited = FS.tile_counts(spec.q_seg, blocks.q, blocks.k, True)[0].sum()
+    triangle = FS.tile_counts(spec.q_seg, blocks.q, blocks.k, False)[0].sum()
+    result[f"{t}_visited_tile_fraction"] = float(visited / triangle)
     result[f"{t}_segments"] = int(seg.max())
     print({k_: v_ for k_, v_ in result.items() if k_.startswith(f"{t}_")}, flush=True)
   common.emit(result, ndigits=5)
