@@ -3,11 +3,14 @@ cross-entropy step of the same shapes, on an accelerator.
 
 Model: the Llama-3.2-1B shapes (random init: a step's time does not depend on the values), with
 the trainer's dtype policy: `--param_dtype` master weights and AdamW moments (float32), matmuls
-in `--dtype` (bfloat16), `--attention_impl` (auto: cuDNN flash on NVIDIA GPUs). For each shape in
-`--shapes` (ROWSxROW_LEN:REMAT, e.g. 4x2048:none = microbatches of 4 rows of 2,048 tokens, no
-rematerialisation), `--micro` microbatches per optimizer step, each row one sequence of ROW_LEN
-tokens (a 128-token prompt and its completion), both steps go through train.step.make_train_step
-(gradient accumulation scan, AdamW, NaN guard, donated state):
+in `--dtype` (bfloat16), `--attention_impl` (auto: cuDNN flash on NVIDIA GPUs, and for packed rows
+past cuDNN's packed layout our block-sparse Pallas kernel, gpu_flash; the JSON's `<shape>_attention`
+says which one a shape's training rows take). For each shape in `--shapes`
+(ROWSxROW_LEN:REMAT[:SEQS], e.g. 4x2048:none = microbatches of 4 rows of 2,048 tokens, no
+rematerialisation; 1x32768:full:16 = one 32K row packed with 16 sequences of 2,048 tokens),
+`--micro` microbatches per optimizer step, each row SEQS sequences (default 1) of ROW_LEN / SEQS
+tokens (a 128-token prompt and its completion), the steps of `--steps` go through
+train.step.make_train_step (gradient accumulation scan, AdamW, NaN guard, donated state):
   grpo  train.step.make_grpo_step: policy forward, chunked log-probs and entropy, the clipped
         token-level loss.
   ce    train.sft.make_sft_step: the next-token cross-entropy of the same tokens (the baseline).
@@ -15,9 +18,9 @@ The two alternate over `--repeats` rounds after a warm-up; the median is reporte
 
 MFU = model FLOPs / step time / peak. Model FLOPs per token are the usual count for a dense
 decoder (forward + backward = 3 x forward): 6 x the matmul weights (the tied head's V x d
-included, the input embedding gather not) + 6 x layers x heads x head_dim x ROW_LEN for causal
+included, the input embedding gather not) + 6 x layers x heads x head_dim x T for causal
 attention (scores and values: 2 x 2 x T x d per query per layer forward, half of the keys
-masked). Rematerialisation's recomputed forward is not model work, so it lowers MFU. Peak: the
+masked; T is the sequence's length, ROW_LEN / SEQS, in a packed row). Rematerialisation's recomputed forward is not model work, so it lowers MFU. Peak: the
 vendor's dense bf16 rate where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same)
 and, measured in the same run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also
 given against (`mfu_vs_matmul`).
@@ -25,6 +28,7 @@ given against (`mfu_vs_matmul`).
 Last line: one JSON object; per shape `tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`,
 `mfu_ce`, `grpo_over_ce_time`, the compiled peak memory, and the device.
 Usage (GPU): python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
+  python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magistral_jax.model import attention as A
 from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
@@ -57,11 +62,11 @@ def spec_tflops(kind: str) -> float | None:
   return None
 
 
-def model_flops_per_token(cfg, row_len: int) -> float:
-  """Forward + backward model FLOPs of one token in a causal row of `row_len` tokens."""
+def model_flops_per_token(cfg, seq_len: int) -> float:
+  """Forward + backward model FLOPs of one token in a causal sequence of `seq_len` tokens."""
   matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size   # the gather is not a matmul
   matmul += cfg.vocab_size * cfg.hidden_size                       # the head (tied or not)
-  attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * row_len   # causal: half of 2 x 2 x T x d
+  attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len   # causal: half of 2 x 2 x T x d
   return 6.0 * matmul + 6.0 * attn
 
 
@@ -75,12 +80,16 @@ def matmul_tflops(n: int, dtype, reps: int = 10) -> float:
   return 2.0 * n ** 3 / t / 1e12
 
 
-def make_batch(rows: int, row_len: int, micro: int, vocab: int, seed: int = 0):
-  """`rows * micro` sequences of exactly `row_len` tokens, one per row, in groups of 2."""
+def make_batch(rows: int, row_len: int, micro: int, vocab: int, seed: int = 0, seqs: int = 1):
+  """`rows * micro * seqs` sequences of row_len // seqs tokens, `seqs` packed per row, in groups
+  of 2."""
   rng = np.random.default_rng(seed)
-  n = rows * micro
-  comps = [C.Completion(rng.integers(1, vocab, PROMPT), rng.integers(1, vocab, row_len - PROMPT + 1),
-                        -np.abs(rng.normal(2.0, 1.0, row_len - PROMPT + 1)), float(rng.normal()),
+  n, n_tok = rows * micro * seqs, row_len // seqs
+  if n_tok <= PROMPT:
+    raise ValueError(f"{seqs} sequences per {row_len}-token row leave no completion after the "
+                     f"{PROMPT}-token prompt")
+  comps = [C.Completion(rng.integers(1, vocab, PROMPT), rng.integers(1, vocab, n_tok - PROMPT + 1),
+                        -np.abs(rng.normal(2.0, 1.0, n_tok - PROMPT + 1)), float(rng.normal()),
                         i // 2) for i in range(n)]
   gcfg = GRPOConfig(microbatch_tokens=rows * row_len, microbatch_rows=rows, n_batch=n, n_mini=n,
                     group_size=2)
@@ -97,19 +106,35 @@ def peak_bytes(compiled) -> int:
              + ma.temp_size_in_bytes)
 
 
+def attention_impl(cfg, row_len: int) -> str:
+  """The implementation model/attention.py takes for this shape's packed training rows here."""
+  where = A.platform()
+  choose = lambda ok=True: A.choose_impl(
+      cfg.attention_impl, platform=where, dtype=cfg.jnp_dtype, head_dim=cfg.head_dim,
+      q_len=row_len, kv_len=row_len, segments=True, self_only=True, window=cfg.sliding_window,
+      block_q=cfg.attention_block_q, capability=A.cuda_capability() if where == "cuda" else 0.0,
+      flash_compiles=ok)
+  impl = choose()
+  if impl == "gpu_flash" and cfg.attention_impl == "auto":
+    impl = choose(A.gpu_flash_compiles(cfg.head_dim, cfg.dtype))
+  return impl
+
+
 def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: float | None,
-              mm_tf: float) -> dict:
+              mm_tf: float, seqs: int = 1) -> dict:
   cfg = base_cfg.replace(remat=remat, max_position_embeddings=max(row_len,
                                                                   base_cfg.max_position_embeddings))
-  gcfg, batch = make_batch(rows, row_len, args.micro, cfg.vocab_size)
+  gcfg, batch = make_batch(rows, row_len, args.micro, cfg.vocab_size, seqs=seqs)
   batch = S.shard_batch(batch)
   tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
   state = S.init_state(cfg, tx, jax.random.PRNGKey(0))
   jax.block_until_ready(state)
   name = f"{rows}x{row_len}"
-  out = {"shape": f"{args.micro} microbatches x [{rows} x {row_len}], remat {remat}",
-         "tokens_per_step": args.micro * rows * row_len}
-  steps = {"grpo": S.make_grpo_step(cfg, gcfg, tx), "ce": make_sft_step(cfg, tx)}   # jitted, donating
+  out = {"shape": f"{args.micro} microbatches x [{rows} x {row_len}], {seqs} sequence(s) per "
+                  f"row, remat {remat}",
+         "tokens_per_step": args.micro * rows * row_len, "attention": attention_impl(cfg, row_len)}
+  makers = {"grpo": lambda: S.make_grpo_step(cfg, gcfg, tx), "ce": lambda: make_sft_step(cfg, tx)}
+  steps = {k: makers[k]() for k in args.steps.split(",")}   # jitted, donating
   compiled = {}
   for k, fn in steps.items():
     t0 = time.perf_counter()
@@ -126,7 +151,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
       return metrics
     return step
   times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
-  flops = model_flops_per_token(cfg, row_len) * out["tokens_per_step"]
+  flops = model_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
@@ -135,11 +160,13 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
     out[f"mfu_vs_matmul_{k}"] = flops / s / 1e12 / mm_tf
     if peak_tf:
       out[f"mfu_{k}"] = flops / s / 1e12 / peak_tf
-  out["grpo_over_ce_time"] = out["step_s_grpo"] / out["step_s_ce"]
-  print(f"[{name}] " + ", ".join(f"{k}: {out[f'step_s_{k}']:.3f}s/step, "
-                                 f"{out[f'tokens_per_s_{k}']:,.0f} tok/s, MFU "
-                                 f"{out.get(f'mfu_{k}', float('nan')):.3f}" for k in times)
-        + f"; grpo/ce {out['grpo_over_ce_time']:.3f}", flush=True)
+  if "grpo" in times and "ce" in times:
+    out["grpo_over_ce_time"] = out["step_s_grpo"] / out["step_s_ce"]
+  print(f"[{name}] attention {out['attention']}; "
+        + ", ".join(f"{k}: {out[f'step_s_{k}']:.3f}s/step, {out[f'tokens_per_s_{k}']:,.0f} "
+                    f"tok/s, MFU {out.get(f'mfu_{k}', float('nan')):.3f}" for k in times)
+        + (f"; grpo/ce {out['grpo_over_ce_time']:.3f}" if "grpo_over_ce_time" in out else ""),
+        flush=True)
   del box, state, compiled
   return out
 
@@ -147,7 +174,8 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
 def main(argv=None):
   ap = common.argument_parser(__doc__)
   ap.add_argument("--shapes", default="4x2048:none,1x8192:none,1x32768:full",
-                  help="ROWSxROW_LEN:REMAT, comma-separated")
+                  help="ROWSxROW_LEN:REMAT[:SEQS], comma-separated")
+  ap.add_argument("--steps", default="grpo,ce", help="the steps timed: grpo, ce or both")
   ap.add_argument("--micro", type=int, default=2, help="microbatches per optimizer step")
   ap.add_argument("--param_dtype", default="float32")
   ap.add_argument("--dtype", default="bfloat16")
@@ -157,6 +185,8 @@ def main(argv=None):
   ap.add_argument("--matmul_n", type=int, default=8192)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
+  if not args.steps or set(args.steps.split(",")) - {"grpo", "ce"}:
+    ap.error(f"--steps: grpo, ce or grpo,ce, got {args.steps!r}")
 
   cfg = model_config.LLAMA_3_2_1B.replace(param_dtype=args.param_dtype, dtype=args.dtype,
                                           attention_impl=args.attention_impl)
@@ -178,11 +208,12 @@ def main(argv=None):
   print(f"[device] {dev.device_kind}: {args.matmul_n}^3 {args.dtype} matmul {mm_tf:.0f} TFLOP/s "
         f"(spec {peak_tf})", flush=True)
   for spec in args.shapes.split(","):
-    dims, _, remat = spec.partition(":")
+    dims, _, rest = spec.partition(":")
+    remat, _, seqs = rest.partition(":")
     rows, row_len = (int(x) for x in dims.split("x"))
-    key = f"{rows}x{row_len}"
+    key = f"{rows}x{row_len}" + (f"_{seqs}seqs" if seqs and int(seqs) > 1 else "")
     try:
-      r = run_shape(cfg, rows, row_len, remat or "none", args, peak_tf, mm_tf)
+      r = run_shape(cfg, rows, row_len, remat or "none", args, peak_tf, mm_tf, int(seqs or 1))
     except Exception as e:   # e.g. out of memory at the longest shape: the others still count
       print(f"[{key}] failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
       result[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
