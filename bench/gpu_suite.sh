@@ -71,8 +71,8 @@ if [ "$what" = stage ]; then
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -134,4 +134,16 @@ if [ "$what" = learn ]; then
     --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
     --out="$out" ${LEARN_ARGS:-}
   grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
+fi
+# `flash` (issue #55): our block-sparse Pallas kernel (model/flash_sparse.py). Packed-row attention
+# at 8K, 32K and 64K tokens, forward + backward: blockwise, the kernel over the whole causal
+# triangle, the kernel with its skipping, and cuDNN at 8K (bench/packed_attention.py); then the 1B
+# GRPO step through the kernel (bench/train_mfu.py --attention_impl gpu_flash): one 32K row of 16
+# packed sequences and 4 rows of 2K. Planned under 8 minutes (FLASH_PACKED_TIMEOUT +
+# FLASH_TRAIN_TIMEOUT); FLASH_PACKED_ARGS / FLASH_TRAIN_ARGS replace the arguments.
+if [ "$what" = flash ]; then
+  run flash_packed_attention "${FLASH_PACKED_TIMEOUT:-200}" bench/packed_attention.py \
+    ${FLASH_PACKED_ARGS:---lengths 8192,32768,65536 --impls flash,flash_noskip,cudnn --repeats 3}
+  run flash_train_mfu "${FLASH_TRAIN_TIMEOUT:-240}" bench/train_mfu.py \
+    ${FLASH_TRAIN_ARGS:---attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16,4x2048:none --repeats 3}
 fi
