@@ -219,7 +219,9 @@ def run(spec: dict) -> dict:
              epsilon_high=eps_high,
              device=f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
              versions={n: _version(n) for n in ("google-tunix", "jax", "jaxlib", "flax",
-                                                "optax")})
+                                                "optax", "orbax-checkpoint", "safetensors")},
+             safetensors_from=os.path.dirname(sys.modules["safetensors"].__file__)
+             if "safetensors" in sys.modules else None)
   return out
 
 
