@@ -20,13 +20,15 @@ MFU = model FLOPs / step time / peak. Model FLOPs per token are the usual count 
 decoder (forward + backward = 3 x forward): 6 x the matmul weights (the tied head's V x d
 included, the input embedding gather not) + 6 x layers x heads x head_dim x T for causal
 attention (scores and values: 2 x 2 x T x d per query per layer forward, half of the keys
-masked; T is the sequence's length, ROW_LEN / SEQS, in a packed row). Rematerialisation's recomputed forward is not model work, so it lowers MFU. Peak: the
-vendor's dense bf16 rate where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same)
-and, measured in the same run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also
-given against (`mfu_vs_matmul`).
+masked; T is the sequence's length, ROW_LEN / SEQS, in a packed row). Rematerialisation's
+recomputed forward is not model work, so it lowers MFU. Peak: the vendor's dense bf16 rate
+where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same) and, measured in the same
+run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also given against
+(`mfu_vs_matmul`).
 
-Last line: one JSON object; per shape `tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`,
-`mfu_ce`, `grpo_over_ce_time`, the compiled peak memory, and the device.
+Last line: one JSON object; per shape (keyed ROWSxROW_LEN, with _<SEQS>seqs for packed rows)
+`tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`, `mfu_ce`, `grpo_over_ce_time`, the compiled
+peak memory, the attention implementation, and the device.
 Usage (GPU): python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
 """

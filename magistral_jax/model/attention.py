@@ -149,9 +149,10 @@ def gpu_flash_applies(*, platform: str, head_dim: int, q_len: int, kv_len: int,
 @functools.cache
 def gpu_flash_compiles(head_dim: int, dtype: str) -> bool:
   """Whether the gpu_flash kernel, forward and backward, compiles on this machine for this
-  head_dim and dtype: a tiny call (one 256-token row of two sequences, GQA) is lowered and
-  compiled once per process. Triton's limits (shared memory, the GPU's generation) are only
-  known there; where it fails, auto takes blockwise attention instead and says why, once."""
+  head_dim and dtype: a tiny call (one packed 256-token row, two query heads over one KV
+  head) is lowered and compiled once per process. Triton's limits (shared memory, the GPU's
+  generation) are only known there; where it fails, auto takes blockwise attention instead
+  and says why, once."""
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
   def fwd_bwd(q, k, v, seg):
     out, vjp = jax.vjp(lambda q, k, v: flash_sparse.flash_attention(q, k, v, seg), q, k, v)
