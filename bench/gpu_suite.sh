@@ -71,8 +71,8 @@ if [ "$what" = stage ]; then
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -146,4 +146,46 @@ if [ "$what" = flash ]; then
     ${FLASH_PACKED_ARGS:---lengths 8192,32768,65536 --impls flash,flash_noskip,cudnn --repeats 3}
   run flash_train_mfu "${FLASH_TRAIN_TIMEOUT:-240}" bench/train_mfu.py \
     ${FLASH_TRAIN_ARGS:---attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16,4x2048:none --repeats 3}
+fi
+# `tunix` (issue #55): bench/vs_tunix.py on the GPU, ours against google-tunix 0.1.7, 16 prompts x
+# G=8 x 512 new tokens, bf16, for SmolLM2-135M's shapes then the Llama-3.2-1B shapes (random
+# weights; TUNIX_MODELS picks). The machine has no network and no tunix: the tunix side runs on the
+# image's JAX/flax with the wheels of bench/peers/tunix_bundle.py (built here, git-ignored
+# tunix_bundle/, ~3 MiB: tunix, metrax, clu, perfetto, tensorboardX, safetensors 0.7.0, and
+# SmolLM2's tokenizer, which both sides read instead of the 94 MiB GGUF), installed by
+# `tunix_bundle.py stage` into TUNIX_SITE (default /tmp/tunix_site), never into the image's
+# site-packages or $site; TUNIX_SITE/bin/python (the image's python, TUNIX_SITE first on
+# PYTHONPATH) is its interpreter. Our side needs the `stage`d device bundle's wheels (grain,
+# math-verify, ...), not its GGUF. Device calls: ONE call, carrying device_bundle/whl,
+# device_bundle/MANIFEST and tunix_bundle/part00 (~8 + 12 + 3 MiB with the working tree),
+# command `bash bench/gpu_suite.sh stage tunix`, timeout_s 540. A bundle built with more parts
+# (PART_MB small, or --extra wheels) carries tunix_bundle/part01... in further calls within the
+# 30 s warm window, each `bash bench/gpu_suite.sh tunix`: it stages what arrived and runs once
+# all have. Planned under 8 minutes: TUNIX_SMOLLM2_TIMEOUT (210 s) + TUNIX_1B_TIMEOUT (250 s);
+# TUNIX_ARGS adds flags to both runs (e.g. --iterations 3), TUNIX_1B_ARGS to the 1B run (e.g.
+# --prompts 8 if it runs out of memory). A rerun on the warm machine reuses the staged sites and
+# the XLA cache: `TUNIX_MODELS=llama1b TUNIX_1B_TIMEOUT=500 bash bench/gpu_suite.sh tunix`.
+# TUNIX_BASE_PYTHON: the tunix side's interpreter under TUNIX_SITE (default $PYTHON; the CPU check
+# of this block in bench/peers/README.md gives it the image's stand-in venv).
+if [ "$what" = tunix ]; then
+  tsite=${TUNIX_SITE:-/tmp/tunix_site}
+  $py bench/peers/tunix_bundle.py stage --bundle "${TUNIX_BUNDLE:-tunix_bundle}" --site "$tsite" \
+    ${TUNIX_BASE_PYTHON:+--python "$TUNIX_BASE_PYTHON"} || exit $?
+  [ -e "$site/.wheels_done" ] || echo "tunix: our wheels are not staged (carry device_bundle/whl, run stage)"
+  for m in ${TUNIX_MODELS:-smollm2 llama1b}; do
+    if [ "$m" = llama1b ]; then limit=${TUNIX_1B_TIMEOUT:-250} n=2 extra=${TUNIX_1B_ARGS:-}
+    else limit=${TUNIX_SMOLLM2_TIMEOUT:-210} n=3 extra=; fi
+    run "vs_tunix_$m" "$limit" bench/vs_tunix.py --platform=gpu --model="$m" \
+      --tunix_python="$tsite/bin/python" --tokenizer="$tsite/tokenizer" --prompts 16 \
+      --group_size 8 --max_new_tokens 512 --dtype bfloat16 --warmup 1 --iterations "$n" \
+      ${TUNIX_ARGS:-} $extra
+    grep '^\[vs_tunix\]' "$out/vs_tunix_$m.log" | grep -v ': /'
+    grep '^{' "$out/vs_tunix_$m.log" | tail -1 | $py -c "import json, sys
+d = json.loads(sys.stdin.read())
+print('$m', {k: d.get(k) for k in ('speedup_vs_tunix', 'rollout_speedup_vs_tunix',
+      'train_step_speedup_vs_tunix', 'memory_ratio', 'same_weights', 'same_generated_tokens')})
+for side in ('ours', 'tunix'):
+  print('$m', side, {k: d.get(side + '_' + k) for k in ('completions_per_s', 'rollout_tokens_per_s',
+        'train_step_s', 'peak_memory_bytes')})" 2>/dev/null
+  done
 fi

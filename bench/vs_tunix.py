@@ -510,8 +510,11 @@ def run_side(name: str, argv: list[str], env: dict, timeout: float) -> dict:
     tail = "\n".join(lines[-20:])
     raise RuntimeError(f"{name} side failed (exit {p.returncode}); its stdout ended with:\n{tail}")
   out = json.loads(lines[-1])
+  # The side's main figures, so that a run stopped later (a time limit) still shows them.
   print(f"[vs_tunix] {name}: done in {time.perf_counter() - t:.0f}s: "
-        f"{out['completions_per_s']:.3f} completions/s", file=sys.stderr, flush=True)
+        f"{out['completions_per_s']:.3f} completions/s, rollout "
+        f"{out['rollout_tokens_per_s']:.1f} tokens/s, train step {out['train_step_s']:.3f} s, "
+        f"peak memory {out['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
   return out
 
 
