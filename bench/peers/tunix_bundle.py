@@ -119,6 +119,29 @@ def in_part(path: str) -> str:
 
 # ---- build (here) ------------------------------------------------------------------------------
 
+def pack(src: str, units: dict[str, list[str]], out: str, limit: int):
+  """Moves the files of `units` (unit -> its paths under `src`; a unit goes into one part whole)
+  into out/part00, out/part01, ... (plan_parts), writes out/MANIFEST and a copy in each part.
+  Returns (parts: the units of each, entries: (partNN/path, sha256, size))."""
+  sizes = {u: sum(os.path.getsize(os.path.join(src, f)) for f in files)
+           for u, files in units.items()}
+  entries = []
+  parts = plan_parts(sizes, limit)
+  for i, unit_names in enumerate(parts):
+    part = f"part{i:02d}"
+    for u in unit_names:
+      for f in units[u]:
+        dst = os.path.join(out, part, f)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.move(os.path.join(src, f), dst)
+        entries.append((f"{part}/{f}", sha256_of(dst), os.path.getsize(dst)))
+  manifest = format_manifest(entries)
+  for name in ["MANIFEST"] + [f"part{i:02d}/MANIFEST" for i in range(len(parts))]:
+    with open(os.path.join(out, name), "w") as f:
+      f.write(manifest)
+  return parts, entries
+
+
 def build(args) -> int:
   out = os.path.abspath(args.out)
   if os.path.exists(out):
@@ -143,25 +166,8 @@ def build(args) -> int:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     units["tokenizer"] = sorted(f"tokenizer/{f}" for f in os.listdir(os.path.join(dl, "tokenizer")))
-  sizes = {u: sum(os.path.getsize(os.path.join(dl, f)) for f in files)
-           for u, files in units.items()}
-  entries = []
-  parts = plan_parts(sizes, int(args.part_mb * MiB))
-  for i, unit_names in enumerate(parts):
-    part = f"part{i:02d}"
-    for u in unit_names:
-      for f in units[u]:
-        dst = os.path.join(out, part, f)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.move(os.path.join(dl, f), dst)
-        entries.append((f"{part}/{f}", sha256_of(dst), os.path.getsize(dst)))
+  parts, entries = pack(dl, units, out, int(args.part_mb * MiB))
   shutil.rmtree(dl)
-  manifest = format_manifest(entries)
-  with open(os.path.join(out, "MANIFEST"), "w") as f:
-    f.write(manifest)
-  for i in range(len(parts)):
-    with open(os.path.join(out, f"part{i:02d}", "MANIFEST"), "w") as f:
-      f.write(manifest)
   total = sum(size for _, _, size in entries)
   print(f"tunix bundle in {out}: {len(wheels)} wheels for python {args.python_version}"
         f"{' + the tokenizer' if args.tokenizer else ''}, {total / MiB:.2f} MiB in "
@@ -218,8 +224,8 @@ def stage(args) -> int:
     wheels = sorted(os.path.join(parts_dir, p) for p in want if p.startswith("whl/"))
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
            "--no-compile", "--no-cache-dir", "--upgrade", "--target", site, *wheels]
-    r = subprocess.run(cmd)
-    if r.returncode != 0:
+    r = subprocess.run(cmd) if wheels else None
+    if r is not None and r.returncode != 0:
       print(f"stage: pip install into {site} failed ({r.returncode})", file=sys.stderr)
       return 1
     if any(p.startswith("tokenizer/") for p in want):

