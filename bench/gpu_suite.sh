@@ -171,7 +171,8 @@ if [ "$what" = tunix ]; then
   tsite=${TUNIX_SITE:-/tmp/tunix_site}
   $py bench/peers/tunix_bundle.py stage --bundle "${TUNIX_BUNDLE:-tunix_bundle}" --site "$tsite" \
     ${TUNIX_BASE_PYTHON:+--python "$TUNIX_BASE_PYTHON"} || exit $?
-  [ -e "$site/.wheels_done" ] || echo "tunix: our wheels are not staged (carry device_bundle/whl, run stage)"
+  [ -e "$site/.wheels_done" ] ||
+    echo "tunix: our wheels are not staged (carry device_bundle/whl; run \`stage tunix\`)"
   for m in ${TUNIX_MODELS:-smollm2 llama1b}; do
     if [ "$m" = llama1b ]; then limit=${TUNIX_1B_TIMEOUT:-250} n=2 extra=${TUNIX_1B_ARGS:-}
     else limit=${TUNIX_SMOLLM2_TIMEOUT:-210} n=3 extra=; fi

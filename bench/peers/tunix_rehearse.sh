@@ -28,10 +28,12 @@ torch_whl=$(ls /opt/wheels/torch-*-cp${pyver/./}-*.whl 2>/dev/null | head -1 || 
 if [ -n "$torch_whl" ]; then
   "$venv/bin/python" -m pip install -q "$torch_whl"
 else
-  echo "(no local torch wheel for python $pyver: the stand-in has no torch; the tunix side does not import it)"
+  echo "(no local torch wheel for python $pyver: the stand-in has no torch;" \
+    "the tunix side does not import it)"
 fi
 # shellcheck disable=SC2086
-[ -z "$NOT_ON_IMAGE" ] || "$venv/bin/python" -m pip uninstall -y -q $NOT_ON_IMAGE 2>/dev/null || true
+[ -z "$NOT_ON_IMAGE" ] ||
+  "$venv/bin/python" -m pip uninstall -y -q $NOT_ON_IMAGE 2>/dev/null || true
 echo "== bundle for python $pyver in $bundle"
 .venv/bin/python bench/peers/tunix_bundle.py build --out "$bundle" --python_version "$pyver"
 echo "== stage into $site"
