@@ -9,6 +9,10 @@ processes 0 and 1 are the trainer, 2 a generator; 2 CPU devices each).
     trainer_killed    after one push, trainer process 1 kill -9s itself while the others wait
                       for messages; the generator holds a verifier pool (worker processes, whose
                       pids it writes to argv[2]/pids)
+    bulk              parallel.bulk.BulkChannel: processes 1 and 2 each send process 0 messages
+                      of arrays (mixed dtypes, empty, 0-d, 20 MB, none) and move on; process 0
+                      receives both channels at once, on two threads, a second later, and checks
+                      every byte
 """
 import multiprocessing
 import os
@@ -38,8 +42,62 @@ def host_params(version):
                       T.param_shapes(CFG))
 
 
+def bulk_messages(sender):
+  import ml_dtypes
+  rng = np.random.default_rng(sender)
+  if sender == 2:
+    return [({"x": np.arange(1000 * (i + 1), dtype=np.int32) + i}, i) for i in range(3)]
+  return [({"a": rng.standard_normal((3, 4)).astype(np.float32),
+            "b": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
+            "empty": np.zeros((0, 7), np.int32), "scalar": np.int64(7)}, {"i": 1}),
+          ({"big": rng.integers(0, 256, 20 << 20, dtype=np.uint8)}, "big"),
+          ({}, "end")]
+
+
+def bulk(mailbox):
+  import threading
+  import time
+  from magistral_jax.parallel.bulk import BulkChannel
+  me = jax.process_index()
+  if me != 0:
+    channel = BulkChannel(mailbox, f"bulk/{me}", me, 0)
+    for arrays, meta in bulk_messages(me):
+      channel.send(arrays, meta)
+    print(f"OK: sent {channel.sent_bytes} bytes", flush=True)
+    mailbox.receive(f"bulk_done/{me}", 120)
+    return
+  time.sleep(1.0)   # the senders have moved on and dropped their buffers
+  errors = []
+
+  def check(sender):
+    try:
+      channel = BulkChannel(mailbox, f"bulk/{sender}", sender, 0, dst_device=sender - 1)
+      for arrays, meta in bulk_messages(sender):
+        got, got_meta = channel.receive(120)
+        assert got_meta == meta and sorted(got) == sorted(arrays), (got_meta, sorted(got))
+        for k, v in arrays.items():
+          v = np.asarray(v)
+          assert got[k].dtype == v.dtype and got[k].shape == v.shape, (k, got[k].dtype, v.dtype)
+          np.testing.assert_array_equal(got[k].reshape(-1).view(np.uint8),
+                                        v.reshape(-1).view(np.uint8))
+    except BaseException as e:
+      errors.append(f"{sender}: {type(e).__name__}: {e}")
+
+  threads = [threading.Thread(target=check, args=(s,)) for s in (1, 2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for s in (1, 2):
+    mailbox.send(f"bulk_done/{s}", True)
+  assert not errors, errors
+  print("OK: received both channels", flush=True)
+
+
 def main(scenario, tmp=None):
   multihost.initialize()   # here, not at import: the verifier pool's workers import this module
+  if scenario == "bulk":
+    return bulk(multihost.Mailbox("test"))
   layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
   gmesh = make_mesh({"tensor": -1}, layout.generator_devices()[0])
   transfer = weight_transfer(CFG, gmesh, GENERATOR_RULES, layout.trainer_devices())

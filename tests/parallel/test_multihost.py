@@ -36,6 +36,13 @@ def test_push_from_an_fsdp_trainer_on_two_processes_to_a_generator_process():
   assert "[p2] OK: received" in out and "[p0] OK: pushed" in out, out[-5000:]
 
 
+def test_bulk_channels_move_arrays_between_processes_device_to_device():
+  rc, out = _cluster("bulk")
+  assert rc == 0, out[-5000:]
+  assert "[p0] OK: received both channels" in out, out[-5000:]
+  assert "[p1] OK: sent" in out and "[p2] OK: sent" in out, out[-5000:]
+
+
 def test_a_generator_process_error_reaches_the_trainer_with_its_traceback():
   rc, out = _cluster("generator_raises")
   assert rc != 0, out[-5000:]   # the generator process exits with its error
