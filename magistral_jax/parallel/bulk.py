@@ -147,6 +147,22 @@ class BulkChannel:
     self.received_bytes += spec.nbytes
     return unpack(np.asarray(out), spec), meta
 
+  def ack(self) -> None:
+    """The receiver: everything so far has arrived (the sender's wait_for_ack returns)."""
+    self.mailbox.send(self.stream + "/ack", self._received)
+
+  def wait_for_ack(self, timeout_s: float, what: str = "") -> None:
+    """The sender: blocks until the receiver has acknowledged every message sent so far.
+
+    A sender that goes on to a program spanning both processes (a train step's collectives) must
+    wait here first: its transfer server reads the offered buffer through the device, whose
+    queue that program would hold until the receiver joins it, which it cannot before the pull
+    has finished."""
+    got = self.mailbox.receive(self.stream + "/ack", timeout_s,
+                               what=what or f"the acknowledgement of {self.stream}")
+    if got != self._sent:
+      raise ValueError(f"{self.stream}: acknowledged {got} messages, sent {self._sent}")
+
 
 @dataclasses.dataclass
 class LocalRows:

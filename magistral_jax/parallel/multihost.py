@@ -12,13 +12,15 @@ gives them roles (`devices.trainer_processes = T`):
 Only the processes that own a mesh's devices run that mesh's programs: the trainer processes the
 train step, a generator process its engine's.
 
-Two channels connect them, both JAX's own (no protocol of ours over raw sockets):
+Three channels connect them, all JAX's own (no protocol of ours over raw sockets):
 - weights go device to device through JAX's cross-host transfers (`WeightTransfer`: a
   `jax.device_put` between two meshes on different processes, which the DCN transfer server moves
   over `jax_cross_host_transfer_socket_address` on CPU and GPU, natively on TPU);
-- messages (prompts, completions, batches, stop/version/error signals) go through the key-value
-  store of JAX's coordination service (`Mailbox`), the service `jax.distributed.initialize` starts
-  on process 0. Its heartbeats are also the failure detector: when a process dies, every other
+- bulk data (the training rows each trainer process gets) goes device to device through
+  `jax.experimental.transfer` (parallel/bulk.py's BulkChannel), described by a message;
+- messages (prompts, completions, stop/version/error signals, those descriptions) go through the
+  key-value store of JAX's coordination service (`Mailbox`), the service
+  `jax.distributed.initialize` starts on process 0. Its heartbeats are also the failure detector: when a process dies, every other
   process is stopped within `heartbeat_timeout_seconds`, with an error naming the dead task.
 """
 from __future__ import annotations

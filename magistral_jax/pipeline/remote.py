@@ -9,10 +9,13 @@
           (device to device)                                update_params: in-flight sequences
                                                             go on with their KV cache
     LeaderRollouts --- "batch" stream --> FollowerRollouts on trainer processes 1..T-1, which
-                                          train on the same batches (SPMD) and take part in
+                   --- "rows" channel -->  train on the same batches (SPMD) and take part in
                                           every push
 
-The streams are parallel.multihost.Mailbox streams (JAX's coordination service). What a
+The streams are parallel.multihost.Mailbox streams (JAX's coordination service). The training
+data does not go through them: each minibatch's packed arrays go to each other trainer process
+as only the rows its own devices hold, through a parallel.bulk.BulkChannel (device to device,
+jax.experimental.transfer); the "batch" stream says only that a batch is ready. What a
 generator process does is driven by its "in" stream: ("eval", ...), ("stage", ...), requests,
 ("push", version), ("end",), ("exit",); so a restarted run needs no state on the generator hosts.
 """
@@ -25,15 +28,18 @@ import traceback
 from typing import Callable
 
 import jax
+import numpy as np
 
 from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
+from magistral_jax.parallel.bulk import BulkChannel, LocalRows, row_ranges
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
-from magistral_jax.pipeline.groups import RolloutBatch, batch_metrics
+from magistral_jax.pipeline.groups import RolloutBatch
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.rollouts import Rollouts
+from magistral_jax.rl.minibatch import Minibatch
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +172,26 @@ class RemoteGenerator:
           self._cond.notify_all()
 
 
-class LeaderRollouts(Rollouts):
-  """Rollouts on the trainer leader: its generators are RemoteGenerators, and every batch it
-  hands the trainer also goes to the other trainer processes (FollowerRollouts)."""
+def rows_channel(mailbox: Mailbox, stage: int, follower: int, process: int) -> BulkChannel:
+  """The leader's (process 0's) channel of training rows to trainer process `process`."""
+  return BulkChannel(mailbox, f"stage{stage}/rows/{follower}", 0, process)
 
-  def __init__(self, *, mailbox: Mailbox, followers: int, stage: int, **kwargs):
+
+class LeaderRollouts(Rollouts):
+  """Rollouts on the trainer leader: its generators are RemoteGenerators, and the other trainer
+  processes (FollowerRollouts, processes `follower_processes`) get each batch's minibatches,
+  each only the rows of the global batch array (laid out by `batch_sharding`) it holds."""
+
+  def __init__(self, *, mailbox: Mailbox, follower_processes, stage: int, batch_sharding,
+               **kwargs):
     super().__init__(**kwargs)
-    self.mailbox, self.followers, self.stage = mailbox, followers, stage
+    self.mailbox, self.stage, self.batch_sharding = mailbox, stage, batch_sharding
+    self.follower_processes = tuple(follower_processes)
+    self.channels = [rows_channel(mailbox, stage, f, p)
+                     for f, p in enumerate(self.follower_processes)]
 
   def _broadcast(self, message):
-    for f in range(self.followers):
+    for f in range(len(self.follower_processes)):
       self.mailbox.send(f"stage{self.stage}/batch/{f}", message)
 
   def next_batch(self) -> RolloutBatch | None:
@@ -184,8 +200,20 @@ class LeaderRollouts(Rollouts):
     except BaseException as e:
       self._broadcast(("error", f"the trainer leader stopped: {type(e).__name__}: {e}"))
       raise
-    self._broadcast(("batch", batch))
+    self._broadcast(("batch", None if batch is None else batch.wait_s))
     return batch
+
+  def minibatches(self, batch, cfg, rng) -> list[Minibatch]:
+    mbs = super().minibatches(batch, cfg, rng)
+    for mb in mbs:
+      fields = {k: (v.shape, v.dtype) for k, v in mb.arrays.items()}
+      for channel, process in zip(self.channels, self.follower_processes):
+        rows = {f"{k}/{r0}/{r1}": v[:, r0:r1] for k, v in mb.arrays.items()
+                for r0, r1 in row_ranges(self.batch_sharding, v.shape, process)}
+        channel.send(rows, {"fields": fields, "stats": mb.stats, "minibatches": len(mbs)})
+    for channel in self.channels:   # before the first step (see BulkChannel.wait_for_ack)
+      channel.wait_for_ack(600, f"trainer process {channel.dst} to receive its rows")
+    return mbs
 
   def close(self):
     super().close()   # the feeder first: no request may follow the end of the stage
@@ -196,23 +224,49 @@ class LeaderRollouts(Rollouts):
         log.warning("could not end %s: %s", g.name, e)
 
 
+class FollowerBatch:
+  """A batch as a follower knows it: how long the leader waited for it; its groups stay there."""
+
+  def __init__(self, wait_s: float):
+    self.groups, self.dropped, self.wait_s = (), (), wait_s
+
+
 class FollowerRollouts:
   """Rollouts as trainer processes 1..T-1 see them (a train.rollout_source.RolloutSource): the
-  leader's batches, and their part of every push (the staging program runs on the whole trainer
-  mesh)."""
+  leader's word that a batch is ready, then its minibatches, of which this process receives only
+  the rows its own devices hold (parallel.bulk.LocalRows, which train.step.shard_batch takes), and
+  their part of every push (the staging program runs on the whole trainer mesh)."""
 
-  def __init__(self, *, mailbox: Mailbox, follower: int, stage: int, transfers,
+  def __init__(self, *, mailbox: Mailbox, follower: int, process: int, stage: int, transfers,
                batch_timeout_s: float):
     self.mailbox, self.transfers = mailbox, transfers
     self.stream = f"stage{stage}/batch/{follower}"
+    self.channel = rows_channel(mailbox, stage, follower, process)
     self.batch_timeout_s = batch_timeout_s
 
-  def next_batch(self) -> RolloutBatch | None:
+  def next_batch(self) -> FollowerBatch | None:
     kind, value = self.mailbox.receive(self.stream, self.batch_timeout_s + 60,
                                        what="the trainer leader's next batch")
     if kind == "error":
       raise PipelineError(value)
-    return value
+    return None if value is None else FollowerBatch(value)
+
+  def minibatches(self, batch, cfg, rng) -> list[Minibatch]:
+    """The leader's minibatches of `batch`, this process's rows of each."""
+    out, count = [], None
+    while count is None or len(out) < count:
+      rows, meta = self.channel.receive(self.batch_timeout_s + 60,
+                                        what="the trainer leader's minibatch rows")
+      count = meta["minibatches"]
+      blocks: dict = {k: {} for k in meta["fields"]}
+      for name, a in rows.items():
+        key, r0, r1 = name.rsplit("/", 2)
+        blocks[key][(int(r0), int(r1))] = a
+      arrays = {k: LocalRows(tuple(shape), dtype, blocks[k])
+                for k, (shape, dtype) in meta["fields"].items()}
+      out.append(Minibatch(arrays, [], np.zeros((0, 3), np.int64), meta["stats"]))
+    self.channel.ack()
+    return out
 
   def push(self, params, version: int) -> float:
     t = time.time()
@@ -227,10 +281,11 @@ class FollowerRollouts:
   def check(self) -> None:
     pass
 
-  def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:
-    return batch_metrics(batch, trained_version)
+  def metrics(self, batch: FollowerBatch, trained_version: int) -> dict:
+    """Empty: the batch's groups, and the metrics writer, are the leader's."""
+    return {}
 
-  def sample_text(self, batch: RolloutBatch) -> str:
+  def sample_text(self, batch: FollowerBatch) -> str:
     """Empty: no metrics writer runs on these processes (the leader's writes the samples)."""
     return ""
 

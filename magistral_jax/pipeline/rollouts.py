@@ -64,6 +64,7 @@ from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_me
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import Minibatch, make_minibatches
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,11 @@ class Rollouts:
     except StopIteration:
       return None
     return self._groups.take(need, time.time() - t0)
+
+  def minibatches(self, batch: RolloutBatch, cfg: GRPOConfig, rng: np.random.Generator
+                  ) -> list[Minibatch]:
+    """One packed Minibatch per optimizer step (rl.minibatch.make_minibatches)."""
+    return make_minibatches(batch.groups, cfg, rng)
 
   def push(self, params, version: int) -> float:
     """The trainer's params to every generator, which continue their in-flight sequences on

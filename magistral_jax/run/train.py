@@ -39,7 +39,7 @@ from magistral_jax.train.metrics_writer import MetricsWriter, Progress
 from magistral_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from magistral_jax.train.rl_loop import Trainer, train
 from magistral_jax.train.sft import make_sft_step, sft_warm_start
-from magistral_jax.train.step import init_state, make_grpo_step
+from magistral_jax.train.step import batch_sharding, init_state, make_grpo_step
 from magistral_jax.verify import VerifierPool
 
 log = logging.getLogger("train")
@@ -310,9 +310,13 @@ class RLRun:
       return Rollouts(prompts=prompts, colocated=srun.colocated, **kw)
     from magistral_jax.pipeline.remote import FollowerRollouts, LeaderRollouts
     if self.leader:
-      return LeaderRollouts(mailbox=self.mailbox, followers=len(self.layout.trainer_processes) - 1,
+      return LeaderRollouts(mailbox=self.mailbox,
+                            follower_processes=self.layout.trainer_processes[1:],
+                            batch_sharding=batch_sharding(self.tmesh, srun.sharding.trainer_rules),
                             stage=stage.index, prompts=prompts, **kw)
-    return FollowerRollouts(mailbox=self.mailbox, follower=self.layout.process_id - 1,
+    me = self.layout.process_id
+    return FollowerRollouts(mailbox=self.mailbox, process=me,
+                            follower=self.layout.trainer_processes.index(me) - 1,
                             stage=stage.index, transfers=self.transfers,
                             batch_timeout_s=srun.pipeline.batch_timeout_s)
 

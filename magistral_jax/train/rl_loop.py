@@ -4,7 +4,7 @@
       take a batch of n_batch completions: G per prompt, each scored by the verifiers, with
         Â = r − mean(r) over its group; groups with no signal already dropped   (RolloutSource)
       split it into n_batch/n_mini minibatches of whole groups by a fixed permutation; normalise
-        Â over each; pack it into microbatches by greedy collation            (rl.make_minibatches)
+        Â over each; pack it into microbatches by greedy collation            (RolloutSource.minibatches)
       for each minibatch: one optimizer step on the GRPO loss                  (Trainer.step)
                           then push θ to the generators, which continue their in-flight
                           sequences, KV cache and all, on the new weights  (RolloutSource.push)
@@ -26,7 +26,7 @@ from magistral_jax.parallel.memory import backend_peak_bytes, bytes_in_use, comp
 from magistral_jax.parallel.multihost import local_devices, to_host
 from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.rl.minibatch import Minibatch, make_minibatches
+from magistral_jax.rl.minibatch import Minibatch
 from magistral_jax.train.rollout_source import RolloutSource
 from magistral_jax.train.step import TrainState, shard_batch
 
@@ -95,7 +95,7 @@ def train(trainer: Trainer, rollouts: RolloutSource, cfg: GRPOConfig, num_batche
     t_train, trained_version = time.time(), trainer.version
     permutation = np.random.default_rng([seed, trainer.batches])
     steps, push_s = [], 0.0
-    for mb in make_minibatches(batch.groups, cfg, permutation):
+    for mb in rollouts.minibatches(batch, cfg, permutation):
       steps.append(dict(trainer.step(mb), padding_frac=mb.stats["padding_frac"],
                         microbatches=mb.stats["microbatches"]))
       push_s += rollouts.push(trainer.state.params, trainer.version)

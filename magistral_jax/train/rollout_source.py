@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from magistral_jax.rl.advantages import ScoredGroup
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.minibatch import Minibatch
 
 
 class Batch(Protocol):
@@ -20,6 +24,11 @@ class Batch(Protocol):
 class RolloutSource(Protocol):
   def next_batch(self) -> Batch | None:
     """Blocks until the next batch is ready; None once the prompts are exhausted."""
+
+  def minibatches(self, batch: Batch, cfg: GRPOConfig, rng: np.random.Generator
+                  ) -> list[Minibatch]:
+    """The batch split into one packed Minibatch per optimizer step (rl.make_minibatches). With
+    many trainer processes each gets only the rows its own devices hold."""
 
   def push(self, params, version: int) -> float:
     """The trainer's params after an optimizer step, as policy `version`, to the generators;

@@ -20,6 +20,7 @@ import optax
 
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.bulk import LocalRows
 from magistral_jax.parallel.sharding import (ShardingCtx, logical_sharding, param_shardings,
                                              replicated)
 from magistral_jax.parallel.config import DEFAULT_RULES
@@ -149,7 +150,8 @@ def make_train_step(model_cfg: ModelConfig, tx: optax.GradientTransformation, lo
 
 
 def shard_batch(batch: dict, mesh=None, rules=DEFAULT_RULES) -> dict:
-  """Puts a packed microbatch stack on the trainer devices (rows over the data axes)."""
+  """Puts a packed microbatch stack on the trainer devices (rows over the data axes). A field may
+  be the whole numpy array or (many processes) this process's LocalRows of it."""
   if mesh is None:
     return jax.tree.map(jnp.asarray, batch)
   sh = batch_sharding(mesh, rules)
@@ -164,9 +166,10 @@ def shard_batch(batch: dict, mesh=None, rules=DEFAULT_RULES) -> dict:
     if v.shape[1] % dp:
       raise ValueError(f"batch[{k!r}] has {v.shape[1]} rows per microbatch, not a multiple of the "
                        f"trainer's data-parallel size {dp}: set GRPOConfig.microbatch_rows accordingly")
-  if sh.is_fully_addressable:
+  if sh.is_fully_addressable and not any(isinstance(v, LocalRows) for v in batch.values()):
     return jax.device_put(batch, sh)
-  # Many processes: each puts only the rows of its own devices.
+  # Many processes: each puts only the rows of its own devices (a follower holds only those:
+  # parallel.bulk.LocalRows).
   return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
           for k, v in batch.items()}
 

@@ -1,0 +1,113 @@
+"""Benchmark: bulk data between processes, parallel.bulk.BulkChannel against the coordination
+service's key-value store.
+
+Two JAX processes of one CPU device each on this machine (launch/local_cluster.py). Process 1
+sends process 0 one array of each size (`--sizes`, MB; default 1 MB to 1 GB), both ways, in
+alternating order, `--reps` times; each figure is the median.
+  bulk  BulkChannel.send on process 1 (pack, put on its device, offer it to its transfer
+        server, the description as a Mailbox message); BulkChannel.receive on process 0 (the
+        pull onto its device, back to numpy). What a many-host run moves its batches with.
+  kv    the baseline, what parallel.multihost.Mailbox does today: key_value_set_bytes of the
+        array's pickle on process 1, one blocking_key_value_get_bytes and the unpickle on
+        process 0 (a single long wait: Mailbox.receive's half-second polls make large values
+        take many times their size in memory, see parallel/bulk.py).
+Each time runs from the send's start until process 0 holds the numpy array and process 1 has its
+one-line acknowledgement (the same for both). MB/s counts the array's bytes.
+`bulk_over_kv_throughput` is the median over sizes of bulk MB/s / kv MB/s (goal: >= 10).
+
+Last line: one JSON object. Usage: python bench/multihost_bulk.py [--sizes 1,16,64,256,1024]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+
+import common   # bench/common.py, beside the script
+
+
+def child(args) -> None:
+  from magistral_jax.parallel import multihost
+  multihost.initialize()
+  import jax
+  import numpy as np
+  from magistral_jax.parallel.bulk import BulkChannel
+  me = jax.process_index()
+  mailbox = multihost.Mailbox("bench")
+  client = mailbox._client
+  channel = BulkChannel(mailbox, "data", 1, 0)
+  sizes = [int(float(s) * (1 << 20)) for s in args.sizes.split(",")]
+  times: dict = {}
+  for n in sizes:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8) if me == 1 else None
+    for rep in range(args.reps + 1):   # the first round warms up
+      for way in (("bulk", "kv") if rep % 2 == 0 else ("kv", "bulk")):
+        key = f"kv/{n}/{rep}"
+        if me == 1:
+          t = time.perf_counter()
+          if way == "bulk":
+            channel.send({"x": data})
+          else:
+            client.key_value_set_bytes(key, pickle.dumps(data))
+          mailbox.receive("ack", 600)
+          if rep:
+            times.setdefault((way, n), []).append(time.perf_counter() - t)
+        else:
+          if way == "bulk":
+            got = channel.receive(600)[0]["x"]
+          else:
+            got = pickle.loads(client.blocking_key_value_get_bytes(key, 600_000))
+            client.key_value_delete(key)
+          if rep == 1:
+            assert got.shape == (n,) and got[:1000].tolist() == np.random.default_rng(n).integers(
+                0, 256, n, dtype=np.uint8)[:1000].tolist(), "wrong bytes"
+          del got
+          mailbox.send("ack", True)
+    del data
+  if me == 1:
+    rows = []
+    for n in sizes:
+      b, k = statistics.median(times[("bulk", n)]), statistics.median(times[("kv", n)])
+      rows.append({"mb": n / (1 << 20), "bulk_MBps": n / b / 1e6, "kv_MBps": n / k / 1e6,
+                   "bulk_s": b, "kv_s": k, "ratio": k / b})
+    print(json.dumps({"rows": rows}), flush=True)
+
+
+def main() -> None:
+  p = common.argument_parser(__doc__)
+  p.add_argument("--sizes", default="1,16,64,256,1024", help="MB, comma-separated")
+  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
+  args = p.parse_args()
+  if args.distributed:
+    return child(args)
+  from magistral_jax.parallel.local_cluster import run_cluster
+  out = io.StringIO()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rc = run_cluster([os.path.abspath(__file__)] + sys.argv[1:], num_processes=2,
+                   devices_per_process=1, grace_s=30, out=out, handle_signals=False)
+  text = out.getvalue()
+  lines = [l[len("[p1] "):] for l in text.splitlines() if l.startswith("[p1] {")]
+  if rc != 0 or not lines:
+    sys.stderr.write(text[-8000:])
+    raise SystemExit(f"multihost_bulk: the 2-process run failed (exit code {rc})")
+  rows = json.loads(lines[-1])["rows"]
+  for r in rows:
+    print(json.dumps({k: round(v, 4) for k, v in r.items()}), file=sys.stderr)
+  ratio = statistics.median(r["ratio"] for r in rows)
+  common.emit({"sizes_mb": [r["mb"] for r in rows],
+               "bulk_MBps": [round(r["bulk_MBps"], 1) for r in rows],
+               "kv_MBps": [round(r["kv_MBps"], 1) for r in rows],
+               "ratio_per_size": [round(r["ratio"], 2) for r in rows],
+               "bulk_over_kv_throughput": round(ratio, 2), "reps": args.reps,
+               "goal": "bulk_over_kv_throughput >= 10", "goal_met": bool(ratio >= 10),
+               **common.host_info()})
+
+
+if __name__ == "__main__":
+  main()
