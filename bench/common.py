@@ -178,6 +178,27 @@ def random_params(cfg, shardings=None, seed: int = 0):
 
 # ---- host and output -------------------------------------------------------------------------
 
+def cluster_json(script: str, num_processes: int, devices_per_process: int, process: int,
+                 name: str) -> dict:
+  """Runs `script` (with this command's arguments) as `num_processes` local JAX processes of CPU
+  devices (launch/local_cluster.py; each gets --distributed) and returns the last JSON object
+  process `process` printed; exits naming `name` if the run failed."""
+  import io
+  from magistral_jax.parallel.local_cluster import run_cluster
+  out = io.StringIO()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rc = run_cluster([os.path.abspath(script)] + sys.argv[1:], num_processes=num_processes,
+                   devices_per_process=devices_per_process, grace_s=30, out=out,
+                   handle_signals=False)
+  text = out.getvalue()
+  prefix = f"[p{process}] "
+  lines = [l[len(prefix):] for l in text.splitlines() if l.startswith(prefix + "{")]
+  if rc != 0 or not lines:
+    sys.stderr.write(text[-8000:])
+    raise SystemExit(f"{name}: the {num_processes}-process run failed (exit code {rc})")
+  return json.loads(lines[-1])
+
+
 def host_info() -> dict:
   """The host facts the CPU benches report: core count and the load average at the end."""
   try:

@@ -20,9 +20,7 @@ Last line: one JSON object. Usage: python bench/multihost_bulk.py [--sizes 1,16,
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import pickle
 import statistics
 import sys
@@ -86,17 +84,7 @@ def main() -> None:
   args = p.parse_args()
   if args.distributed:
     return child(args)
-  from magistral_jax.parallel.local_cluster import run_cluster
-  out = io.StringIO()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  rc = run_cluster([os.path.abspath(__file__)] + sys.argv[1:], num_processes=2,
-                   devices_per_process=1, grace_s=30, out=out, handle_signals=False)
-  text = out.getvalue()
-  lines = [l[len("[p1] "):] for l in text.splitlines() if l.startswith("[p1] {")]
-  if rc != 0 or not lines:
-    sys.stderr.write(text[-8000:])
-    raise SystemExit(f"multihost_bulk: the 2-process run failed (exit code {rc})")
-  rows = json.loads(lines[-1])["rows"]
+  rows = common.cluster_json(__file__, 2, 1, 1, "multihost_bulk")["rows"]
   for r in rows:
     print(json.dumps({k: round(v, 4) for k, v in r.items()}), file=sys.stderr)
   ratio = statistics.median(r["ratio"] for r in rows)

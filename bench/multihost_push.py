@@ -20,11 +20,8 @@ Last line: one JSON object. Usage: python bench/multihost_push.py [--model smoll
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import statistics
-import sys
 import time
 
 import common   # bench/common.py, beside the script
@@ -115,18 +112,7 @@ def main() -> None:
   args = p.parse_args()
   if args.distributed:
     return child(args)
-  from magistral_jax.parallel.local_cluster import run_cluster
-  out = io.StringIO()
-  argv = [os.path.abspath(__file__)] + sys.argv[1:]
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  rc = run_cluster(argv, num_processes=3, devices_per_process=2, grace_s=30, out=out,
-                   handle_signals=False)
-  text = out.getvalue()
-  lines = [l[len("[p0] "):] for l in text.splitlines() if l.startswith("[p0] {")]
-  if rc != 0 or not lines:
-    sys.stderr.write(text[-8000:])
-    raise SystemExit(f"multihost_push: the 3-process run failed (exit code {rc})")
-  print(json.dumps(json.loads(lines[-1])), flush=True)
+  print(json.dumps(common.cluster_json(__file__, 3, 2, 0, "multihost_push")), flush=True)
 
 
 if __name__ == "__main__":

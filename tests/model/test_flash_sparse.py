@@ -8,10 +8,11 @@ import pytest
 
 from magistral_jax.model import attention as A
 from magistral_jax.model import flash_sparse as FS
+from tests.model.test_attention import TOL, _assert_close
+from tests.model.test_attention import _outputs_and_grads as _fwd_bwd
 
 T = 128
 SMALL = FS.Blocks(q=32, k=16, bwd_q=16, bwd_k=32)   # many blocks at T = 128
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
 
 def _segments(lengths, t=T):
@@ -41,17 +42,6 @@ def _positions(seg):
 def _dense_fn(seg):
   mask = A.dense_mask(A.packed_spec(jnp.asarray(_positions(seg)), jnp.asarray(seg)), None)
   return lambda q, k, v: A.dense_attention(q, k, v, mask, False)
-
-
-def _fwd_bwd(fn, q, k, v, ct):
-  out, vjp = jax.vjp(fn, q, k, v)
-  return (out,) + vjp(ct)
-
-
-def _assert_close(got, want, dtype):
-  for g, w in zip(got, want):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    assert np.max(np.abs(g - w)) <= TOL[dtype] * max(1.0, np.max(np.abs(w)))
 
 
 def _inputs(rng, b, h, k, d, dtype):
