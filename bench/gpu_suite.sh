@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The generation engine's GPU measurements (issue: tokens/s at batch 256 for SmolLM2-135M and a 1B
-# config, the fraction of the memory-bandwidth roofline, and the generator against transformers on
-# the same GPU) in one call on a lent device machine. Its image has jax, flax, optax, transformers
+# The GPU measurements (first, the generation engine's: tokens/s at batch 256 for SmolLM2-135M and
+# a 1B config, the fraction of the memory-bandwidth roofline, and the generator against
+# transformers on the same GPU), one mode per call on a lent device machine (`flash` and `tunix`
+# at the end: issue #55). Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
-#   bash bench/gpu_suite.sh [stage] [all|roofline|generate|rlcache|train|push|recipes|learn]
+#   bash bench/gpu_suite.sh [stage] \
+#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
