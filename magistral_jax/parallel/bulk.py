@@ -55,17 +55,9 @@ def transfer_server():
       _server = transfer.start_transfer_server(
           jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * CONNECTIONS,
           transfer_size=TRANSFER_CHUNK_BYTES)
-      _kv().key_value_set(f"bulk/server/{jax.process_index()}", _server.address())
+      multihost.coordination_client("bulk transfers").key_value_set(
+          f"bulk/server/{jax.process_index()}", _server.address())
     return _server
-
-
-def _kv():
-  from jax._src import distributed
-  client = distributed.global_state.client
-  if client is None:
-    raise RuntimeError("bulk transfers need jax.distributed.initialize() (launch with "
-                       "--distributed)")
-  return client
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +130,8 @@ class BulkChannel:
     if not spec.nbytes:
       return unpack(np.empty(0, np.uint8), spec), meta
     if self._conn is None:
-      address = _kv().blocking_key_value_get(f"bulk/server/{self.src}",
-                                             int(1000 * self.timeout_s))
+      address = self.mailbox._client.blocking_key_value_get(f"bulk/server/{self.src}",
+                                                            int(1000 * self.timeout_s))
       self._conn = self._server.connect(address)
     want = jax.ShapeDtypeStruct((spec.nbytes,), np.uint8,
                                 sharding=SingleDeviceSharding(self._dst_dev))

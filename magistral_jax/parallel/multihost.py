@@ -20,8 +20,9 @@ Three channels connect them, all JAX's own (no protocol of ours over raw sockets
   `jax.experimental.transfer` (parallel/bulk.py's BulkChannel), described by a message;
 - messages (prompts, completions, stop/version/error signals, those descriptions) go through the
   key-value store of JAX's coordination service (`Mailbox`), the service
-  `jax.distributed.initialize` starts on process 0. Its heartbeats are also the failure detector: when a process dies, every other
-  process is stopped within `heartbeat_timeout_seconds`, with an error naming the dead task.
+  `jax.distributed.initialize` starts on process 0. Its heartbeats are also the failure
+  detector: when a process dies, every other process is stopped within
+  `heartbeat_timeout_seconds`, with an error naming the dead task.
 """
 from __future__ import annotations
 
@@ -168,6 +169,15 @@ def local_devices(devices) -> list[jax.Device]:
 
 # ---- messages --------------------------------------------------------------------------------------
 
+def coordination_client(who: str):
+  """This process's client of the coordination service (its key-value store)."""
+  from jax._src import distributed
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError(f"{who} needs jax.distributed.initialize() (launch with --distributed)")
+  return client
+
+
 class Mailbox:
   """Ordered message streams between processes over the coordination service's key-value store.
 
@@ -177,10 +187,7 @@ class Mailbox:
   samples, batches of numpy arrays), between processes of one job."""
 
   def __init__(self, namespace: str):
-    from jax._src import distributed
-    self._client = distributed.global_state.client
-    if self._client is None:
-      raise RuntimeError("Mailbox needs jax.distributed.initialize() (launch with --distributed)")
+    self._client = coordination_client("Mailbox")
     self.namespace = namespace
     self._lock = threading.Lock()   # senders on several threads share a stream's numbering
     self._sent: dict[str, int] = {}

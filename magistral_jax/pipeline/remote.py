@@ -207,9 +207,11 @@ class LeaderRollouts(Rollouts):
     mbs = super().minibatches(batch, cfg, rng)
     for mb in mbs:
       fields = {k: (v.shape, v.dtype) for k, v in mb.arrays.items()}
+      shape = next(iter(fields.values()))[0]   # every field's: [n_micro, rows, row_len]
       for channel, process in zip(self.channels, self.follower_processes):
+        ranges = row_ranges(self.batch_sharding, shape, process)
         rows = {f"{k}/{r0}/{r1}": v[:, r0:r1] for k, v in mb.arrays.items()
-                for r0, r1 in row_ranges(self.batch_sharding, v.shape, process)}
+                for r0, r1 in ranges}
         channel.send(rows, {"fields": fields, "stats": mb.stats, "minibatches": len(mbs)})
     for channel in self.channels:   # before the first step (see BulkChannel.wait_for_ack)
       channel.wait_for_ack(600, f"trainer process {channel.dst} to receive its rows")
@@ -228,7 +230,7 @@ class FollowerBatch:
   """A batch as a follower knows it: how long the leader waited for it; its groups stay there."""
 
   def __init__(self, wait_s: float):
-    self.groups, self.dropped, self.wait_s = (), (), wait_s
+    self.groups, self.wait_s = (), wait_s
 
 
 class FollowerRollouts:
