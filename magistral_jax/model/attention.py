@@ -33,10 +33,8 @@ Implementations (ModelConfig.attention_impl):
              the queries fit one block (the score matrix is then block_q x S: already linear in
              S; decode is T = 1), and blockwise beyond.
              (GPU timings of gpu_flash, with and without its skipping, against blockwise:
-             pending the next GPU session, bench/gpu_suite.sh flash. Before it, jax's own Pallas
-             GPU kernel, which visits every tile under the diagonal, took 121.7 ms against
-             blockwise's 304.1 ms for the forward and backward of a 32K row of 25 sequences on
-             an H100.)
+             pending the next GPU session, bench/gpu_suite.sh flash; the earlier figures of
+             jax's own Pallas GPU kernel are in docs/perf_log.md.)
 An implementation that does not apply to a call (the kernel of another platform, a mask it
 cannot express) falls back to blockwise, so one config serves the trainer and the generators
 wherever they run.
