@@ -83,7 +83,9 @@ def main() -> None:
   p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
   args = p.parse_args()
   if args.distributed:
-    return child(args)
+    child(args)
+    from magistral_jax.parallel import multihost
+    return multihost.finish()   # process 0 hosts the service: it leaves last
   rows = common.cluster_json(__file__, 2, 1, 1, "multihost_bulk")["rows"]
   for r in rows:
     print(json.dumps({k: round(v, 4) for k, v in r.items()}), file=sys.stderr)

@@ -7,10 +7,10 @@ Model: the SmolLM2-135M shapes (`--model`: smollm2, llama1b or tiny; random init
 depend on the values).
 Timed, alternating, median of `--reps` rounds after a warm-up round:
   cross_process_push  what a multihost run does after each optimizer step for one generator
-        (pipeline.remote.RemoteGenerator.push): the leader's push message, the cast and layout
-        program on the trainer's mesh (both trainer processes), the cross-host transfer
-        (parallel.multihost.WeightTransfer: device to device over the transfer server), the
-        generator's receive, and its acknowledgement back to the leader.
+        (pipeline.remote.LeaderRollouts.push): the cast and layout program on the trainer's mesh
+        (both trainer processes), the leader's offer of the copy and its push message, the
+        generator's pull (parallel.multihost.WeightTransfer: device to device over
+        jax.experimental.transfer), and its acknowledgement back to the leader.
   local_copy  the baseline: in the generator process, a device-to-device copy of the same bytes
         (the received params, each shard moved to the other local device), until ready.
 `cross_process_over_local_copy` = the ratio; `cross_process_GBps` counts the generator's bytes.
@@ -36,7 +36,8 @@ def child(args) -> None:
   from magistral_jax.model import transformer as T
   from magistral_jax.parallel.sharding import make_mesh, param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
-  from magistral_jax.pipeline.remote import in_stream, out_stream, weight_transfer
+  from magistral_jax.pipeline.generator_service import in_stream, out_stream
+  from magistral_jax.pipeline.remote import weight_transfer
 
   if args.model == "tiny":   # configs/tiny.py's 0.8M-parameter policy: latency, not bandwidth
     from magistral_jax.model.config import ModelConfig
@@ -62,15 +63,14 @@ def child(args) -> None:
     push_s = []
     for r in range(rounds):
       t = time.perf_counter()
+      transfer.stage(params, r + 1)
       if layout.is_leader:
-        mailbox.send(in_stream(0), ("push", r + 1))
-      transfer.send(params)
-      if layout.is_leader:
-        assert mailbox.receive(out_stream(0), 600) == ("ack", r + 1)
-      transfer.done()
+        _, uuid = transfer.offer(600)
+        mailbox.send(in_stream(0, 1), ("push", r + 1, uuid))
+        assert mailbox.receive(out_stream(0, 1), 600) == ("ack", r + 1)
       push_s.append(time.perf_counter() - t)
     if layout.is_leader:
-      copy_s, nbytes = mailbox.receive(out_stream(0), 600)
+      copy_s, nbytes = mailbox.receive(out_stream(0, 1), 600)
       push, copy = statistics.median(push_s[1:]), statistics.median(copy_s[1:])
       common.emit({
           "bench": "multihost_push", "model": args.model, "source": source,
@@ -90,16 +90,17 @@ def child(args) -> None:
         mesh.devices.shape), mesh.axis_names)
     copy_s, nbytes = [], 0
     for r in range(rounds):
-      assert mailbox.receive(in_stream(0), 600) == ("push", r + 1)
-      got = transfer.receive()
-      mailbox.send(out_stream(0), ("ack", r + 1))
+      kind, version, uuid = mailbox.receive(in_stream(0, 1), 600)
+      assert (kind, version) == ("push", r + 1)
+      got = transfer.receive(uuid)
+      mailbox.send(out_stream(0, 1), ("ack", r + 1))
       nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(got))
       other = jax.tree.map(lambda x: NamedSharding(swapped, x.sharding.spec), got)
       t = time.perf_counter()
       jax.block_until_ready(jax.device_put(got, other, may_alias=False))
       copy_s.append(time.perf_counter() - t)
       del got
-    mailbox.send(out_stream(0), (copy_s, nbytes))
+    mailbox.send(out_stream(0, 1), (copy_s, nbytes))
 
 
 def main() -> None:
@@ -111,7 +112,9 @@ def main() -> None:
   p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
   args = p.parse_args()
   if args.distributed:
-    return child(args)
+    child(args)
+    from magistral_jax.parallel import multihost
+    return multihost.finish()   # process 0 hosts the service: it leaves last
   print(json.dumps(common.cluster_json(__file__, 3, 2, 0, "multihost_push")), flush=True)
 
 

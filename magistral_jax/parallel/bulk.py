@@ -55,9 +55,27 @@ def transfer_server():
       _server = transfer.start_transfer_server(
           jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"] * CONNECTIONS,
           transfer_size=TRANSFER_CHUNK_BYTES)
+      # Overwritten by a relaunched process (its server has a new address).
       multihost.coordination_client("bulk transfers").key_value_set(
-          f"bulk/server/{jax.process_index()}", _server.address())
+          f"bulk/server/{jax.process_index()}", _server.address(), allow_overwrite=True)
     return _server
+
+
+_connections: dict[int, Any] = {}
+
+
+def connection(process: int, timeout_s: float = 600.0):
+  """This process's connection to `process`'s transfer server (made once)."""
+  with _server_lock:
+    conn = _connections.get(process)
+  if conn is None:
+    from magistral_jax.parallel import multihost
+    address = multihost.coordination_client("bulk transfers").blocking_key_value_get(
+        f"bulk/server/{process}", int(1000 * timeout_s))
+    conn = transfer_server().connect(address)
+    with _server_lock:
+      conn = _connections.setdefault(process, conn)
+  return conn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +124,6 @@ class BulkChannel:
     self._src_dev, self._dst_dev = local(src, src_device), local(dst, dst_device)
     self.timeout_s = timeout_s
     self._server = transfer_server()
-    self._conn = None
     self._base = zlib.crc32(f"{mailbox.namespace}/{stream}".encode()) << 31
     self._sent = self._received = 0
     self.sent_bytes = self.received_bytes = 0
@@ -129,13 +146,9 @@ class BulkChannel:
     self._received += 1
     if not spec.nbytes:
       return unpack(np.empty(0, np.uint8), spec), meta
-    if self._conn is None:
-      address = self.mailbox._client.blocking_key_value_get(f"bulk/server/{self.src}",
-                                                            int(1000 * self.timeout_s))
-      self._conn = self._server.connect(address)
     want = jax.ShapeDtypeStruct((spec.nbytes,), np.uint8,
                                 sharding=SingleDeviceSharding(self._dst_dev))
-    (out,) = self._conn.pull(uuid, [want])
+    (out,) = connection(self.src, self.timeout_s).pull(uuid, [want])
     self.received_bytes += spec.nbytes
     return unpack(np.asarray(out), spec), meta
 

@@ -18,6 +18,11 @@ on 127.0.0.1 picked just before the start.
 Every line a process prints (stdout and stderr together) comes out as `[p<i>] <line>`; with
 log_dir, DIR/process_<i>.log also gets that process's raw lines.
 
+Relaunches: a process listed in `restart` (generator processes: a run goes on without them and
+takes them back, pipeline/remote.py) that exits non-zero or is killed is started again with the
+same environment, up to max_restarts times each, as a cluster's scheduler would; its end does not
+count as a failure until then.
+
 Supervision: when a process exits non-zero or is killed by a signal, the others get grace_s
 seconds to exit on their own (in a JAX run they do: the distributed runtime notices a dead peer),
 then SIGTERM, then SIGKILL 10 s later. Ctrl-C or SIGTERM to the caller sends SIGTERM to every
@@ -151,7 +156,7 @@ def _pump(i: int, stream, printer: _Printer, log_path: str | None):
 def run_cluster(argv: list[str], num_processes: int, devices_per_process: int = 1,
                 grace_s: float = 60.0, log_dir: str | None = None, out=None,
                 kill_after_s: float = KILL_AFTER_S, handle_signals: bool = True,
-                one_cpu_thread: bool = True) -> int:
+                one_cpu_thread: bool = True, restart=(), max_restarts: int = 3) -> int:
   """Runs `python argv... --distributed` num_processes times as one JAX run; returns the exit
   code (0: every process exited 0)."""
   if num_processes < 1:
@@ -180,18 +185,21 @@ def run_cluster(argv: list[str], num_processes: int, devices_per_process: int = 
   try:
     printer.line(f"local_cluster: {num_processes} process(es), {devices_per_process} device(s) "
                  f"each, coordinator {coordinator}: {' '.join(cmd)}")
-    for i in range(num_processes):
+    def launch(i: int) -> subprocess.Popen:
       env = child_env(os.environ, i, num_processes, devices_per_process, coordinator,
                       f"127.0.0.1:{ports[i + 1]}", one_cpu_thread)
       p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, start_new_session=True)
-      procs.append(p)
       log_path = os.path.join(log_dir, f"process_{i}.log") if log_dir else None
       t = threading.Thread(target=_pump, args=(i, p.stdout, printer, log_path),
                            name=f"local_cluster_p{i}", daemon=True)
       t.start()
       readers.append(t)
+      return p
 
+    for i in range(num_processes):
+      procs.append(launch(i))
+    restarts = [0] * num_processes
     failures: list[tuple[int, int]] = []  # (process, returncode), in the order seen
     done = [False] * num_processes
     term_at = kill_at = None  # when to send SIGTERM / SIGKILL to what still runs
@@ -206,6 +214,15 @@ def run_cluster(argv: list[str], num_processes: int, devices_per_process: int = 
         rc = p.returncode
         if rc == 0:
           printer.line(f"local_cluster: process {i} finished (exit code 0)")
+          continue
+        if (i in restart and restarts[i] < max_restarts and term_at is None and kill_at is None
+            and not got_signal):
+          restarts[i] += 1
+          printer.line(f"local_cluster: process {i} exited with code {rc} ({describe(rc)}); "
+                       f"relaunching it ({restarts[i]} of {max_restarts})")
+          _signal_groups([p], signal.SIGKILL, only_running=False)   # its grandchildren
+          procs[i] = launch(i)
+          done[i] = False
           continue
         how = f" ({describe(rc)})" if rc < 0 else ""
         printer.line(f"local_cluster: process {i} exited with code {rc}{how}")

@@ -13,16 +13,17 @@ Only the processes that own a mesh's devices run that mesh's programs: the train
 train step, a generator process its engine's.
 
 Three channels connect them, all JAX's own (no protocol of ours over raw sockets):
-- weights go device to device through JAX's cross-host transfers (`WeightTransfer`: a
-  `jax.device_put` between two meshes on different processes, which the DCN transfer server moves
-  over `jax_cross_host_transfer_socket_address` on CPU and GPU, natively on TPU);
-- bulk data (the training rows each trainer process gets) goes device to device through
-  `jax.experimental.transfer` (parallel/bulk.py's BulkChannel), described by a message;
-- messages (prompts, completions, stop/version/error signals, those descriptions) go through the
-  key-value store of JAX's coordination service (`Mailbox`), the service
-  `jax.distributed.initialize` starts on process 0. Its heartbeats are also the failure
-  detector: when a process dies, every other process is stopped within
-  `heartbeat_timeout_seconds`, with an error naming the dead task.
+- weights and bulk data go device to device through `jax.experimental.transfer`: each process
+  runs one TransferServer (parallel/bulk.py); the trainer leader offers each push's weights
+  (`WeightTransfer`) and each minibatch's rows (`bulk.BulkChannel`) under ids of ours, and the
+  receiver pulls them onto its devices;
+- messages (prompts, completions, stop/version/error signals, the ids of those transfers) go
+  through the key-value store of JAX's coordination service (`Mailbox`), the service
+  `jax.distributed.initialize` starts on process 0.
+
+The service runs in recoverable mode: a generator process may die, and a relaunched one rejoin,
+while the run goes on. Liveness (who is alive, and the stop of the run when a trainer process
+dies) is parallel/liveness.py's: each process's heartbeat in the key-value store.
 """
 from __future__ import annotations
 
@@ -33,11 +34,14 @@ import pickle
 import socket
 import threading
 import time
+import zlib
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+
+from magistral_jax.parallel import liveness
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +73,70 @@ def initialize() -> None:
     kwargs = dict(coordinator_address=env[ENV_COORDINATOR],
                   num_processes=int(env[ENV_NUM_PROCESSES]),
                   process_id=int(env[ENV_PROCESS_ID]))
-  heartbeat = int(env.get(ENV_HEARTBEAT_TIMEOUT_S, "60"))
+  heartbeat = int(heartbeat_timeout_s())
+  # A generator process may die and be relaunched without stopping the run (liveness.py).
+  jax.config.update("jax_enable_recoverability", True)
   jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat)
+  global _heartbeat, _watch
+  client = coordination_client("liveness")
+  _heartbeat = liveness.Heartbeat(client, jax.process_index())
+  _watch = liveness.Watch(client)
   log.info("jax.distributed: process %d of %d, %d local / %d global devices%s",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count(), f", transfers on {address}" if address else "")
+
+
+_heartbeat: liveness.Heartbeat | None = None
+_watch: liveness.Watch | None = None
+
+
+def heartbeat_timeout_s() -> float:
+  """Seconds of silence after which a process counts as dead (MAGISTRAL_HEARTBEAT_TIMEOUT_S)."""
+  return float(os.environ.get(ENV_HEARTBEAT_TIMEOUT_S, "60"))
+
+
+def incarnation() -> int:
+  """How many times this process id has started in this run (1: the first time)."""
+  if _heartbeat is None:
+    raise RuntimeError("incarnation() needs multihost.initialize()")
+  return _heartbeat.incarnation
+
+
+def watch() -> liveness.Watch:
+  """This process's view of every process's heartbeat."""
+  if _watch is None:
+    raise RuntimeError("watch() needs multihost.initialize()")
+  return _watch
+
+
+def leave() -> None:
+  """This process ends normally: the others' liveness watches do not take it for dead."""
+  if _heartbeat is not None:
+    _heartbeat.leave()
+
+
+def finish(timeout_s: float = 60.0) -> None:
+  """A normal end of this process: it leaves; process 0, which hosts the service, waits for the
+  others to leave first."""
+  leave()
+  if jax.process_index() == 0:
+    wait_for_others_to_leave(timeout_s)
+
+
+def wait_for_others_to_leave(timeout_s: float) -> None:
+  """Process 0 (the service's host), at the end: returns once every other process has left the
+  service (shut down its client, or died), or after `timeout_s`. In recoverable mode JAX's
+  shutdown does not wait for them, and a process still connected when the service goes away
+  aborts."""
+  if jax.process_count() == 1:
+    return
+  client = coordination_client("the end of the run")
+  # get_live_nodes is a barrier among the live processes named: the others never enter it, so
+  # it returns once each of them has disconnected or been found dead.
+  t = threading.Thread(target=client.get_live_nodes, args=(list(range(jax.process_count())),),
+                       daemon=True)
+  t.start()
+  t.join(timeout_s)
 
 
 # ---- roles ---------------------------------------------------------------------------------------
@@ -244,20 +307,21 @@ class Mailbox:
 # ---- weights across processes ----------------------------------------------------------------------
 
 class WeightTransfer:
-  """The trainer's params onto one generator's mesh on another process, device to device.
+  """The trainer's params onto a generator's mesh on another process, device to device.
 
-  JAX moves an array between processes when both ends have the same tiling over the same number
-  of devices (shard i of the source goes to device i of the destination). So the push is:
-  1. on the trainer mesh (every trainer process runs it): one program casts the params to the
-     generator's dtype and lays them out as the generator will hold them, on each group of k
-     trainer devices (k = the generator's device count; the trainer's device count must be a
-     multiple of it), e.g. a 2-way tensor-parallel copy on every pair of trainer devices;
-  2. the first group's shards, as an array on those k devices, go to the generator's k devices
-     (`jax.device_put` across processes: the trainer processes owning them send, the generator
-     process receives, each calling `send`/`receive` in the same order).
-  No host round trip and no file system: the bytes go from device memory to device memory over
-  the transfer server. `dst_shardings` is the generator engine's param_shardings (stacked layout)
-  and `abstract` their shapes and dtype.
+  1. `stage` (every trainer process, the same number of times: one SPMD program): cast the params
+     to the generator's dtype and lay them out as a generator holds them, on each group of k
+     trainer devices (k = a generator's device count; the trainer's device count must be a
+     multiple of it). The first group's copy, on the trainer leader's first k devices, is kept
+     as `latest`, until the next stage (so a generator that rejoins gets the current weights
+     without the other trainer processes).
+  2. `offer` (the leader): the latest copy goes to its transfer server under an id; a message
+     gives the generator that id.
+  3. `receive` (the generator process): pulls it onto its own devices, shard i of the copy onto
+     device i of its mesh (jax.experimental.transfer).
+  No host round trip and no file system. `dst_shardings` is a generator engine's param_shardings
+  (stacked layout; any generator's: only the mesh's shape and the specs matter to the trainer)
+  and `abstract` their shapes and serving dtype.
   """
 
   def __init__(self, abstract, dst_shardings, trainer_devices):
@@ -268,45 +332,65 @@ class WeightTransfer:
       raise ValueError(f"a generator of {k} devices cannot receive pushes from a trainer of {t} "
                        f"devices: the trainer's device count must be a multiple of each "
                        "generator's")
+    src_devices = list(trainer_devices[:k])
+    self.sender = src_devices[0].process_index
+    if any(d.process_index != self.sender for d in src_devices):
+      raise ValueError(f"a generator of {k} devices needs a trainer process with at least {k} "
+                       "devices (the leader's first k devices hold the copy it receives)")
     shape, names = dst_mesh.devices.shape, dst_mesh.axis_names
     stage_mesh = Mesh(np.asarray(trainer_devices, dtype=object).reshape((t // k,) + shape),
                       ("push_copy",) + tuple(names))
-    src_mesh = Mesh(np.asarray(trainer_devices[:k], dtype=object).reshape(shape), names)
+    src_mesh = Mesh(np.asarray(src_devices, dtype=object).reshape(shape), names)
     self.abstract, self.dst_shardings = abstract, dst_shardings
     self.src_shardings = jax.tree.map(lambda d: NamedSharding(src_mesh, d.spec), dst_shardings)
     stage = jax.tree.map(lambda d: NamedSharding(stage_mesh, d.spec), dst_shardings)
     dtypes = jax.tree.map(lambda a: a.dtype, abstract)
     self._stage = jax.jit(lambda p: jax.tree.map(lambda x, dt: x.astype(dt), p, dtypes),
                           out_shardings=stage)
-    self._src_devices = list(src_mesh.devices.flat)
-    me = jax.process_index()
-    self.sends = any(d.process_index == me for d in self._src_devices)
-    self._inflight = None
+    self._src_devices = src_devices
+    self.sends = self.sender == jax.process_index()
+    self.latest = None       # (version, the staged copy on the sender's first k devices)
+    self.lock = threading.RLock()   # one push or rejoin at a time (pipeline.remote)
+    self._offers = 0
 
-  def send(self, params) -> None:
-    """Trainer processes, all of them (step 1 runs on the whole trainer mesh)."""
+  def stage(self, params, version: int) -> None:
+    """Every trainer process: the params of policy `version`, cast and laid out (step 1)."""
     staged = self._stage(params)
+    if not self.sends:
+      return
 
     def source(x, sharding, a):
       shards = {s.device: s.data for s in x.addressable_shards}
-      mine = [shards[d] for d in self._src_devices if d in shards]
-      return jax.make_array_from_single_device_arrays(a.shape, sharding, mine, dtype=a.dtype)
+      return jax.make_array_from_single_device_arrays(
+          a.shape, sharding, [shards[d] for d in self._src_devices], dtype=a.dtype)
 
-    if not self.sends:
-      return
-    src = jax.tree.map(source, staged, self.src_shardings, self.abstract)
-    # Keeps the staged copy alive until the generator has it (the caller waits for its ack).
-    self._inflight = (staged, src, jax.device_put(src, self.dst_shardings))
+    # Only the first group's shards stay referenced: the other groups' copies are freed.
+    self.latest = (int(version), jax.tree.map(source, staged, self.src_shardings, self.abstract))
 
-  def done(self) -> None:
-    """The receiver acknowledged: the staged copy can go."""
-    self._inflight = None
+  def offer(self, timeout_s: float) -> tuple[int, int]:
+    """The sender: offers the latest staged copy for one pull; returns (version, transfer id).
+    An offer nobody pulls is dropped after `timeout_s`."""
+    import datetime
+    from magistral_jax.parallel import bulk
+    if self.latest is None:
+      raise RuntimeError("WeightTransfer.offer before any stage")
+    version, src = self.latest
+    uuid = _WEIGHTS_UUID_BASE + self._offers
+    self._offers += 1
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    bulk.transfer_server().await_pull(uuid, jax.tree.leaves(src), timeout=deadline)
+    return version, uuid
 
-  def receive(self):
-    """The generator process: its params, on its devices, in the stacked layout."""
-    src = jax.tree.map(
-        lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [], dtype=a.dtype),
-        self.abstract, self.src_shardings)
-    out = jax.device_put(src, self.dst_shardings)
+  def receive(self, uuid: int):
+    """A generator process: the offered params, on its devices, in the stacked layout."""
+    from magistral_jax.parallel import bulk
+    want = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.abstract, self.dst_shardings)
+    leaves, tree = jax.tree.flatten(want)
+    out = bulk.connection(self.sender).pull(int(uuid), leaves)
     jax.block_until_ready(out)
-    return out
+    return jax.tree.unflatten(tree, out)
+
+
+# Transfer ids of weight offers, numbered as a BulkChannel's are (crc32 of a name << 31, + n).
+_WEIGHTS_UUID_BASE = zlib.crc32(b"weights") << 31

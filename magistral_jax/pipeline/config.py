@@ -24,14 +24,18 @@ class PipelineConfig:
   # sees 256 in a row about once in 10^7 groups (98%: once in 10^4).
   max_consecutive_dropped: int = 256
   wait_log_s: float = 30.0   # while the trainer waits for a batch, a progress line this often
+  # Many hosts: with every generator process lost, how long the leader waits for a relaunched one
+  # to rejoin before it stops the run (pipeline/remote.py).
+  generator_rejoin_s: float = 600.0
 
   def __post_init__(self):
     if self.mode not in ("async", "sync"):
       raise ValueError(f"pipeline.mode must be async|sync, got {self.mode!r}")
     if (min(self.n_async, self.max_queue, self.sample_every, self.max_consecutive_dropped,
-            self.wait_log_s) < 0 or self.batch_timeout_s <= 0):
+            self.wait_log_s, self.generator_rejoin_s) < 0 or self.batch_timeout_s <= 0):
       raise ValueError(f"pipeline: n_async, max_queue, sample_every, max_consecutive_dropped, "
-                       f"wait_log_s must be >= 0 and batch_timeout_s > 0, got {self}")
+                       f"wait_log_s, generator_rejoin_s must be >= 0 and batch_timeout_s > 0, "
+                       f"got {self}")
 
   def bounds(self, grpo: GRPOConfig) -> tuple[int, int]:
     """(n_async, max_queue) with the 0 default of n_async resolved; errors for bounds that could

@@ -1,30 +1,35 @@
-"""The pipeline across processes (many hosts; parallel/multihost.py has the roles).
+"""The pipeline across processes, the trainer's side (parallel/multihost.py has the roles;
+pipeline/generator_service.py the generator's side).
 
     trainer leader (process 0)                          generator process g
     Rollouts over RemoteGenerator g  --- "in" stream -->  serve_generator: a GeneratorLoop on
       (prompts, verifier pool, groups, batches)          its own devices, unchanged
                                      <-- "out" stream --  completions (tokens, log-probs,
                                                           versions), acks, errors + traceback
-    push: WeightTransfer.send on every trainer process --> WeightTransfer.receive, then
-          (device to device)                                update_params: in-flight sequences
-                                                            go on with their KV cache
+    push: WeightTransfer.stage on every trainer process, then the leader offers the copy to
+          each generator serving, which pulls it (device to device) and updates its loop in
+          flight: in-flight sequences go on with their KV cache
     LeaderRollouts --- "batch" stream --> FollowerRollouts on trainer processes 1..T-1, which
-                   --- "rows" channel -->  train on the same batches (SPMD) and take part in
-                                          every push
+                   --- "rows" channel -->  train on the same batches (SPMD) and stage every push
 
 The streams are parallel.multihost.Mailbox streams (JAX's coordination service). The training
 data does not go through them: each minibatch's packed arrays go to each other trainer process
 as only the rows its own devices hold, through a parallel.bulk.BulkChannel (device to device,
-jax.experimental.transfer); the "batch" stream says only that a batch is ready. What a
-generator process does is driven by its "in" stream: ("eval", ...), ("stage", ...), requests,
-("push", version), ("end",), ("exit",); so a restarted run needs no state on the generator hosts.
+jax.experimental.transfer); the "batch" stream says only that a batch is ready.
+
+A generator process may die. Its RemoteGenerator notices within the heartbeat timeout
+(parallel.liveness) or at its error message, stops serving and says which process was lost;
+Rollouts hands the groups it had in flight to the others (pipeline.rollouts). A relaunched
+process of the same id (a new incarnation) rejoins: the leader reads its "ready", gives it the
+current weights (the leader's staged copy: no other trainer process takes part), the running
+stage and any newer push, and it serves again. The run stops only when no generator has served
+for `pipeline.generator_rejoin_s`.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import traceback
 from typing import Callable
 
 import jax
@@ -36,27 +41,22 @@ from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.bulk import BulkChannel, LocalRows, row_ranges
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
-from magistral_jax.pipeline.groups import RolloutBatch
 from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.generator_service import in_stream, out_stream
+from magistral_jax.pipeline.groups import RolloutBatch
 from magistral_jax.pipeline.rollouts import Rollouts
 from magistral_jax.rl.minibatch import Minibatch
 
 log = logging.getLogger(__name__)
 
 # How long a trainer waits for a generator process to acknowledge a push or answer an
-# evaluation before it stops with an error naming the process (a dead process is reported
-# sooner, by the coordination service's heartbeats).
+# evaluation before it stops with an error naming the process (a dead process is found sooner,
+# by its heartbeats).
 REPLY_TIMEOUT_S = 600.0
-ERROR_LINGER_S = 60.0   # how long a failed generator process waits for the leader to read its error
-FLUSH_S = 0.05   # a generator process sends its finished samples at least this often
 
 
-def in_stream(g: int) -> str:
-  return f"gen{g}/in"
-
-
-def out_stream(g: int) -> str:
-  return f"gen{g}/out"
+class GeneratorLost(PipelineError):
+  """The generator process stopped serving: dead, hung, restarted or failed."""
 
 
 def weight_transfer(model_cfg, mesh, rules, trainer_devices) -> WeightTransfer:
@@ -71,105 +71,229 @@ def weight_transfer(model_cfg, mesh, rules, trainer_devices) -> WeightTransfer:
 # ---- the trainer side --------------------------------------------------------------------------
 
 class RemoteGenerator:
-  """A generator running in another process, as Rollouts sees a GeneratorLoop (the
-  generate.protocol.Generator it implements): submit requests, samples back through `callback`,
-  pushes, check(), the loop's counters (those the process sends with its samples)."""
+  """A generator process as the trainer leader sees it, for the whole run, across its
+  incarnations; as Rollouts sees a GeneratorLoop (the generate.protocol.Generator it implements):
+  submit requests, samples back through `callback`, `serving`, the loop's counters (those the
+  process sends with its samples). One reader thread per incarnation reads its "out" stream and
+  watches its heartbeat."""
 
-  def __init__(self, mailbox: Mailbox, index: int, process: int, engine, transfer: WeightTransfer):
+  def __init__(self, mailbox: Mailbox, index: int, process: int, transfer: WeightTransfer,
+               watch, timeout_s: float):
     self.mailbox, self.index, self.process = mailbox, index, process
-    self.engine, self.transfer = engine, transfer   # engine: limits and layout only, never run
+    self.transfer, self.watch, self.timeout_s = transfer, watch, timeout_s
+    self.engine = None   # the running stage's engine: limits and layout only, never run here
+    self.stage: int | None = None
     self.callback: Callable[[Sample], None] | None = None
     self.counters = LoopCounters()
+    self.incarnation = 0
+    self.serving = False
+    self.lost_reason: str | None = None
     self._acks: dict = {}
-    self._error: str | None = None
     self._cond = threading.Condition()
     self._reader: threading.Thread | None = None
-    self._stop = threading.Event()
-    self._pending: list[Request] = []
+    self._rejoining = 0   # the incarnation a rejoin thread is bringing in
+    self._closed = threading.Event()
 
   @property
   def name(self) -> str:
     return f"generator {self.index} (process {self.process})"
 
   def send(self, message) -> None:
-    self.mailbox.send(in_stream(self.index), message)
+    self.mailbox.send(in_stream(self.index, self.incarnation), message)
 
-  def start(self) -> "RemoteGenerator":
-    if self._reader is None:
-      self._reader = threading.Thread(target=self._read, name=f"remote-gen{self.index}",
-                                      daemon=True)
-      self._reader.start()
+  # -- life ----------------------------------------------------------------------------------
+  def connect(self, timeout_s: float = REPLY_TIMEOUT_S) -> "RemoteGenerator":
+    """The run's start: waits for the process's first heartbeat and its "ready"."""
+    inc = int(self.mailbox._client.blocking_key_value_get(f"incarnation/{self.process}",
+                                                          int(1000 * timeout_s)))
+    self._join(inc, timeout_s)
     return self
 
+  def _join(self, inc: int, timeout_s: float) -> None:
+    """Reads incarnation `inc`'s "ready" and starts reading its stream (serving from then on)."""
+    msg = self.mailbox.receive(out_stream(self.index, inc), timeout_s,
+                               what=f"{self.name} to start", between=lambda: self._check_alive(inc))
+    if msg[0] == "error":
+      raise GeneratorLost(f"{self.name} failed:\n{msg[1]}")
+    if msg != ("ready",):
+      raise PipelineError(f"{self.name}: expected ready, got {msg[0]!r}")
+    with self._cond:
+      self.incarnation, self.serving, self.lost_reason = inc, True, None
+      self._acks.clear()
+    self._reader = threading.Thread(target=self._read, args=(inc,), daemon=True,
+                                    name=f"remote-gen{self.index}.{inc}")
+    self._reader.start()
+
+  def _check_alive(self, inc: int) -> None:
+    silent = self.watch.silent_s(self.process)
+    if self.watch.incarnation(self.process) > inc:
+      raise GeneratorLost(f"{self.name} was relaunched (incarnation "
+                          f"{self.watch.incarnation(self.process)} replaces {inc})")
+    if silent > self.timeout_s:
+      raise GeneratorLost(f"{self.name} stopped sending heartbeats {silent:.0f}s ago")
+
+  def lose(self, reason: str) -> None:
+    """Stops serving (Rollouts reassigns its groups); tells the process to exit, in case it is
+    alive but hung, so that its relaunch can rejoin."""
+    with self._cond:
+      if not self.serving:
+        return
+      self.serving, self.lost_reason = False, reason
+      self._cond.notify_all()
+    log.error("%s lost: %s. The run goes on with the other generators; a relaunched process "
+              "rejoins.", self.name, reason)
+    try:
+      self.send(("exit",))
+    except Exception:
+      pass
+
+  def begin_stage(self, stage: int, engine) -> None:
+    """A stage starts: the engine its samples come from; a serving process starts the stage on
+    the latest staged weights (the caller holds transfer.lock)."""
+    self.stage, self.engine = stage, engine
+    if self.serving:
+      version, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
+      self.send(("stage", stage, version, uuid))
+
+  def end_stage(self) -> None:
+    self.stage, self.callback = None, None
+    if self.serving:
+      try:
+        self.send(("end",))
+      except Exception as e:   # a dead service: the processes are going down anyway
+        log.warning("could not end the stage on %s: %s", self.name, e)
+
+  def close(self) -> None:
+    """The run's end: the process exits, the reader stops."""
+    self._closed.set()
+    try:
+      self.send(("exit",))
+    except Exception as e:
+      log.warning("could not end %s: %s", self.name, e)
+    if self._reader is not None:
+      self._reader.join(timeout=5)
+
+  # -- Generator -----------------------------------------------------------------------------
+  def start(self) -> "RemoteGenerator":
+    return self
+
+  def stop(self, timeout: float | None = 30.0) -> None:
+    """The stage's pipeline closes (LeaderRollouts.close ends the stage)."""
+
   def submit(self, request: Request) -> None:
-    self.check()
     self.send(("requests", [request]))
 
-  def push(self, params, version: int, cast: dict | None = None) -> None:
-    """One push (Rollouts.push; every trainer process calls transfer.send in the same order):
-    the message first, so the generator joins the transfer, then the transfer, then its ack.
-    `cast` is unused: the transfer casts to the generator's serving dtype itself."""
-    self.send(("push", int(version)))
-    self.transfer.send(params)
-    self.wait_for(("ack", int(version)), f"the push of version {version}")
-    self.transfer.done()
+  def check(self) -> None:
+    """Nothing to raise: a lost generator stops serving instead (Rollouts watches `serving`)."""
+
+  def push_to(self, version: int, uuid: int) -> None:
+    self.send(("push", int(version), int(uuid)))
 
   def wait_for(self, key, what: str, timeout_s: float = REPLY_TIMEOUT_S):
+    """The reply `key` of this incarnation; GeneratorLost once it stops serving."""
     deadline = time.time() + timeout_s
     with self._cond:
       while key not in self._acks:
-        self._raise_error()
+        if not self.serving:
+          raise GeneratorLost(f"{self.name} lost while waiting for {what}: {self.lost_reason}")
         if time.time() > deadline:
           raise PipelineError(f"{self.name} did not answer {what} in {timeout_s:.0f}s")
         self._cond.wait(timeout=0.2)
       return self._acks.pop(key)
 
-  def check(self) -> None:
-    with self._cond:
-      self._raise_error()
-
-  def _raise_error(self):
-    if self._error is not None:
-      raise PipelineError(f"{self.name} failed:\n{self._error}")
-
-  def stop(self, timeout: float | None = 30.0) -> None:
-    """Stops reading its stream (joined: the next reader of the stream, e.g. an evaluation's,
-    must not lose a message to this one)."""
-    self._stop.set()
-    if self._reader is not None:
-      self._reader.join(timeout=timeout)
-      self._reader = None
-
-  def _read(self):
-    stream = out_stream(self.index)
-    while not self._stop.is_set():
+  # -- the reader ----------------------------------------------------------------------------
+  def _read(self, inc: int):
+    stream = out_stream(self.index, inc)
+    while not self._closed.is_set() and self.serving and self.incarnation == inc:
       try:
+        self._check_alive(inc)
         msg = self.mailbox.receive(stream, timeout_s=1.0)
       except TimeoutError:
         continue
-      except Exception as e:   # the service is going away (a peer died): say so, stop reading
-        with self._cond:
-          self._error = self._error or f"lost contact: {type(e).__name__}: {e}"
-          self._cond.notify_all()
-        return
+      except GeneratorLost as e:
+        self.lose(str(e))
+        break
+      except Exception as e:   # the service is going away (the leader is stopping)
+        self.lose(f"lost contact: {type(e).__name__}: {e}")
+        break
       kind = msg[0]
       if kind == "samples":
         _, samples, counters = msg
         for name, value in counters.items():
           setattr(self.counters, name, value)
+        callback = self.callback
         for s in samples:
-          if self.callback is not None:
-            self.callback(s)
+          if callback is not None:
+            callback(s)
       elif kind == "error":
-        with self._cond:
-          self._error = msg[1]
-          self._cond.notify_all()
-        log.error("%s failed:\n%s", self.name, msg[1])
-        return
+        self.lose(f"failed:\n{msg[1]}")
+        break
       else:   # ("ack", version) | ("eval", tag, result) | ("stage", si)
         with self._cond:
           self._acks[msg[:2]] = msg[2:] if len(msg) > 2 else None
           self._cond.notify_all()
+    self._watch_for_rejoin(inc)
+
+  def _watch_for_rejoin(self, lost_inc: int):
+    """After a loss: waits for a relaunched process (a newer incarnation beating), brings it in."""
+    while not self._closed.is_set():
+      inc = self.watch.incarnation(self.process)
+      if inc > lost_inc and self.watch.silent_s(self.process) < self.timeout_s:
+        try:
+          self._rejoin(inc)
+          return
+        except GeneratorLost as e:
+          log.warning("%s: incarnation %d did not rejoin: %s", self.name, inc, e)
+          lost_inc = inc
+        except Exception as e:
+          log.warning("%s: incarnation %d did not rejoin: %s: %s", self.name, inc,
+                      type(e).__name__, e)
+          lost_inc = inc
+      time.sleep(0.5)
+
+  def _rejoin(self, inc: int):
+    """Incarnation `inc`: its "ready", the running stage on the current weights, then any push
+    made meanwhile, and it serves (samples then reach the pipeline again)."""
+    log.info("%s: incarnation %d is up; rejoining it", self.name, inc)
+    stream = out_stream(self.index, inc)
+    wait = dict(timeout_s=REPLY_TIMEOUT_S, between=lambda: self._check_alive(inc))
+    msg = self.mailbox.receive(stream, what=f"{self.name} to start", **wait)
+    if msg != ("ready",):
+      raise GeneratorLost(f"expected ready, got {str(msg)[:2000]}")
+    send = lambda m: self.mailbox.send(in_stream(self.index, inc), m)
+    version = None
+    with self.transfer.lock:
+      if self.stage is not None and self.transfer.latest is not None:
+        version, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
+        send(("stage", self.stage, version, uuid))
+    if version is not None:
+      self._expect(stream, ("stage", self.stage), wait)
+    with self.transfer.lock:   # no push may slip between this check and serving
+      while (version is not None and self.stage is not None
+             and self.transfer.latest[0] != version):
+        version, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
+        send(("push", version, uuid))
+        self._expect(stream, ("ack", version), wait)
+      with self._cond:
+        self.incarnation, self.serving, self.lost_reason = inc, True, None
+        self._acks.clear()
+    log.info("%s rejoined (incarnation %d)%s", self.name, inc,
+             f" at policy version {version}" if version is not None else "")
+    self._reader = threading.Thread(target=self._read, args=(inc,), daemon=True,
+                                    name=f"remote-gen{self.index}.{inc}")
+    self._reader.start()
+
+  def _expect(self, stream: str, want: tuple, wait: dict) -> None:
+    """The next message of `stream` (this thread reads it while the process rejoins)."""
+    while True:
+      msg = self.mailbox.receive(stream, what=f"{self.name}'s {want[0]}", **wait)
+      if msg[0] == "samples":   # from a stage start racing the push: nobody waits for them
+        continue
+      if msg[0] == "error":
+        raise GeneratorLost(f"failed:\n{msg[1]}")
+      if tuple(msg[:2]) != want:
+        raise GeneratorLost(f"expected {want}, got {str(msg)[:2000]}")
+      return
 
 
 def rows_channel(mailbox: Mailbox, stage: int, follower: int, process: int) -> BulkChannel:
@@ -183,9 +307,10 @@ class LeaderRollouts(Rollouts):
   each only the rows of the global batch array (laid out by `batch_sharding`) it holds."""
 
   def __init__(self, *, mailbox: Mailbox, follower_processes, stage: int, batch_sharding,
-               **kwargs):
+               transfer: WeightTransfer, **kwargs):
     super().__init__(**kwargs)
     self.mailbox, self.stage, self.batch_sharding = mailbox, stage, batch_sharding
+    self.transfer = transfer
     self.follower_processes = tuple(follower_processes)
     self.channels = [rows_channel(mailbox, stage, f, p)
                      for f, p in enumerate(self.follower_processes)]
@@ -217,13 +342,30 @@ class LeaderRollouts(Rollouts):
       channel.wait_for_ack(600, f"trainer process {channel.dst} to receive its rows")
     return mbs
 
+  def push(self, params, version: int) -> float:
+    """Every trainer process stages the params once (FollowerRollouts.push does the same); the
+    leader offers the copy to each generator serving and waits for their acks. A generator lost
+    meanwhile is skipped (Rollouts reassigns its groups); one that rejoins gets this version."""
+    t = time.time()
+    with self.transfer.lock:
+      self.transfer.stage(params, version)
+      sent = []
+      for g in self.generators:
+        if g.serving:
+          _, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
+          g.push_to(version, uuid)
+          sent.append(g)
+      for g in sent:
+        try:
+          g.wait_for(("ack", int(version)), f"the push of version {version}")
+        except GeneratorLost as e:
+          log.warning("%s", e)
+    return time.time() - t
+
   def close(self):
     super().close()   # the feeder first: no request may follow the end of the stage
     for g in self.generators:
-      try:
-        g.send(("end",))
-      except Exception as e:   # a dead service: the processes are going down anyway
-        log.warning("could not end %s: %s", g.name, e)
+      g.end_stage()
 
 
 class FollowerBatch:
@@ -239,9 +381,9 @@ class FollowerRollouts:
   the rows its own devices hold (parallel.bulk.LocalRows, which train.step.shard_batch takes), and
   their part of every push (the staging program runs on the whole trainer mesh)."""
 
-  def __init__(self, *, mailbox: Mailbox, follower: int, process: int, stage: int, transfers,
-               batch_timeout_s: float):
-    self.mailbox, self.transfers = mailbox, transfers
+  def __init__(self, *, mailbox: Mailbox, follower: int, process: int, stage: int,
+               transfer: WeightTransfer, batch_timeout_s: float):
+    self.mailbox, self.transfer = mailbox, transfer
     self.stream = f"stage{stage}/batch/{follower}"
     self.channel = rows_channel(mailbox, stage, follower, process)
     self.batch_timeout_s = batch_timeout_s
@@ -272,9 +414,7 @@ class FollowerRollouts:
 
   def push(self, params, version: int) -> float:
     t = time.time()
-    for transfer in self.transfers:
-      transfer.send(params)
-      transfer.done()
+    self.transfer.stage(params, version)
     return time.time() - t
 
   def done(self, batch) -> None:
@@ -301,145 +441,31 @@ class FollowerRollouts:
     self.close()
 
 
-def remote_eval(layout, mailbox, transfer: WeightTransfer, params, tag: str, problems):
-  """Held-out evaluation in multihost runs: generator 0 evaluates (its engine, its verifier
-  pool); the weights reach it by the push's transfer. Every trainer process calls this (they
-  all take part in the transfer); the leader gets the result, the others None."""
-  if layout.is_leader:
-    mailbox.send(in_stream(0), ("eval", tag, problems))
-  transfer.send(params)
-  if not layout.is_leader:
-    return None
-  gen = _eval_reader(mailbox, layout)
-  result = gen.wait_for(("eval", tag), f"the {tag} evaluation")
-  gen.stop()
-  transfer.done()
-  return result[0]
 
 
-def wait_for_generators(layout, mailbox: Mailbox, timeout_s: float = REPLY_TIMEOUT_S) -> None:
-  """The leader, once, before anything else goes to the generator processes: each says it is
-  serving (it may still be starting up, e.g. importing or starting its verifier pool)."""
-  for g, process in enumerate(layout.generator_processes):
-    msg = mailbox.receive(out_stream(g), timeout_s,
-                          what=f"generator {g} (process {process}) to start")
-    if msg[0] == "error":
-      raise PipelineError(f"generator {g} (process {process}) failed:\n{msg[1]}")
-    if msg != ("ready",):
-      raise PipelineError(f"generator {g} (process {process}): expected ready, got {msg[0]!r}")
-
-
-def _eval_reader(mailbox, layout) -> RemoteGenerator:
-  return RemoteGenerator(mailbox, 0, layout.generator_processes[0], None, None).start()
-
-
-# ---- the generator side --------------------------------------------------------------------------
-
-class _Outbox:
-  """Finished samples of this process's GeneratorLoop, sent in small batches."""
-
-  def __init__(self, mailbox: Mailbox, index: int):
-    self.mailbox, self.stream = mailbox, out_stream(index)
-    self._samples: list[Sample] = []
-    self._lock = threading.Lock()
-    self._last = time.time()
-
-  def add(self, sample: Sample):
-    with self._lock:
-      self._samples.append(sample)
-
-  def flush(self, loop=None, force: bool = False):
-    with self._lock:
-      if not self._samples or not (force or time.time() - self._last >= FLUSH_S):
-        return
-      samples, self._samples = self._samples, []
-    self._last = time.time()
-    c = None if loop is None else loop.counters
-    counters = {} if c is None else dict(
-        decode_time_s=c.decode_time_s, steps=c.steps, active_slot_steps=c.active_slot_steps,
-        idle_time_s=c.idle_time_s, shared_prefix_hits=c.shared_prefix_hits)
-    self.mailbox.send(self.stream, ("samples", samples, counters))
-
-
-def _await_exit(mailbox: Mailbox, stream: str, timeout_s: float = ERROR_LINGER_S) -> None:
-  """After sending its error, a generator process stays until the leader answers ("exit",) (or
-  `timeout_s`): a process that exits at once can take the coordination service's connection down
-  before the leader has read the error, which then arrives as "lost contact", without traceback."""
-  deadline = time.time() + timeout_s
-  while time.time() < deadline:
-    try:
-      msg = mailbox.receive(stream, max(0.1, deadline - time.time()))
-    except TimeoutError:
-      return
-    if msg == ("exit",):
-      return
-
-
-def serve_generator(layout, mailbox: Mailbox, *, make_loop, make_eval, transfer: WeightTransfer,
-                    poll_s: float = 0.01) -> None:
-  """The life of a generator process: obey its "in" stream until ("exit",).
-
-  make_loop(stage, params, version) -> a GeneratorLoop for that stage (not started);
-  make_eval(tag, params, problems) -> an evaluation's result dict. An exception anywhere is sent
-  to the leader with its traceback, then re-raised (the process exits with an error)."""
-  g = layout.generator_index
-  out = _Outbox(mailbox, g)
-  stream = in_stream(g)
-  loop = None
-  # From here on this process answers (wait_for_generators): a transfer never starts before
-  # its receiver is listening.
-  mailbox.send(out.stream, ("ready",))
-  try:
+def remote_eval(layout, gens: list[RemoteGenerator] | None, transfer: WeightTransfer, params,
+                version: int, tag: str, problems, wait_s: float):
+  """Held-out evaluation in multihost runs, on the first generator serving (its engine, its
+  verifier pool), another if it is lost meanwhile; the weights reach it as a push's do. Every
+  trainer process calls this (they all stage the weights); the leader gets the result, the
+  others None. `wait_s`: how long to wait for a generator to serve when none does."""
+  with transfer.lock:
+    transfer.stage(params, version)
+    if not layout.is_leader:
+      return None
+    deadline = time.time() + wait_s
     while True:
-      msg = mailbox.poll(stream)
-      if msg is None:
-        if loop is not None:
-          loop.check()
-          out.flush(loop)
-        time.sleep(poll_s)
+      gen = next((g for g in gens if g.serving), None)
+      if gen is None:
+        if time.time() > deadline:
+          raise PipelineError(f"no generator process served for {wait_s:.0f}s: the {tag} "
+                              "evaluation cannot run (lost: " + "; ".join(
+                                  f"{g.name}: {g.lost_reason}" for g in gens) + ")")
+        time.sleep(0.5)
         continue
-      kind = msg[0]
-      if kind == "requests":
-        if loop is None:   # sent before the stage ended: nobody waits for them any more
-          continue
-        for r in msg[1]:
-          loop.submit(r)
-      elif kind == "push":
-        params = transfer.receive()
-        loop.update_params(params, msg[1])
-        mailbox.send(out.stream, ("ack", msg[1]))
-      elif kind == "stage":
-        _, stage, version = msg
-        loop = make_loop(stage, transfer.receive(), version)
-        loop.callback = out.add
-        loop.start()
-        log.info("generator %d: stage %d, policy version %d", g, stage, version)
-        mailbox.send(out.stream, ("stage", stage))
-      elif kind == "end":
-        if loop is not None:
-          loop.stop()
-          out.flush(loop, force=True)
-          loop = None
-      elif kind == "eval":
-        _, tag, problems = msg
-        result = make_eval(tag, transfer.receive(), problems)
-        mailbox.send(out.stream, ("eval", tag, result))
-      elif kind == "exit":
-        return
-      else:
-        raise ValueError(f"generator {g}: unknown message {kind!r}")
-  except BaseException:
-    tb = traceback.format_exc()
-    log.error("generator %d failed:\n%s", g, tb)
-    try:
-      mailbox.send(out.stream, ("error", f"(process {layout.process_id})\n{tb}"))
-      _await_exit(mailbox, stream)
-    except Exception:
-      pass
-    raise
-  finally:
-    if loop is not None:
+      _, uuid = transfer.offer(REPLY_TIMEOUT_S)
+      gen.send(("eval", tag, problems, uuid))
       try:
-        loop.stop()
-      except Exception:
-        pass
+        return gen.wait_for(("eval", tag), f"the {tag} evaluation")[0]
+      except GeneratorLost as e:
+        log.warning("%s; the %s evaluation moves to another generator", e, tag)

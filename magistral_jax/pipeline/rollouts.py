@@ -125,11 +125,31 @@ class Rollouts:
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
+    # Lost generators (module docstring, "A generator lost"): which one each open group went to,
+    # how many of its samples came back, the groups given up with a lost generator, and the
+    # prompts to submit again.
+    self._serving = [True] * len(self.generators)
+    self._assigned: dict[int, tuple[int, dict]] = {}   # gid -> (generator, task)
+    self._returned: collections.Counter = collections.Counter()
+    self._abandoned: set[int] = set()
+    self._retry: collections.deque[dict] = collections.deque()
+    self._none_serving_since: float | None = None
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
     self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)
     for i, g in enumerate(self.generators):
-      g.callback = (lambda c, i=i: self._generated.put((i, c)))
+      g.callback = (lambda c, i=i: self._on_sample(i, c))
+
+  def _on_sample(self, i: int, sample: Sample):
+    with self._lock:
+      gid = int(sample.request_id)
+      if gid in self._abandoned:   # its group was given up with a lost generator
+        return
+      self._returned[gid] += 1
+      if self._returned[gid] == self.group_size:   # every sample of the group is back
+        self._assigned.pop(gid, None)
+        del self._returned[gid]
+    self._generated.put((i, sample))
 
   # ---- what the trainer calls ----------------------------------------------------------------
   def start(self) -> "Rollouts":
@@ -217,6 +237,8 @@ class Rollouts:
 
   def _next_task(self):
     with self._lock:
+      if self._retry:
+        return self._retry.popleft()
       if self._prompts_exhausted:
         return None
       try:
@@ -225,8 +247,17 @@ class Rollouts:
         self._prompts_exhausted = True
         return None
 
+  def _serving_generator(self) -> int | None:
+    """The least-loaded generator that serves (under self._lock)."""
+    live = [i for i, g in enumerate(self.generators)
+            if self._serving[i] and getattr(g, "serving", True)]
+    return min(live, key=lambda i: self._gen_load[i]) if live else None
+
   def _submit_group(self) -> bool:
     """Submits the next prompt as a group of G samples to the least-loaded generator."""
+    with self._lock:
+      if self._serving_generator() is None:   # all lost: wait for one to rejoin
+        return False
     task = self._next_task()
     if task is None:
       return False
@@ -238,8 +269,14 @@ class Rollouts:
       self._generating += self.group_size
       self.max_generating = max(self.max_generating, self._generating)
       self.max_inflight = max(self.max_inflight, self._generating + self._queued)
-      i = int(np.argmin(self._gen_load))
+      i = self._serving_generator()
+      if i is None:   # lost since the check above: the task goes first next time
+        self._groups.pending.pop(gid, None)
+        self._generating -= self.group_size
+        self._retry.appendleft(task)
+        return False
       self._gen_load[i] += self.group_size
+      self._assigned[gid] = (i, task)
     try:
       self.generators[i].submit(Request(id=gid, prompt_tokens=prompt,
                                         group_size=self.group_size, metadata=task,
@@ -249,6 +286,7 @@ class Rollouts:
       # off): one bad problem, not a reason to stop feeding. Skipped, counted, logged.
       with self._lock:
         self._groups.pending.pop(gid, None)
+        self._assigned.pop(gid, None)
         self._generating -= self.group_size
         self._gen_load[i] -= self.group_size
         self._groups.counters["prompts_skipped"] += 1
@@ -267,8 +305,13 @@ class Rollouts:
       with self._room:
         while not (self._stop.is_set() or self._has_room()):
           self._room.wait(timeout=0.1)
-      if self._stop.is_set() or not self._submit_group():
+      if self._stop.is_set():
         return
+      if not self._submit_group():
+        with self._lock:
+          if self._prompts_exhausted and not self._retry:
+            return
+        time.sleep(0.1)   # no generator serves: one may rejoin
 
   def _collect(self):
     """Generated samples -> verifier pool; a future's result lands in the scored queue."""
@@ -299,6 +342,59 @@ class Rollouts:
         self._scored.put((s, res))
       fut.add_done_callback(done)
 
+  # ---- a generator lost -----------------------------------------------------------------------
+  def _watch_generators(self) -> None:
+    """Main thread, while waiting for a batch: a generator that stopped serving (a
+    RemoteGenerator whose process died; generate.protocol) has its open groups handed to the
+    others; one serving again takes requests again. With none serving for
+    pipeline.generator_rejoin_s, the run stops."""
+    for i, g in enumerate(self.generators):
+      serving = getattr(g, "serving", True)
+      if serving != self._serving[i]:
+        if serving:
+          with self._lock:
+            self._serving[i], self._gen_load[i] = True, 0
+          log.info("generator %d serves again", i)
+        else:
+          self._generator_lost(i, getattr(g, "lost_reason", None) or "stopped serving")
+    if any(self._serving):
+      self._none_serving_since = None
+      return
+    now = time.time()
+    if self._none_serving_since is None:
+      self._none_serving_since = now
+      log.warning("no generator serves: waiting up to %.0fs for one to rejoin",
+                  self.cfg.generator_rejoin_s)
+    elif now - self._none_serving_since > self.cfg.generator_rejoin_s:
+      reasons = "; ".join(f"{getattr(g, 'name', i)}: {getattr(g, 'lost_reason', None)}"
+                          for i, g in enumerate(self.generators))
+      raise PipelineError(f"every generator was lost and none rejoined in "
+                          f"{self.cfg.generator_rejoin_s:.0f}s (pipeline.generator_rejoin_s): "
+                          f"{reasons}")
+
+  def _generator_lost(self, i: int, reason: str) -> None:
+    """Generator i's open groups are given up, and their prompts submitted again as new groups:
+    samples it had returned are discarded (those already scored leave the off-policy bound at
+    once, the rest as they are scored), so no prompt is lost and none trained twice."""
+    with self._room:
+      self._serving[i] = False
+      gids = [gid for gid, (j, _) in self._assigned.items() if j == i]
+      released = 0
+      for gid in gids:
+        _, task = self._assigned.pop(gid)
+        back = self._returned.pop(gid, 0)
+        self._generating -= self.group_size - back   # never coming back
+        self._abandoned.add(gid)
+        pending = self._groups.pending.pop(gid, None)
+        released += len(pending.scored) if pending is not None else 0
+        self._retry.append(task)
+      self._gen_load[i] = 0
+      self._queued -= released
+      self._groups.counters["groups_reassigned"] += len(gids)
+      self._room.notify_all()
+    log.warning("generator %d lost (%s): its %d open group(s) go to the other generators",
+                i, reason.splitlines()[0] if reason else reason, len(gids))
+
   # ---- group assembly ------------------------------------------------------------------------
   def _drain_scored(self, timeout: float) -> int:
     """Moves scored samples into their groups (pipeline.groups); a group is scored once its last
@@ -311,6 +407,9 @@ class Rollouts:
       except queue.Empty:
         return n
       n += 1
+      if int(s.request_id) in self._abandoned:   # given up with a lost generator
+        self._release(1)
+        continue
       group = self._groups.add(s, res)
       if group is not None and group.dropped:
         self._release(len(group.completions))
@@ -346,6 +445,7 @@ class Rollouts:
       if INTERRUPTED.is_set():
         raise KeyboardInterrupt("interrupted (SIGINT) while waiting for a batch")
       self.check()
+      self._watch_generators()
       self._drain_scored(wait_s)
       if self._groups.stalled():
         self._stop_stalled()
@@ -367,7 +467,7 @@ class Rollouts:
       while len(ready) < need:
         while len(ready) + len(pending) < need and self._submit_group():
           pass
-        if not pending and self._prompts_exhausted:
+        if not pending and self._prompts_exhausted and not self._retry:
           raise StopIteration
         # Taking turns, the generation phase runs in this thread, the scoring alongside.
         tick(0.0 if self.schedule.generate() else 0.05)
@@ -375,8 +475,8 @@ class Rollouts:
     else:
       while len(ready) < need:
         tick()
-        if (self._prompts_exhausted and not pending and self._scored.empty()
-            and len(ready) < need):
+        if (self._prompts_exhausted and not self._retry and not pending
+            and self._scored.empty() and len(ready) < need):
           raise StopIteration
 
   # ---- metrics -------------------------------------------------------------------------------
@@ -425,6 +525,8 @@ class Rollouts:
         "verifier_errors": float(self.counters["verifier_errors"]),
         # Problems skipped because no generator would take their prompt (over its prefill limit).
         "prompts_skipped": float(self.counters["prompts_skipped"]),
+        # Groups given up with a lost generator and submitted again (pipeline/remote.py).
+        "groups_reassigned": float(self.counters["groups_reassigned"]),
         # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
         # shared_prefix), over the run so far, all generators.
         "generator_shared_prefix_hits": float(sum(g.counters.shared_prefix_hits

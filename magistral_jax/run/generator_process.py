@@ -1,16 +1,19 @@
 """A generator process of a many-host run (README.md, "Many hosts"): one generator on this
 process's devices, driven by the trainer leader (pipeline.remote.serve_generator), scoring the
 evaluations it is asked for with its own verifier pool. Its weights only ever come from the
-trainer, by device-to-device transfer."""
+trainer, by device-to-device transfer. A relaunched generator process (same process id) rejoins
+the running run (pipeline/remote.py)."""
 from __future__ import annotations
 
 import logging
 
 from magistral_jax.config import RunConfig
+from magistral_jax.parallel import multihost
 from magistral_jax.parallel.multihost import Mailbox, ProcessLayout
 from magistral_jax.parallel.sharding import make_mesh
+from magistral_jax.pipeline.generator_service import serve_generator
 from magistral_jax.pipeline.generators import make_generators
-from magistral_jax.pipeline.remote import serve_generator, weight_transfer
+from magistral_jax.pipeline.remote import weight_transfer
 from magistral_jax.run.evaluation import eval_loop_factory, run_eval
 from magistral_jax.run.stages import Stage, training_sampling
 from magistral_jax.verify import VerifierPool
@@ -39,9 +42,12 @@ def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLa
   def make_eval(tag, params, problems):
     return run_eval(eval_loop, pool, tok, problems, run, system_prompt, params, tag)
 
-  log.info("process %d: %s on %d device(s)", layout.process_id, layout.role, len(devices))
+  inc = multihost.incarnation()
+  log.info("process %d: %s on %d device(s)%s", layout.process_id, layout.role, len(devices),
+           f", relaunched (incarnation {inc})" if inc > 1 else "")
   try:
-    serve_generator(layout, Mailbox("run"), make_loop=make_loop, make_eval=make_eval,
-                    transfer=transfer)
+    serve_generator(layout, Mailbox("run"), incarnation=inc, make_loop=make_loop,
+                    make_eval=make_eval, transfer=transfer)
+    multihost.leave()
   finally:
     pool.close()

@@ -123,17 +123,28 @@ class RLRun:
     # (work after the last checkpoint of an interrupted process is redone, and counted once).
     self.wall0 = float(self.meta.get("wall_time_s", 0.0))
     # Many processes: the generator processes get weights (stage starts, pushes, evaluations)
-    # by device-to-device transfers that every trainer process takes part in, one per generator.
-    self.mailbox = self.transfers = None
+    # staged on every trainer process (one program) and offered by the leader, which drives each
+    # generator process through a RemoteGenerator for the whole run (pipeline/remote.py).
+    self.mailbox = self.transfer = None
+    self.remote_gens: list = []
     if layout is not None:
-      from magistral_jax.pipeline.remote import wait_for_generators, weight_transfer
+      from magistral_jax.parallel import liveness
+      from magistral_jax.pipeline.remote import RemoteGenerator, weight_transfer
+      timeout = multihost.heartbeat_timeout_s()
+      liveness.stop_on_dead_trainers(multihost.watch(), layout.trainer_processes,
+                                     layout.process_id, timeout)
       self.mailbox = multihost.Mailbox("run")
+      self.transfer = weight_transfer(model_cfg, make_mesh(run.devices.generator_mesh,
+                                                           self.gdevs[0]),
+                                      run.sharding.generator_rules, self.tdev)
       if self.leader:
-        wait_for_generators(layout, self.mailbox)
-      self.transfers = [weight_transfer(model_cfg, make_mesh(run.devices.generator_mesh, g),
-                                        run.sharding.generator_rules, self.tdev)
-                        for g in self.gdevs]
+        self.remote_gens = [RemoteGenerator(self.mailbox, g, p, self.transfer, multihost.watch(),
+                                            timeout).connect()
+                            for g, p in enumerate(layout.generator_processes)]
     self.pool = VerifierPool.from_config(run.verifier, run.reward) if self.leader else None
+    if self.pool is not None and layout is not None:   # a fatal stop closes it too
+      from magistral_jax.parallel import liveness
+      liveness.at_fatal_exit(self.pool.close)
     self.engines = {}   # generators.engine_for: the evaluation and every stage share an engine
     self.eval_loop = (eval_loop_factory(run, model_cfg, self.gdevs[0], tok, shared_prefix,
                                         self.engines) if layout is None else None)
@@ -165,7 +176,8 @@ class RLRun:
                      self.system_prompt, jax.device_get(params), tag)
     else:
       from magistral_jax.pipeline.remote import remote_eval
-      res = remote_eval(self.layout, self.mailbox, self.transfers[0], params, tag, self.heldout)
+      res = remote_eval(self.layout, self.remote_gens, self.transfer, params, self.meta["version"],
+                        tag, self.heldout, wait_s=self.run.pipeline.generator_rejoin_s)
     if self.leader and res is not None:
       write_eval(self.workdir, tag, batch, res, self.run.eval.k)
     return res
@@ -283,22 +295,19 @@ class RLRun:
                              mesh_shape=mesh_shape, version=version, seed=self.run.seed + si,
                              rules=rules, shared_prefix=self.shared_prefix, engines=self.engines)
     from magistral_jax.pipeline.generators import engine_for
-    from magistral_jax.pipeline.remote import RemoteGenerator
-    gens = []
-    if self.leader:
-      for g, devs in enumerate(self.gdevs):
-        engine = engine_for(self.model_cfg, devs, sampling, engine_cfg, mesh_shape=mesh_shape,
-                            rules=rules)
-        gens.append(RemoteGenerator(self.mailbox, g, self.layout.generator_processes[g],
-                                    engine, self.transfers[g]).start())
-        gens[-1].send(("stage", si, version))
-    for transfer in self.transfers:
-      transfer.send(self.state.params)
-    for g in gens:
-      g.wait_for(("stage", si), f"the start of stage {si}")
-    for transfer in self.transfers:
-      transfer.done()
-    return gens
+    from magistral_jax.pipeline.remote import GeneratorLost
+    with self.transfer.lock:   # a generator rejoining meanwhile gets these weights
+      self.transfer.stage(self.state.params, version)
+      for g, devs in zip(self.remote_gens, self.gdevs):
+        g.begin_stage(si, engine_for(self.model_cfg, devs, sampling, engine_cfg,
+                                     mesh_shape=mesh_shape, rules=rules))
+    for g in self.remote_gens:
+      try:
+        if g.serving:
+          g.wait_for(("stage", si), f"the start of stage {si}")
+      except GeneratorLost as e:
+        log.warning("%s", e)
+    return self.remote_gens
 
   def rollouts(self, stage: Stage, gens, prompts):
     """The stage's RolloutSource: local Rollouts, or (many processes) the leader's, which sends
@@ -310,14 +319,14 @@ class RLRun:
       return Rollouts(prompts=prompts, colocated=srun.colocated, **kw)
     from magistral_jax.pipeline.remote import FollowerRollouts, LeaderRollouts
     if self.leader:
-      return LeaderRollouts(mailbox=self.mailbox,
+      return LeaderRollouts(mailbox=self.mailbox, transfer=self.transfer,
                             follower_processes=self.layout.trainer_processes[1:],
                             batch_sharding=batch_sharding(self.tmesh, srun.sharding.trainer_rules),
                             stage=stage.index, prompts=prompts, **kw)
     me = self.layout.process_id
     return FollowerRollouts(mailbox=self.mailbox, process=me,
                             follower=self.layout.trainer_processes.index(me) - 1,
-                            stage=stage.index, transfers=self.transfers,
+                            stage=stage.index, transfer=self.transfer,
                             batch_timeout_s=srun.pipeline.batch_timeout_s)
 
   def report(self, res: dict) -> None:
@@ -343,12 +352,13 @@ class RLRun:
     an exception they do not wait: the coordination service stops the rest."""
     layout = self.layout
     if layout is not None and self.leader:
-      ends = [f"gen{g}/in" for g in range(len(layout.generator_processes))]
-      for stream in ends + [f"trainer{p}/end" for p in layout.trainer_processes[1:]]:
+      for g in self.remote_gens:
+        g.close()
+      for p in layout.trainer_processes[1:]:
         try:
-          self.mailbox.send(stream, ("exit",))
+          self.mailbox.send(f"trainer{p}/end", ("exit",))
         except Exception as e:
-          log.warning("could not end the run's %s: %s", stream, e)
+          log.warning("could not end trainer process %d: %s", p, e)
     elif layout is not None and self.finished:
       self.mailbox.receive(f"trainer{layout.process_id}/end", 7 * 24 * 3600,
                            what="the trainer leader's end of the run")
@@ -357,3 +367,7 @@ class RLRun:
       self.pool.close()
     if self.writer is not None:
       self.writer.close()
+    if layout is not None and self.leader:   # the service lives in this process
+      multihost.wait_for_others_to_leave(60)
+    elif layout is not None and self.finished:
+      multihost.leave()

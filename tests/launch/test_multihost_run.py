@@ -1,13 +1,17 @@
 """The RL run as 3 JAX processes (launch/local_cluster.py, configs/tiny.py:multihost: trainer =
 processes 0-1, FSDP over their 4 devices; generator = process 2), with its faults and resumes:
 
-1. kill -9 the generator process mid-run: every process stops within a bounded time, the error
-   names the dead process, and nothing is left running (no worker, no sandbox);
-2. the same command resumes from the last checkpoint and completes: the reward rose over the run
+1. kill -9 the generator process mid-run: the leader says which process was lost, the launcher
+   relaunches it (as a cluster's scheduler would), it rejoins with the current weights, and the
+   run goes on (tests/pipeline/test_rollouts.py: its groups go to the others, none lost, none
+   trained twice);
+2. kill -9 trainer process 1: every process stops within a bounded time, the error names the dead
+   process, and nothing is left running (no worker, no sandbox);
+3. the same command resumes from the last checkpoint and completes: the reward rose over the run
    (the short form of the full run in BENCHMARKS.md "Many hosts", as test_tiny_learns.py is of
    the one-process run), and the trainer's checkpoint, saved by two processes, restores onto
    another topology (one process, a 2-device mesh).
-A killed trainer process: tests/parallel/test_multihost.py (the same stop, without a run).
+A killed trainer process without a run: tests/parallel/test_multihost.py.
 
 The task is narrowed as in test_tiny_learns.py so that a short run learns. Not a timing test:
 the bounds are generous multiples of the heartbeat timeout (10 s here).
@@ -27,9 +31,10 @@ HEARTBEAT_S = 10
 BATCHES = 14
 
 
-def _command(workdir):
+def _command(workdir, restart=False):
   return [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
-          "--devices_per_process=2", "--grace_s=60", "--",
+          "--devices_per_process=2", "--grace_s=60",
+          *(["--restart_processes=2"] if restart else []), "--",
           os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
           f"--config=configs/tiny.py:multihost,sft_steps=50,batches={BATCHES},slip=0,"
           "n_batch=128,n_mini_per_batch=1",
@@ -99,22 +104,33 @@ def _alive(pid):
     return False
 
 
-def _run_and_kill(workdir, victim, after_rows):
-  """Starts the run, kill -9s process `victim` once `after_rows` RL batches are logged; returns
-  (launcher exit code, its output, seconds from the kill to the launcher's exit, the run's
-  process tree just before the kill)."""
-  launcher = subprocess.Popen(_command(workdir), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+def _wait_for_rows(launcher, workdir, n, timeout_s=900):
+  deadline = time.time() + timeout_s
+  while len(_rl_rows(workdir)) < n:
+    assert launcher.poll() is None, launcher.stdout.read()[-5000:]
+    assert time.time() < deadline, f"the run did not reach batch {n}"
+    time.sleep(1)
+
+
+def _kill(launcher, process_id):
+  pid = _process(process_id, launcher.pid)
+  assert pid is not None
+  os.kill(pid, signal.SIGKILL)
+
+
+def _run_kill_generator_then_trainer(workdir):
+  """Starts the run (generator process relaunched when it dies), kill -9s the generator once 3
+  RL batches are logged, waits for 3 more, then kill -9s trainer process 1; returns (launcher exit
+  code, its output, seconds from the second kill to the launcher's exit, the run's process tree
+  just before it)."""
+  launcher = subprocess.Popen(_command(workdir, restart=True), cwd=ROOT, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
-    deadline = time.time() + 900
-    while len(_rl_rows(workdir)) < after_rows:
-      assert launcher.poll() is None, launcher.stdout.read()[-5000:]
-      assert time.time() < deadline, "the run did not reach the batch to kill at"
-      time.sleep(1)
+    _wait_for_rows(launcher, workdir, 3)
+    _kill(launcher, 2)
+    _wait_for_rows(launcher, workdir, 6)
     tree = _pids_of(launcher.pid)
-    pid = _process(victim, launcher.pid)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    _kill(launcher, 1)
     t_kill = time.time()
     out, _ = launcher.communicate(timeout=300)
     return launcher.returncode, out, time.time() - t_kill, tree
@@ -126,10 +142,10 @@ def _run_and_kill(workdir, victim, after_rows):
 def _assert_stopped_cleanly(rc, out, took, tree, victim):
   assert rc != 0, out[-5000:]
   assert f"process {victim} exited with code -9 (killed by SIGKILL)" in out, out[-5000:]
-  # The survivors stop by themselves: the coordination service names the dead task (or a
-  # collective with it fails first).
-  assert any(m in out for m in ("stopped sending heartbeats", "unhealthy", "Gloo", "gloo",
-                                "UNAVAILABLE")), out[-8000:]
+  # The survivors stop by themselves: the leader's liveness watch names the dead process (or a
+  # collective with it fails first), and the generator loses the service with the leader.
+  assert any(m in out for m in (f"trainer process {victim} stopped sending heartbeats", "Gloo",
+                                "gloo")), out[-8000:]
   assert took < 6 * HEARTBEAT_S + 60, took
   time.sleep(1)
   assert not [p for p in tree if _alive(p)], "orphans: " + ", ".join(
@@ -139,10 +155,14 @@ def _assert_stopped_cleanly(rc, out, took, tree, victim):
 @pytest.mark.slow
 def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   workdir = str(tmp_path / "run")
-  # 1. The generator process dies.
-  rc, out, took, tree = _run_and_kill(workdir, victim=2, after_rows=3)
-  _assert_stopped_cleanly(rc, out, took, tree, victim=2)
-  # 2. Resume to the end.
+  # 1. The generator process dies and comes back; 2. a trainer process dies.
+  rc, out, took, tree = _run_kill_generator_then_trainer(workdir)
+  assert "process 2 exited with code -9 (killed by SIGKILL); relaunching it (1 of 3)" in out, \
+      out[-5000:]
+  assert "generator 0 (process 2) lost" in out, out[-5000:]
+  assert "generator 0 (process 2) rejoined (incarnation 2) at policy version" in out, out[-5000:]
+  _assert_stopped_cleanly(rc, out, took, tree, victim=1)
+  # 3. Resume to the end.
   r = subprocess.run(_command(workdir), cwd=ROOT, env=_env(), capture_output=True, text=True,
                      timeout=1200)
   assert r.returncode == 0, r.stdout[-6000:]

@@ -27,9 +27,10 @@ from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel import make_mesh, multihost
 from magistral_jax.parallel.sharding import param_shardings
 from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
-from magistral_jax.pipeline.remote import (RemoteGenerator, in_stream, out_stream,
-                                           serve_generator, weight_transfer)
+from magistral_jax.parallel import liveness
 from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.generator_service import in_stream, out_stream, serve_generator
+from magistral_jax.pipeline.remote import RemoteGenerator, weight_transfer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, max_position_embeddings=64, param_dtype="float32",
@@ -111,45 +112,45 @@ def main(scenario, tmp=None):
       return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
                           host_params(version), shardings)
 
+    liveness.stop_on_dead_trainers(multihost.watch(), (0, 1), layout.process_id, 10)
     if scenario in ("transfer", "trainer_killed"):
       for version in ((1, 2) if scenario == "transfer" else (1,)):
+        transfer.stage(on_trainer(version), version)
         if layout.is_leader:
-          mailbox.send(in_stream(0), ("push", version))
-        transfer.send(on_trainer(version))
-        if layout.is_leader:
-          assert mailbox.receive(out_stream(0), 120) == ("ack", version)
-        transfer.done()
+          _, uuid = transfer.offer(120)
+          mailbox.send(in_stream(0, 1), ("push", version, uuid))
+          assert mailbox.receive(out_stream(0, 1), 120) == ("ack", version)
       print("OK: pushed", flush=True)
       if scenario == "trainer_killed":
         if layout.is_leader:   # once the generator's pool is up, process 1 dies
-          assert mailbox.receive(out_stream(0), 120) == ("ready",)
+          assert mailbox.receive(out_stream(0, 1), 120) == ("ready",)
           mailbox.send("go", True)
         else:
           mailbox.receive("go", 120)
           os.kill(os.getpid(), signal.SIGKILL)
-        mailbox.receive("never", 600)   # the coordination service stops this process first
+        mailbox.receive("never", 600)   # the liveness watch stops this process first
     elif scenario == "generator_raises":
-      gen = RemoteGenerator(mailbox, 0, 2, None, transfer).start() if layout.is_leader else None
-      if gen is not None:
-        gen.send(("stage", 0, 0))
-      transfer.send(on_trainer(1))
+      gen = (RemoteGenerator(mailbox, 0, 2, transfer, multihost.watch(), 10).connect()
+             if layout.is_leader else None)
+      with transfer.lock:
+        transfer.stage(on_trainer(1), 0)
+        if gen is not None:
+          gen.begin_stage(0, None)
       if gen is not None:
         error = None
         try:
           gen.wait_for(("stage", 0), "the stage start", timeout_s=120)
         except PipelineError as e:
           error = e
-        # The reader thread logs the error to stderr, which shares this process's pipe: it is
-        # joined first, and the line is printed in one write, so no log line lands inside it.
-        gen.stop()
+        gen.close()   # as the run's leader does on its way out (run/train.py)
         if error is not None:
           sys.stdout.write(f"OK: the leader got: {str(error)!r}\n")
           sys.stdout.flush()
-        mailbox.send(in_stream(0), ("exit",))   # as the run's leader does on its way out (run/train.py)
   elif scenario in ("transfer", "trainer_killed"):
     for version in ((1, 2) if scenario == "transfer" else (1,)):
-      assert mailbox.receive(in_stream(0), 120) == ("push", version)
-      got = transfer.receive()
+      kind, v, uuid = mailbox.receive(in_stream(0, 1), 120)
+      assert (kind, v) == ("push", version)
+      got = transfer.receive(uuid)
       want = host_params(version)
       for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                          jax.tree.leaves(transfer.dst_shardings)):
@@ -157,7 +158,7 @@ def main(scenario, tmp=None):
         for shard in g.addressable_shards:
           np.testing.assert_array_equal(np.asarray(shard.data, np.float32),
                                         w[shard.index].astype(g.dtype).astype(np.float32))
-      mailbox.send(out_stream(0), ("ack", version))
+      mailbox.send(out_stream(0, 1), ("ack", version))
     print("OK: received", flush=True)
     if scenario == "trainer_killed":
       from magistral_jax.rewards import RewardConfig
@@ -165,14 +166,16 @@ def main(scenario, tmp=None):
       pool = VerifierPool(1, RewardConfig())
       with open(os.path.join(tmp, "pids"), "w") as f:
         f.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))
-      mailbox.send(out_stream(0), ("ready",))
+      mailbox.send(out_stream(0, 1), ("ready",))
       mailbox.receive("never", 600)
       pool.close()
   elif scenario == "generator_raises":
     def make_loop(stage, params, version):
       raise RuntimeError("boom: the generator could not start")
-    serve_generator(layout, mailbox, make_loop=make_loop, make_eval=None, transfer=transfer)
+    serve_generator(layout, mailbox, incarnation=multihost.incarnation(), make_loop=make_loop,
+                    make_eval=None, transfer=transfer)
 
 
 if __name__ == "__main__":
   main(sys.argv[1], *[a for a in sys.argv[2:3] if not a.startswith("--")])
+  multihost.finish()   # the service's host (process 0) leaves last

@@ -296,3 +296,82 @@ def test_a_prompt_the_generators_refuse_is_skipped_and_the_run_goes_on(caplog):
   assert pipe.counters["prompts_skipped"] >= 1
   assert "skipping a problem the generators refuse" in caplog.text
   assert not pipe._errors
+
+
+class LosingGenerator(ScriptedGenerator):
+  """A generator process that dies: it answers `answer_before_loss` samples of its first request,
+  then stops serving (as a RemoteGenerator whose process died) and never answers again, until
+  `rejoin()` (a relaunched process)."""
+
+  def __init__(self, respond, answer_before_loss=2):
+    super().__init__(respond)
+    self.serving, self.lost_reason, self.name = True, None, "generator 1 (process 3)"
+    self.answer_before_loss, self.requests = answer_before_loss, []
+
+  def rejoin(self):
+    self.serving, self.lost_reason = True, None
+
+  def _answer(self, r):
+    self.requests.append(r)
+    if not self.serving:
+      return
+    if len(self.requests) == 1:
+      for i in range(self.answer_before_loss):
+        tokens = TOK.encode(self.respond(r.metadata, i))
+        self.callback(Sample(r.id, i, list(r.prompt_tokens), tokens, np.zeros(len(tokens)),
+                             np.zeros(len(tokens), np.int32), "eos", r.metadata))
+      self.serving, self.lost_reason = False, "stopped sending heartbeats 10s ago"
+      return
+    super()._answer(r)
+
+
+def _two_generators(lost, **pipeline):
+  return Rollouts(generators=[ScriptedGenerator(right_or_wrong, 0.01), lost], pool=InlinePool(),
+                  tokenizer=TOK, prompts=map(math_task, itertools.count()), grpo_cfg=GRPO,
+                  cfg=PipelineConfig(**pipeline))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_lost_generators_groups_go_to_the_others_none_lost_none_twice(mode, caplog):
+  lost = LosingGenerator(right_or_wrong)
+  with caplog.at_level(logging.WARNING), _two_generators(lost, mode=mode) as r:
+    tasks = []
+    for _ in range(4):
+      batch = r.next_batch()
+      tasks += [g.info[0].metadata["id"] for g in batch.groups]
+      # Every group of a batch is whole, and from one generator's G samples.
+      assert all(len(g.completions) == GRPO.group_size for g in batch.groups)
+      r.done(batch)
+    first = lost.requests[0].metadata["id"]
+    assert first in tasks   # its prompt was generated again, by the other generator
+    assert len(tasks) == len(set(tasks))   # and no prompt was trained on twice
+    assert r.counters["groups_reassigned"] >= 1
+    assert len(lost.requests) == 1 or not lost.serving   # no request once lost
+    # The in-flight accounting is whole again: what the lost generator had returned is released.
+    assert r._generating >= 0 and r._queued >= 0
+    assert r._generating + r._queued <= r.n_async + r.max_queue
+  assert "generator 1 lost (stopped sending heartbeats 10s ago)" in caplog.text
+
+
+def test_a_rejoined_generator_takes_requests_again():
+  lost = LosingGenerator(right_or_wrong)
+  with _two_generators(lost) as r:
+    r.done(r.next_batch())
+    assert not lost.serving
+    n = len(lost.requests)
+    lost.rejoin()
+    for _ in range(3):
+      r.done(r.next_batch())
+    assert len(lost.requests) > n
+
+
+def test_with_every_generator_lost_the_run_waits_then_stops_naming_them():
+  lost = LosingGenerator(right_or_wrong)
+  r = Rollouts(generators=[lost], pool=InlinePool(), tokenizer=TOK,
+               prompts=map(math_task, itertools.count()), grpo_cfg=GRPO,
+               cfg=PipelineConfig(generator_rejoin_s=1.0))
+  t = time.time()
+  with r, pytest.raises(PipelineError, match=r"every generator was lost and none rejoined in 1s"
+                        r".*generator 1 \(process 3\): stopped sending heartbeats"):
+    r.next_batch()
+  assert time.time() - t < 30

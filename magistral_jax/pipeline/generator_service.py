@@ -1,0 +1,150 @@
+"""The generator side of a many-host run (pipeline/remote.py has the trainer side): a generator
+process obeys its "in" stream and answers on its "out" stream.
+
+Its streams are named by its generator index and incarnation (parallel.liveness: how many times
+that process id has started), so a relaunched process talks to the leader on fresh streams and
+nothing the leader sent its predecessor reaches it. What it does is driven by the messages:
+
+    ("stage", stage, version, uuid)   pull the weights (WeightTransfer offer `uuid`), start a
+                                      GeneratorLoop for `stage`; answer ("stage", stage)
+    ("requests", [Request, ...])      submit them; finished samples go back as ("samples", ...)
+    ("push", version, uuid)           pull the weights, update the loop in flight; ("ack", version)
+    ("end",)                          stop the loop, send the last samples
+    ("eval", tag, problems, uuid)     an evaluation on the pulled weights; ("eval", tag, result)
+    ("exit",)                         return
+so a restarted run, or a relaunched process, needs no state on the generator hosts.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from magistral_jax.generate.requests import Sample
+from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
+
+log = logging.getLogger(__name__)
+
+ERROR_LINGER_S = 60.0   # how long a failed generator process waits for the leader to read its error
+FLUSH_S = 0.05   # a generator process sends its finished samples at least this often
+
+
+def in_stream(g: int, incarnation: int) -> str:
+  return f"gen{g}.{incarnation}/in"
+
+
+def out_stream(g: int, incarnation: int) -> str:
+  return f"gen{g}.{incarnation}/out"
+
+
+class _Outbox:
+  """Finished samples of this process's GeneratorLoop, sent in small batches."""
+
+  def __init__(self, mailbox: Mailbox, stream: str):
+    self.mailbox, self.stream = mailbox, stream
+    self._samples: list[Sample] = []
+    self._lock = threading.Lock()
+    self._last = time.time()
+
+  def add(self, sample: Sample):
+    with self._lock:
+      self._samples.append(sample)
+
+  def flush(self, loop=None, force: bool = False):
+    with self._lock:
+      if not self._samples or not (force or time.time() - self._last >= FLUSH_S):
+        return
+      samples, self._samples = self._samples, []
+    self._last = time.time()
+    c = None if loop is None else loop.counters
+    counters = {} if c is None else dict(
+        decode_time_s=c.decode_time_s, steps=c.steps, active_slot_steps=c.active_slot_steps,
+        idle_time_s=c.idle_time_s, shared_prefix_hits=c.shared_prefix_hits)
+    self.mailbox.send(self.stream, ("samples", samples, counters))
+
+
+def _await_exit(mailbox: Mailbox, stream: str, timeout_s: float = ERROR_LINGER_S) -> None:
+  """After sending its error, a generator process stays until the leader answers ("exit",) (or
+  `timeout_s`): a process that exits at once can take its key-value writes with it before the
+  leader has read the error, which then arrives as a lost process, without traceback."""
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    try:
+      msg = mailbox.receive(stream, max(0.1, deadline - time.time()))
+    except TimeoutError:
+      return
+    if msg == ("exit",):
+      return
+
+
+def serve_generator(layout, mailbox: Mailbox, *, incarnation: int, make_loop, make_eval,
+                    transfer: WeightTransfer, poll_s: float = 0.01) -> None:
+  """The life of a generator process: obey its "in" stream until ("exit",).
+
+  make_loop(stage, params, version) -> a GeneratorLoop for that stage (not started);
+  make_eval(tag, params, problems) -> an evaluation's result dict. An exception anywhere is sent
+  to the leader with its traceback, then re-raised (the process exits with an error)."""
+  g = layout.generator_index
+  stream, out = in_stream(g, incarnation), _Outbox(mailbox, out_stream(g, incarnation))
+  loop = None
+  # From here on this process answers: the leader offers no weights before it reads this.
+  mailbox.send(out.stream, ("ready",))
+  try:
+    while True:
+      msg = mailbox.poll(stream)
+      if msg is None:
+        if loop is not None:
+          loop.check()
+          out.flush(loop)
+        time.sleep(poll_s)
+        continue
+      kind = msg[0]
+      if kind == "requests":
+        if loop is None:   # sent before the stage ended: nobody waits for them any more
+          continue
+        for r in msg[1]:
+          loop.submit(r)
+      elif kind == "push":
+        _, version, uuid = msg
+        params = transfer.receive(uuid)
+        if loop is not None:
+          loop.update_params(params, version)
+        mailbox.send(out.stream, ("ack", version))
+      elif kind == "stage":
+        _, stage, version, uuid = msg
+        if loop is not None:   # a stage start replaces the running one
+          loop.stop()
+        loop = make_loop(stage, transfer.receive(uuid), version)
+        loop.callback = out.add
+        loop.start()
+        log.info("generator %d: stage %d, policy version %d", g, stage, version)
+        mailbox.send(out.stream, ("stage", stage))
+      elif kind == "end":
+        if loop is not None:
+          loop.stop()
+          out.flush(loop, force=True)
+          loop = None
+      elif kind == "eval":
+        _, tag, problems, uuid = msg
+        result = make_eval(tag, transfer.receive(uuid), problems)
+        mailbox.send(out.stream, ("eval", tag, result))
+      elif kind == "exit":
+        return
+      else:
+        raise ValueError(f"generator {g}: unknown message {kind!r}")
+  except BaseException:
+    tb = traceback.format_exc()
+    log.error("generator %d failed:\n%s", g, tb)
+    try:
+      mailbox.send(out.stream, ("error", f"(process {layout.process_id})\n{tb}"))
+      _await_exit(mailbox, stream)
+    except Exception:
+      pass
+    raise
+  finally:
+    if loop is not None:
+      try:
+        loop.stop()
+      except Exception:
+        pass
