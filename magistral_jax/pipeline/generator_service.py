@@ -7,7 +7,8 @@ nothing the leader sent its predecessor reaches it. What it does is driven by th
 
     ("stage", stage, version, uuid)   pull the weights (WeightTransfer offer `uuid`), start a
                                       GeneratorLoop for `stage`; answer ("stage", stage)
-    ("requests", [Request, ...])      submit them; finished samples go back as ("samples", ...)
+    ("requests", [Request, ...])      submit them; finished samples go back as ("samples", ...),
+                                      scored here with verifier.placement="generators"
     ("push", version, uuid)           pull the weights, update the loop in flight; ("ack", version)
     ("end",)                          stop the loop, send the last samples
     ("eval", tag, problems, uuid)     an evaluation on the pulled weights; ("eval", tag, result)
@@ -23,6 +24,7 @@ import traceback
 
 from magistral_jax.generate.requests import Sample
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
+from magistral_jax.rewards.reward import failed_result
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,11 @@ class _Outbox:
 
   def __init__(self, mailbox: Mailbox, stream: str):
     self.mailbox, self.stream = mailbox, stream
-    self._samples: list[Sample] = []
+    self._samples: list = []   # Sample, or (Sample, RewardResult) when scored here
     self._lock = threading.Lock()
     self._last = time.time()
 
-  def add(self, sample: Sample):
+  def add(self, sample):
     with self._lock:
       self._samples.append(sample)
 
@@ -78,13 +80,31 @@ def _await_exit(mailbox: Mailbox, stream: str, timeout_s: float = ERROR_LINGER_S
       return
 
 
+def scored_by(score, add):
+  """A loop callback that scores each finished sample (`score(sample)` -> Future[RewardResult],
+  a verifier pool's submit) and hands `add` the pair once it is scored."""
+  def on_sample(sample: Sample):
+    fut = score(sample)   # blocks while the pool's queue is full: generation waits for scoring
+
+    def done(f):
+      try:
+        result = f.result()
+      except Exception as e:   # the pool resolves failures itself; this is a last resort
+        result = failed_result(f"verifier failed: {type(e).__name__}: {e}")
+      add((sample, result))
+    fut.add_done_callback(done)
+  return on_sample
+
+
 def serve_generator(layout, mailbox: Mailbox, *, incarnation: int, make_loop, make_eval,
-                    transfer: WeightTransfer, poll_s: float = 0.01) -> None:
+                    transfer: WeightTransfer, score=None, poll_s: float = 0.01) -> None:
   """The life of a generator process: obey its "in" stream until ("exit",).
 
   make_loop(stage, params, version) -> a GeneratorLoop for that stage (not started);
-  make_eval(tag, params, problems) -> an evaluation's result dict. An exception anywhere is sent
-  to the leader with its traceback, then re-raised (the process exits with an error)."""
+  make_eval(tag, params, problems) -> an evaluation's result dict; score: None (the leader
+  scores) or score(sample) -> Future[RewardResult] (verifier.placement="generators": samples go
+  back scored, as (sample, result)). An exception anywhere is sent to the leader with its
+  traceback, then re-raised (the process exits with an error)."""
   g = layout.generator_index
   stream, out = in_stream(g, incarnation), _Outbox(mailbox, out_stream(g, incarnation))
   loop = None
@@ -116,7 +136,7 @@ def serve_generator(layout, mailbox: Mailbox, *, incarnation: int, make_loop, ma
         if loop is not None:   # a stage start replaces the running one
           loop.stop()
         loop = make_loop(stage, transfer.receive(uuid), version)
-        loop.callback = out.add
+        loop.callback = out.add if score is None else scored_by(score, out.add)
         loop.start()
         log.info("generator %d: stage %d, policy version %d", g, stage, version)
         mailbox.send(out.stream, ("stage", stage))

@@ -222,9 +222,9 @@ class RemoteGenerator:
         for name, value in counters.items():
           setattr(self.counters, name, value)
         callback = self.callback
-        for s in samples:
+        for s in samples:   # (sample, result) when the generator process scored it
           if callback is not None:
-            callback(s)
+            callback(*s) if isinstance(s, tuple) else callback(s)
       elif kind == "error":
         self.lose(f"failed:\n{msg[1]}")
         break

@@ -108,7 +108,7 @@ class Rollouts:
     self.system_prompt = system_prompt
     self._rng = np.random.default_rng(seed)
     self._scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
-    self._generated: queue.Queue[tuple[int, Sample]] = queue.Queue()
+    self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
     self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped)
     self.counters = self._groups.counters
     self._next_gid = 0
@@ -138,9 +138,11 @@ class Rollouts:
     self.colocated = bool(colocated)
     self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)
     for i, g in enumerate(self.generators):
-      g.callback = (lambda c, i=i: self._on_sample(i, c))
+      g.callback = (lambda c, result=None, i=i: self._on_sample(i, c, result))
 
-  def _on_sample(self, i: int, sample: Sample):
+  def _on_sample(self, i: int, sample: Sample, result: RewardResult | None = None):
+    """A generator's finished sample (scored already when its generator process scores:
+    verifier.placement="generators")."""
     with self._lock:
       gid = int(sample.request_id)
       if gid in self._abandoned:   # its group was given up with a lost generator
@@ -149,7 +151,7 @@ class Rollouts:
       if self._returned[gid] == self.group_size:   # every sample of the group is back
         self._assigned.pop(gid, None)
         del self._returned[gid]
-    self._generated.put((i, sample))
+    self._generated.put((i, sample, result))
 
   # ---- what the trainer calls ----------------------------------------------------------------
   def start(self) -> "Rollouts":
@@ -317,7 +319,7 @@ class Rollouts:
     """Generated samples -> verifier pool; a future's result lands in the scored queue."""
     while not self._stop.is_set():
       try:
-        i, s = self._generated.get(timeout=0.05)
+        i, s, scored = self._generated.get(timeout=0.05)
       except queue.Empty:
         continue
       with self._room:
@@ -325,6 +327,9 @@ class Rollouts:
         self._generating -= 1
         self._queued += 1
         self._room.notify_all()
+      if scored is not None:   # by its generator process's pool
+        self._scored.put((s, scored))
+        continue
       response = self.tokenizer.decode(s.tokens)
       t_submit = time.time()
       try:

@@ -1,6 +1,7 @@
 """A generator process of a many-host run (README.md, "Many hosts"): one generator on this
 process's devices, driven by the trainer leader (pipeline.remote.serve_generator), scoring the
-evaluations it is asked for with its own verifier pool. Its weights only ever come from the
+evaluations it is asked for with its own verifier pool (and, with verifier.placement=
+"generators", every completion it generates). Its weights only ever come from the
 trainer, by device-to-device transfer. A relaunched generator process (same process id) rejoins
 the running run (pipeline/remote.py)."""
 from __future__ import annotations
@@ -42,12 +43,17 @@ def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLa
   def make_eval(tag, params, problems):
     return run_eval(eval_loop, pool, tok, problems, run, system_prompt, params, tag)
 
+  score = None   # the leader scores, unless this host's pool does (verifier.placement)
+  if run.verifier.placement == "generators":
+    def score(sample):
+      return pool.submit(sample.metadata, tok.decode(sample.tokens), len(sample.tokens),
+                         int(sample.request_id))
   inc = multihost.incarnation()
   log.info("process %d: %s on %d device(s)%s", layout.process_id, layout.role, len(devices),
            f", relaunched (incarnation {inc})" if inc > 1 else "")
   try:
     serve_generator(layout, Mailbox("run"), incarnation=inc, make_loop=make_loop,
-                    make_eval=make_eval, transfer=transfer)
+                    make_eval=make_eval, transfer=transfer, score=score)
     multihost.leave()
   finally:
     pool.close()

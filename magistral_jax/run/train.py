@@ -52,6 +52,9 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
   layout = multihost.process_layout(run.devices)   # None: one process
   if layout is None:   # every config error before any work, device counts included
     run.devices.check_layout(jax.device_count())
+    if run.verifier.placement != "leader":
+      raise ValueError(f"verifier.placement={run.verifier.placement!r} scores on the generator "
+                       "processes of a many-host run; this run is one process (use leader)")
   stages = stage_list(config, run)
   if layout is None or layout.is_leader:
     os.makedirs(workdir, exist_ok=True)
@@ -141,7 +144,10 @@ class RLRun:
         self.remote_gens = [RemoteGenerator(self.mailbox, g, p, self.transfer, multihost.watch(),
                                             timeout).connect()
                             for g, p in enumerate(layout.generator_processes)]
-    self.pool = VerifierPool.from_config(run.verifier, run.reward) if self.leader else None
+    # The leader's pool scores the completions, unless the generator processes do.
+    scores_here = layout is None or run.verifier.placement == "leader"
+    self.pool = (VerifierPool.from_config(run.verifier, run.reward)
+                 if self.leader and scores_here else None)
     if self.pool is not None and layout is not None:   # a fatal stop closes it too
       from magistral_jax.parallel import liveness
       liveness.at_fatal_exit(self.pool.close)

@@ -105,9 +105,12 @@ class VerifierPool:
     self._thread.start()
 
   @classmethod
-  def from_config(cls, cfg: VerifierConfig,
-                  reward_cfg: RewardConfig | None = None) -> "VerifierPool":
-    """The pool the run config's `verifier` section describes, scoring with `reward_cfg`."""
+  def from_config(cls, cfg: VerifierConfig, reward_cfg: RewardConfig | None = None):
+    """The pool the run config's `verifier` section describes (this class, or the Ray backend
+    for verifier.backend="ray"), scoring with `reward_cfg`."""
+    if cfg.backend == "ray":
+      from magistral_jax.verify.ray_pool import RayVerifierPool
+      return RayVerifierPool.from_config(cfg, reward_cfg)
     return cls(num_workers=cfg.num_workers, reward_cfg=reward_cfg,
                task_timeout_s=cfg.task_timeout_s, max_tasks_per_worker=cfg.max_tasks_per_worker)
 

@@ -67,6 +67,16 @@ class RayVerifierPool:
     self._thread = threading.Thread(target=self._loop, daemon=True, name="ray-verifier-pool")
     self._thread.start()
 
+  @classmethod
+  def from_config(cls, cfg, reward_cfg: RewardConfig | None = None) -> "RayVerifierPool":
+    """The run config's `verifier` section (verify/config.py): joins the Ray cluster at
+    verifier.ray_address ("" starts a Ray instance on this host)."""
+    ray = _ray()
+    if cfg.ray_address and not ray.is_initialized():
+      ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False)
+    return cls(num_workers=cfg.num_workers, reward_cfg=reward_cfg,
+               task_timeout_s=cfg.task_timeout_s, max_tasks_per_worker=cfg.max_tasks_per_worker)
+
   def _new_actor(self, slot):
     return self._actor_cls.remote(self.uid_base + slot, self.reward_cfg)
 

@@ -40,7 +40,9 @@ def _command(workdir, restart=False):
           "n_batch=128,n_mini_per_batch=1",
           "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
           "--config.data.max_operand=4", "--config.data.max_steps=2",
-          "--config.checkpoint.every=2"]
+          "--config.checkpoint.every=2",
+          # A verifier pool per host: the generator process scores its own completions.
+          "--config.verifier.placement=generators"]
 
 
 def _env():

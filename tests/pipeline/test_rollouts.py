@@ -375,3 +375,30 @@ def test_with_every_generator_lost_the_run_waits_then_stops_naming_them():
                         r".*generator 1 \(process 3\): stopped sending heartbeats"):
     r.next_batch()
   assert time.time() - t < 30
+
+
+class ScoringGenerator(ScriptedGenerator):
+  """A generator process that scores its own samples (verifier.placement="generators"): each
+  comes back with its RewardResult, and the leader's pool is never asked."""
+
+  def _answer(self, r):
+    for i in range(r.group_size):
+      text = self.respond(r.metadata, i)
+      tokens = TOK.encode(text)
+      result = compute_reward(r.metadata, text, len(tokens),
+                              dataclasses.replace(REWARD, math_timeout_s=0), r.id)
+      self.callback(Sample(r.id, i, list(r.prompt_tokens), tokens, np.zeros(len(tokens)),
+                           np.zeros(len(tokens), np.int32), "eos", r.metadata), result)
+
+
+def test_samples_scored_by_their_generator_process_skip_the_leaders_pool():
+  class NoPool:
+    def submit(self, *args):
+      raise AssertionError("the leader's pool was asked")
+
+  r = Rollouts(generators=[ScoringGenerator(right_or_wrong)], pool=NoPool(), tokenizer=TOK,
+               prompts=map(math_task, itertools.count()), grpo_cfg=GRPO)
+  with r:
+    batch = r.next_batch()
+  rewards = [res.reward for g in batch.groups for res in g.results]
+  assert len(rewards) == GRPO.n_batch and set(rewards) == {0.1, 1.0}   # wrong, right answers

@@ -340,10 +340,13 @@ _RAY_CHECK = r"""
 import os
 import ray
 from tests.verify.test_pool import CFG, GOOD, MATH, STDIN, _code, _math
-from magistral_jax.verify import RayVerifierPool
+from magistral_jax.verify import RayVerifierPool, VerifierConfig, VerifierPool
 ray.init(num_cpus=2, include_dashboard=False)
 try:
-  with RayVerifierPool(2, CFG, task_timeout_s=30) as p:
+  # The run config's verifier.backend="ray" builds this backend.
+  cfg = VerifierConfig(num_workers=2, task_timeout_s=30, backend="ray")
+  with VerifierPool.from_config(cfg, CFG) as p:
+    assert isinstance(p, RayVerifierPool)
     assert p.submit(MATH, _math(5)).result(timeout=120).reward == 1.0
     assert p.submit(STDIN, GOOD).result(timeout=120).reward == 1.0
     # The actors' sandbox is the same: a private filesystem, and a write to /tmp goes nowhere.
