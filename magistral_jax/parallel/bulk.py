@@ -11,11 +11,11 @@ A BulkChannel sends named numpy arrays from one process to another through JAX's
 library (`jax.experimental.transfer`): each process runs one TransferServer, whose address it
 publishes in the key-value store once. The sender packs a message's arrays into one byte buffer,
 puts it on one of its devices and offers it under a fresh id (`await_pull`); a Mailbox message
-gives the receiver the id and the arrays' names, dtypes, shapes and offsets, and the receiver
-pulls the buffer onto one of its own devices over its connection to the sender's server. The
-ids are ours, so transfers between different pairs of processes, on different threads, need no
-common order (`jax.device_put` across processes, which WeightTransfer uses, matches the two ends
-by each process's count of transfers, so every process would have to make them in one order).
+gives the receiver the id, the sender's server address and the arrays' names, dtypes, shapes
+and offsets, and the receiver pulls the buffer onto one of its own devices over its connection
+to that server. The ids are ours, so transfers between different pairs of processes, on
+different threads, need no common order, and a relaunched process takes part at once
+(`jax.device_put` across processes matches the two ends by each process's count of transfers).
 On CPU and GPU the bytes go over the servers' sockets in chunks of TRANSFER_CHUNK_BYTES.
 
 LocalRows is what a trainer process gets of a training batch: only the rows its own devices hold
@@ -61,21 +61,27 @@ def transfer_server():
     return _server
 
 
-_connections: dict[int, Any] = {}
+_connections: dict[str, Any] = {}
+
+
+def connection_at(address: str):
+  """This process's connection to the transfer server at `address` (made once). Keyed by the
+  address: a relaunched process's server has a new one."""
+  with _server_lock:
+    conn = _connections.get(address)
+  if conn is None:
+    conn = transfer_server().connect(address)
+    with _server_lock:
+      conn = _connections.setdefault(address, conn)
+  return conn
 
 
 def connection(process: int, timeout_s: float = 600.0):
-  """This process's connection to `process`'s transfer server (made once)."""
-  with _server_lock:
-    conn = _connections.get(process)
-  if conn is None:
-    from magistral_jax.parallel import multihost
-    address = multihost.coordination_client("bulk transfers").blocking_key_value_get(
-        f"bulk/server/{process}", int(1000 * timeout_s))
-    conn = transfer_server().connect(address)
-    with _server_lock:
-      conn = _connections.setdefault(process, conn)
-  return conn
+  """This process's connection to `process`'s transfer server (its address published at start)."""
+  from magistral_jax.parallel import multihost
+  address = multihost.coordination_client("bulk transfers").blocking_key_value_get(
+      f"bulk/server/{process}", int(1000 * timeout_s))
+  return connection_at(address)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +140,26 @@ class BulkChannel:
     if spec.nbytes:
       # The server keeps the device buffer until the receiver has pulled it.
       self._server.await_pull(uuid, [jax.device_put(buf, self._src_dev)])
-    self.mailbox.send(self.stream, ("bulk", spec, meta, uuid))
+    self.mailbox.send(self.stream, ("bulk", spec, meta, uuid, self._server.address()))
     self._sent += 1
     self.sent_bytes += spec.nbytes
 
   def receive(self, timeout_s: float, what: str = "") -> tuple[dict[str, np.ndarray], Any]:
     msg = self.mailbox.receive(self.stream, timeout_s, what=what or f"bulk {self.stream}")
-    if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] == "bulk"):
+    if not (isinstance(msg, tuple) and len(msg) == 5 and msg[0] == "bulk"):
       raise ValueError(f"{self.stream}: expected a bulk message, got {str(msg)[:200]}")
-    _, spec, meta, uuid = msg
+    return self.open(msg)
+
+  def open(self, msg) -> tuple[dict[str, np.ndarray], Any]:
+    """The arrays and meta of a ("bulk", ...) message already read from the stream (a stream
+    that also carries other messages, read by the caller)."""
+    _, spec, meta, uuid, address = msg
     self._received += 1
     if not spec.nbytes:
       return unpack(np.empty(0, np.uint8), spec), meta
     want = jax.ShapeDtypeStruct((spec.nbytes,), np.uint8,
                                 sharding=SingleDeviceSharding(self._dst_dev))
-    (out,) = connection(self.src, self.timeout_s).pull(uuid, [want])
+    (out,) = connection_at(address).pull(uuid, [want])
     self.received_bytes += spec.nbytes
     return unpack(np.asarray(out), spec), meta
 

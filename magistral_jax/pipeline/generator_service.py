@@ -7,8 +7,10 @@ nothing the leader sent its predecessor reaches it. What it does is driven by th
 
     ("stage", stage, version, uuid)   pull the weights (WeightTransfer offer `uuid`), start a
                                       GeneratorLoop for `stage`; answer ("stage", stage)
-    ("requests", [Request, ...])      submit them; finished samples go back as ("samples", ...),
-                                      scored here with verifier.placement="generators"
+    ("requests", [Request, ...])      submit them; finished samples go back through the
+                                      completions channel (their arrays device to device, the
+                                      rest as a "bulk" message on the "out" stream), scored
+                                      here with verifier.placement="generators"
     ("push", version, uuid)           pull the weights, update the loop in flight; ("ack", version)
     ("end",)                          stop the loop, send the last samples
     ("eval", tag, problems, uuid)     an evaluation on the pulled weights; ("eval", tag, result)
@@ -22,7 +24,10 @@ import threading
 import time
 import traceback
 
+import numpy as np
+
 from magistral_jax.generate.requests import Sample
+from magistral_jax.parallel.bulk import BulkChannel
 from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
 from magistral_jax.rewards.reward import failed_result
 
@@ -40,11 +45,52 @@ def out_stream(g: int, incarnation: int) -> str:
   return f"gen{g}.{incarnation}/out"
 
 
-class _Outbox:
-  """Finished samples of this process's GeneratorLoop, sent in small batches."""
+def completions_channel(mailbox: Mailbox, g: int, incarnation: int, process: int,
+                        leader: int) -> BulkChannel:
+  """Generator g's completions to the leader: their arrays device to device, described on its
+  "out" stream among its other messages (both ends build it the same way)."""
+  return BulkChannel(mailbox, out_stream(g, incarnation), process, leader)
 
-  def __init__(self, mailbox: Mailbox, stream: str):
-    self.mailbox, self.stream = mailbox, stream
+
+def pack_samples(items) -> tuple[dict[str, np.ndarray], list]:
+  """Finished samples (or (sample, RewardResult) pairs) as a few flat arrays (their tokens,
+  log-probs and versions, the bulk of them) and, per sample, the small rest."""
+  samples = [x[0] if isinstance(x, tuple) else x for x in items]
+  cat = lambda xs, dt: np.concatenate([np.asarray(x, dt).reshape(-1) for x in xs] or
+                                      [np.zeros(0, dt)])
+  arrays = {
+      "prompt_lengths": np.asarray([len(s.prompt_tokens) for s in samples], np.int64),
+      "lengths": np.asarray([len(s.tokens) for s in samples], np.int64),
+      "prompt_tokens": cat([s.prompt_tokens for s in samples], np.int32),
+      "tokens": cat([s.tokens for s in samples], np.int32),
+      "logprobs": cat([s.logprobs for s in samples], np.float32),
+      "versions": cat([s.versions for s in samples], np.int32)}
+  rest = [(s.request_id, s.sample_index, s.finish_reason, s.metadata, s.prompt_truncated,
+           x[1] if isinstance(x, tuple) else None) for s, x in zip(samples, items)]
+  return arrays, rest
+
+
+def unpack_samples(arrays: dict[str, np.ndarray], rest: list) -> list:
+  """pack_samples' items back."""
+  out = []
+  p_ends = np.cumsum(arrays["prompt_lengths"])
+  ends = np.cumsum(arrays["lengths"])
+  for i, (rid, index, finish, metadata, truncated, result) in enumerate(rest):
+    p0, p1 = (p_ends[i - 1] if i else 0), p_ends[i]
+    t0, t1 = (ends[i - 1] if i else 0), ends[i]
+    s = Sample(rid, index, arrays["prompt_tokens"][p0:p1].tolist(),
+               arrays["tokens"][t0:t1].tolist(), arrays["logprobs"][t0:t1].copy(),
+               arrays["versions"][t0:t1].copy(), finish, metadata, truncated)
+    out.append(s if result is None else (s, result))
+  return out
+
+
+class _Outbox:
+  """Finished samples of this process's GeneratorLoop, sent in small batches through its
+  completions channel."""
+
+  def __init__(self, mailbox: Mailbox, stream: str, channel: BulkChannel):
+    self.mailbox, self.stream, self.channel = mailbox, stream, channel
     self._samples: list = []   # Sample, or (Sample, RewardResult) when scored here
     self._lock = threading.Lock()
     self._last = time.time()
@@ -63,7 +109,8 @@ class _Outbox:
     counters = {} if c is None else dict(
         decode_time_s=c.decode_time_s, steps=c.steps, active_slot_steps=c.active_slot_steps,
         idle_time_s=c.idle_time_s, shared_prefix_hits=c.shared_prefix_hits)
-    self.mailbox.send(self.stream, ("samples", samples, counters))
+    arrays, rest = pack_samples(samples)
+    self.channel.send(arrays, ("samples", rest, counters))
 
 
 def _await_exit(mailbox: Mailbox, stream: str, timeout_s: float = ERROR_LINGER_S) -> None:
@@ -106,7 +153,9 @@ def serve_generator(layout, mailbox: Mailbox, *, incarnation: int, make_loop, ma
   back scored, as (sample, result)). An exception anywhere is sent to the leader with its
   traceback, then re-raised (the process exits with an error)."""
   g = layout.generator_index
-  stream, out = in_stream(g, incarnation), _Outbox(mailbox, out_stream(g, incarnation))
+  channel = completions_channel(mailbox, g, incarnation, layout.process_id,
+                                layout.trainer_processes[0])
+  stream, out = in_stream(g, incarnation), _Outbox(mailbox, out_stream(g, incarnation), channel)
   loop = None
   # From here on this process answers: the leader offers no weights before it reads this.
   mailbox.send(out.stream, ("ready",))

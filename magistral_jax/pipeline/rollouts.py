@@ -7,7 +7,9 @@
     hands n_batch completions of kept groups to the trainer -> `push(params, version)`: the
     trainer's params resharded device-to-device onto every generator after each optimizer step.
 
-The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues.
+The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues. A
+generator that stops serving (a lost generator process) has its open groups generated again by
+the others: pipeline/generator_loss.py.
 
 Async (the paper): generators never wait for the trainer. The off-policy bound is the paper's:
 completions generated but not yet trained on never exceed `n_async` (paper §4: n_async / n_batch
@@ -60,6 +62,7 @@ from magistral_jax.generate.protocol import Generator
 from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.generator_loss import GeneratorLoss
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.rewards.reward import RewardResult, failed_result
@@ -74,7 +77,7 @@ log = logging.getLogger(__name__)
 INTERRUPTED = threading.Event()
 
 
-class Rollouts:
+class Rollouts(GeneratorLoss):
   """Generators + verifier pool + group scoring. See the module docstring.
 
   Args:
@@ -125,33 +128,12 @@ class Rollouts:
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
-    # Lost generators (module docstring, "A generator lost"): which one each open group went to,
-    # how many of its samples came back, the groups given up with a lost generator, and the
-    # prompts to submit again.
-    self._serving = [True] * len(self.generators)
-    self._assigned: dict[int, tuple[int, dict]] = {}   # gid -> (generator, task)
-    self._returned: collections.Counter = collections.Counter()
-    self._abandoned: set[int] = set()
-    self._retry: collections.deque[dict] = collections.deque()
-    self._none_serving_since: float | None = None
+    self._init_generator_loss()
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
     self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, result=None, i=i: self._on_sample(i, c, result))
-
-  def _on_sample(self, i: int, sample: Sample, result: RewardResult | None = None):
-    """A generator's finished sample (scored already when its generator process scores:
-    verifier.placement="generators")."""
-    with self._lock:
-      gid = int(sample.request_id)
-      if gid in self._abandoned:   # its group was given up with a lost generator
-        return
-      self._returned[gid] += 1
-      if self._returned[gid] == self.group_size:   # every sample of the group is back
-        self._assigned.pop(gid, None)
-        del self._returned[gid]
-    self._generated.put((i, sample, result))
 
   # ---- what the trainer calls ----------------------------------------------------------------
   def start(self) -> "Rollouts":
@@ -249,12 +231,6 @@ class Rollouts:
         self._prompts_exhausted = True
         return None
 
-  def _serving_generator(self) -> int | None:
-    """The least-loaded generator that serves (under self._lock)."""
-    live = [i for i, g in enumerate(self.generators)
-            if self._serving[i] and getattr(g, "serving", True)]
-    return min(live, key=lambda i: self._gen_load[i]) if live else None
-
   def _submit_group(self) -> bool:
     """Submits the next prompt as a group of G samples to the least-loaded generator."""
     with self._lock:
@@ -346,59 +322,6 @@ class Rollouts:
         self._verifier_latencies.append(time.time() - t)
         self._scored.put((s, res))
       fut.add_done_callback(done)
-
-  # ---- a generator lost -----------------------------------------------------------------------
-  def _watch_generators(self) -> None:
-    """Main thread, while waiting for a batch: a generator that stopped serving (a
-    RemoteGenerator whose process died; generate.protocol) has its open groups handed to the
-    others; one serving again takes requests again. With none serving for
-    pipeline.generator_rejoin_s, the run stops."""
-    for i, g in enumerate(self.generators):
-      serving = getattr(g, "serving", True)
-      if serving != self._serving[i]:
-        if serving:
-          with self._lock:
-            self._serving[i], self._gen_load[i] = True, 0
-          log.info("generator %d serves again", i)
-        else:
-          self._generator_lost(i, getattr(g, "lost_reason", None) or "stopped serving")
-    if any(self._serving):
-      self._none_serving_since = None
-      return
-    now = time.time()
-    if self._none_serving_since is None:
-      self._none_serving_since = now
-      log.warning("no generator serves: waiting up to %.0fs for one to rejoin",
-                  self.cfg.generator_rejoin_s)
-    elif now - self._none_serving_since > self.cfg.generator_rejoin_s:
-      reasons = "; ".join(f"{getattr(g, 'name', i)}: {getattr(g, 'lost_reason', None)}"
-                          for i, g in enumerate(self.generators))
-      raise PipelineError(f"every generator was lost and none rejoined in "
-                          f"{self.cfg.generator_rejoin_s:.0f}s (pipeline.generator_rejoin_s): "
-                          f"{reasons}")
-
-  def _generator_lost(self, i: int, reason: str) -> None:
-    """Generator i's open groups are given up, and their prompts submitted again as new groups:
-    samples it had returned are discarded (those already scored leave the off-policy bound at
-    once, the rest as they are scored), so no prompt is lost and none trained twice."""
-    with self._room:
-      self._serving[i] = False
-      gids = [gid for gid, (j, _) in self._assigned.items() if j == i]
-      released = 0
-      for gid in gids:
-        _, task = self._assigned.pop(gid)
-        back = self._returned.pop(gid, 0)
-        self._generating -= self.group_size - back   # never coming back
-        self._abandoned.add(gid)
-        pending = self._groups.pending.pop(gid, None)
-        released += len(pending.scored) if pending is not None else 0
-        self._retry.append(task)
-      self._gen_load[i] = 0
-      self._queued -= released
-      self._groups.counters["groups_reassigned"] += len(gids)
-      self._room.notify_all()
-    log.warning("generator %d lost (%s): its %d open group(s) go to the other generators",
-                i, reason.splitlines()[0] if reason else reason, len(gids))
 
   # ---- group assembly ------------------------------------------------------------------------
   def _drain_scored(self, timeout: float) -> int:

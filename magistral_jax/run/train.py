@@ -323,7 +323,7 @@ class RLRun:
               cfg=srun.pipeline, system_prompt=self.system_prompt, seed=self.run.seed + stage.index)
     if self.layout is None:
       return Rollouts(prompts=prompts, colocated=srun.colocated, **kw)
-    from magistral_jax.pipeline.remote import FollowerRollouts, LeaderRollouts
+    from magistral_jax.pipeline.trainer_rollouts import FollowerRollouts, LeaderRollouts
     if self.leader:
       return LeaderRollouts(mailbox=self.mailbox, transfer=self.transfer,
                             follower_processes=self.layout.trainer_processes[1:],

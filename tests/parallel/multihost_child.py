@@ -132,6 +132,12 @@ def main(scenario, tmp=None):
     elif scenario == "generator_raises":
       gen = (RemoteGenerator(mailbox, 0, 2, transfer, multihost.watch(), 10).connect()
              if layout.is_leader else None)
+      # The staging program is the trainer processes' first collective: its gloo context waits
+      # only 30 s for both, and the leader first waits for the generator to start.
+      if layout.is_leader:
+        mailbox.send("staging", True)
+      else:
+        mailbox.receive("staging", 300)
       with transfer.lock:
         transfer.stage(on_trainer(1), 0)
         if gen is not None:

@@ -46,3 +46,29 @@ def test_local_rows_build_the_same_global_batch_as_the_whole_field():
   partial = LocalRows((2, 8, 16), np.int32, {(0, 2): full["tokens"][:, :2]})
   with pytest.raises(KeyError, match="rows 2:4 are not held here"):
     partial[(slice(None), slice(2, 4), slice(None))]
+
+
+def test_completions_pack_into_flat_arrays_and_back():
+  from magistral_jax.generate.requests import Sample
+  from magistral_jax.pipeline.generator_service import pack_samples, unpack_samples
+  from magistral_jax.rewards.reward import failed_result
+  task = {"id": "m1", "kind": "math", "problem": "1 + 1?", "answer": "2"}
+  a = Sample(7, 0, [1, 2, 3], [4, 5], np.asarray([-0.5, -1.5], np.float32),
+             np.asarray([3, 4], np.int32), "eos", task)
+  b = Sample(7, 1, [1, 2, 3], [], np.zeros(0, np.float32), np.zeros(0, np.int32), "length",
+             task, prompt_truncated=True)   # an empty completion
+  result = failed_result("boom")
+  arrays, rest = pack_samples([a, (b, result)])
+  assert {k: v.dtype.kind for k, v in arrays.items()} == {
+      "prompt_lengths": "i", "lengths": "i", "prompt_tokens": "i", "tokens": "i",
+      "logprobs": "f", "versions": "i"}
+  got_a, (got_b, got_result) = unpack_samples(arrays, rest)
+  for want, got in ((a, got_a), (b, got_b)):
+    assert (got.request_id, got.sample_index, got.prompt_tokens, got.tokens, got.finish_reason,
+            got.metadata, got.prompt_truncated) == (
+                want.request_id, want.sample_index, want.prompt_tokens, want.tokens,
+                want.finish_reason, want.metadata, want.prompt_truncated)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    np.testing.assert_array_equal(got.versions, want.versions)
+  assert got_result == result
+  assert pack_samples([])[0]["tokens"].shape == (0,)
