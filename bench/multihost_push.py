@@ -9,7 +9,7 @@ Timed, alternating, median of `--reps` rounds after a warm-up round:
   cross_process_push  what a multihost run does after each optimizer step for one generator
         (pipeline.trainer_rollouts.LeaderRollouts.push): the cast and layout program on the
         trainer's mesh (both trainer processes), the leader's offer of the copy and its push
-        message, the generator's pull (parallel.multihost.WeightTransfer: device to device over
+        message, the generator's pull (parallel.weight_transfer.WeightTransfer: device to device over
         jax.experimental.transfer), and its acknowledgement back to the leader.
   local_copy  the baseline: in the generator process, a device-to-device copy of the same bytes
         (the received params, each shard moved to the other local device), until ready.

@@ -28,7 +28,8 @@ import numpy as np
 
 from magistral_jax.generate.requests import Sample
 from magistral_jax.parallel.bulk import BulkChannel
-from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
+from magistral_jax.parallel.multihost import Mailbox
+from magistral_jax.parallel.weight_transfer import WeightTransfer
 from magistral_jax.rewards.reward import failed_result
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.bulk import BulkChannel
-from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
+from magistral_jax.parallel.multihost import Mailbox
+from magistral_jax.parallel.weight_transfer import WeightTransfer
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.generator_service import (completions_channel, in_stream, out_stream,
                                                       unpack_samples)

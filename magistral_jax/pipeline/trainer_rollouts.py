@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 from magistral_jax.parallel.bulk import BulkChannel, LocalRows, row_ranges
-from magistral_jax.parallel.multihost import Mailbox, WeightTransfer
+from magistral_jax.parallel.multihost import Mailbox
+from magistral_jax.parallel.weight_transfer import WeightTransfer
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.groups import RolloutBatch
 from magistral_jax.pipeline.remote import REPLY_TIMEOUT_S, GeneratorLost

@@ -1,5 +1,5 @@
 """Many hosts, rehearsed as 3 real JAX processes of 2 CPU devices (launch/local_cluster.py):
-the weight push across processes (parallel.multihost.WeightTransfer), a generator process's
+the weight push across processes (parallel.weight_transfer.WeightTransfer), a generator process's
 error reaching the trainer with its traceback (pipeline.remote), and a trainer process killed
 with -9: the others stop within a bounded time, leaving no worker process behind. The whole run
 across processes, a killed generator and the resume: tests/launch/test_multihost_run.py."""
