@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magistral_jax.analysis.scale_model import train_flops_per_token
 from magistral_jax.model import attention as A
 from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
@@ -65,11 +66,9 @@ def spec_tflops(kind: str) -> float | None:
 
 
 def model_flops_per_token(cfg, seq_len: int) -> float:
-  """Forward + backward model FLOPs of one token in a causal sequence of `seq_len` tokens."""
-  matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size   # the gather is not a matmul
-  matmul += cfg.vocab_size * cfg.hidden_size                       # the head (tied or not)
-  attn = cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len   # causal: half of 2 x 2 x T x d
-  return 6.0 * matmul + 6.0 * attn
+  """Forward + backward model FLOPs of one token in a causal sequence of `seq_len` tokens (the
+  count the module docstring gives; analysis/scale_model.py projects step times with it)."""
+  return train_flops_per_token(cfg, seq_len)
 
 
 def matmul_tflops(n: int, dtype, reps: int = 10) -> float:
