@@ -69,6 +69,12 @@ def child(args) -> None:
         mailbox.send(in_stream(0, 1), ("push", r + 1, uuid))
         assert mailbox.receive(out_stream(0, 1), 600) == ("ack", r + 1)
       push_s.append(time.perf_counter() - t)
+    # The other trainer process stays until the last pull is done: its part of the staging
+    # program runs asynchronously, and a process that exits takes it along.
+    if layout.is_leader:
+      mailbox.send("trainers_done", True)
+    else:
+      mailbox.receive("trainers_done", 600)
     if layout.is_leader:
       copy_s, nbytes = mailbox.receive(out_stream(0, 1), 600)
       push, copy = statistics.median(push_s[1:]), statistics.median(copy_s[1:])

@@ -49,6 +49,7 @@ import time
 import common   # bench/common.py, beside the script
 
 from magistral_jax.analysis import scale_model as M
+from magistral_jax.run import footprint
 
 CPU_CONFIG = "configs/tiny.py:multihost"
 MEDIUM_125B = ("vocab_size=131072,hidden_size=12288,intermediate_size=28672,num_layers=88,"
@@ -365,7 +366,7 @@ def project_one(run, cfg, cluster: str, variant: str, args, verify_core_s: float
                                        generators=(gen_chips,) * n_gen),
       rl=run.rl.replace(microbatch_rows=rows, microbatch_tokens=rows * run.rl.row_len))
   paged = variant.startswith("paged")
-  slots = n_gen and M.slots_that_fit(laid, cfg, gen_chips, devices.memory_bytes,
+  slots = n_gen and footprint.slots_that_fit(laid, cfg, gen_chips, devices.memory_bytes,
                                      devices.platform, positions=live if paged else None)
   key = (id(run), id(cfg), trainer, devices.platform)
   if key not in trainer_gib:

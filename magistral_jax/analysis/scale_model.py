@@ -297,32 +297,3 @@ def push_seconds(cfg, cl: ClusterLayout, acc: Accelerator) -> float:
   spread = cl.generators * cl.tensor * per_chip / (trainer_hosts * acc.transfer_gbps * 1e9)
   broadcast = per_chip / (acc.link_gbps * 1e9) if cl.replicas > 1 else 0.0
   return stage + max(one, spread) + broadcast
-
-
-def slots_that_fit(run, cfg, gen_chips: int, memory_bytes: int, platform: str,
-                   positions: float | None = None) -> int:
-  """The most decode slots one generator of `gen_chips` chips holds within `memory_bytes` a chip,
-  by run/footprint.py's estimate: a multiple of its data axis, at most the run's
-  engine.max_concurrent_decodes; 0 if none fits. positions: the cache positions a slot holds
-  (None: the whole cache, max_prefill_length + max_new_tokens, as the engine allocates it; a
-  paged cache would hold about the live ones)."""
-  from magistral_jax.run.footprint import generator_bytes, mesh_sizes
-  data = mesh_sizes(run.devices.generator_mesh, gen_chips)["data"]
-  cache = run.engine.max_prefill_length + run.sampling.max_new_tokens
-  scale = 1.0 if positions is None else positions / cache
-
-  def total(slots: int) -> float:
-    r = dataclasses.replace(run, engine=dataclasses.replace(run.engine,
-                                                            max_concurrent_decodes=slots))
-    g = generator_bytes(r, cfg, platform, gen_chips)
-    kv = g["parts"]["kv_cache"]
-    return g["total"] - kv + kv * scale
-
-  # Past 8 slots (one batched prefill's prompts) the bytes grow linearly with the slots.
-  cap = run.engine.max_concurrent_decodes // data * data
-  s1 = data * math.ceil(8 / data)
-  t1 = total(s1)
-  if t1 <= memory_bytes:
-    per_slot = (total(s1 + data) - t1) / data
-    return min(cap, s1 + int((memory_bytes - t1) // per_slot) // data * data)
-  return max([s for s in range(data, s1, data) if total(s) <= memory_bytes], default=0)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from magistral_jax.analysis import scale_model as M
+from magistral_jax.run import footprint
 from magistral_jax.model.config import LLAMA_3_2_1B, MISTRAL_SMALL_3_24B
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,7 +122,7 @@ def test_slots_that_fit_are_the_most_the_memory_estimate_allows():
   run = config_lib.validate(load_recipe("configs/small.py", ROOT))
   cfg = model_from_spec("mistral_small_3_24b", run.model)
   memory = 78 * 2**30
-  slots = M.slots_that_fit(run, cfg, 8, memory, "cuda")
+  slots = footprint.slots_that_fit(run, cfg, 8, memory, "cuda")
 
   def total(n):
     r = dataclasses.replace(run, engine=dataclasses.replace(run.engine,
@@ -129,7 +130,7 @@ def test_slots_that_fit_are_the_most_the_memory_estimate_allows():
     return generator_bytes(r, cfg, "cuda", 8)["total"]
   assert 0 < slots < run.engine.max_concurrent_decodes and slots % 2 == 0   # data axis of 2
   assert total(slots) <= memory < total(slots + 2)
-  live = M.slots_that_fit(run, cfg, 8, memory, "cuda", positions=11_000)   # a quarter
+  live = footprint.slots_that_fit(run, cfg, 8, memory, "cuda", positions=11_000)   # a quarter
   assert live > 2 * slots
 
 

@@ -95,6 +95,15 @@ def bulk(mailbox):
   print("OK: received both channels", flush=True)
 
 
+def _trainers_done(layout, mailbox):
+  """The other trainer process stays until the leader is done with the staged weights: its part
+  of the staging program runs asynchronously, and a process that exits takes it along."""
+  if layout.is_leader:
+    mailbox.send("trainers_done", True)
+  else:
+    mailbox.receive("trainers_done", 300)
+
+
 def main(scenario, tmp=None):
   multihost.initialize()   # here, not at import: the verifier pool's workers import this module
   if scenario == "bulk":
@@ -121,6 +130,7 @@ def main(scenario, tmp=None):
           mailbox.send(in_stream(0, 1), ("push", version, uuid))
           assert mailbox.receive(out_stream(0, 1), 120) == ("ack", version)
       print("OK: pushed", flush=True)
+      _trainers_done(layout, mailbox)
       if scenario == "trainer_killed":
         if layout.is_leader:   # once the generator's pool is up, process 1 dies
           assert mailbox.receive(out_stream(0, 1), 120) == ("ready",)
@@ -152,6 +162,7 @@ def main(scenario, tmp=None):
         if error is not None:
           sys.stdout.write(f"OK: the leader got: {str(error)!r}\n")
           sys.stdout.flush()
+      _trainers_done(layout, mailbox)
   elif scenario in ("transfer", "trainer_killed"):
     for version in ((1, 2) if scenario == "transfer" else (1,)):
       kind, v, uuid = mailbox.receive(in_stream(0, 1), 120)
