@@ -83,10 +83,14 @@ class Heartbeat:
       n += 1
       self._stop.wait(self.interval_s)
 
-  def leave(self):
-    """A normal end of this process: its heartbeat stops, marked "left" (not dead)."""
+  def stop(self):
+    """Stops the thread, joined (as Watch.stop), without a last word."""
     self._stop.set()
     self._thread.join(timeout=5)
+
+  def leave(self):
+    """A normal end of this process: its heartbeat stops, marked "left" (not dead)."""
+    self.stop()
     try:
       self.client.key_value_set(f"liveness/{self.process}", f"{self.incarnation}:left",
                                 allow_overwrite=True)
@@ -146,7 +150,11 @@ class Watch:
     return time.monotonic() - (seen[1] if seen else self._t0)
 
   def stop(self):
+    """Stops the thread (joined: no read of the store may be under way while JAX's client shuts
+    down, which aborts the process)."""
     self._stop.set()
+    if self._thread is not threading.current_thread():
+      self._thread.join(timeout=5)
 
 
 def stop_on_dead_trainers(watch: Watch, trainers, me: int, timeout_s: float) -> None:

@@ -27,6 +27,7 @@ dies) is parallel/liveness.py's: each process's heartbeat in the key-value store
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -79,6 +80,15 @@ def initialize() -> None:
   client = coordination_client("liveness")
   _heartbeat = liveness.Heartbeat(client, jax.process_index())
   _watch = liveness.Watch(client)
+  # Registered after JAX's own shutdown, so it runs before it: a liveness thread still reading
+  # the store while JAX's client shuts down aborts the process.
+  atexit.register(_stop_liveness)
+
+
+def _stop_liveness() -> None:
+  for thread in (_heartbeat, _watch):
+    if thread is not None:
+      thread.stop()
   log.info("jax.distributed: process %d of %d, %d local / %d global devices%s",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count(), f", transfers on {address}" if address else "")
@@ -111,6 +121,8 @@ def leave() -> None:
   """This process ends normally: the others' liveness watches do not take it for dead."""
   if _heartbeat is not None:
     _heartbeat.leave()
+  if _watch is not None:
+    _watch.stop()
 
 
 def finish(timeout_s: float = 60.0) -> None:
