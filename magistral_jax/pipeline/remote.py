@@ -37,7 +37,7 @@ from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.bulk import BulkChannel
-from magistral_jax.parallel.multihost import Mailbox
+from magistral_jax.parallel.multihost import Mailbox, coordination_client
 from magistral_jax.parallel.weight_transfer import WeightTransfer
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.generator_service import (completions_channel, in_stream, out_stream,
@@ -100,25 +100,30 @@ class RemoteGenerator:
   # -- life ----------------------------------------------------------------------------------
   def connect(self, timeout_s: float = REPLY_TIMEOUT_S) -> "RemoteGenerator":
     """The run's start: waits for the process's first heartbeat and its "ready"."""
-    inc = int(self.mailbox._client.blocking_key_value_get(f"incarnation/{self.process}",
-                                                          int(1000 * timeout_s)))
+    inc = int(coordination_client("RemoteGenerator").blocking_key_value_get(
+        f"incarnation/{self.process}", int(1000 * timeout_s)))
     self._join(inc, timeout_s)
     return self
 
   def _join(self, inc: int, timeout_s: float) -> None:
     """Reads incarnation `inc`'s "ready" and starts reading its stream (serving from then on)."""
+    self._await_ready(inc, timeout_s)
+    self._serve(inc)
+
+  def _await_ready(self, inc: int, timeout_s: float) -> None:
+    """Incarnation `inc`'s first message: "ready" (GeneratorLost for its error or its death)."""
     msg = self.mailbox.receive(out_stream(self.index, inc), timeout_s,
                                what=f"{self.name} to start", between=lambda: self._check_alive(inc))
     if msg[0] == "error":
       raise GeneratorLost(f"{self.name} failed:\n{msg[1]}")
     if msg != ("ready",):
-      raise PipelineError(f"{self.name}: expected ready, got {msg[0]!r}")
+      raise GeneratorLost(f"{self.name}: expected ready, got {str(msg)[:2000]}")
+
+  def _serve(self, inc: int) -> None:
+    """Incarnation `inc` serves: its stream is read from now on."""
     with self._cond:
       self.incarnation, self.serving, self.lost_reason = inc, True, None
       self._acks.clear()
-    self._start_reader(inc)
-
-  def _start_reader(self, inc: int) -> None:
     self._completions = completions_channel(self.mailbox, self.index, inc, self.process,
                                             jax.process_index())
     self._reader = threading.Thread(target=self._read, args=(inc,), daemon=True,
@@ -259,9 +264,7 @@ class RemoteGenerator:
     log.info("%s: incarnation %d is up; rejoining it", self.name, inc)
     stream = out_stream(self.index, inc)
     wait = dict(timeout_s=REPLY_TIMEOUT_S, between=lambda: self._check_alive(inc))
-    msg = self.mailbox.receive(stream, what=f"{self.name} to start", **wait)
-    if msg != ("ready",):
-      raise GeneratorLost(f"expected ready, got {str(msg)[:2000]}")
+    self._await_ready(inc, REPLY_TIMEOUT_S)
     send = lambda m: self.mailbox.send(in_stream(self.index, inc), m)
     version = None
     with self.transfer.lock:
@@ -276,12 +279,9 @@ class RemoteGenerator:
         version, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
         send(("push", version, uuid))
         self._expect(stream, ("ack", version), wait)
-      with self._cond:
-        self.incarnation, self.serving, self.lost_reason = inc, True, None
-        self._acks.clear()
+      self._serve(inc)
     log.info("%s rejoined (incarnation %d)%s", self.name, inc,
              f" at policy version {version}" if version is not None else "")
-    self._start_reader(inc)
 
   def _expect(self, stream: str, want: tuple, wait: dict) -> None:
     """The next message of `stream` (this thread reads it while the process rejoins)."""
