@@ -160,13 +160,16 @@ fi
 # PYTHONPATH) is its interpreter. Our side needs the `stage`d device bundle's wheels (grain,
 # math-verify, ...), not its GGUF. Device calls: ONE call, carrying device_bundle/whl,
 # device_bundle/MANIFEST and tunix_bundle/part00 (~8 + 12 + 3 MiB with the working tree),
-# command `bash bench/gpu_suite.sh stage tunix`, timeout_s 540. A bundle built with more parts
+# command `TUNIX_MODELS=smollm2 bash bench/gpu_suite.sh stage tunix`, timeout_s 540. A bundle built with more parts
 # (PART_MB small, or --extra wheels) carries tunix_bundle/part01... in further calls within the
 # 30 s warm window, each `bash bench/gpu_suite.sh tunix`: it stages what arrived and runs once
-# all have. Planned under 8 minutes: TUNIX_SMOLLM2_TIMEOUT (210 s) + TUNIX_1B_TIMEOUT (250 s);
-# TUNIX_ARGS adds flags to both runs (e.g. --iterations 3), TUNIX_1B_ARGS to the 1B run (e.g.
-# --prompts 8 if it runs out of memory). A rerun on the warm machine reuses the staged sites and
-# the XLA cache: `TUNIX_MODELS=llama1b TUNIX_1B_TIMEOUT=500 bash bench/gpu_suite.sh tunix`.
+# all have. TUNIX_SMOLLM2_TIMEOUT and TUNIX_1B_TIMEOUT (270 s each): on the H100 (2026-11-27)
+# our side alone did not finish SmolLM2's warm-up + 3 iterations in 180 s, so run the two models
+# as two calls (TUNIX_MODELS=smollm2, then llama1b). Both sides train in microbatches of
+# --micro_prompts prompts x G rows (TUNIX_SMOLLM2_ARGS, default 4; TUNIX_1B_ARGS, default 2): the
+# whole 128-row batch in one microbatch asked for 85 GiB on the H100. TUNIX_ARGS adds flags to
+# both runs (e.g. --iterations 3). A rerun on the warm machine reuses the staged sites and the XLA
+# cache: `TUNIX_MODELS=llama1b TUNIX_1B_TIMEOUT=500 bash bench/gpu_suite.sh tunix`.
 # TUNIX_BASE_PYTHON: the tunix side's interpreter under TUNIX_SITE (default $PYTHON; the CPU check
 # of this block in bench/peers/README.md gives it the image's stand-in venv).
 if [ "$what" = tunix ]; then
@@ -176,8 +179,9 @@ if [ "$what" = tunix ]; then
   [ -e "$site/.wheels_done" ] ||
     echo "tunix: our wheels are not staged (carry device_bundle/whl; run \`stage tunix\`)"
   for m in ${TUNIX_MODELS:-smollm2 llama1b}; do
-    if [ "$m" = llama1b ]; then limit=${TUNIX_1B_TIMEOUT:-250} n=2 extra=${TUNIX_1B_ARGS:-}
-    else limit=${TUNIX_SMOLLM2_TIMEOUT:-210} n=3 extra=; fi
+    if [ "$m" = llama1b ]; then
+      limit=${TUNIX_1B_TIMEOUT:-270} n=2 extra=${TUNIX_1B_ARGS:---micro_prompts 2}
+    else limit=${TUNIX_SMOLLM2_TIMEOUT:-270} n=3 extra=${TUNIX_SMOLLM2_ARGS:---micro_prompts 4}; fi
     run "vs_tunix_$m" "$limit" bench/vs_tunix.py --platform=gpu --model="$m" \
       --tunix_python="$tsite/bin/python" --tokenizer="$tsite/tokenizer" --prompts 16 \
       --group_size 8 --max_new_tokens 512 --dtype bfloat16 --warmup 1 --iterations "$n" \

@@ -170,6 +170,7 @@ def build_workload(args, workdir: str) -> dict:
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
       "system_prompt": args.system_prompt, "prompts": prompts,
       "prompts_per_iteration": args.prompts, "group_size": args.group_size,
+      "micro_prompts": args.micro_prompts or args.prompts,
       "max_new_tokens": args.max_new_tokens, "max_prompt_length": max_prompt,
       "prompt_tokens_min": min(len(p["ids"]) for p in prompts), "prompt_tokens_max": longest,
       "temperature": args.temperature, "learning_rate": args.learning_rate,
@@ -354,8 +355,10 @@ def run_ours(spec: dict) -> dict:
   B, G = spec["prompts_per_iteration"], spec["group_size"]
   n, N, P = B * G, spec["max_new_tokens"], spec["max_prompt_length"]
   row = P + N
-  grpo = GRPOConfig(n_batch=n, n_mini=n, group_size=G, microbatch_rows=n,
-                    microbatch_tokens=n * row)
+  # One optimizer step over gradients accumulated across microbatches of micro_prompts x G rows.
+  m = spec.get("micro_prompts", B) * G
+  grpo = GRPOConfig(n_batch=n, n_mini=n, group_size=G, microbatch_rows=m,
+                    microbatch_tokens=m * row)
   devices = jax.devices()[:1]
   tmesh = make_mesh({"fsdp": len(devices)}, devices)
   tx = make_optimizer(OptimizerConfig(learning_rate=spec["learning_rate"]))
@@ -373,6 +376,7 @@ def run_ours(spec: dict) -> dict:
                            seed=spec["seed"])
   trainer = Trainer(step_fn, state, tmesh, TRAINER_RULES)
   setup_s = time.perf_counter() - t_setup
+  progress(f"ours: set up in {setup_s:.0f}s (weights, optimizer, engine precompile)")
 
   # Hooks: each records (start, end) or a timestamp; nothing waits that the loop does not.
   ev = {"gen": [], "tokens": [], "batch_end": [], "step": [], "push": [], "iter_end": []}
@@ -405,6 +409,9 @@ def run_ours(spec: dict) -> dict:
 
   def on_batch(_trainer, _metrics):
     ev["iter_end"].append(time.perf_counter())
+    (a, b), i = ev["step"][-1], len(ev["iter_end"])
+    progress(f"ours: iteration {i}/{total} ended at {ev['iter_end'][-1] - t0:.1f}s "
+             f"(its train step {b - a:.2f}s)")
     snaps.append(gen_counters())
     if len(ev["iter_end"]) == spec["warmup"]:
       counts.append(compiles())
@@ -500,6 +507,12 @@ def side_env(platform: str) -> dict:
   return env
 
 
+def progress(msg: str) -> None:
+  """A side's progress on stderr (it passes through to the run's log), so that a run stopped by a
+  time limit shows how far each side got."""
+  print(f"[vs_tunix] {msg}", file=sys.stderr, flush=True)
+
+
 def run_side(name: str, argv: list[str], env: dict, timeout: float) -> dict:
   """Runs one side's process (its stderr passes through) and returns the JSON of its last line."""
   print(f"[vs_tunix] {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
@@ -557,6 +570,9 @@ def main():
   ap.add_argument("--weights", choices=("random", "gguf"), default="random")
   ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
   ap.add_argument("--group_size", type=int, default=4)
+  ap.add_argument("--micro_prompts", type=int, default=0,
+                  help="prompts per train microbatch (x group_size rows; gradients accumulate "
+                       "over the batch's microbatches on both sides; default: the whole batch)")
   ap.add_argument("--max_new_tokens", type=int, default=32)
   ap.add_argument("--max_prompt_length", type=int, default=0,
                   help="prompt padding length (0: the longest prompt, rounded up to 16)")
@@ -598,6 +614,8 @@ def main():
 
   if min(args.prompts, args.iterations, args.rounds) < 1 or args.warmup < 0:
     ap.error("--prompts, --iterations and --rounds must be >= 1, --warmup >= 0")
+  if args.micro_prompts < 0 or args.prompts % (args.micro_prompts or args.prompts):
+    ap.error(f"--micro_prompts={args.micro_prompts} must divide --prompts={args.prompts}")
   if args.group_size < 2:
     ap.error("--group_size must be >= 2 (GRPO)")
   tunix_skipped = None

@@ -138,8 +138,9 @@ def run(spec: dict) -> dict:
       rollout_engine="vanilla", offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(
           actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=total,
-          mini_batch_size=B, train_micro_batch_size=B, rollout_micro_batch_size=B,
-          compute_logps_micro_batch_size=B, pbar_description=None),
+          mini_batch_size=B, train_micro_batch_size=spec.get("micro_prompts", B),
+          rollout_micro_batch_size=B,
+          compute_logps_micro_batch_size=spec.get("micro_prompts", B), pbar_description=None),
       rollout_config=base_rollout.RolloutConfig(
           max_tokens_to_generate=N, max_prompt_length=P, kv_cache_size=P + N,
           temperature=spec["temperature"], top_p=1.0, top_k=None,
