@@ -39,9 +39,11 @@ An implementation that does not apply to a call (the kernel of another platform,
 cannot express) falls back to blockwise, so one config serves the trainer and the generators
 wherever they run.
 
-Decode (one query per slot over a KV cache of S positions) builds a [1, S] score row per head:
-O(S), whatever the implementation. The TPU paged-attention kernels read a paged cache; the cache
-here is contiguous per slot ([B, K, S, Dh]), so they do not apply.
+Decode (one query per slot over a KV cache of S positions): XLA builds a [1, S] score row per
+head, reading the whole cache (or the engine's attention window) for every slot; "live"
+(model/decode_live.py, choose_decode) reads only the positions each slot has reached, which is
+what bounds an RL batch's decode step. The TPU paged-attention kernels read a paged cache; the
+cache here is contiguous per slot ([B, K, S, Dh]), so they do not apply.
 """
 from __future__ import annotations
 
@@ -52,10 +54,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from magistral_jax.model import flash_sparse
+from magistral_jax.model import decode_live, flash_sparse
 from magistral_jax.model.blockwise_attention import (NEG_INF, MaskSpec, blockwise_attention,
                                                      visible)
 from magistral_jax.model.config import ATTENTION_IMPLS as IMPLS
+from magistral_jax.model.config import DECODE_ATTENTION
 
 Array = jax.Array
 log = logging.getLogger(__name__)
@@ -165,6 +168,80 @@ def gpu_flash_compiles(head_dim: int, dtype: str) -> bool:
                 "%s: %s; auto takes blockwise attention for the packed rows it would have "
                 "taken", head_dim, dtype, type(e).__name__, str(e)[:300])
     return False
+
+
+@functools.cache
+def live_decode_compiles(head_dim: int, dtype: str) -> bool:
+  """Whether the live decode kernel compiles on this machine for this head_dim and dtype (a
+  tiny call: two slots, two query heads over one KV head, 64 positions), once per process;
+  where it fails, auto keeps XLA's decode attention and says why, once."""
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+  try:
+    jax.jit(decode_live.decode_attention).lower(
+        shape(2, 1, 2, head_dim), shape(2, 1, head_dim, 64), shape(2, 1, 64, head_dim),
+        jax.ShapeDtypeStruct((2,), jnp.int32)).compile()
+    return True
+  except Exception as e:   # noqa: BLE001: any failure means "not here"
+    log.warning("attention: the live decode kernel does not compile here (head_dim %d, %s): "
+                "%s: %s; auto keeps XLA's decode attention", head_dim, dtype,
+                type(e).__name__, str(e)[:300])
+    return False
+
+
+def choose_decode(requested: str, *, platform: str, head_dim: int, new_tokens: int,
+                  cache_length: int, window: int | None, compiles: bool = True) -> str:
+  """'live' or 'xla' for a decode call over a per-layer cache: live takes one new token per
+  slot, the kernel's shapes (decode_live.supports) and no effective sliding window; auto takes
+  it on NVIDIA GPUs where it compiles (`compiles`). An explicit 'live' that does not apply is an
+  error (it would silently read the whole cache)."""
+  if requested not in DECODE_ATTENTION:
+    raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {requested!r}")
+  fits = (new_tokens == 1 and decode_live.supports(head_dim, cache_length)
+          and _window_inert(window, cache_length))
+  if requested == "live" and not fits:
+    raise ValueError(f"decode_attention='live' takes one new token per slot, head_dim in 16..128 "
+                     f"(a power of 2), a cache length that a block of 16..128 tiles and no "
+                     f"sliding window shorter than the cache; got {new_tokens} token(s), "
+                     f"head_dim {head_dim}, cache length {cache_length}, window {window}")
+  if requested == "live" or (requested == "auto" and fits and platform == "cuda" and compiles):
+    return "live"
+  return "xla"
+
+
+def decode_impl(cfg, q: Array, cache_length: int) -> str:
+  """choose_decode for cfg and this platform, for queries q [B, T, H, Dh] over a cache of
+  cache_length positions (the compile check runs only where auto would take the kernel)."""
+  where = platform()
+  choose = functools.partial(choose_decode, cfg.decode_attention, platform=where,
+                             head_dim=q.shape[-1], new_tokens=q.shape[1],
+                             cache_length=cache_length, window=cfg.sliding_window)
+  impl = choose()
+  if impl == "live" and cfg.decode_attention == "auto" and not live_decode_compiles(
+      q.shape[-1], jnp.dtype(q.dtype).name):
+    impl = choose(compiles=False)
+  return impl
+
+
+def live_decode(q: Array, keys_t: Array, values: Array, n: Array, shard=None) -> Array | None:
+  """decode_live.decode_attention of q [B, 1, H, Dh] over a per-layer cache (keys_t
+  [B, K, Dh, S], values [B, K, S, Dh]), slot b attending to its first n[b] positions; per shard
+  under a mesh (slots and heads split alike). None where the mesh splits the query heads and
+  the KV heads differently or splits a cache's length or head_dim: the caller keeps XLA's."""
+  interpret = platform() != "cuda"   # Pallas's interpreter: the tests on CPU
+  q_axes = ("cache_batch", None, "act_heads", None)
+  kt_axes = ("cache_batch", "act_kv_heads", "head_dim", "cache_length")
+  v_axes = ("cache_batch", "act_kv_heads", "cache_length", "head_dim")
+  if shard is not None:
+    from magistral_jax.parallel.sharding import logical_to_spec
+    spec = lambda x, a: tuple(logical_to_spec(a, shard.rules, x.shape, shard.mesh))
+    sq, st, sv = spec(q, q_axes), spec(keys_t, kt_axes), spec(values, v_axes)
+    pad = lambda t: t + (None,) * (4 - len(t))
+    sq, st, sv = pad(sq), pad(st), pad(sv)
+    if sq[2] != st[1] or st[2:] != (None, None) or sv[2:] != (None, None):
+      return None
+  kernel = functools.partial(decode_live.decode_attention, interpret=interpret)
+  return _per_shard(kernel, (q, keys_t, values, n), (q_axes, kt_axes, v_axes, ("cache_batch",)),
+                    shard)
 
 
 def choose_impl(requested: str, *, platform: str, dtype, head_dim: int, q_len: int,

@@ -28,6 +28,7 @@ MODEL_TYPES = {"MistralForCausalLM": "mistral", "LlamaForCausalLM": "llama",
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
              "num_experts_per_tok")
 ATTENTION_IMPLS = ("auto", "dense", "blockwise", "cudnn", "tpu_flash", "gpu_flash")
+DECODE_ATTENTION = ("auto", "xla", "live")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -89,6 +90,12 @@ class ModelConfig:
   # precision where it compiles; otherwise dense while the queries fit one block and blockwise
   # (memory linear in T) beyond. "dense" is the reference.
   attention_impl: str = "auto"
+  # Decode attention over the KV cache (model/attention.py choose_decode): "auto" | "xla" |
+  # "live". live: our Pallas kernel (model/decode_live.py) reads only the cache positions each
+  # slot has reached (XLA's reads the whole cache, or the engine's attention window); auto takes
+  # it on NVIDIA GPUs where it compiles and its shapes apply. On CPU "live" runs in Pallas's
+  # interpreter (tests).
+  decode_attention: str = "auto"
   # Query / key tile of the blockwise attention: one [block_q, block_k] fp32 score tile per head
   # is live at a time.
   attention_block_q: int = 512
@@ -103,6 +110,9 @@ class ModelConfig:
       raise ValueError(f"logits_vocab_pieces must be >= 0 (0 = auto), got {self.logits_vocab_pieces}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.decode_attention not in DECODE_ATTENTION:
+      raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got "
+                       f"{self.decode_attention!r}")
     if self.attention_block_q < 1 or self.attention_block_k < 1:
       raise ValueError(f"attention blocks must be >= 1, got {self.attention_block_q}, "
                        f"{self.attention_block_k}")

@@ -17,7 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from magistral_jax.model.attention import attend, cache_spec, packed_spec
+from magistral_jax.model.attention import (attend, cache_spec, decode_impl, live_decode,
+                                            packed_spec)
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx, constrain
 
@@ -166,7 +167,7 @@ class Attention(nn.Module):
     q = apply_rope(q, positions, inv_freq)
     kk = apply_rope(kk, positions, inv_freq)
 
-    new_cache, keys_t = None, False
+    new_cache, keys_t, out = None, False, None
     if kv_cache is not None:
       # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
       # `layer` indexes it) or, with layer=None, this layer's own cache (the per-layer cache of
@@ -189,22 +190,38 @@ class Attention(nn.Module):
       spec = packed_spec(positions, q_segment)
     else:
       keys_t = per_layer
-      if per_layer:
-        keys, values = ck.astype(dt), cv.astype(dt)
-        if window is not None and window < values.shape[2]:
-          # Attend over the first `window` positions only (see `decode`): the caller keeps
-          # every slot's new positions below it, so the rest of the cache is masked anyway.
-          keys, values = keys[..., :window], values[:, :, :window]
-      else:
-        keys = jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt)
-        values = jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt)
-      spec = cache_spec(positions, valid_len, values.shape[2])
-    out = attend(q, keys, values, spec, cfg, keys_t=keys_t,
-                 self_only=kv_cache is None or self.from_empty, shard=self.shard)
+      if per_layer and decode_impl(cfg, q, cv.shape[2]) == "live":
+        # Each slot reads only the positions it has reached (model/decode_live.py): the new
+        # token's own and those before it. The engine's window needs no slice here.
+        n = jnp.minimum(positions[:, 0] + 1, valid_len)
+        out = live_decode(q, ck, cv, n, self.shard)
+        if out is None and cfg.decode_attention == "live":
+          raise ValueError("decode_attention='live': this mesh splits the query heads and the "
+                           "KV heads differently, or a cache's length or head_dim; use 'auto'")
+      if out is None:
+        keys, values = _read_cache(ck, cv, layer, window, dt)
+        spec = cache_spec(positions, valid_len, values.shape[2])
+    if out is None:
+      out = attend(q, keys, values, spec, cfg, keys_t=keys_t,
+                   self_only=kv_cache is None or self.from_empty, shard=self.shard)
     out = constrain(self.shard, out, ("act_batch", "act_length", "act_heads", None))
     y = Projection((h, dh, d), ("heads", "head_dim", "embed"), cfg, 1, cfg.o_proj_bias,
                    name="o_proj")(out, "bthk,hkd->btd")
     return y, new_cache
+
+
+def _read_cache(ck, cv, layer, window, dt):
+  """This layer's keys and values for XLA's decode attention: a per-layer cache (layer None)
+  where it lies, cut to the engine's attention window, or the layer's slice of a stacked one."""
+  if layer is None:
+    keys, values = ck.astype(dt), cv.astype(dt)
+    if window is not None and window < values.shape[2]:
+      # Attend over the first `window` positions only (see `decode`): the caller keeps every
+      # slot's new positions below it, so the rest of the cache is masked anyway.
+      keys, values = keys[..., :window], values[:, :, :window]
+    return keys, values
+  return (jax.lax.dynamic_index_in_dim(ck, layer, keepdims=False).astype(dt),
+          jax.lax.dynamic_index_in_dim(cv, layer, keepdims=False).astype(dt))
 
 
 class MLP(nn.Module):

@@ -18,7 +18,8 @@ from magistral_jax.parallel.config import DEFAULT_RULES
 # The fields of the run's `model` section a checkpoint's architecture does not replace: the
 # run's dtypes, remat and head / attention knobs.
 RUN_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "logits_chunk", "logits_vocab_pieces",
-                    "attention_impl", "attention_block_q", "attention_block_k")
+                    "attention_impl", "attention_block_q", "attention_block_k",
+                    "decode_attention")
 
 def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
                 load_weights: bool = True, mesh=None, rules=None):

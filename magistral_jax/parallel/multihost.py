@@ -83,15 +83,15 @@ def initialize() -> None:
   # Registered after JAX's own shutdown, so it runs before it: a liveness thread still reading
   # the store while JAX's client shuts down aborts the process.
   atexit.register(_stop_liveness)
+  log.info("jax.distributed: process %d of %d, %d local / %d global devices%s",
+           jax.process_index(), jax.process_count(), jax.local_device_count(),
+           jax.device_count(), f", transfers on {address}" if address else "")
 
 
 def _stop_liveness() -> None:
   for thread in (_heartbeat, _watch):
     if thread is not None:
       thread.stop()
-  log.info("jax.distributed: process %d of %d, %d local / %d global devices%s",
-           jax.process_index(), jax.process_count(), jax.local_device_count(),
-           jax.device_count(), f", transfers on {address}" if address else "")
 
 
 _heartbeat: liveness.Heartbeat | None = None

@@ -48,7 +48,7 @@ def main(path):
     assert read[name] == sum(mine.values()) < arr.size, (name, read[name], mine, arr.size)
   print(f"[p{me}] OK: {checked} shards equal; read {read['model.embed_tokens.weight']} of "
         f"{params['embed']['embedding'].size} embedding elements", flush=True)
-  jax.distributed.shutdown()
+  multihost.finish()   # process 0 leaves last (JAX's recoverable mode has no shutdown barrier)
 
 
 if __name__ == "__main__":
