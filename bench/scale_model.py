@@ -28,8 +28,10 @@
    ACCELERATORS. Assumed workload: --keep, --prompt_tokens, --length_frac, --code_share. Policy:
    Small is Mistral Small 3 (24B); Medium 3's shape is not public (--medium_models: the 24B
    shape, Magistral Medium's smallest stated base, and README.md's 125B stand-in). VARIANTS say
-   what the bottleneck costs: 3/4 of the chips generating; `paged`, a decode step reading and a
-   slot holding only its live positions; `push spread` (analysis/scale_model.push_seconds).
+   what the bottleneck costs: 3/4 of the chips generating; `live read`, a decode step reading
+   only each slot's live positions (model/decode_live.py, decode_attention auto on NVIDIA GPUs),
+   as many slots as a dense cache fits; `paged`, a slot also holding only its live positions (more
+   slots fit); `push spread` (analysis/scale_model.push_seconds).
 
 Last line: one JSON object. Usage: python bench/scale_model.py [--cpu_run_workdir W]
 [--projection_only] [--clusters 64xH100,128xH100,256xH100,v5p-128,v5p-256]
@@ -341,8 +343,8 @@ def cpu_check(args) -> dict:
 
 # ---- 4. projections ---------------------------------------------------------------------------
 
-VARIANTS = ("recipe", "3/4 generating", "paged", "paged, 3/4 generating",
-            "paged, 3/4 generating, push spread")
+VARIANTS = ("recipe", "3/4 generating", "live read", "live read, 3/4 generating", "paged",
+            "paged, 3/4 generating", "paged, 3/4 generating, push spread")
 
 
 def project_one(run, cfg, cluster: str, variant: str, args, verify_core_s: float,
@@ -366,6 +368,7 @@ def project_one(run, cfg, cluster: str, variant: str, args, verify_core_s: float
                                        generators=(gen_chips,) * n_gen),
       rl=run.rl.replace(microbatch_rows=rows, microbatch_tokens=rows * run.rl.row_len))
   paged = variant.startswith("paged")
+  live_read = paged or variant.startswith("live read")
   slots = n_gen and footprint.slots_that_fit(laid, cfg, gen_chips, devices.memory_bytes,
                                      devices.platform, positions=live if paged else None)
   key = (id(run), id(cfg), trainer, devices.platform)
@@ -382,7 +385,7 @@ def project_one(run, cfg, cluster: str, variant: str, args, verify_core_s: float
                  prompt_tokens=args.prompt_tokens, response_tokens=response, keep=args.keep,
                  microbatch_tokens=laid.rl.microbatch_tokens, padding=args.padding)
   tensor = int(run.devices.generator_mesh.get("tensor", 1))
-  cl = M.ClusterLayout(trainer, n_gen, gen_chips, tensor, slots, live if paged else cache,
+  cl = M.ClusterLayout(trainer, n_gen, gen_chips, tensor, slots, live if live_read else cache,
                        push="spread" if "spread" in variant else "leader")
   rates = M.accelerator_rates(cfg, w, cl, acc, verify_core_s=verify_core_s,
                               message_s=message_s, remat=cfg.remat)

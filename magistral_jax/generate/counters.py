@@ -15,7 +15,9 @@ class LoopCounters:
   computed_slot_steps: int = 0
   generated_tokens: int = 0
   compact_steps: int = 0          # decode steps run on a compacted (smaller) state
-  attended_positions: int = 0     # sum over steps of the attention window (cache positions read)
+  # Sum over steps of the cache positions a slot's attention read: the window (XLA's decode), or
+  # the mean over slots of each one's reached positions (live decode).
+  attended_positions: float = 0.0
   decode_time_s: float = 0.0
   idle_time_s: float = 0.0        # blocked waiting for a request with no active slot
   prefill_wait_s: float = 0.0     # the loop blocked waiting for the background prefill worker
@@ -38,7 +40,7 @@ class LoopCounters:
         # only its smaller engine's slots).
         "computed_slot_utilization": self.active_slot_steps / computed if computed else 0.0,
         "compact_steps": self.compact_steps,
-        # The mean attention window per step, over the engine's cache length (1.0 = dense).
+        # Cache positions read per slot and step, over the engine's cache length (1.0 = dense).
         "attention_window_fraction": (self.attended_positions / self.steps / cache_length
                                       if self.steps else 0.0),
         "tokens_per_s": self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0,

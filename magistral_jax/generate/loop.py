@@ -365,8 +365,10 @@ class GeneratorLoop:
     c = self.counters
     # The device is ahead of what the host has recorded (the step in flight, first tokens not
     # yet fetched): the window must hold the positions this step writes on the device.
-    window = self.engine.window_for(self._slots.positions(self._ahead.positions()))
-    c.attended_positions += window
+    ahead = self._ahead.positions()
+    window = self.engine.window_for(self._slots.positions(ahead))
+    c.attended_positions += (self._slots.mean_positions(ahead)
+                             if self.engine.decode_attention == "live" else window)
     t0 = time.perf_counter()
     slots = np.flatnonzero(active)
     owners = [self._slots.samples[i] for i in slots]

@@ -64,6 +64,15 @@ class SlotTable:
       pos = pos + in_flight[act]
     return int(pos.max())
 
+  def mean_positions(self, in_flight: np.ndarray | None = None) -> float:
+    """What a live decode step reads per slot (model/decode_live.py): each active slot's
+    positions as in `positions`, inactive slots none, averaged over all slots."""
+    act = np.flatnonzero(self.active)
+    pos = self._prompt_len[act] + self._count[act]
+    if in_flight is not None:
+      pos = pos + in_flight[act]
+    return float(pos.sum()) / len(self.active)
+
   def in_cache(self, slot: int) -> list[int]:
     """The tokens in a slot's cache: the prompt and all but the pending token."""
     return self.samples[slot].group.prompt + self._tokens[slot, :self._count[slot] - 1].tolist()

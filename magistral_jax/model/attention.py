@@ -211,13 +211,17 @@ def choose_decode(requested: str, *, platform: str, head_dim: int, new_tokens: i
 def decode_impl(cfg, q: Array, cache_length: int) -> str:
   """choose_decode for cfg and this platform, for queries q [B, T, H, Dh] over a cache of
   cache_length positions (the compile check runs only where auto would take the kernel)."""
-  where = platform()
-  choose = functools.partial(choose_decode, cfg.decode_attention, platform=where,
-                             head_dim=q.shape[-1], new_tokens=q.shape[1],
+  return decode_choice(cfg, q.shape[-1], q.shape[1], cache_length, q.dtype)
+
+
+def decode_choice(cfg, head_dim: int, new_tokens: int, cache_length: int, dtype) -> str:
+  """decode_impl from shapes: what an engine's decode steps (new_tokens 1) will use."""
+  choose = functools.partial(choose_decode, cfg.decode_attention, platform=platform(),
+                             head_dim=head_dim, new_tokens=new_tokens,
                              cache_length=cache_length, window=cfg.sliding_window)
   impl = choose()
   if impl == "live" and cfg.decode_attention == "auto" and not live_decode_compiles(
-      q.shape[-1], jnp.dtype(q.dtype).name):
+      head_dim, jnp.dtype(dtype).name):
     impl = choose(compiles=False)
   return impl
 

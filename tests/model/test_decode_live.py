@@ -82,6 +82,7 @@ def test_choose_decode():
   assert choose_decode("auto", platform="tpu", **kw) == "xla"
   assert choose_decode("xla", platform="cuda", **kw) == "xla"
   assert choose_decode("live", platform="cpu", **kw) == "live"
+  assert choose_decode("live", platform="cuda", compiles=False, **kw) == "live"
   # Where it does not apply: auto keeps XLA's; an explicit request is an error.
   for bad in (dict(new_tokens=4), dict(head_dim=80), dict(cache_length=4220),
               dict(window=1024)):
@@ -113,18 +114,35 @@ def test_the_engine_samples_the_same_with_live_decode(sampling, monkeypatch):
                                           T.init_params(CFG, k)))(jax.random.PRNGKey(0))
   rs = np.random.RandomState(3)
   ps = [rs.randint(1, CFG.vocab_size, rs.randint(3, 14)).tolist() for _ in range(6)]
-  got = {}
+  got, read = {}, {}
   for impl in ("xla", "live"):
     eng = Engine(dataclasses.replace(CFG, decode_attention=impl), mesh,
                  max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16,
                  sampling=sampling, prefill_buckets=(8, 16))
+    assert eng.decode_attention == impl
     loop = GeneratorLoop(eng, params, options=DIRECT)
     for i, p in enumerate(ps):
       loop.submit(Request(i, p, max_new_tokens=2 + (5 * i) % 12, seed=i))
     got[impl] = {(c.request_id, c.sample_index): c for c in loop.run_until_idle()}
+    read[impl] = loop.metrics()["attention_window_fraction"]
+  # XLA's step reads the whole cache; the live one what the slots hold (prompts of 3-13 tokens
+  # plus up to 13 new ones in a cache of 32), and no empty slot.
+  assert read["xla"] == 1.0 and 0.1 < read["live"] < 0.6
   # Traced per layer, per shard, for the generate program (and only with "live").
   assert traced and all(a[0].shape[2] == CFG.num_heads // 2 for a in traced)
   assert got["live"].keys() == got["xla"].keys() and len(got["xla"]) == 6
   for k, c in got["xla"].items():
     assert got["live"][k].tokens == c.tokens, k
     np.testing.assert_allclose(got["live"][k].logprobs, c.logprobs, atol=1e-5)
+
+
+def test_a_live_engine_keeps_one_window():
+  """Live decode reads what each slot holds whatever the window: more windows would only add
+  compiled programs."""
+  mesh = make_mesh({"tensor": 1}, jax.devices()[:1])
+  kw = dict(max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=16,
+            attention_windows=(8, 16))
+  assert Engine(dataclasses.replace(CFG, decode_attention="live"), mesh,
+                **kw).attention_windows == (32,)
+  assert Engine(dataclasses.replace(CFG, decode_attention="xla"), mesh,
+                **kw).attention_windows == (8, 16, 32)
