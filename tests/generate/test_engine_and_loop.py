@@ -1006,7 +1006,10 @@ def test_shared_prefix_follows_weight_updates(params, mesh):
   reqs = lambda: [Request(i, x, max_new_tokens=6) for i, x in enumerate(ps)]
   fresh = run(GeneratorLoop(eng, new), reqs())
   loop = GeneratorLoop(eng, params, shared_prefix=SHARED)
-  run(loop, reqs()[:2])    # generate under v0 first
+  # Every program compiled first (the compactions a drain may pick, by precompile; the shared
+  # prefix's continuations, by a whole run under v0), whichever tests ran before this one.
+  eng.precompile(eng.load_params(params), tune=False)
+  run(loop, reqs())
   compiled = eng.compile_counts()
   loop.update_params(new, 1)
   out = run(loop, reqs())
