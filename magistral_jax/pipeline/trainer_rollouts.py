@@ -46,6 +46,7 @@ class LeaderRollouts(Rollouts):
     self.follower_processes = tuple(follower_processes)
     self.channels = [rows_channel(mailbox, stage, f, p)
                      for f, p in enumerate(self.follower_processes)]
+    self._unacked: list = []   # (generator, incarnation, version): the last push, unacked
 
   def _broadcast(self, message):
     for f in range(len(self.follower_processes)):
@@ -76,25 +77,37 @@ class LeaderRollouts(Rollouts):
 
   def push(self, params, version: int) -> float:
     """Every trainer process stages the params once (FollowerRollouts.push does the same); the
-    leader offers the copy to each generator serving and waits for their acks. A generator lost
-    meanwhile is skipped (Rollouts reassigns its groups); one that rejoins gets this version."""
+    leader offers the copy to each generator serving and returns: each generator pulls it while
+    the trainer takes its next step. Their acks are awaited only before the next push replaces
+    the staged copy (or at the stage's end). A generator's requests follow the push on its
+    stream, so it serves none of them before it has the weights. A generator lost meanwhile is
+    skipped (Rollouts reassigns its groups); one that rejoins gets this version."""
     t = time.time()
     with self.transfer.lock:
+      self._await_acks()
       self.transfer.stage(params, version)
-      sent = []
       for g in self.generators:
         if g.serving:
           _, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
           g.push_to(version, uuid)
-          sent.append(g)
-      for g in sent:
-        try:
-          g.wait_for(("ack", int(version)), f"the push of version {version}")
-        except GeneratorLost as e:
-          log.warning("%s", e)
+          self._unacked.append((g, g.incarnation, int(version)))
     return time.time() - t
 
+  def _await_acks(self) -> None:
+    """The generators' acks of the last push (each has pulled its copy). A generator that was
+    lost and rejoined since got the latest weights as it rejoined (under the transfer lock)."""
+    pending, self._unacked = self._unacked, []
+    for g, inc, version in pending:
+      if g.incarnation != inc:
+        continue
+      try:
+        g.wait_for(("ack", version), f"the push of version {version}")
+      except GeneratorLost as e:
+        log.warning("%s", e)
+
   def close(self):
+    with self.transfer.lock:
+      self._await_acks()
     super().close()   # the feeder first: no request may follow the end of the stage
     for g in self.generators:
       g.end_stage()
