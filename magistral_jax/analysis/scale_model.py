@@ -15,11 +15,15 @@ pushes the new weights to every generator (paper §5). Five parts:
               + its messages (each follower's rows description and ack, the batch notice)
               x one message's latency
   train       per optimizer step: packed token slots (padding included) / train tokens/s
-  push        per optimizer step: the push to every generator (messages, transfers, acks)
+  push        per optimizer step: what the trainer waits for of the push to every generator
+              (the stage and the offers; the pulls overlap its next step, see below)
 
 How they overlap (pipeline/rollouts.py). Data, train and push run one after another on the
-trainer: the leader sends the rows, steps, then waits for every generator's ack. So the trainer
-is busy for their sum. Generation and scoring run beside it. In async mode the generators never wait
+trainer: the leader sends the rows, steps, then stages the new weights and offers them; each
+generator pulls its copy while the trainer takes its next step, and the acks are awaited only
+before the next push (pipeline/trainer_rollouts.py). So the trainer is busy for their sum, the
+push counting its staging and offers plus whatever of the pulls outlasts the next step's data and
+train. Generation and scoring run beside it. In async mode the generators never wait
 for the trainer and the verifiers score each completion as it arrives, as far as the off-policy
 bound allows: at most n_async completions are generating or waiting, and the batch being trained
 holds n_batch of them. So while the trainer works, the generators can make the next batch's
@@ -116,7 +120,9 @@ class Layout:
 class Rates:
   """The rates of the parts. decode / prefill: all generators together (prefill None: included
   in the decode rate, as an end-to-end measurement of completion tokens/s includes it). push_s:
-  one optimizer step's push to every generator, messages and acks included. cores_busy (shared
+  one optimizer step's push to every generator, messages and acks included; push_wait_s: the
+  part of it the trainer waits for (staging, offers), the rest overlapping its next step (None:
+  all of it, as a push measured end to end is counted). cores_busy (shared
   cores only): how many cores each part keeps busy while it runs (CPU s / wall s; default 1)."""
   decode_tokens_per_s: float
   verify_tasks_per_s: float
@@ -126,6 +132,7 @@ class Rates:
   push_s: float
   prefill_tokens_per_s: float | None = None
   cores_busy: dict | None = None
+  push_wait_s: float | None = None
 
 
 def part_seconds(w: Workload, layout: Layout, r: Rates) -> dict[str, float]:
@@ -137,12 +144,17 @@ def part_seconds(w: Workload, layout: Layout, r: Rates) -> dict[str, float]:
   follower_share = layout.followers / layout.trainer_processes
   rows_bytes = w.slots_per_step * BYTES_PER_TOKEN_SLOT * follower_share
   messages = 2 * layout.followers + layout.followers / steps
+  data = rows_bytes / r.bulk_bytes_per_s + messages * r.message_s
+  train = w.slots_per_step / r.train_tokens_per_s
+  push = r.push_s
+  if r.push_wait_s is not None:   # the pulls run during the next step's data and train
+    push = r.push_wait_s + max(0.0, r.push_s - r.push_wait_s - data - train)
   return {
       "generation": generation,
       "scoring": w.completions / r.verify_tasks_per_s,
-      "data": steps * (rows_bytes / r.bulk_bytes_per_s + messages * r.message_s),
-      "train": steps * w.slots_per_step / r.train_tokens_per_s,
-      "push": steps * r.push_s,
+      "data": steps * data,
+      "train": steps * train,
+      "push": steps * push,
   }
 
 
@@ -265,15 +277,21 @@ def accelerator_rates(cfg, w: Workload, cl: ClusterLayout, acc: Accelerator, *,
   prefill = cl.generators * cl.gen_chips * flop_rate / (2.0 * matmul_params(cfg))
   seq = w.prompt_tokens + w.response_tokens
   train = cl.trainer_chips * flop_rate / train_flops_per_token(cfg, seq, remat)
-  push = push_seconds(cfg, cl, acc) + 2 * message_s
+  stage, transfer = push_parts(cfg, cl, acc)
   return Rates(decode_tokens_per_s=decode, prefill_tokens_per_s=prefill,
                verify_tasks_per_s=acc.verifier_cores / verify_core_s,
                train_tokens_per_s=train, bulk_bytes_per_s=acc.transfer_gbps * 1e9,
-               message_s=message_s, push_s=push)
+               message_s=message_s, push_s=stage + transfer + 2 * message_s,
+               push_wait_s=stage + message_s)
 
 
 def push_seconds(cfg, cl: ClusterLayout, acc: Accelerator) -> float:
-  """One optimizer step's push to every generator (parallel/weight_transfer.py). The
+  """One optimizer step's push to every generator: push_parts' stage + transfer."""
+  return sum(push_parts(cfg, cl, acc))
+
+
+def push_parts(cfg, cl: ClusterLayout, acc: Accelerator) -> tuple[float, float]:
+  """(stage, transfer) seconds of one optimizer step's push (parallel/weight_transfer.py). The
   trainer casts its params and lays them out as a generator holds them: each chip ends with
   serving bytes / tensor, gathered from FSDP shards mostly on other hosts. Then the bytes cross
   hosts at acc.transfer_gbps a host:
@@ -288,7 +306,7 @@ def push_seconds(cfg, cl: ClusterLayout, acc: Accelerator) -> float:
   stage = per_chip / (acc.stage_gbps * 1e9) + per_chip * remote / (acc.link_gbps * 1e9)
   if cl.push == "leader":
     hosts = math.ceil(cl.gen_chips / acc.chips_per_host)
-    return stage + cl.generators * cl.gen_chips * per_chip / (hosts * acc.transfer_gbps * 1e9)
+    return stage, cl.generators * cl.gen_chips * per_chip / (hosts * acc.transfer_gbps * 1e9)
   if cl.push != "spread":
     raise ValueError(f"push {cl.push!r}: leader or spread")
   trainer_hosts = max(1, cl.trainer_chips // acc.chips_per_host)
@@ -296,4 +314,4 @@ def push_seconds(cfg, cl: ClusterLayout, acc: Accelerator) -> float:
                                 * acc.transfer_gbps * 1e9)
   spread = cl.generators * cl.tensor * per_chip / (trainer_hosts * acc.transfer_gbps * 1e9)
   broadcast = per_chip / (acc.link_gbps * 1e9) if cl.replicas > 1 else 0.0
-  return stage + max(one, spread) + broadcast
+  return stage, max(one, spread) + broadcast

@@ -34,6 +34,17 @@ def test_each_part_takes_what_its_rate_says():
   assert parts["push"] == pytest.approx(2 * 0.5)
 
 
+def test_the_pulls_overlap_the_next_step():
+  """The trainer waits for a push's staging and offers; the generators' pulls run during its next
+  step (data 1.5 s + train 4 s), and only what outlasts it counts."""
+  wait = lambda total, w: M.part_seconds(WORK, LAYOUT, dataclasses.replace(
+      RATES, push_s=total, push_wait_s=w))["push"] / 2
+  assert wait(0.5, 0.1) == pytest.approx(0.1)
+  assert wait(5.6, 0.1) == pytest.approx(0.1)
+  assert wait(7.6, 0.1) == pytest.approx(0.1 + 2.0)
+  assert wait(0.5, None) == pytest.approx(0.5)
+
+
 def test_async_at_twice_n_batch_takes_as_long_as_the_busiest_resource():
   out = M.step_time(WORK, LAYOUT, RATES)
   assert out["overlap_share"] == 1.0
@@ -108,6 +119,7 @@ def test_accelerator_rates_from_the_shape_and_the_chip_figures():
   per_chip = cfg.num_params() * 2 / 4
   stage = per_chip / 100e9 + per_chip * 0.5 / 50e9
   assert r.push_s == pytest.approx(stage + 2 * 8 * per_chip / 10e9)
+  assert r.push_wait_s == pytest.approx(stage)   # the rest overlaps the next step
   spread = M.push_seconds(cfg, dataclasses.replace(cl, push="spread"), _h100())
   # One replica's bytes per generator (4 chips), spread over the 2 trainer hosts, then copied
   # across the generator's 2 replicas on its links.
