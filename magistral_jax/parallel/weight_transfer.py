@@ -60,9 +60,14 @@ class WeightTransfer:
     self.latest = None       # (version, the staged copy on the sender's first k devices)
     self.lock = threading.RLock()   # one push or rejoin at a time (pipeline.remote)
     self._offers = 0
+    # Called before a stage replaces the latest copy: waits until the offers of it that are
+    # still out have been pulled (the leader's LeaderRollouts sets it; pulls overlap a step).
+    self.settle = lambda: None
 
   def stage(self, params, version: int) -> None:
     """Every trainer process: the params of policy `version`, cast and laid out (step 1)."""
+    if self.sends:
+      self.settle()
     staged = self._stage(params)
     if not self.sends:
       return

@@ -304,21 +304,24 @@ def remote_eval(layout, gens: list[RemoteGenerator] | None, transfer: WeightTran
   others None. `wait_s`: how long to wait for a generator to serve when none does."""
   with transfer.lock:
     transfer.stage(params, version)
-    if not layout.is_leader:
-      return None
-    deadline = time.time() + wait_s
-    while True:
-      gen = next((g for g in gens if g.serving), None)
-      if gen is None:
-        if time.time() > deadline:
-          raise PipelineError(f"no generator process served for {wait_s:.0f}s: the {tag} "
-                              "evaluation cannot run (lost: " + "; ".join(
-                                  f"{g.name}: {g.lost_reason}" for g in gens) + ")")
-        time.sleep(0.5)
-        continue
+  if not layout.is_leader:
+    return None
+  deadline = time.time() + wait_s
+  while True:
+    gen = next((g for g in gens if g.serving), None)
+    if gen is None:
+      if time.time() > deadline:
+        raise PipelineError(f"no generator process served for {wait_s:.0f}s: the {tag} "
+                            "evaluation cannot run (lost: " + "; ".join(
+                                f"{g.name}: {g.lost_reason}" for g in gens) + ")")
+      time.sleep(0.5)
+      continue
+    # The lock covers the offer only: a generator rejoining during the evaluation (it gets the
+    # same weights, the latest staged) need not wait for it.
+    with transfer.lock:
       _, uuid = transfer.offer(REPLY_TIMEOUT_S)
       gen.send(("eval", tag, problems, uuid))
-      try:
-        return gen.wait_for(("eval", tag), f"the {tag} evaluation")[0]
-      except GeneratorLost as e:
-        log.warning("%s; the %s evaluation moves to another generator", e, tag)
+    try:
+      return gen.wait_for(("eval", tag), f"the {tag} evaluation")[0]
+    except GeneratorLost as e:
+      log.warning("%s; the %s evaluation moves to another generator", e, tag)

@@ -47,6 +47,7 @@ class LeaderRollouts(Rollouts):
     self.channels = [rows_channel(mailbox, stage, f, p)
                      for f, p in enumerate(self.follower_processes)]
     self._unacked: list = []   # (generator, incarnation, version): the last push, unacked
+    transfer.settle = self._await_acks   # any stage (a push's, an evaluation's) waits for them
 
   def _broadcast(self, message):
     for f in range(len(self.follower_processes)):
@@ -78,14 +79,14 @@ class LeaderRollouts(Rollouts):
   def push(self, params, version: int) -> float:
     """Every trainer process stages the params once (FollowerRollouts.push does the same); the
     leader offers the copy to each generator serving and returns: each generator pulls it while
-    the trainer takes its next step. Their acks are awaited only before the next push replaces
-    the staged copy (or at the stage's end). A generator's requests follow the push on its
-    stream, so it serves none of them before it has the weights. A generator lost meanwhile is
-    skipped (Rollouts reassigns its groups); one that rejoins gets this version."""
+    the trainer takes its next step. Their acks are awaited only before the next stage replaces
+    the copy (WeightTransfer.settle: a push's stage or an evaluation's), or at the stage's end.
+    A generator's requests follow the push on its stream, so it serves none of them before it
+    has the weights. A generator lost meanwhile is skipped (Rollouts reassigns its groups); one
+    that rejoins gets this version."""
     t = time.time()
     with self.transfer.lock:
-      self._await_acks()
-      self.transfer.stage(params, version)
+      self.transfer.stage(params, version)   # after the last push's acks (settle)
       for g in self.generators:
         if g.serving:
           _, uuid = self.transfer.offer(REPLY_TIMEOUT_S)
@@ -108,6 +109,7 @@ class LeaderRollouts(Rollouts):
   def close(self):
     with self.transfer.lock:
       self._await_acks()
+      self.transfer.settle = lambda: None
     super().close()   # the feeder first: no request may follow the end of the stage
     for g in self.generators:
       g.end_stage()

@@ -41,6 +41,8 @@ def _command(workdir, restart=False):
           "--config.optimizer.learning_rate=1e-3", "--config.data.heldout=16",
           "--config.data.max_operand=4", "--config.data.max_steps=2",
           "--config.checkpoint.every=2",
+          # Held-out evaluations mid-run: each stages weights while a push's pulls may be out.
+          "--config.eval.every=4",
           # A verifier pool per host: the generator process scores its own completions.
           "--config.verifier.placement=generators"]
 
@@ -176,6 +178,9 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   assert reward[-5:].mean() > reward[:5].mean() + 0.01, reward.round(3)
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert summary["batches"] == BATCHES and "heldout_accuracy_after" in summary
+  # The mid-run evaluations (eval.every=4) ran, each staging weights between two pushes.
+  curve = [json.loads(l) for l in open(os.path.join(workdir, "heldout_curve.jsonl"))]
+  assert {4, 8, 12} <= {int(row["batch"]) for row in curve}, curve
 
   # The checkpoint two processes saved restores in one, on another mesh.
   import jax

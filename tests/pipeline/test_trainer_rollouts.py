@@ -12,6 +12,7 @@ class Transfer:
     self.log, self.lock, self.offers = log, threading.RLock(), 0
 
   def stage(self, params, version):
+    self.settle()   # as WeightTransfer.stage does on the leader
     self.log.append(("stage", version))
 
   def offer(self, timeout_s):
@@ -40,6 +41,7 @@ class Generator:
 def leader(generators, log):
   r = LeaderRollouts.__new__(LeaderRollouts)   # only what push and close use
   r.transfer, r.generators, r._unacked = Transfer(log), generators, []
+  r.transfer.settle = r._await_acks   # as __init__ sets it
   return r
 
 
@@ -61,3 +63,5 @@ def test_the_push_returns_before_the_acks_which_come_before_the_next_stage(monke
   assert log == [("g0", "acked", 2), ("g2", "acked", 2), ("g0", "end"), ("g1", "end"),
                  ("g2", "end")]
   assert r._unacked == [] and not gens[1].serving
+  r.transfer.stage({}, 3)   # e.g. an evaluation's after the stage: nothing left to wait for
+  assert log[-1] == ("stage", 3)
