@@ -190,9 +190,10 @@ class Attention(nn.Module):
       spec = packed_spec(positions, q_segment)
     else:
       keys_t = per_layer
-      if per_layer and decode_impl(cfg, q, cv.shape[2]) == "live":
-        # Each slot reads only the positions it has reached (model/decode_live.py): the new
-        # token's own and those before it. The engine's window needs no slice here.
+      if per_layer and q.shape[1] == 1 and decode_impl(cfg, q, cv.shape[2]) == "live":
+        # A decode step: each slot reads only the positions it has reached (decode_live.py),
+        # the new token's own and those before it; the engine's window needs no slice here.
+        # A prefill continuing a cached prefix (T > 1) stays with XLA's attention.
         n = jnp.minimum(positions[:, 0] + 1, valid_len)
         out = live_decode(q, ck, cv, n, self.shard)
         if out is None and cfg.decode_attention == "live":

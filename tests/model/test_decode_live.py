@@ -115,16 +115,19 @@ def test_the_engine_samples_the_same_with_live_decode(sampling, monkeypatch):
   rs = np.random.RandomState(3)
   ps = [rs.randint(1, CFG.vocab_size, rs.randint(3, 14)).tolist() for _ in range(6)]
   got, read = {}, {}
+  shared = ps[0][:3]   # prompts 0 and 3 continue a cached prefix: a prefill over the cache
+  ps[3] = shared + ps[3]
   for impl in ("xla", "live"):
     eng = Engine(dataclasses.replace(CFG, decode_attention=impl), mesh,
                  max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16,
                  sampling=sampling, prefill_buckets=(8, 16))
     assert eng.decode_attention == impl
-    loop = GeneratorLoop(eng, params, options=DIRECT)
+    loop = GeneratorLoop(eng, params, options=DIRECT, shared_prefix=shared)
     for i, p in enumerate(ps):
       loop.submit(Request(i, p, max_new_tokens=2 + (5 * i) % 12, seed=i))
     got[impl] = {(c.request_id, c.sample_index): c for c in loop.run_until_idle()}
     read[impl] = loop.metrics()["attention_window_fraction"]
+    assert loop.metrics()["shared_prefix_hits"] >= 2
   # XLA's step reads the whole cache; the live one what the slots hold (prompts of 3-13 tokens
   # plus up to 13 new ones in a cache of 32), and no empty slot.
   assert read["xla"] == 1.0 and 0.1 < read["live"] < 0.6
