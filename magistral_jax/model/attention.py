@@ -171,18 +171,30 @@ def gpu_flash_compiles(head_dim: int, dtype: str) -> bool:
 
 
 @functools.cache
-def live_decode_compiles(head_dim: int, dtype: str) -> bool:
-  """Whether the live decode kernel compiles on this machine for this head_dim and dtype (a
-  tiny call: two slots, two query heads over one KV head, 64 positions), once per process;
-  where it fails, auto keeps XLA's decode attention and says why, once."""
-  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype))
+def live_decode_works(head_dim: int, dtype: str) -> bool:
+  """Whether the live decode kernel compiles and agrees with the dense reference on this
+  machine, for this head_dim and dtype: a small call (3 slots at 0, 100 and 256 of 256
+  positions, 4 query heads over 2 KV heads), once per process. Triton's limits and lowering are
+  only known where it runs; where it fails or disagrees, auto keeps XLA's decode attention and
+  says why, once."""
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  dt = jnp.dtype(dtype)
+  q = jax.random.normal(ks[0], (3, 1, 4, head_dim), dt)
+  keys_t = jax.random.normal(ks[1], (3, 2, head_dim, 256), dt)
+  values = jax.random.normal(ks[2], (3, 2, 256, head_dim), dt)
+  n = jnp.array([0, 100, 256], jnp.int32)
   try:
-    jax.jit(decode_live.decode_attention).lower(
-        shape(2, 1, 2, head_dim), shape(2, 1, head_dim, 64), shape(2, 1, 64, head_dim),
-        jax.ShapeDtypeStruct((2,), jnp.int32)).compile()
+    run = jax.jit(functools.partial(decode_live.decode_attention,
+                                    interpret=platform() != "cuda"))
+    got = run(q, keys_t, values, n).astype(jnp.float32)
+    want = decode_live.reference(q.astype(jnp.float32), keys_t, values, n)
+    err = float(jnp.max(jnp.abs(got - want)))
+    tol = 1e-4 if dt == jnp.float32 else 3e-2
+    if not err <= tol:
+      raise ValueError(f"max |error| {err:.2e} against the dense reference (tolerance {tol})")
     return True
   except Exception as e:   # noqa: BLE001: any failure means "not here"
-    log.warning("attention: the live decode kernel does not compile here (head_dim %d, %s): "
+    log.warning("attention: the live decode kernel does not work here (head_dim %d, %s): "
                 "%s: %s; auto keeps XLA's decode attention", head_dim, dtype,
                 type(e).__name__, str(e)[:300])
     return False
@@ -192,8 +204,8 @@ def choose_decode(requested: str, *, platform: str, head_dim: int, new_tokens: i
                   cache_length: int, window: int | None, compiles: bool = True) -> str:
   """'live' or 'xla' for a decode call over a per-layer cache: live takes one new token per
   slot, the kernel's shapes (decode_live.supports) and no effective sliding window; auto takes
-  it on NVIDIA GPUs where it compiles (`compiles`). An explicit 'live' that does not apply is an
-  error (it would silently read the whole cache)."""
+  it on NVIDIA GPUs where it works (`compiles`: live_decode_works's answer). An explicit 'live'
+  that does not apply is an error (it would silently read the whole cache)."""
   if requested not in DECODE_ATTENTION:
     raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {requested!r}")
   fits = (new_tokens == 1 and decode_live.supports(head_dim, cache_length)
@@ -220,7 +232,7 @@ def decode_choice(cfg, head_dim: int, new_tokens: int, cache_length: int, dtype)
                              head_dim=head_dim, new_tokens=new_tokens,
                              cache_length=cache_length, window=cfg.sliding_window)
   impl = choose()
-  if impl == "live" and cfg.decode_attention == "auto" and not live_decode_compiles(
+  if impl == "live" and cfg.decode_attention == "auto" and not live_decode_works(
       head_dim, jnp.dtype(dtype).name):
     impl = choose(compiles=False)
   return impl

@@ -149,3 +149,16 @@ def test_a_live_engine_keeps_one_window():
                 **kw).attention_windows == (32,)
   assert Engine(dataclasses.replace(CFG, decode_attention="xla"), mesh,
                 **kw).attention_windows == (8, 16, 32)
+
+
+def test_auto_checks_the_kernel_against_the_reference_first(monkeypatch, caplog):
+  """Before auto takes the kernel on a machine it runs a small call and compares it with the
+  dense reference: a kernel that compiles but computes wrong (a lowering bug) is not taken."""
+  from magistral_jax.model import attention as A
+  A.live_decode_works.cache_clear()
+  assert A.live_decode_works(64, "float32") and A.live_decode_works(64, "bfloat16")
+  A.live_decode_works.cache_clear()
+  monkeypatch.setattr(D, "decode_attention", lambda q, *a, **kw: q * 0)
+  assert not A.live_decode_works(64, "float32")
+  assert "does not work here" in caplog.text and "against the dense reference" in caplog.text
+  A.live_decode_works.cache_clear()
