@@ -63,6 +63,7 @@ from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.generator_loss import GeneratorLoss
+from magistral_jax.pipeline.generator_meter import GeneratorMeter
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.rewards.reward import RewardResult, failed_result
@@ -140,8 +141,7 @@ class Rollouts(GeneratorLoss):
     if self._started:
       return self
     self._started = True
-    self._last_metrics_t = time.time()
-    self._gen_t0 = [self._gen_counters(g) for g in self.generators]
+    self._meter = GeneratorMeter(self.generators)
     self.schedule.start()
     threads = [("collector", self._collect)]
     if self.cfg.mode == "async":
@@ -419,46 +419,16 @@ class Rollouts(GeneratorLoss):
     g = batch.groups[0]
     return describe(g.info[0], g.results[0], self.tokenizer.decode)
 
-  @staticmethod
-  def _gen_counters(g: Generator) -> tuple:
-    c = g.counters
-    return c.decode_time_s, c.steps, c.active_slot_steps, c.idle_time_s
-
   def _system_metrics(self) -> dict:
-    now = time.time()
-    wall = max(1e-9, now - self._last_metrics_t)
-    self._last_metrics_t = now
-    util, occ, decode_frac = [], [], []
-    for i, g in enumerate(self.generators):
-      d0, s0, a0, i0 = self._gen_t0[i]
-      d, steps, a, idle = self._gen_counters(g)
-      occ.append((a - a0) / max(1, (steps - s0) * g.engine.max_concurrent_decodes))
-      working = max(0.0, 1.0 - (idle - i0) / wall)
-      util.append(occ[-1] * working)
-      decode_frac.append(min(1.0, (d - d0) / wall))
-      self._gen_t0[i] = (d, steps, a, idle)
     lat = list(self._verifier_latencies)
     return {
-        # Share of generator capacity holding live sequences: slot occupancy over decode steps x
-        # share of wall time the loop was not waiting for work (it was decoding, prefilling,
-        # inserting or doing its bookkeeping). Sync mode loses both while it waits for the
-        # longest completion and for the trainer.
-        "generator_utilization": float(np.mean(util)),
-        "generator_slot_occupancy": float(np.mean(occ)),
-        # Share of wall time inside decode steps (the rest is prefill/insert, host work, idle)
-        # and the stricter occupancy x decode share.
-        "generator_decode_frac": float(np.mean(decode_frac)),
-        "generator_decode_utilization": float(np.mean([o * d for o, d in zip(occ, decode_frac)])),
+        **self._meter.read(),
         "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
         "verifier_errors": float(self.counters["verifier_errors"]),
         # Problems skipped because no generator would take their prompt (over its prefill limit).
         "prompts_skipped": float(self.counters["prompts_skipped"]),
         # Groups given up with a lost generator and submitted again (pipeline/remote.py).
         "groups_reassigned": float(self.counters["groups_reassigned"]),
-        # Requests whose prompt continued the cached system-prompt prefix (GeneratorLoop
-        # shared_prefix), over the run so far, all generators.
-        "generator_shared_prefix_hits": float(sum(g.counters.shared_prefix_hits
-                                                  for g in self.generators)),
         "generating_completions": float(self._generating),
         "queued_completions": float(self._queued),
         **self.schedule.metrics,
