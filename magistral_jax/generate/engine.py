@@ -43,7 +43,7 @@ from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultT
                                           start_cache, state_shardings)
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
-from magistral_jax.model.attention import decode_choice
+from magistral_jax.model.decode_choice import decode_choice
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import GENERATOR_RULES
@@ -80,7 +80,7 @@ class Engine:
     # Attention windows (see `window_for`): a generate step attends over the first W cache
     # positions, W the smallest window holding every active slot; one program per window.
     self.attention_windows = shapes.attention_windows(attention_windows, self.cache_length)
-    # Decode attention (model/attention.py choose_decode): "live" reads only the positions each
+    # Decode attention (model/decode_choice.py): "live" reads only the positions each
     # slot has reached, whatever the window, so windows would only add programs.
     self.decode_attention = decode_choice(cfg, cfg.head_dim, 1, self.cache_length, cfg.dtype)
     if self.decode_attention == "live":

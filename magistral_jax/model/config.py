@@ -90,11 +90,11 @@ class ModelConfig:
   # precision where it compiles; otherwise dense while the queries fit one block and blockwise
   # (memory linear in T) beyond. "dense" is the reference.
   attention_impl: str = "auto"
-  # Decode attention over the KV cache (model/attention.py choose_decode): "auto" | "xla" |
+  # Decode attention over the KV cache (model/decode_choice.py): "auto" | "xla" |
   # "live". live: our Pallas kernel (model/decode_live.py) reads only the cache positions each
   # slot has reached (XLA's reads the whole cache, or the engine's attention window); auto takes
   # it on NVIDIA GPUs where its shapes apply and a first small call agrees with the dense
-  # reference (attention.live_decode_works). On CPU "live" runs in Pallas's interpreter (tests).
+  # reference (decode_choice.live_decode_works). On CPU "live" runs in Pallas's interpreter (tests).
   decode_attention: str = "auto"
   # Query / key tile of the blockwise attention: one [block_q, block_k] fp32 score tile per head
   # is live at a time.

@@ -17,8 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from magistral_jax.model.attention import (attend, cache_spec, decode_impl, live_decode,
-                                            packed_spec)
+from magistral_jax.model.attention import attend, cache_spec, packed_spec
+from magistral_jax.model.decode_choice import decode_impl, live_decode
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx, constrain
 

@@ -13,7 +13,7 @@ from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfi
 from magistral_jax.generate.loop import DIRECT
 from magistral_jax.model import decode_live as D
 from magistral_jax.model import transformer as T
-from magistral_jax.model.attention import choose_decode
+from magistral_jax.model.decode_choice import choose_decode
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
 
@@ -154,7 +154,7 @@ def test_a_live_engine_keeps_one_window():
 def test_auto_checks_the_kernel_against_the_reference_first(monkeypatch, caplog):
   """Before auto takes the kernel on a machine it runs a small call and compares it with the
   dense reference: a kernel that compiles but computes wrong (a lowering bug) is not taken."""
-  from magistral_jax.model import attention as A
+  from magistral_jax.model import decode_choice as A
   A.live_decode_works.cache_clear()
   assert A.live_decode_works(64, "float32") and A.live_decode_works(64, "bfloat16")
   A.live_decode_works.cache_clear()
