@@ -54,24 +54,22 @@ class SlotTable:
     self._prompt_len[slot] = group.true_length
     self.active[slot] = True
 
+  def _reached(self, in_flight: np.ndarray | None) -> np.ndarray:
+    """Each active slot's cache positions after the next step's write (see `positions`)."""
+    act = np.flatnonzero(self.active)
+    pos = self._prompt_len[act] + self._count[act]
+    return pos if in_flight is None else pos + in_flight[act]
+
   def positions(self, in_flight: np.ndarray | None = None) -> int:
     """Cache positions the next step writes below, over the active slots. `in_flight` [slots]
     bool: the slots a dispatched step not yet recorded advances (GeneratorLoop's overlap_host),
     each one position further than its recorded tokens say."""
-    act = np.flatnonzero(self.active)
-    pos = self._prompt_len[act] + self._count[act]
-    if in_flight is not None:
-      pos = pos + in_flight[act]
-    return int(pos.max())
+    return int(self._reached(in_flight).max())
 
   def mean_positions(self, in_flight: np.ndarray | None = None) -> float:
     """What a live decode step reads per slot (model/decode_live.py): each active slot's
     positions as in `positions`, inactive slots none, averaged over all slots."""
-    act = np.flatnonzero(self.active)
-    pos = self._prompt_len[act] + self._count[act]
-    if in_flight is not None:
-      pos = pos + in_flight[act]
-    return float(pos.sum()) / len(self.active)
+    return float(self._reached(in_flight).sum()) / len(self.active)
 
   def in_cache(self, slot: int) -> list[int]:
     """The tokens in a slot's cache: the prompt and all but the pending token."""
