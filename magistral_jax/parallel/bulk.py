@@ -27,8 +27,9 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 import zlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -38,6 +39,7 @@ from jax.sharding import SingleDeviceSharding
 # default (256 MiB) ~180 MB/s, 1-4 MiB chunks ~500-590 MB/s (docs/perf_log.md).
 TRANSFER_CHUNK_BYTES = 4 << 20
 CONNECTIONS = 4   # parallel sockets per server
+BETWEEN_S = 0.5   # how often a pull that can lose its sender checks on it (BulkChannel.open)
 
 _server_lock = threading.Lock()
 _server = None
@@ -150,9 +152,15 @@ class BulkChannel:
       raise ValueError(f"{self.stream}: expected a bulk message, got {str(msg)[:200]}")
     return self.open(msg)
 
-  def open(self, msg) -> tuple[dict[str, np.ndarray], Any]:
+  def open(self, msg, between: Callable[[], None] | None = None
+           ) -> tuple[dict[str, np.ndarray], Any]:
     """The arrays and meta of a ("bulk", ...) message already read from the stream (a stream
-    that also carries other messages, read by the caller)."""
+    that also carries other messages, read by the caller).
+
+    A pull from a sender that died before its buffer was read never completes (the transfer
+    library does not notice the dead server), so a receiver that can lose its sender passes
+    `between`: called every BETWEEN_S while the pull is out, it raises once the sender is gone
+    (a liveness check), and the pull is abandoned."""
     _, spec, meta, uuid, address = msg
     self._received += 1
     if not spec.nbytes:
@@ -160,6 +168,8 @@ class BulkChannel:
     want = jax.ShapeDtypeStruct((spec.nbytes,), np.uint8,
                                 sharding=SingleDeviceSharding(self._dst_dev))
     (out,) = connection_at(address).pull(uuid, [want])
+    if between is not None:
+      _await_ready(out, between)
     self.received_bytes += spec.nbytes
     return unpack(np.asarray(out), spec), meta
 
@@ -178,6 +188,19 @@ class BulkChannel:
                                what=what or f"the acknowledgement of {self.stream}")
     if got != self._sent:
       raise ValueError(f"{self.stream}: acknowledged {got} messages, sent {self._sent}")
+
+
+def _await_ready(out: jax.Array, between: Callable[[], None]) -> None:
+  """Waits for a pulled array (the pull returns at once, its bytes arrive later), calling
+  `between` every BETWEEN_S; its exception abandons the pull (the array is dropped: that does
+  not wait for it)."""
+  t_check, sleep = time.monotonic(), 0.0005
+  while not out.is_ready():
+    if time.monotonic() - t_check >= BETWEEN_S:
+      between()
+      t_check = time.monotonic()
+    time.sleep(sleep)
+    sleep = min(2 * sleep, 0.02)
 
 
 @dataclasses.dataclass

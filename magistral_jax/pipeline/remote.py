@@ -138,11 +138,11 @@ class RemoteGenerator:
     if silent > self.timeout_s:
       raise GeneratorLost(f"{self.name} stopped sending heartbeats {silent:.0f}s ago")
 
-  def lose(self, reason: str) -> None:
+  def lose(self, reason: str, inc: int | None = None) -> None:
     """Stops serving (Rollouts reassigns its groups); tells the process to exit, in case it is
-    alive but hung, so that its relaunch can rejoin."""
+    alive but hung, so that its relaunch can rejoin. `inc`: only if that incarnation serves."""
     with self._cond:
-      if not self.serving:
+      if not self.serving or inc not in (None, self.incarnation):
         return
       self.serving, self.lost_reason = False, reason
       self._cond.notify_all()
@@ -198,14 +198,20 @@ class RemoteGenerator:
   def wait_for(self, key, what: str, timeout_s: float = REPLY_TIMEOUT_S):
     """The reply `key` of this incarnation; GeneratorLost once it stops serving."""
     deadline = time.time() + timeout_s
-    with self._cond:
-      while key not in self._acks:
-        if not self.serving:
+    inc = self.incarnation
+    while True:
+      with self._cond:
+        if key in self._acks and self.incarnation == inc:
+          return self._acks.pop(key)
+        if not self.serving or self.incarnation != inc:
           raise GeneratorLost(f"{self.name} lost while waiting for {what}: {self.lost_reason}")
         if time.time() > deadline:
           raise PipelineError(f"{self.name} did not answer {what} in {timeout_s:.0f}s")
         self._cond.wait(timeout=0.2)
-      return self._acks.pop(key)
+      try:   # the reader watches too, between messages; this does not rely on it alone
+        self._check_alive(inc)
+      except GeneratorLost as e:
+        self.lose(str(e), inc)
 
   # -- the reader ----------------------------------------------------------------------------
   def _read(self, inc: int):
@@ -217,14 +223,20 @@ class RemoteGenerator:
       except TimeoutError:
         continue
       except GeneratorLost as e:
-        self.lose(str(e))
+        self.lose(str(e), inc)
         break
       except Exception as e:   # the service is going away (the leader is stopping)
-        self.lose(f"lost contact: {type(e).__name__}: {e}")
+        self.lose(f"lost contact: {type(e).__name__}: {e}", inc)
         break
       kind = msg[0]
       if kind == "bulk":   # completions: their arrays come through the completions channel
-        arrays, (_, rest, counters) = self._completions.open(msg)
+        try:   # a process killed before its buffer was pulled is found by its heartbeats
+          arrays, (_, rest, counters) = self._completions.open(
+              msg, between=lambda: self._check_alive(inc))
+        except Exception as e:
+          self.lose(str(e) if isinstance(e, GeneratorLost) else
+                    f"its completions could not be read: {type(e).__name__}: {e}", inc)
+          break
         samples = unpack_samples(arrays, rest)
         for name, value in counters.items():
           setattr(self.counters, name, value)
@@ -233,7 +245,7 @@ class RemoteGenerator:
           if callback is not None:
             callback(*s) if isinstance(s, tuple) else callback(s)
       elif kind == "error":
-        self.lose(f"failed:\n{msg[1]}")
+        self.lose(f"failed:\n{msg[1]}", inc)
         break
       else:   # ("ack", version) | ("eval", tag, result) | ("stage", si)
         with self._cond:

@@ -9,6 +9,11 @@ processes 0 and 1 are the trainer, 2 a generator; 2 CPU devices each).
     trainer_killed    after one push, trainer process 1 kill -9s itself while the others wait
                       for messages; the generator holds a verifier pool (worker processes, whose
                       pids it writes to argv[2]/pids)
+    killed_mid_pull   the generator process describes completions on its stream and is kill -9ed
+                      while the leader's reader pulls their buffer: the pull fails, the reader
+                      loses the generator
+    killed_before_pull  the same, but it is dead before the leader connects to pull: that pull
+                      never completes, and the reader loses it by its heartbeats
     bulk              parallel.bulk.BulkChannel: processes 1 and 2 each send process 0 messages
                       of arrays (mixed dtypes, empty, 0-d, 20 MB, none) and move on; process 0
                       receives both channels at once, on two threads, a second later, and checks
@@ -18,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 
 import jax
 import numpy as np
@@ -139,6 +145,19 @@ def main(scenario, tmp=None):
           mailbox.receive("go", 120)
           os.kill(os.getpid(), signal.SIGKILL)
         mailbox.receive("never", 600)   # the liveness watch stops this process first
+    elif scenario in ("killed_mid_pull", "killed_before_pull"):
+      if layout.is_leader:
+        if scenario == "killed_before_pull":
+          mailbox.receive("dying", 120)
+          time.sleep(2.0)
+        gen = RemoteGenerator(mailbox, 0, 2, transfer, multihost.watch(), 10).connect()
+        t = time.time()
+        while gen.serving and time.time() - t < 120:
+          time.sleep(0.1)
+        print(f"OK: the leader lost it after {time.time() - t:.1f}s: {gen.lost_reason}",
+              flush=True)
+        gen.close()
+      _trainers_done(layout, mailbox)
     elif scenario == "generator_raises":
       gen = (RemoteGenerator(mailbox, 0, 2, transfer, multihost.watch(), 10).connect()
              if layout.is_leader else None)
@@ -186,6 +205,20 @@ def main(scenario, tmp=None):
       mailbox.send(out_stream(0, 1), ("ready",))
       mailbox.receive("never", 600)
       pool.close()
+  elif scenario in ("killed_mid_pull", "killed_before_pull"):
+    from magistral_jax.parallel import bulk as bulk_io
+    from magistral_jax.pipeline.generator_service import completions_channel
+    out = out_stream(0, multihost.incarnation())
+    mailbox.send(out, ("ready",))
+    channel = completions_channel(mailbox, 0, multihost.incarnation(), 2, 0)
+    # Described as BulkChannel.send describes a message, but never offered: the pull waits as
+    # it would for a buffer whose process died first.
+    _, spec = bulk_io.pack({"tokens": np.arange(8, dtype=np.int32)})
+    mailbox.send(out, ("bulk", spec, (None, [], {}), channel._base,
+                       bulk_io.transfer_server().address()))
+    mailbox.send("dying", True)
+    time.sleep(1.0 if scenario == "killed_mid_pull" else 0.0)
+    os.kill(os.getpid(), signal.SIGKILL)
   elif scenario == "generator_raises":
     def make_loop(stage, params, version):
       raise RuntimeError("boom: the generator could not start")

@@ -53,6 +53,20 @@ def test_a_generator_process_error_reaches_the_trainer_with_its_traceback():
   assert "boom: the generator could not start" in line and "make_loop" in line, line
 
 
+@pytest.mark.parametrize("scenario", ["killed_mid_pull", "killed_before_pull"])
+def test_a_generator_killed_with_its_completions_unpulled_is_lost_not_waited_for(scenario):
+  # Killed while the leader pulls its completions, the pull fails; killed before the leader
+  # connects, the pull never completes: the leader's reader checks the generator's heartbeats
+  # while it waits (10 s timeout here). Either way the generator is lost, and the run goes on.
+  rc, out = _cluster(scenario)
+  assert "process 2 exited with code -9 (killed by SIGKILL)" in out, out[-5000:]
+  line = next((l for l in out.splitlines() if l.startswith("[p0] OK: the leader lost it")), None)
+  assert line is not None, out[-5000:]
+  if scenario == "killed_before_pull":
+    assert "stopped sending heartbeats" in line, line
+  assert float(line.split("after ")[1].split("s:")[0]) < 40, line
+
+
 def test_a_killed_trainer_process_stops_the_others_and_leaves_no_orphans(tmp_path):
   t = time.time()
   rc, out = _cluster("trainer_killed", str(tmp_path))
