@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from typing import Callable
 
 import jax
@@ -228,30 +229,47 @@ class RemoteGenerator:
       except Exception as e:   # the service is going away (the leader is stopping)
         self.lose(f"lost contact: {type(e).__name__}: {e}", inc)
         break
-      kind = msg[0]
-      if kind == "bulk":   # completions: their arrays come through the completions channel
-        try:   # a process killed before its buffer was pulled is found by its heartbeats
-          arrays, (_, rest, counters) = self._completions.open(
-              msg, between=lambda: self._check_alive(inc))
-        except Exception as e:
-          self.lose(str(e) if isinstance(e, GeneratorLost) else
-                    f"its completions could not be read: {type(e).__name__}: {e}", inc)
+      try:
+        if not self._handle(msg, inc):
           break
-        samples = unpack_samples(arrays, rest)
-        for name, value in counters.items():
-          setattr(self.counters, name, value)
-        callback = self.callback
-        for s in samples:   # (sample, result) when the generator process scored it
-          if callback is not None:
-            callback(*s) if isinstance(s, tuple) else callback(s)
-      elif kind == "error":
-        self.lose(f"failed:\n{msg[1]}", inc)
+      except GeneratorLost as e:
+        self.lose(str(e), inc)
         break
-      else:   # ("ack", version) | ("eval", tag, result) | ("stage", si)
-        with self._cond:
-          self._acks[msg[:2]] = msg[2:] if len(msg) > 2 else None
-          self._cond.notify_all()
+      except Exception as e:   # a fault of ours: the generator is let go, the run goes on
+        log.error("%s: handling %s failed: %s", self.name, str(msg)[:200], traceback.format_exc())
+        self.lose(f"its message could not be handled: {type(e).__name__}: {e}", inc)
+        break
     self._watch_for_rejoin(inc)
+
+  def _handle(self, msg, inc: int) -> bool:
+    """One message of incarnation `inc`'s stream; False when it ends the incarnation."""
+    kind = msg[0]
+    if kind == "bulk":   # completions: their arrays come through the completions channel
+      # A pull from a process that died before its buffer was read never completes: the
+      # liveness check ends it (bulk.BulkChannel.open); one that dies during it fails it.
+      try:
+        arrays, (_, rest, counters) = self._completions.open(
+            msg, between=lambda: self._check_alive(inc))
+      except GeneratorLost:
+        raise
+      except Exception as e:
+        raise GeneratorLost(f"{self.name}: its completions could not be pulled: "
+                            f"{type(e).__name__}: {e}") from e
+      samples = unpack_samples(arrays, rest)
+      for name, value in counters.items():
+        setattr(self.counters, name, value)
+      callback = self.callback
+      for s in samples:   # (sample, result) when the generator process scored it
+        if callback is not None:
+          callback(*s) if isinstance(s, tuple) else callback(s)
+    elif kind == "error":
+      self.lose(f"failed:\n{msg[1]}", inc)
+      return False
+    else:   # ("ack", version) | ("eval", tag, result) | ("stage", si)
+      with self._cond:
+        self._acks[msg[:2]] = msg[2:] if len(msg) > 2 else None
+        self._cond.notify_all()
+    return True
 
   def _watch_for_rejoin(self, lost_inc: int):
     """After a loss: waits for a relaunched process (a newer incarnation beating), brings it in."""
