@@ -204,7 +204,9 @@ class RemoteGenerator:
       with self._cond:
         if key in self._acks and self.incarnation == inc:
           return self._acks.pop(key)
-        if not self.serving or self.incarnation != inc:
+        if self.incarnation != inc:
+          raise GeneratorLost(f"{self.name} was relaunched while waiting for {what}")
+        if not self.serving:
           raise GeneratorLost(f"{self.name} lost while waiting for {what}: {self.lost_reason}")
         if time.time() > deadline:
           raise PipelineError(f"{self.name} did not answer {what} in {timeout_s:.0f}s")
