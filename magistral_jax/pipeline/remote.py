@@ -202,10 +202,10 @@ class RemoteGenerator:
     inc = self.incarnation
     while True:
       with self._cond:
-        if key in self._acks and self.incarnation == inc:
-          return self._acks.pop(key)
         if self.incarnation != inc:
           raise GeneratorLost(f"{self.name} was relaunched while waiting for {what}")
+        if key in self._acks:
+          return self._acks.pop(key)
         if not self.serving:
           raise GeneratorLost(f"{self.name} lost while waiting for {what}: {self.lost_reason}")
         if time.time() > deadline:
