@@ -39,7 +39,7 @@ from magistral_jax.generate.compaction import Compaction, compaction_sizes
 from magistral_jax.generate.cpu_options import CpuOptions, GenerateStep
 from magistral_jax.generate.shapes import default_buckets
 from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultTokens,
-                                          check_slots, existing_prefix_cache, put_rows, put_slot,
+                                          existing_prefix_cache, put_rows, put_slot,
                                           start_cache, state_shardings)
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
@@ -379,22 +379,8 @@ class Engine:
     Returns (decode_state, first tokens [max_concurrent_decodes], their log-probs): entry j's
     are at index j; entries past len(slots) are padding."""
     m = len(slots)
-    if not 1 <= m <= self._slots:
-      raise ValueError(f"insert_many got {m} entries, want 1..{self._slots}")
-    slots = np.asarray(slots, np.int32)
-    rows = np.asarray(rows, np.int32)
-    n = prefixes.logits.shape[0]
-    check_slots("insert_many", slots, self._slots)
-    if rows.shape != (m,) or rows.min() < 0 or rows.max() >= n:
-      raise ValueError(f"insert_many rows {rows.tolist()} must be {m} indices in [0, {n})")
-    # Pad to a fixed number of entries so one program serves any number of inserts.
-    pad = self._slots - m
-    slots = np.concatenate([slots, np.full((pad,), self._slots, np.int32)])
-    rows = np.concatenate([rows, np.zeros((pad,), np.int32)])
-    keys = np.concatenate([np.asarray(keys, np.uint32).reshape(m, 2),
-                           np.zeros((pad, 2), np.uint32)])
-    sample_index = np.concatenate([np.asarray(sample_index, np.int32).reshape(m),
-                                   np.zeros((pad,), np.int32)])
+    slots, rows, keys, sample_index = shapes.pad_inserts(
+        slots, rows, keys, sample_index, self._slots, prefixes.logits.shape[0])
     t = self.sampling.temperature if temperature is None else float(temperature)
     if not t > 0:
       raise ValueError(f"insert_many temperature must be > 0, got {t}")

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from magistral_jax.generate.cpu_options import tune_engine
+from magistral_jax.generate.state import check_slots
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,27 @@ def pad_prompt(tokens: Sequence[int], buckets: Sequence[int], vocab_size: int, t
   padded = np.zeros((smallest_fitting(buckets, tokens.size),), np.int32)
   padded[:tokens.size] = tokens
   return padded, int(tokens.size), truncated
+
+
+def pad_inserts(slots, rows, keys, sample_index, n_slots: int, n_rows: int):
+  """Engine.insert_many's entries checked (distinct slots in [0, n_slots), rows in [0, n_rows))
+  and padded to n_slots entries, so one program serves any number of inserts: a padding entry's
+  slot is n_slots (out of range: its writes drop). Returns (slots, rows, keys, sample_index)."""
+  m = len(slots)
+  if not 1 <= m <= n_slots:
+    raise ValueError(f"insert_many got {m} entries, want 1..{n_slots}")
+  slots = np.asarray(slots, np.int32)
+  rows = np.asarray(rows, np.int32)
+  check_slots("insert_many", slots, n_slots)
+  if rows.shape != (m,) or rows.min() < 0 or rows.max() >= n_rows:
+    raise ValueError(f"insert_many rows {rows.tolist()} must be {m} indices in [0, {n_rows})")
+  pad = n_slots - m
+  return (np.concatenate([slots, np.full((pad,), n_slots, np.int32)]),
+          np.concatenate([rows, np.zeros((pad,), np.int32)]),
+          np.concatenate([np.asarray(keys, np.uint32).reshape(m, 2),
+                          np.zeros((pad, 2), np.uint32)]),
+          np.concatenate([np.asarray(sample_index, np.int32).reshape(m),
+                          np.zeros((pad,), np.int32)]))
 
 
 def precompile(engine, params, buckets: Sequence[int], tune: bool, existing_prefix=None) -> None:

@@ -1233,3 +1233,20 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
     pre = shared.prefill_many(params, np.ones((1, 8), np.int32), np.ones((1,), np.int32))
     shared.insert_many(pre, st, [0], [0], np.zeros((1, 2), np.uint32), [0], np.ones(4, bool),
                        temperature=0.0)
+
+
+def test_insert_entries_are_checked_and_padded_to_one_program_shape():
+  from magistral_jax.generate.shapes import pad_inserts
+  slots, rows, keys, idx = pad_inserts([3, 0], [1, 1], [[1, 2], [3, 4]], [0, 5], n_slots=4,
+                                       n_rows=2)
+  np.testing.assert_array_equal(slots, [3, 0, 4, 4])   # padding: slot 4, out of range
+  np.testing.assert_array_equal(rows, [1, 1, 0, 0])
+  np.testing.assert_array_equal(keys, [[1, 2], [3, 4], [0, 0], [0, 0]])
+  np.testing.assert_array_equal(idx, [0, 5, 0, 0])
+  assert keys.dtype == np.uint32 and slots.dtype == rows.dtype == idx.dtype == np.int32
+  with pytest.raises(ValueError, match="got 5 entries, want 1..4"):
+    pad_inserts([0, 1, 2, 3, 0], [0] * 5, [[0, 0]] * 5, [0] * 5, n_slots=4, n_rows=2)
+  with pytest.raises(ValueError, match="must be distinct"):
+    pad_inserts([1, 1], [0, 0], [[0, 0]] * 2, [0, 1], n_slots=4, n_rows=2)
+  with pytest.raises(ValueError, match=r"rows \[0, 2\] must be 2 indices in \[0, 2\)"):
+    pad_inserts([0, 1], [0, 2], [[0, 0]] * 2, [0, 1], n_slots=4, n_rows=2)
