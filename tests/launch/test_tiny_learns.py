@@ -19,9 +19,9 @@ the first 8; RL here sharpens arithmetic facts the cold start half knows, BENCHM
 - the narrowed task, 128 completions per batch, 20 batches: +0.077 and +0.091 (train accuracy
   0.17 -> 0.25 both times, held-out pass@1 0.19 -> 0.27 over 128 problems x 8 samples), then in
   CI and here 0.039, 0.121, 0.106, 0.026 and -0.044 (a run that dipped after its resume): one
-  run in about six below the +0.01 this asserts. A batch's mean reward swings by +-0.1 around
-  its trend, and the trend rises about 0.1 over the first 25 batches, then flattens (a 40-batch
-  run, 2026-11-27: first 8 batches 0.248, batches 23-30 0.345, the last 8 0.352);
+  run of these seven below the +0.01 this asserts. A batch's mean reward swings by +-0.1 around
+  its trend, and the trend rises about 0.09 over the first 25 batches, then flattens (a 40-batch
+  run, 2026-11-27: first 8 batches 0.248, batches 23-30 0.334, the last 8 0.352);
 - so this test takes 30 batches (15, then resumed to 30): the last 8 are 22 batches after the
   first 8, where 20 batches left 12.
 
