@@ -45,7 +45,7 @@ from magistral_jax.model.gguf_file import default_gguf_path
 SFT_WORKDIR_PARAMS = "runs/smollm2_sft/params"
 TRAIN, TEST = "gsm8k_train", "gsm8k_test"   # shipped GSM8K splits (data/sources/SOURCES.md)
 # The learning recipe's task (`learn`; `task=` names another): picked from the headroom table.
-LEARN_TASK = "synthetic/99/2-3"
+LEARN_TASK = "synthetic/20/1-3"
 
 
 def get_config(arg=None):

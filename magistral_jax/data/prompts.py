@@ -9,9 +9,11 @@ run that trains on its train split), or of data.source itself when that is empty
 stream skips them.
 
 No evaluation may include a problem the run trained on (splits.py: by id and by normalised
-question text): the stream skips every problem that matches a held-out one, and
-`check_heldout_unseen` raises, naming them, when a held-out set drawn from its own source shares
-problems with data.source, before any work (launch/train.py, launch/eval.py).
+question text): the stream skips every problem that matches a held-out one, the synthetic task
+keeps a bucket of its problem space for evaluation only (synthetic.py), and
+`check_heldout_unseen` raises, naming them, when a held-out set shares problems with what
+data.source trains on, before any work (launch/train.py, launch/eval.py). What the run did train
+on is recorded besides (splits.TrainedOn), and every evaluation counts against it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Iterable, Mapping
 
 from magistral_jax.data import records, synthetic
 from magistral_jax.data.loader import ProblemLoader
-from magistral_jax.data.splits import KeySet, check_disjoint, problem_key
+from magistral_jax.data.splits import HeldOutOverlapError, KeySet, check_disjoint, problem_key
 from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
 from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
 
@@ -94,8 +96,16 @@ def check_heldout_unseen(config, problems: Iterable[Mapping], workdir: str | Non
   head when the held-out set is drawn from data.source itself, so only problems beyond that head
   can be trained on then (an evaluation of more problems than data.heldout)."""
   if config.data.source == "synthetic":
-    # Held-out and training problems come from two disjoint seeded generators (synthetic.py), an
-    # endless stream with no finite set to compare with.
+    # The synthetic streams never draw a problem of the evaluation bucket (synthetic.py), so only
+    # a problem of the task's shape outside it can be one they train on.
+    trainable = [p for p in problems if synthetic.is_task_text(p["problem"])
+                 and not synthetic.is_heldout(p["problem"])]
+    if trainable:
+      shown = ", ".join(f"{p['id']} {p['problem']!r}" for p in trainable[:5])
+      raise HeldOutOverlapError(
+          f"{what} has {len(trainable)} synthetic problem(s) outside the evaluation bucket, which "
+          f"the synthetic training streams may draw ({shown}). Evaluate on a synthetic set's "
+          "held-out split (synthetic.take(n, seed, 'heldout')) or on another dataset.")
     return
   keys = [problem_key(p) for p in problems]
   skipped = KeySet([])
@@ -111,10 +121,16 @@ def check_heldout_unseen(config, problems: Iterable[Mapping], workdir: str | Non
 
 
 class SyntheticPrompts:
-  """The synthetic-arithmetic prompt stream with a resumable position."""
+  """The synthetic-arithmetic prompt stream with a resumable position: the task's "train" split,
+  which never draws a problem of the evaluation bucket (synthetic.py), less any problem matching
+  `heldout` (a held-out set from elsewhere). `consumed` counts the problems yielded; a resumed
+  stream replays the same draws and skips, so it continues where the run stopped."""
 
-  def __init__(self, seed: int, data_cfg, consumed: int = 0):
-    self._it = synthetic.problems(seed, "train", **synthetic.options(data_cfg))
+  def __init__(self, seed: int, data_cfg, consumed: int = 0, heldout=()):
+    self.heldout = heldout if isinstance(heldout, KeySet) else KeySet(
+        problem_key(h) for h in heldout)
+    self._it = (p for p in synthetic.problems(seed, "train", **synthetic.options(data_cfg))
+                if problem_key(p) not in self.heldout)
     self.consumed = 0
     for _ in range(consumed):
       next(self)
@@ -161,9 +177,32 @@ class TrainProblems:
     return self.loader.state()
 
 
-def train_prompts(config, heldout, state: dict | None, workdir: str | None = None):
-  """The RL prompt stream of data.source, resumed from a checkpoint's `state()` if given."""
+class RecordedPrompts:
+  """A prompt stream whose every problem is recorded as drawn (trained_on.TrainedOn)."""
+
+  def __init__(self, stream, trained):
+    self.stream, self.trained = stream, trained
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    p = next(self.stream)
+    self.trained.add(problem_key(p))
+    return p
+
+  def state(self) -> dict:
+    return self.stream.state()
+
+
+def train_prompts(config, heldout, state: dict | None, workdir: str | None = None,
+                  trained=None):
+  """The RL prompt stream of data.source, resumed from a checkpoint's `state()` if given; with
+  `trained` (a trained_on.TrainedOn) every problem drawn is recorded in it."""
   state = state or {}
   if config.data.source == "synthetic":
-    return SyntheticPrompts(config.seed, config.data, state.get("consumed", 0))
-  return TrainProblems(config, heldout, state if "iterator" in state else None, workdir)
+    stream = SyntheticPrompts(config.seed, config.data, state.get("consumed", 0),
+                              [h for h in heldout if isinstance(h, Mapping)])
+  else:
+    stream = TrainProblems(config, heldout, state if "iterator" in state else None, workdir)
+  return stream if trained is None else RecordedPrompts(stream, trained)

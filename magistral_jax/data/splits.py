@@ -9,7 +9,8 @@ it. Punctuation is kept: "2+3" and "2-3" are different problems.
 
 `check_disjoint` raises `HeldOutOverlapError` naming the overlapping ids and texts; the data
 layer calls it where a held-out set meets a training set (data/prompts.py: the RL stream;
-data/gsm8k_traces.py: the SFT traces). Pure functions.
+data/gsm8k_traces.py: the SFT traces). Pure functions; what a run did train on is recorded by
+data/trained_on.py, which every evaluation of the run counts against.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Iterable, Mapping
 Key = tuple[str, str]   # (id, normalised text)
 
 # How many overlapping ids and texts an error names (the count is always given).
-_SHOWN = 5
+SHOWN = 5
 
 
 class HeldOutOverlapError(ValueError):
@@ -92,14 +93,15 @@ def check_disjoint(heldout: Iterable[Key], trained: Iterable[Key], *, heldout_na
     return
   parts = []
   if same_id:
-    more = f" and {len(same_id) - _SHOWN} more" if len(same_id) > _SHOWN else ""
-    parts.append(f"{len(same_id)} by id: {', '.join(same_id[:_SHOWN])}{more}")
+    more = f" and {len(same_id) - SHOWN} more" if len(same_id) > SHOWN else ""
+    parts.append(f"{len(same_id)} by id: {', '.join(same_id[:SHOWN])}{more}")
   if same_text:
     shown = "; ".join(f"{t[:80]!r}{'...' if len(t) > 80 else ''} (held out as {h}, trained as "
-                      f"{tr})" for t, h, tr in same_text[:_SHOWN])
-    more = f"; and {len(same_text) - _SHOWN} more" if len(same_text) > _SHOWN else ""
+                      f"{tr})" for t, h, tr in same_text[:SHOWN])
+    more = f"; and {len(same_text) - SHOWN} more" if len(same_text) > SHOWN else ""
     parts.append(f"{len(same_text)} by question text: {shown}{more}")
   raise HeldOutOverlapError(
       f"{heldout_name} shares {len(same_id) + len(same_text)} problem(s) with {trained_name}: "
       + " | ".join(parts) + ". No evaluation may include a problem the run trained on: evaluate "
       "on another set or take these problems out of the training data.")
+

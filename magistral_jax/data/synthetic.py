@@ -9,13 +9,31 @@ the Magistral format for the SFT warm start:
     </think>
     \\boxed{14}
 
-Everything is seeded: the same (seed, index) always gives the same problem, and the held-out split
-uses a disjoint seed stream.
+Everything is seeded: the same (seed, split, index) always gives the same problem.
+
+Held out means never trained on, by construction. A seed stream of its own does not make a
+held-out set: a small task's streams draw the same problems again and again (before this rule,
+97 of `make run`'s 128 held-out problems were among its SFT traces). So the problem space itself
+is split: a problem's normalised question text (splits.normalise_text) hashes into one of
+HELDOUT_SHARE buckets, and bucket 0 is reserved for evaluation. The "heldout" split draws only
+from it, every training split ("train": the RL prompts, "sft": the cold start's traces) never
+does. That holds for every seed, every held-out size and every difficulty: an evaluation set
+`synthetic/OPERAND/STEPS` of another difficulty than the run's task is held out as well (the
+same text hashes the same). A held-out set holds distinct problems.
+
+What the split costs the training distribution: one problem text in HELDOUT_SHARE, drawn
+uniformly by the hash within every difficulty class. A reserved one-step problem ("Compute
+7+2.") is still practised as a step of longer problems ("Compute 7+2-5." has the line "7+2=9"),
+as it would be on any held-out problem of a real dataset.
 """
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 from typing import Iterator
+
+from magistral_jax.data.splits import normalise_text
 
 TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{problem}"
 
@@ -106,12 +124,62 @@ def sft_pairs(seed: int, slip_rate: float = 0.0, ramble_rate: float = 0.0,
       yield p["problem"], slipped_trace(p, slips) if slip else trace(p)
 
 
-def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
-  """An endless, seeded stream of problems; 'train' and 'heldout' use disjoint RNG streams."""
+# One problem text in HELDOUT_SHARE is reserved for evaluation (module docstring).
+HELDOUT_SHARE = 8
+HELDOUT = "heldout"
+# Draws in a row that find no new held-out problem before the evaluation bucket counts as used up.
+EXHAUSTED_AFTER = 20_000
+
+
+def is_heldout(text: str) -> bool:
+  """Whether a question text lies in the evaluation bucket: its normalised text's hash, mod
+  HELDOUT_SHARE, is 0. A pure function of the text: every run, seed and difficulty agrees."""
+  digest = hashlib.blake2b(normalise_text(text).encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") % HELDOUT_SHARE == 0
+
+
+_TASK_TEXT = re.compile(r"Compute \d+([+-]\d+)+\.")
+
+
+def is_task_text(text: str) -> bool:
+  """Whether `text` has this task's question shape ("Compute 7+12-5.")."""
+  return _TASK_TEXT.fullmatch(text.strip()) is not None
+
+
+def draws(seed: int, split: str = "train", **kw) -> Iterator[dict]:
+  """The generator's raw seeded stream of `split`, both buckets (ids by draw): what `problems`
+  filters. Before the bucket rule the streams were these; the negative controls of the held-out
+  tests and the re-analysis of runs recorded before it use them."""
   rng = random.Random(f"{split}:{seed}")
   i = 0
   while True:
     p = make_problem(rng, **kw)
+    p["id"] = f"{split}-{seed}-{i}"
+    yield p
+    i += 1
+
+
+def problems(seed: int, split: str = "train", **kw) -> Iterator[dict]:
+  """An endless, seeded stream of `split`'s problems: "heldout" draws distinct problems of the
+  evaluation bucket only; any other split ("train", "sft") never draws one of them (module
+  docstring). Ids number the stream's problems: f"{split}-{seed}-{i}"."""
+  heldout, seen = split == HELDOUT, set()
+  i = misses = 0
+  for p in draws(seed, split, **kw):
+    if is_heldout(p["problem"]) != heldout:
+      continue
+    if heldout:   # distinct problems: a repeat would count one problem twice in a CI
+      text = normalise_text(p["problem"])
+      if text in seen:
+        misses += 1
+        if misses > EXHAUSTED_AFTER:
+          raise ValueError(
+              f"the synthetic task {kw} has only about {len(seen)} distinct held-out problems "
+              f"(one in {HELDOUT_SHARE} of its problem texts): ask for fewer (data.heldout, "
+              "--num_problems) or a larger task")
+        continue
+      seen.add(text)
+      misses = 0
     p["id"] = f"{split}-{seed}-{i}"
     yield p
     i += 1

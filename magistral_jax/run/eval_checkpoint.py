@@ -19,7 +19,9 @@ import ml_collections as mlc
 from magistral_jax import config as config_lib
 from magistral_jax.config import RunConfig
 from magistral_jax.data.prompts import check_heldout_unseen, heldout_problems, system_prompt_for
+from magistral_jax.data.splits import problem_key
 from magistral_jax.data.synthetic import set_options
+from magistral_jax.data.trained_on import trained_on_for
 from magistral_jax.eval.evaluate import evaluate
 from magistral_jax.eval.pass_at_k import format_curves
 from magistral_jax.generate.loop import GeneratorLoop
@@ -132,11 +134,16 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, checkpoint: str = 
   names = [s for s in (sets or run.data.heldout_source or run.data.source).split(",") if s]
   n = num_problems or run.data.heldout
   problems = {s: eval_problems(config, s, n, workdir) for s in names}   # data errors first
+  # What the run in `workdir` (and the cold start its weights came from) did train on.
+  trained = trained_on_for(run, workdir)
+  trained_on = {}
   for s, probs in problems.items():
     if not probs:
       raise ValueError(f"evaluation set {s!r} has no problems")
-    # No evaluation may include a problem the config's RL stream trains on (data/prompts.py).
+    # No evaluation may include a problem the config's RL stream trains on (data/prompts.py),
+    # nor one the run did train on (data/trained_on.py).
     check_heldout_unseen(config, probs, workdir, what=f"evaluation set {s!r}")
+    trained_on[s] = trained.check(map(problem_key, probs), f"evaluation set {s!r}")
   tok, model_cfg, init_params = load_policy(run.model, run.init, run.tokenizer)
   params, step = checkpoint_params(run, workdir, checkpoint, model_cfg, init_params)
   system_prompt = system_prompt_for(run.system_prompt)
@@ -163,6 +170,7 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, checkpoint: str = 
       res = evaluate(loop, pool, tok, probs, k=k, system_prompt=system_prompt, seed=run.seed,
                      tag=f"{name} @ {step}")
       res["kind"] = kind
+      res["heldout_trained_on"] = trained_on[name]
       res["wall_time_s"] = time.time() - t
       results[name] = out["sets"][name] = res
       log.info("[eval %s @ %s] pass@1=%.3f maj@%d=%.3f headroom=%.3f (%d problems, %.1fs)",

@@ -57,7 +57,8 @@ def plot(out_png: str, runs: dict, before: dict) -> str | None:
 
 # What comes back from a device machine (a few files): each run's metrics, evaluations (with the
 # per-problem counts) and learning curve, the SFT summary and every phase's log, in one archive.
-KEEP = ("metrics.jsonl", "heldout_curve.jsonl", "summary.json", "sft_summary.json", ".log")
+KEEP = ("metrics.jsonl", "heldout_curve.jsonl", "summary.json", "sft_summary.json", ".log",
+        "trained_on.json")
 
 
 def pack(wd: str, path: str) -> str:

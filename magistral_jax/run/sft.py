@@ -21,8 +21,10 @@ import ml_collections as mlc
 import numpy as np
 
 from magistral_jax import config as config_lib
-from magistral_jax.data import gsm8k_traces, synthetic
+from magistral_jax.data import gsm8k_traces, jsonl, synthetic
 from magistral_jax.data.prompts import dataset_problems, system_prompt_for
+from magistral_jax.data.splits import normalise_text, sft_key
+from magistral_jax.data.trained_on import TrainedOn
 from magistral_jax.model.loading import load_policy
 from magistral_jax.model.orbax_params import save_params_orbax
 from magistral_jax.parallel.layout import run_devices
@@ -36,11 +38,28 @@ from magistral_jax.train.step import init_state, shard_batch
 log = logging.getLogger("sft")
 
 
-def synthetic_pairs(data_cfg, seed: int, skip: int = 0):
-  """(problem, worked trace) pairs of the synthetic task, from position `skip` on."""
+def synthetic_pairs(data_cfg, seed: int, skip: int = 0, trained: TrainedOn | None = None):
+  """(problem, worked trace) pairs of the synthetic task, from position `skip` on; with
+  `trained`, every pair is recorded in it (those before `skip` too: the resumed run's)."""
   for i, pair in enumerate(synthetic.sft_pairs_for(data_cfg, seed)):
+    if trained is not None:
+      trained.add(("", normalise_text(pair[0])))
     if i >= skip:
       yield pair
+
+
+def record_sft_datasets(trained: TrainedOn, run: config_lib.RunConfig) -> None:
+  """Records every row of the built SFT datasets of data.source (what a cold start of whole
+  epochs trains on; their JSONL beside the build, e.g. gsm8k_traces.jsonl), by id and prompt."""
+  for name in run.data.source.split(","):
+    path = os.path.join(run.data.data_dir, f"{name}.jsonl")
+    if not os.path.exists(path):
+      log.warning("%s: not found, so the SFT dataset %r is not in %s (its problems are not "
+                  "counted against later evaluations)", path, name, trained.path)
+      continue
+    for _, row in jsonl.iter_rows(path, jsonl.ReadReport()):
+      if isinstance(row, dict) and "prompt" in row and "id" in row:
+        trained.add(sft_key(row))
 
 
 def build_gsm8k_traces(config: mlc.ConfigDict, workdir: str) -> None:
@@ -58,11 +77,14 @@ def build_gsm8k_traces(config: mlc.ConfigDict, workdir: str) -> None:
                                             heldout_name=f"data.heldout_source={held!r}"))
 
 
-def _batches(run: config_lib.RunConfig, tok, system_prompt, start_step: int, data_state: dict):
-  """(next_arrays, loader or None): the SFT step's microbatches, from the step `start_step` on."""
+def _batches(run: config_lib.RunConfig, tok, system_prompt, start_step: int, data_state: dict,
+             trained: TrainedOn):
+  """(next_arrays, loader or None): the SFT step's microbatches, from the step `start_step` on;
+  what they hold is recorded in `trained`."""
   sft = run.sft
   if run.data.source == "synthetic":
-    pairs = synthetic_pairs(run.data, run.seed, skip=start_step * sft.batch_size)
+    pairs = synthetic_pairs(run.data, run.seed, skip=start_step * sft.batch_size,
+                            trained=trained)
     warned = []
 
     def next_arrays():
@@ -78,6 +100,7 @@ def _batches(run: config_lib.RunConfig, tok, system_prompt, start_step: int, dat
   # The synthetic path's prompt (system_prompt None: no system prompt, as the config says).
   tokenize = sft_tokenize_fn(lambda p: tok.apply_chat_template(p, system_prompt), tok.encode,
                              tok.eos_id)
+  record_sft_datasets(trained, run)
   loader = SftLoader(run.data.data_dir, run.data.source.split(","), tokenize,
                      seq_len=sft.row_len, batch_size=sft.batch_size, seed=run.seed,
                      num_epochs=None if sft.num_steps > 0 else sft.epochs)
@@ -122,7 +145,9 @@ def run_sft(config: mlc.ConfigDict, workdir: str) -> dict:
   if restored is not None:
     _, state, meta = restored
     log.info("resumed SFT from step %d", meta["step"])
-  next_arrays, loader = _batches(run, tok, system_prompt, meta["step"], meta["data"])
+  # What the cold start trains on, for the RL run from its weights (trained_on.trained_on_for).
+  trained = TrainedOn(os.path.join(workdir, TrainedOn.FILE))
+  next_arrays, loader = _batches(run, tok, system_prompt, meta["step"], meta["data"], trained)
 
   total = run.sft.num_steps if run.sft.num_steps > 0 else None
   progress = Progress(total or 0, meta["step"])
@@ -145,7 +170,9 @@ def run_sft(config: mlc.ConfigDict, workdir: str) -> dict:
         log.info(progress.line(step, metrics, keys=("nll_per_token",)) if total else
                  f"step {step} | nll_per_token={metrics.get('nll_per_token', float('nan')):.4g}")
       if step % run.checkpoint.every == 0:
+        trained.save()
         ckpt.save(step, state, meta)
+    trained.save()
     ckpt.wait()
     if step not in ckpt.steps():
       ckpt.save(step, state, meta, force=True)

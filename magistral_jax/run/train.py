@@ -25,6 +25,8 @@ from magistral_jax import config as config_lib
 from magistral_jax.data import synthetic
 from magistral_jax.data.prompts import (check_heldout_unseen, heldout_problems,
                                         system_prompt_for, train_prompts)
+from magistral_jax.data.splits import HeldOutOverlapError, normalise_text, problem_key
+from magistral_jax.data.trained_on import trained_on_for
 from magistral_jax.model.loading import load_policy
 from magistral_jax.parallel import multihost
 from magistral_jax.parallel.layout import run_devices
@@ -155,8 +157,13 @@ class RLRun:
     self.eval_loop = (eval_loop_factory(run, model_cfg, self.gdevs[0], tok, shared_prefix,
                                         self.engines) if layout is None else None)
     self.heldout = heldout_problems(run, workdir) if self.leader else []
+    # What the run trains on, recorded as it is drawn (with its cold start's, when that ran on its
+    # own): every evaluation counts its problems against it and must find none.
+    self.trained = trained_on_for(run, workdir) if self.leader else None
     if self.leader:   # no evaluation may include a problem the RL stream trains on
       check_heldout_unseen(run, self.heldout, workdir)
+      self.heldout_keys = [problem_key(p) for p in self.heldout]
+      self.trained.watch(self.heldout_keys)
     self.summary_path = os.path.join(workdir, "summary.json")
     self.summary = (json.load(open(self.summary_path))
                     if self.leader and os.path.exists(self.summary_path) else {})
@@ -167,6 +174,8 @@ class RLRun:
 
   def save_checkpoint(self, step: int, train_state, force: bool = False) -> None:
     self.meta["wall_time_s"] = self.elapsed()
+    if self.trained is not None:
+      self.trained.save()
     self.ckpt.save(step, train_state, dict(self.meta), force=force)
 
   def write_summary(self, **values) -> None:
@@ -185,7 +194,9 @@ class RLRun:
       res = remote_eval(self.layout, self.remote_gens, self.transfer, params, self.meta["version"],
                         tag, self.heldout, wait_s=self.run.pipeline.generator_rejoin_s)
     if self.leader and res is not None:
+      res["heldout_trained_on"] = self.trained.count(self.heldout_keys)
       write_eval(self.workdir, tag, batch, res, self.run.eval.k)
+      self.trained.check(self.heldout_keys, f"the held-out set (evaluation {tag!r})")
     return res
 
   # ---- the run ----------------------------------------------------------------------------
@@ -228,9 +239,12 @@ class RLRun:
       sft_tx = make_optimizer(run.sft.optimizer())
       sft_state = init_state(self.model_cfg, sft_tx, jax.random.PRNGKey(run.seed), self.tmesh,
                              rules, params=self.state.params)
+      pairs = synthetic.sft_pairs_for(run.data, run.seed)
+      if self.trained is not None:
+        pairs = self.trained.tracked(pairs, lambda pair: ("", normalise_text(pair[0])))
       sft_state, _ = sft_warm_start(
           sft_state, make_sft_step(self.model_cfg, sft_tx, self.tmesh, rules), self.tok,
-          synthetic.sft_pairs_for(run.data, run.seed), run.sft,
+          pairs, run.sft,
           system_prompt=self.system_prompt, mesh=self.tmesh, writer=self.writer, log_every=25)
       self.state = init_state(self.model_cfg, self.rl_tx, jax.random.PRNGKey(run.seed),
                               self.tmesh, rules, params=sft_state.params)
@@ -239,7 +253,9 @@ class RLRun:
       res = self.evaluate(self.state.params, "before", 0)
       if self.leader:
         self.write_summary(heldout_accuracy_before=res["pass@1"],
-                           format_rate_before=res["format_rate"])
+                           format_rate_before=res["format_rate"],
+                           heldout_problems=len(self.heldout),
+                           heldout_trained_on=res["heldout_trained_on"])
     self.save_checkpoint(0, self.state, force=True)
 
   def train_stage(self, stage: Stage, n_batches: int, progress: Progress, total: int) -> None:
@@ -255,8 +271,8 @@ class RLRun:
     gens = self.stage_generators(stage, sampling)
     trainer = Trainer(step_fn, self.state, self.tmesh, rules, version=meta["version"],
                       opt_steps=meta["opt_steps"], batches=meta["batches"])
-    prompts = train_prompts(self.run, self.heldout, meta["data"], self.workdir) \
-        if self.leader else None
+    prompts = train_prompts(self.run, self.heldout, meta["data"], self.workdir,
+                            trained=self.trained) if self.leader else None
     rollouts = self.rollouts(stage, gens, prompts)
     every = self.run.eval.every   # 0: no held-out evaluation between before and after
 
@@ -266,6 +282,12 @@ class RLRun:
                   data=prompts.state() if prompts is not None else meta["data"])
       if self.leader:
         log.info(progress.line(meta["batches"], m))
+        if self.trained.hits:   # the rule broken: stop at once, not after the whole run
+          self.trained.save()
+          raise HeldOutOverlapError(
+              f"the RL stream drew {len(self.trained.hits)} held-out problem(s) "
+              f"({', '.join(sorted(self.trained.hits)[:5])}) by batch {meta['batches']}; no "
+              "evaluation may include a problem the run trained on")
       if meta["batches"] % self.run.checkpoint.every == 0:
         self.save_checkpoint(trainer.opt_steps, trainer.state)
       if every and meta["batches"] % every == 0 and meta["batches"] < total:
@@ -337,7 +359,10 @@ class RLRun:
 
   def report(self, res: dict) -> None:
     """summary.json and the one line a user reads at the end."""
+    self.trained.save()
     self.write_summary(heldout_accuracy_after=res["pass@1"], format_rate=res["format_rate"],
+                       heldout_problems=len(self.heldout),
+                       heldout_trained_on=res["heldout_trained_on"],
                        response_length_mean_after=res["response_length_mean"],
                        batches=self.meta["batches"], optimizer_steps=self.meta["opt_steps"],
                        wall_time_s=self.elapsed())
@@ -347,7 +372,8 @@ class RLRun:
     sampler = "greedy" if ev.greedy else f"T={ev.temperature:g}"
     change = (f"{before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)"
               if before is not None else f"{after:.3f}")
-    print(f"held-out pass@1 (k={ev.k}, {sampler}, {len(self.heldout)} problems): {change} | "
+    print(f"held-out pass@1 (k={ev.k}, {sampler}, {len(self.heldout)} problems, "
+          f"{self.summary['heldout_trained_on']} trained on): {change} | "
           f"format rate {self.summary['format_rate']:.3f} | wall time "
           f"{self.summary['wall_time_s']:.0f}s | {self.summary_path}", flush=True)
 
