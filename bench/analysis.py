@@ -82,7 +82,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
             samples_per_prompt=samples, system_prompt=system_prompt_for(config.system_prompt),
             max_concurrent_decodes=8, max_prefill_length=64)
   reward_cfg = config_lib.validate(config).reward
-  from magistral_jax.verify import VerifierPool
+  from magistral_jax.verify.pool import VerifierPool
   with VerifierPool(1, reward_cfg) as pool:
     def ours():
       with ld.GridScorer(model_cfg, tok, reward_cfg, problems, grid[0], pool=pool, **kw) as s:

@@ -110,7 +110,10 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
-  from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.requests import Request
   from magistral_jax.generate.loop import DIRECT
   dtype = args.dtype
   cfg, params, source, _ = common.load_model(name, dtype)

@@ -71,7 +71,7 @@ import numpy as np
 
 
 def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
-  from magistral_jax.generate import SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
   if temperature <= 0:
     return SamplingConfig(greedy=True, max_new_tokens=max_new_tokens)
   return SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
@@ -80,7 +80,9 @@ def sampling_config(temperature: float, top_p: float, max_new_tokens: int):
 def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, compact=True,
              temperature=0.0, top_p=1.0, attention_windows=1, background_prefill=True,
              loop_prefill_below=0.5, time_prefill=False, shared_prefix=0):
-  from magistral_jax.generate import Engine, GeneratorLoop, Request
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.requests import Request
   from magistral_jax.generate.loop import DIRECT
   from magistral_jax.parallel.sharding import make_mesh
   p_len = len(prompts[0])

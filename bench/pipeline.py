@@ -161,20 +161,22 @@ def main():
   from magistral_jax.model import transformer as T
   from magistral_jax.model.char_tokenizer import char_tokenizer
   from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
-  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.parallel.config import TRAINER_RULES
+  from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.parallel.sharding import param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES
-  from magistral_jax.pipeline import PipelineConfig, Rollouts
+  from magistral_jax.pipeline.config import PipelineConfig
+  from magistral_jax.pipeline.rollouts import Rollouts
   from magistral_jax.parallel.layout import split_devices
   from magistral_jax.train.sft import sft_warm_start
-  from magistral_jax.rewards import RewardConfig
+  from magistral_jax.rewards.config import RewardConfig
   from magistral_jax.rl.config import GRPOConfig
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.config import OptimizerConfig, SFTConfig
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step
   from magistral_jax.train.step import init_state, make_grpo_step
-  from magistral_jax.verify import VerifierPool
+  from magistral_jax.verify.pool import VerifierPool
 
   t_start = time.time()
   tok = char_tokenizer()

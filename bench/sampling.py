@@ -56,7 +56,8 @@ def gumbel_draw(keys, lg):
 
 
 def engine_steps(batch: int, rounds: int):
-  from magistral_jax.generate import Engine, SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.generate.engine import Engine
   from magistral_jax.parallel.sharding import make_mesh
   cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
   steps = {}

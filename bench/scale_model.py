@@ -143,7 +143,7 @@ def prompt_tokens(run) -> float:
 def verifier_rate(run, n: int) -> float:
   """Tasks/s of the run's VerifierPool on its math tasks (worked traces as the responses)."""
   from magistral_jax.data import synthetic
-  from magistral_jax.verify import VerifierPool
+  from magistral_jax.verify.pool import VerifierPool
   tasks, _, _ = tasks_and_tokenizer(run, n)
   pool = VerifierPool.from_config(run.verifier, run.reward)
   try:

@@ -22,11 +22,11 @@ import time
 
 import common
 
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards import code_check, code_cpp, math_check, sandbox
 from magistral_jax.rewards.code_asserts import run_assert_tests
 from magistral_jax.rewards.sandbox_limits import Limits
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")
 

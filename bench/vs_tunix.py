@@ -262,7 +262,8 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
   iteration compiles: which prefill batch sizes and drain programs a run meets depends on
   thread timing."""
   from magistral_jax.generate.config import EngineConfig
-  from magistral_jax.pipeline import PipelineConfig, Rollouts
+  from magistral_jax.pipeline.config import PipelineConfig
+  from magistral_jax.pipeline.rollouts import Rollouts
   from magistral_jax.pipeline.generators import make_generators, shared_prefix_for
   # The run config's engine section takes its defaults from EngineConfig.
   tune = {} if spec.get("engine_tune") is None else {"tune": bool(spec["engine_tune"])}
@@ -288,7 +289,7 @@ def reward_config(max_new_tokens: int):
   """Our verifiers' reward for this bench, the rule the tunix side implements: paper §2's format
   gate, then format 0.1 + correct 0.9 (the math verifier); no language bonus, and the overlong
   penalty only past max_new_tokens (l_max 2N, l_cache N), which no completion reaches."""
-  from magistral_jax.rewards import RewardConfig
+  from magistral_jax.rewards.config import RewardConfig
   return RewardConfig(l_max=2 * max_new_tokens, l_cache=max_new_tokens, language_bonus=0.0)
 
 
@@ -332,14 +333,15 @@ def run_ours(spec: dict) -> dict:
   import numpy as np
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.model.hf_checkpoint import load_hf_safetensors
-  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.parallel.config import TRAINER_RULES
+  from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.rl.config import GRPOConfig
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.config import OptimizerConfig
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.step import init_state, make_grpo_step
-  from magistral_jax.verify import VerifierPool
+  from magistral_jax.verify.pool import VerifierPool
 
   t_setup = time.perf_counter()
   tok, _ = shared_tokenizer(spec.get("tokenizer_source", "gguf"))   # the workload's

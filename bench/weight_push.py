@@ -21,7 +21,8 @@ import common
 import jax
 import jax.numpy as jnp
 
-from magistral_jax.generate import Engine, SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
 from magistral_jax.model import transformer as T
 from magistral_jax.parallel.sharding import make_mesh, param_shardings
 from magistral_jax.parallel.config import TRAINER_RULES

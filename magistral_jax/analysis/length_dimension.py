@@ -74,8 +74,9 @@ class GridScorer:
     from magistral_jax.generate.engine import Engine
     from magistral_jax.generate.loop import GeneratorLoop
     from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
-    from magistral_jax.parallel import GENERATOR_RULES, make_mesh
-    from magistral_jax.verify import VerifierPool
+    from magistral_jax.parallel.config import GENERATOR_RULES
+    from magistral_jax.parallel.sharding import make_mesh
+    from magistral_jax.verify.pool import VerifierPool
     if not problems:
       raise ValueError("GridScorer: no problems to score on")
     if samples_per_prompt < 1:

@@ -29,7 +29,9 @@ def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_le
   With `system_prompt` (what every prompt it gets is rendered with) the prompts' common prefix
   is prefilled once (GeneratorLoop shared_prefix)."""
   import jax
-  from magistral_jax.generate import Engine, GeneratorLoop, SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.model.gguf_checkpoint import load_gguf
   from magistral_jax.parallel.sharding import make_mesh
   cfg, params, tok = load_gguf(path)

@@ -33,7 +33,7 @@ from magistral_jax.pipeline.generators import engine_for, shared_prefix_for
 from magistral_jax.train.checkpointing import RunCheckpointer
 from magistral_jax.train.optimizer import make_optimizer
 from magistral_jax.train.step import TrainState, state_shardings
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 log = logging.getLogger("eval")
 

@@ -17,7 +17,7 @@ from magistral_jax.pipeline.generators import make_generators
 from magistral_jax.pipeline.remote import weight_transfer
 from magistral_jax.run.evaluation import eval_loop_factory, run_eval
 from magistral_jax.run.stages import Stage, training_sampling
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 log = logging.getLogger(__name__)
 

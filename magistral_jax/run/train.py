@@ -42,7 +42,7 @@ from magistral_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from magistral_jax.train.rl_loop import Trainer, train
 from magistral_jax.train.sft import make_sft_step, sft_warm_start
 from magistral_jax.train.step import batch_sharding, init_state, make_grpo_step
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 log = logging.getLogger("train")
 

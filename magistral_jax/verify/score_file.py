@@ -7,7 +7,7 @@ import os
 import sys
 import zlib
 
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import empty_parts
 from magistral_jax.verify.pool import VerifierPool
 

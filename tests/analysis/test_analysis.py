@@ -31,7 +31,8 @@ def planted_run(tmp_path_factory):
   checkpoints written by the trainer's RunCheckpointer (sharded TrainState on a 4-device fsdp
   mesh), whose params move along d1 (steadily) and d2 (back and forth) plus small noise."""
   from magistral_jax import config as config_lib
-  from magistral_jax.parallel import TRAINER_RULES, make_mesh
+  from magistral_jax.parallel.config import TRAINER_RULES
+  from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.train.checkpointing import RunCheckpointer
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.step import init_state, state_shardings

@@ -29,7 +29,9 @@ class ByteTokenizer:
 @pytest.mark.slow   # engine compiles: ~1.5 min on a loaded 2-core host
 def test_difficulty_and_translation_through_the_engine_and_pool(tmp_path):
   import jax
-  from magistral_jax.generate import Engine, GeneratorLoop, SamplingConfig
+  from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.generate.engine import Engine
+  from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.model import transformer as TR
   from magistral_jax.model.config import ModelConfig
   from magistral_jax.parallel.sharding import make_mesh

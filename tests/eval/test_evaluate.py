@@ -11,7 +11,7 @@ import pytest
 from magistral_jax.eval.evaluate import evaluate
 from magistral_jax.generate.requests import Sample
 from magistral_jax.model.char_tokenizer import char_tokenizer
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
 
 TOK = char_tokenizer()

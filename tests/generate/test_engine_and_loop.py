@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magistral_jax.generate import (Engine, GeneratorError, GeneratorLoop, NonFiniteError,
-                                    ParamsMismatchError, Request, SamplingConfig)
 from magistral_jax.generate import sampling as S
-from magistral_jax.generate.config import EngineConfig
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.cpu_options import tune_generate
-from magistral_jax.generate.loop import DIRECT
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import DIRECT, GeneratorLoop
+from magistral_jax.generate.requests import GeneratorError, Request
+from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
@@ -536,7 +537,7 @@ def test_cpu_options_come_in_one_object_and_the_dot_library_is_ignored_off_cpu(m
   """Engine(cpu=CpuOptions(...)) is what the keywords cpu_dot_library / compact_sizes spell (not
   both at once); the child engines keep the dot library and compact no further. Off CPU the
   generate step is compiled once, with the default options, and never tuned."""
-  from magistral_jax.generate import CpuOptions
+  from magistral_jax.generate.cpu_options import CpuOptions
   from magistral_jax.generate.cpu_options import GenerateStep
   eng = engine(mesh, slots=8, cpu=CpuOptions("ynnpack", compact_sizes=(2,)))
   same = engine(mesh, slots=8, cpu_dot_library="ynnpack", compact_sizes=(2,))

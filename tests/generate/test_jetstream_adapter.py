@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from magistral_jax.generate import Engine, SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
 from magistral_jax.generate import jetstream_adapter as JA
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.requests import Request
 from magistral_jax.model.gguf_checkpoint import load_gguf
 from magistral_jax.model.gguf_file import default_gguf_path
 from magistral_jax.model import transformer as T

@@ -187,7 +187,7 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   from configs import tiny
   from magistral_jax import config as config_lib
   from magistral_jax.model.loading import load_policy
-  from magistral_jax.parallel import make_mesh
+  from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
   from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.step import init_state

@@ -137,7 +137,7 @@ class _FakePool:
 
 def test_score_file_keeps_going_when_a_task_cannot_be_sent_scored_or_written(tmp_path,
                                                                               monkeypatch):
-  from magistral_jax.rewards import RewardConfig
+  from magistral_jax.rewards.config import RewardConfig
   monkeypatch.setattr(score_mod, "VerifierPool", _FakePool)
   responses = ["ok", "submit raises", "ok", "future raises", "unwritable parts", "pool error",
                "ok"]

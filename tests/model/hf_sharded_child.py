@@ -10,7 +10,8 @@ import numpy as np
 
 from magistral_jax.model import hf_sharded
 from magistral_jax.model.hf_checkpoint import load_hf_safetensors
-from magistral_jax.parallel import make_mesh, multihost
+from magistral_jax.parallel import multihost
+from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.parallel.config import TRAINER_RULES
 
 

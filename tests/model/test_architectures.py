@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.requests import Request
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig, UnsupportedArchitectureError
 from magistral_jax.model.hf_checkpoint import load_hf_safetensors
-from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+from magistral_jax.parallel.sharding import ShardingCtx, make_mesh, param_shardings
 from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
 from magistral_jax.run import convert as convert_checkpoint
 

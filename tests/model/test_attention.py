@@ -122,7 +122,7 @@ def test_model_logits_and_gradients_blockwise_equal_dense(window, remat):
 
 
 def test_blockwise_forward_on_2x4_mesh_equals_unsharded():
-  from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+  from magistral_jax.parallel.sharding import ShardingCtx, make_mesh, param_shardings
   cfg = _tiny(num_kv_heads=4, attention_impl="blockwise")
   params = T.init_params(cfg, jax.random.PRNGKey(0))
   rng = np.random.RandomState(6)
@@ -313,7 +313,7 @@ def test_tpu_flash_call_has_the_dense_mask(sharded):
   """The Pallas TPU kernel, run in its interpreter on CPU: packed segments, GQA; and under a
   2x4 mesh through the shard_map wrapper."""
   from jax.experimental.pallas import tpu as pltpu
-  from magistral_jax.parallel import ShardingCtx, make_mesh
+  from magistral_jax.parallel.sharding import ShardingCtx, make_mesh
   rng = np.random.RandomState(5)
   q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.float32)
   seg, pos = _packed_rows(2, 128, rng)
@@ -331,7 +331,7 @@ def test_gpu_flash_call_has_the_dense_mask(sharded):
   segments with a padding tail, GQA; and under a 2x4 mesh through the shard_map wrapper (2 KV
   heads over 4 head shards: repeated over their groups first). The loss never reads the
   padding tail, so its cotangent is zero there."""
-  from magistral_jax.parallel import ShardingCtx, make_mesh
+  from magistral_jax.parallel.sharding import ShardingCtx, make_mesh
   rng = np.random.RandomState(7)
   q, keys, values = _qkv(rng, 2, 128, 128, 4, 2, 16, jnp.float32)
   seg, pos = _packed_rows(2, 128, rng)
@@ -351,7 +351,7 @@ def test_model_with_gpu_flash_equals_dense(sharded, monkeypatch):
   CPU that says it is one, the kernel in Pallas's interpreter): the logits and the gradient of
   the packed rows' log-probs equal dense attention's; sharded, under a 2x4 mesh."""
   import functools
-  from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+  from magistral_jax.parallel.sharding import ShardingCtx, make_mesh, param_shardings
   monkeypatch.setattr(A, "platform", lambda: "cuda")
   calls = []
   kernel = functools.partial(A.gpu_flash_attention, interpret=True)

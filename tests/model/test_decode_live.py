@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
-from magistral_jax.generate.loop import DIRECT
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import DIRECT, GeneratorLoop
+from magistral_jax.generate.requests import Request
 from magistral_jax.model import decode_live as D
 from magistral_jax.model import transformer as T
 from magistral_jax.model.decode_choice import choose_decode

@@ -9,7 +9,7 @@ from magistral_jax.model.hf_layout import hf_to_params
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import (LLAMA_3_2_1B, SMOLLM2_135M, ModelConfig, RopeScaling,
                                          UnsupportedArchitectureError)
-from magistral_jax.parallel import ShardingCtx, make_mesh, param_shardings
+from magistral_jax.parallel.sharding import ShardingCtx, make_mesh, param_shardings
 
 
 def _hf_mistral(num_heads=4, num_kv_heads=2, sliding_window=None, seed=0, tie=False,

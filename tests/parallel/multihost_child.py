@@ -30,8 +30,8 @@ import numpy as np
 
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel import make_mesh, multihost
-from magistral_jax.parallel.sharding import param_shardings
+from magistral_jax.parallel import multihost
+from magistral_jax.parallel.sharding import make_mesh, param_shardings
 from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
 from magistral_jax.parallel import liveness
 from magistral_jax.pipeline.errors import PipelineError
@@ -197,8 +197,8 @@ def main(scenario, tmp=None):
       mailbox.send(out_stream(0, 1), ("ack", version))
     print("OK: received", flush=True)
     if scenario == "trainer_killed":
-      from magistral_jax.rewards import RewardConfig
-      from magistral_jax.verify import VerifierPool
+      from magistral_jax.rewards.config import RewardConfig
+      from magistral_jax.verify.pool import VerifierPool
       pool = VerifierPool(1, RewardConfig())
       with open(os.path.join(tmp, "pids"), "w") as f:
         f.write(" ".join(str(p.pid) for p in multiprocessing.active_children()))

@@ -17,13 +17,16 @@ from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel import TRAINER_RULES, make_mesh
+from magistral_jax.parallel.config import TRAINER_RULES
+from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.parallel.memory import bytes_in_use
-from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
+from magistral_jax.pipeline.config import PipelineConfig
+from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.rollouts import Rollouts
 from magistral_jax.parallel.layout import split_devices
 from magistral_jax.train.sft import sft_warm_start
 from magistral_jax.pipeline.generators import make_generators
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.metrics_writer import MetricsWriter
 from magistral_jax.train.optimizer import make_optimizer
@@ -31,7 +34,7 @@ from magistral_jax.train.config import OptimizerConfig, SFTConfig
 from magistral_jax.train.sft import make_sft_step
 from magistral_jax.train.rl_loop import Trainer, train
 from magistral_jax.train.step import init_state, make_grpo_step
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 GRPO = GRPOConfig(n_batch=16, n_mini=8, group_size=4, microbatch_tokens=1024, microbatch_rows=4)
 MAX_NEW = 40

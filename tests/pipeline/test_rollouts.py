@@ -18,12 +18,14 @@ import pytest
 from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.requests import Sample
 from magistral_jax.model.char_tokenizer import char_tokenizer
-from magistral_jax.pipeline import PipelineConfig, PipelineError, Rollouts
-from magistral_jax.rewards import RewardConfig
+from magistral_jax.pipeline.config import PipelineConfig
+from magistral_jax.pipeline.errors import PipelineError
+from magistral_jax.pipeline.rollouts import Rollouts
+from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rl.advantages import VERIFIER_ERROR, ZERO_ADVANTAGE
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.verify import VerifierPool
+from magistral_jax.verify.pool import VerifierPool
 
 GRPO = GRPOConfig(n_batch=8, n_mini=8, group_size=4)
 REWARD = RewardConfig(language_bonus=0.0, test_timeout_s=10.0, math_timeout_s=2)

@@ -6,7 +6,8 @@ import random
 import pytest
 
 import magistral_jax
-from magistral_jax.rewards import RewardConfig, compute_reward
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards.code_check import draw_tests, extract_code_block
 from magistral_jax.rewards.code_stdio import outputs_match
 

@@ -3,8 +3,10 @@ import time
 
 import pytest
 
-from magistral_jax.rewards import (RewardConfig, check_format, compute_reward, find_boxed,
-                                   length_penalty)
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.format import check_format, find_boxed
+from magistral_jax.rewards.length import length_penalty
+from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards import format as fmt
 from magistral_jax.rewards.language import detect_language, strip_latex_and_code
 

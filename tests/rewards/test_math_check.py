@@ -1,7 +1,8 @@
 """Math correctness through math-verify: equivalences that must hold and ones that must not."""
 import pytest
 
-from magistral_jax.rewards import RewardConfig, compute_reward
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards import math_check
 from magistral_jax.rewards.math_check import (has_variable, last_boxed_answer, math_equal,
                                               parse_reference, relation_sides)

@@ -2,8 +2,8 @@
 verifier run's mean accuracy instead of the verdict, which stays in the parts."""
 import pytest
 
-from magistral_jax.rewards import RewardConfig, compute_reward
-from magistral_jax.rewards.reward import control_coin, reward_metrics
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward, control_coin, reward_metrics
 
 TASK = {"kind": "math", "problem": "What is 2+3?", "answer": "5"}
 

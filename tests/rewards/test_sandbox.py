@@ -4,7 +4,9 @@ import time
 
 import pytest
 
-from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
+from magistral_jax.rewards import sandbox
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.verify.uids import uid_processes
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.5, math_timeout_s=1)

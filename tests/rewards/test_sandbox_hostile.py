@@ -12,8 +12,9 @@ import time
 import pytest
 
 import magistral_jax
-from magistral_jax.rewards import (RewardConfig, code_asserts, code_check, code_codec,
-                                   compute_reward, sandbox)
+from magistral_jax.rewards import code_asserts, code_check, code_codec, sandbox
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards.sandbox_limits import Limits
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=3.0)

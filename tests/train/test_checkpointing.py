@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel import TRAINER_RULES, make_mesh
+from magistral_jax.parallel.config import TRAINER_RULES
+from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.advantages import ScoredGroup
 from magistral_jax.rl.config import GRPOConfig

@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magistral_jax.generate import Engine, GeneratorLoop, Request, SamplingConfig
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import GeneratorLoop
+from magistral_jax.generate.requests import Request
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.parallel.config import TRAINER_RULES

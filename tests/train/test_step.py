@@ -9,7 +9,7 @@ import pytest
 
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel import make_mesh
+from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.advantages import ScoredGroup
 from magistral_jax.rl.config import GRPOConfig

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from magistral_jax.rewards import RewardConfig, sandbox
-from magistral_jax.verify import VerifierPool
+from magistral_jax.rewards import sandbox
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.verify.pool import VerifierPool
 from magistral_jax.verify.config import VerifierConfig
 from magistral_jax.verify.uids import claim_uid_offsets, kill_uid_processes
 
