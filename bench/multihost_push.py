@@ -40,10 +40,10 @@ def child(args) -> None:
   from magistral_jax.pipeline.remote import weight_transfer
 
   if args.model == "tiny":   # configs/tiny.py's 0.8M-parameter policy: latency, not bandwidth
-    from magistral_jax.model.config import ModelConfig
+    from magistral_jax import config as config_lib
     from magistral_jax.run.recipes import load_recipe
-    tiny = load_recipe("configs/tiny.py", common.ROOT)
-    cfg = ModelConfig.from_config_dict(tiny.model).replace(param_dtype=args.param_dtype)
+    tiny = config_lib.validate(load_recipe("configs/tiny.py", common.ROOT))
+    cfg = tiny.model.replace(param_dtype=args.param_dtype)
     source = "random init (configs/tiny.py shapes)"
   else:
     cfg, _, source, _ = common.load_model(args.model, args.param_dtype, weights="random")

@@ -3,7 +3,8 @@
 Each section is a typed, frozen dataclass defined in the package that uses it (model/config.py,
 rl/config.py, generate/config.py, ...), where each default and the comment that cites the paper
 (paper §.., NOT STATED; docs/paper.md) is written once. `default_config()` assembles them into a
-ConfigDict: a recipe (configs/tiny.py, medium.py, ...) overrides what it needs, and absl flags
+ConfigDict (`config_section`: a dataclass's defaults as its section; `checked_fields`: a section
+back to the dataclass's keyword arguments): a recipe (configs/tiny.py, medium.py, ...) overrides what it needs, and absl flags
 override anything (`--config.rl.eps_high=0.3`, `--config.devices.generators=(1,)`: every
 sequence field is a tuple, the only sequence absl overrides).
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
+from typing import Any, Mapping
 
 import ml_collections as mlc
 
-from magistral_jax.configurable import as_tuples, checked_fields, config_section
 from magistral_jax.data.config import DataConfig
 from magistral_jax.eval.config import EvalConfig
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
@@ -44,6 +46,53 @@ log = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens")
 STAGE_KEYS = ("name", "num_batches", "overrides")
 SYSTEM_PROMPTS = ("magistral", "tiny", "none")
+_SCALARS = (bool, int, float, str)
+
+
+def as_tuples(value):
+  """`value` with every list, at any depth, made a tuple: a config written to JSON and read back
+  has lists where the config had tuples (every sequence field of the run config is a tuple, so
+  that absl flags can override it)."""
+  if isinstance(value, (list, tuple)):
+    return tuple(as_tuples(v) for v in value)
+  if isinstance(value, dict):
+    return {k: as_tuples(v) for k, v in value.items()}
+  return value
+
+
+def checked_fields(cls, cd: Mapping[str, Any], what: str) -> dict:
+  """The mapping as a dict of the dataclass `cls`'s fields (lists made tuples); any other key is
+  an error naming it."""
+  d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
+  valid = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - valid)
+  if unknown:
+    raise ValueError(f"unknown {what} config field(s): {unknown}; valid: {sorted(valid)}")
+  return {k: as_tuples(v) for k, v in d.items()}
+
+
+def _optional_scalar(hint) -> type | None:
+  """T for a `T | None` annotation with T a scalar type; None otherwise."""
+  args = typing.get_args(hint)
+  if len(args) == 2 and type(None) in args:
+    (t,) = [a for a in args if a is not type(None)]
+    return t if t in _SCALARS else None
+  return None
+
+
+def config_section(cls) -> mlc.ConfigDict:
+  """A ConfigDict of every field of the dataclass `cls` at its default. An optional scalar field
+  (`float | None`, ...) becomes a FieldReference typed with its scalar type, so a flag override
+  can set a value where the default is None (`--config.rl.dual_clip_c=3.0`) and a recipe can
+  still set None."""
+  hints = typing.get_type_hints(cls)
+  instance = cls()
+  out = {}
+  for f in dataclasses.fields(cls):
+    value = getattr(instance, f.name)
+    scalar = _optional_scalar(hints[f.name])
+    out[f.name] = mlc.FieldReference(value, field_type=scalar) if scalar else value
+  return mlc.ConfigDict(out)
 
 
 def default_config() -> mlc.ConfigDict:
@@ -185,10 +234,10 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
     if unknown:
       raise ValueError(f"unknown sampling config field(s): {unknown}; valid: "
                        f"{list(SAMPLING_FIELDS)}")
-    run = RunConfig(model=ModelConfig.from_config_dict(config.model),
+    run = RunConfig(model=_section(ModelConfig, config, "model"),
                     init=_section(InitConfig, config, "init"),
-                    rl=GRPOConfig.from_config_dict(config.rl),
-                    optimizer=OptimizerConfig.from_config_dict(config.optimizer),
+                    rl=_section(GRPOConfig, config, "rl"),
+                    optimizer=_section(OptimizerConfig, config, "optimizer"),
                     # the sampler's own checks (temperature > 0, top-p in (0, 1], ...)
                     sampling=SamplingConfig(**config.sampling),
                     engine=_section(EngineConfig, config, "engine"),

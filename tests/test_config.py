@@ -272,8 +272,7 @@ def test_config_imports_only_the_config_modules():
           "print(' '.join(m for m in sys.modules if m.startswith('magistral_jax')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   loaded = out.stdout.split()
-  allowed = {"magistral_jax", "magistral_jax.config", "magistral_jax.configurable",
-             "magistral_jax.rewards.length"}
+  allowed = {"magistral_jax", "magistral_jax.config", "magistral_jax.rewards.length"}
   implementation = [m for m in loaded if m not in allowed and not m.endswith(".config")
                     and m.count(".") > 1]
   assert not implementation, implementation

@@ -17,8 +17,6 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from magistral_jax.configurable import checked_fields
-
 SUPPORTED_ARCHITECTURES = ("MistralForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
 MODEL_TYPES = {"MistralForCausalLM": "mistral", "LlamaForCausalLM": "llama",
@@ -102,6 +100,9 @@ class ModelConfig:
   attention_block_k: int = 512
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, Mapping):   # the run config's `model` section holds a dict
+      object.__setattr__(self, "rope_scaling",
+                         RopeScaling(**self.rope_scaling) if self.rope_scaling else None)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
     if self.remat not in ("none", "full", "dots"):
@@ -248,16 +249,6 @@ class ModelConfig:
     if self.rope_scaling is not None:
       hf["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
     return hf
-
-  @classmethod
-  def from_config_dict(cls, cd: Mapping[str, Any]) -> "ModelConfig":
-    """Builds from an ml_collections ConfigDict (configs/*.py `config.model`). Unknown keys are errors."""
-    d = checked_fields(cls, cd, "model")
-    if d.get("rope_scaling"):
-      d["rope_scaling"] = RopeScaling(**dict(d["rope_scaling"]))
-    else:
-      d["rope_scaling"] = None
-    return cls(**d)
 
 
 def _unsupported_features(hf: Mapping[str, Any], arch: str) -> list[str]:

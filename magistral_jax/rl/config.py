@@ -5,9 +5,6 @@ Every field the paper does not state is marked NOT STATED with the default we pi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
-
-from magistral_jax.configurable import checked_fields
 
 ADV_NORMS = ("minibatch", "group", "none")
 LOSS_AGGS = ("token", "sequence", "group_token_sum")
@@ -126,7 +123,3 @@ class GRPOConfig:
 
   def replace(self, **kw) -> "GRPOConfig":
     return dataclasses.replace(self, **kw)
-
-  @classmethod
-  def from_config_dict(cls, cd: Mapping[str, Any]) -> "GRPOConfig":
-    return cls(**checked_fields(cls, cd, "GRPO"))

@@ -4,12 +4,9 @@ the defaults are common choices for RL fine-tuning of an instruct model."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 import jax.numpy as jnp
 import numpy as np
-
-from magistral_jax.configurable import checked_fields
 
 SCHEDULES = ("constant", "cosine")
 
@@ -35,10 +32,6 @@ class OptimizerConfig:
 
   def replace(self, **kw) -> "OptimizerConfig":
     return dataclasses.replace(self, **kw)
-
-  @classmethod
-  def from_config_dict(cls, cd: Mapping[str, Any]) -> "OptimizerConfig":
-    return cls(**checked_fields(cls, cd, "optimizer"))
 
 
 # The scale of a typical weight of a transformer (init std 0.02; trained weights stay near it).

@@ -356,10 +356,10 @@ def test_run_config_model_section_round_trips_the_new_fields():
   the new fields are in it, and a Qwen3 config comes back from its ConfigDict unchanged."""
   import dataclasses
 
-  from magistral_jax.configurable import config_section
+  from magistral_jax.config import checked_fields, config_section
   section = config_section(ModelConfig)
   assert (section.attention_bias, section.o_proj_bias, section.qk_norm) == (False, False, False)
   cfg = ModelConfig(architecture="Qwen3ForCausalLM", qk_norm=True, head_dim=24,
                     attention_bias=True, o_proj_bias=True, rope_theta=1e6)
   section.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-  assert ModelConfig.from_config_dict(section) == cfg
+  assert ModelConfig(**checked_fields(ModelConfig, section, "model")) == cfg

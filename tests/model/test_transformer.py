@@ -227,13 +227,18 @@ def test_unsupported_architecture_is_named():
     ModelConfig.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
-def test_config_from_config_dict_rejects_unknown_fields():
+def test_model_section_rejects_unknown_fields_and_reads_rope_scaling():
   import ml_collections
+
+  from magistral_jax.config import checked_fields
   cd = ml_collections.ConfigDict(dict(vocab_size=64, hidden_sise=32))
   with pytest.raises(ValueError, match="hidden_sise"):
-    ModelConfig.from_config_dict(cd)
-  cfg = ModelConfig.from_config_dict(ml_collections.ConfigDict(dict(vocab_size=64, num_layers=3)))
-  assert cfg.vocab_size == 64 and cfg.num_layers == 3
+    checked_fields(ModelConfig, cd, "model")
+  cd = ml_collections.ConfigDict(dict(vocab_size=64, num_layers=3,
+                                      rope_scaling=dict(factor=32.0)))
+  cfg = ModelConfig(**checked_fields(ModelConfig, cd, "model"))
+  assert cfg.vocab_size == 64 and cfg.num_layers == 3 and cfg.rope_scaling.factor == 32.0
+  assert ModelConfig(rope_scaling={}).rope_scaling is None
 
 
 def test_model_presets_have_the_published_sizes():
