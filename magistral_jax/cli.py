@@ -60,8 +60,9 @@ def start_run():
     multihost.initialize()
   config = CONFIG.value
   cache = compilation_cache(config)
-  if cache:   # a second generator's programs load from the first one's entries (cache_keys.py)
-    from magistral_jax.cache_keys import share_cpu_executables_across_devices
+  if cache:   # a second generator's programs load from the first one's entries
+    # (parallel/cache_key_patch.py)
+    from magistral_jax.parallel.cache_key_patch import share_cpu_executables_across_devices
     share_cpu_executables_across_devices()
   logging.getLogger("cli").info("XLA compilation cache: %s", cache or "off")
   return config

@@ -35,8 +35,9 @@ if _cache != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 # As in the launch scripts (cli.start_run): a program compiled on one slice of the simulated
-# devices is loaded, not compiled again, on another (magistral_jax/cache_keys.py).
-from magistral_jax.cache_keys import share_cpu_executables_across_devices  # noqa: E402
+# devices is loaded, not compiled again, on another (magistral_jax/parallel/cache_key_patch.py).
+from magistral_jax.parallel.cache_key_patch import (  # noqa: E402
+    share_cpu_executables_across_devices)
 
 share_cpu_executables_across_devices()
 

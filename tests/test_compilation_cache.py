@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache in the launch scripts (cli.compilation_cache): a second
 process that compiles the same program loads it from config.compilation_cache_dir, and
 JAX_COMPILATION_CACHE_DIR, when set, wins over the config; on CPU a program compiled on one slice
-of devices is loaded on another (magistral_jax/cache_keys.py)."""
+of devices is loaded on another (magistral_jax/parallel/cache_key_patch.py)."""
 import json
 import os
 import subprocess
@@ -80,7 +80,7 @@ def test_no_limit(tmp_path):
 SLICES = """
 import json, sys
 import numpy as np
-from magistral_jax.cache_keys import share_cpu_executables_across_devices
+from magistral_jax.parallel.cache_key_patch import share_cpu_executables_across_devices
 shared = sys.argv[2] == "1" and share_cpu_executables_across_devices()
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -108,7 +108,7 @@ print(json.dumps({"shared": shared, "slices": out}))
 
 @pytest.mark.parametrize("share", [True, False])
 def test_a_program_compiled_on_one_device_slice_loads_on_another(tmp_path, share):
-  """cache_keys.share_cpu_executables_across_devices: on CPU the cache key leaves out which
+  """cache_key_patch.share_cpu_executables_across_devices: on CPU the cache key leaves out which
   devices run the program, so a second slice (even in another order) loads the first slice's
   executable, binds it to its own devices and computes the same values. Without it (JAX's own
   keys) each slice compiles its own."""
@@ -131,9 +131,10 @@ def test_a_program_compiled_on_one_device_slice_loads_on_another(tmp_path, share
 
 def test_a_jax_without_the_wrapped_functions_keeps_its_own_keys(monkeypatch):
   from jax._src import cache_key
-  from magistral_jax import cache_keys
-  assert cache_keys.share_cpu_executables_across_devices()   # installed (conftest) and idempotent
+  from magistral_jax.parallel import cache_key_patch
+  # installed (conftest) and idempotent
+  assert cache_key_patch.share_cpu_executables_across_devices()
   monkeypatch.setattr(cache_key, "get", lambda *a, **k: None)
   monkeypatch.setattr(cache_key, "_hash_serialized_compile_options", lambda h, o: None)
-  assert not cache_keys.share_cpu_executables_across_devices()
+  assert not cache_key_patch.share_cpu_executables_across_devices()
   assert cache_key.get.__name__ == "<lambda>"   # left as it was

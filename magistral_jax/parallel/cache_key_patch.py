@@ -32,7 +32,8 @@ def share_cpu_executables_across_devices() -> bool:
   if (get is None or hash_options is None or "strip_device_assignment" not in
       inspect.signature(hash_options).parameters):
     _log.warning("this JAX's cache_key.get/_hash_serialized_compile_options are not the ones "
-                 "cache_keys.py wraps: persistent-cache entries stay per device assignment on CPU")
+                 "cache_key_patch.py wraps: persistent-cache entries stay per device assignment "
+                 "on CPU")
     return False
 
   @functools.wraps(get)
