@@ -77,13 +77,13 @@ import common
 
 import psutil
 
-from magistral_jax.prompt_helpers import prompt_helpers
 from magistral_jax.rewards import code_check, sandbox
 from magistral_jax.rewards import reward as reward_mod
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import RewardResult
 from magistral_jax.rewards.code_cpp import CXX_FLAGS, precompiled_header_dir
 from magistral_jax.rewards.code_stdio import outputs_match, task_tolerance
+from magistral_jax.rewards.humaneval import prompt_helpers
 from magistral_jax.verify.pool import VerifierPool
 
 SOURCES = os.path.join(common.ROOT, "magistral_jax", "data", "sources")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
-from magistral_jax.prompt_helpers import prompt_helpers
+from magistral_jax.rewards.humaneval import prompt_helpers
 
 KINDS = ("math", "code", "sft")
 TEST_TYPES = ("stdin_stdout", "assert")

@@ -14,9 +14,9 @@ is "every test statement ran without an exception, and no call into the candidat
 decided here. What the boundary would otherwise hide or change is put back by construction:
   - helpers: the functions the task's own code defines (a HumanEval prompt's `poly` beside
     `find_zero`, `encode_shift` beside `decode_shift`: `test_setup_code`, or for `test_code`
-    tasks the prompt less its entry point, magistral_jax/prompt_helpers.py) run in OUR
-    process, so the tests never call a copy the candidate redefined, nor hand the candidate
-    the arguments they pass to a helper. For `test_code` tasks the entry point is the only
+    tasks the prompt less its entry point, humaneval.py) run in OUR process, so the tests
+    never call a copy the candidate redefined, nor hand the candidate the arguments they pass
+    to a helper. For `test_code` tasks the entry point is the only
     name that reaches the candidate; MBPP asserts name the function to write, so there any
     name the tests and their setup leave undefined is the candidate's;
   - exceptions: a call that raises fails the candidate (CandidateError, recorded in

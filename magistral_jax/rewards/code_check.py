@@ -23,11 +23,11 @@ import os
 import random
 import sys
 
-from magistral_jax.prompt_helpers import prompt_helpers
 from magistral_jax.rewards import format as fmt
 from magistral_jax.rewards.code_asserts import run_assert_tests
 from magistral_jax.rewards.code_cpp import compile_cpp
 from magistral_jax.rewards.code_result import CodeResult, write_source
+from magistral_jax.rewards.humaneval import prompt_helpers
 from magistral_jax.rewards.code_stdio import RUN_SOLUTION, run_stdin_tests, task_tolerance
 from magistral_jax.rewards.sandbox import Sandbox
 from magistral_jax.rewards.sandbox_limits import Limits

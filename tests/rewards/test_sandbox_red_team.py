@@ -15,11 +15,11 @@ import pytest
 
 import magistral_jax
 from magistral_jax.data import records
-from magistral_jax.prompt_helpers import prompt_helpers
 from magistral_jax.rewards import run_tree, sandbox
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards.code_codec import decode_parsed
+from magistral_jax.rewards.humaneval import prompt_helpers
 from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.verify.uids import uid_processes
 

@@ -1,7 +1,6 @@
-"""The helpers a code task's prompt defines beside the function to write, shared below the two
-layers that need them: the data adapters store them as a HumanEval task's test setup
-(data/records.py), and the code reward runs them on its own side when a task gives none
-(rewards/code_check.py), so neither layer imports the other.
+"""The helpers a HumanEval prompt defines beside the function to write. The code reward runs them
+on its own side, as the assert tests' setup, when a task gives none (code_check.py, code_asserts.py
+says why); the data adapters store them as a HumanEval task's test setup (data/records.py).
 """
 from __future__ import annotations
 
