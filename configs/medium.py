@@ -5,7 +5,7 @@ shrink the batch as sequences grow (8k → 4k → 2k sequences) to bound KV memo
 (one optimizer step per batch); n_async / n_batch ≤ 2; eps_high 0.28.
 """
 from magistral_jax.config import default_config
-from magistral_jax.rehearsal import rehearsal_of
+from magistral_jax.run.rehearsal import rehearsal_of
 
 K = 1024
 PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
@@ -13,7 +13,7 @@ MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens: l_max of the last stage
 TRAINER_DEVICES = 64
 
 
-# `configs/medium.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/
+# `configs/medium.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/run/
 # rehearsal.py: every knob kept, tiny model, the char tokenizer on synthetic arithmetic).
 LENGTH_DIVISOR = 128       # prompt 4k -> 32, max_new_tokens 40k -> 320, l_max, l_cache, rows
 BATCH_DIVISOR = 512        # n_batch, n_mini, n_async

@@ -3,7 +3,7 @@
 RL: batch 2048 sequences, l_max − l_cache = 32k, temperature 1.0, eps_high 0.3.
 """
 from magistral_jax.config import default_config
-from magistral_jax.rehearsal import rehearsal_of
+from magistral_jax.run.rehearsal import rehearsal_of
 
 K = 1024
 PROMPT_TOKENS = 4 * K       # engine.max_prefill_length
@@ -11,7 +11,7 @@ MAX_NEW_TOKENS = 40 * K     # sampling.max_new_tokens = l_max
 TRAINER_DEVICES = 16
 
 
-# `configs/small.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/
+# `configs/small.py:rehearsal`: this recipe on a CPU host in a few minutes (magistral_jax/run/
 # rehearsal.py: every knob kept, tiny model, the char tokenizer on synthetic arithmetic).
 LENGTH_DIVISOR = 128       # prompt 4k -> 32, max_new_tokens 40k -> 320, l_max, l_cache, rows
 BATCH_DIVISOR = 256        # n_batch, n_mini, n_async

@@ -57,6 +57,12 @@ def test_rehearsal_config_is_the_recipe_divided(name):
     for k in keys:
       assert c[section][k] == recipe[section][k], (section, k)
   assert run.rl.n_batch == run.rl.n_mini
+  # The model's dimensions and the task: the CPU default's (configs/tiny.py), read from it.
+  from magistral_jax.run.rehearsal import TINY_MODEL, TINY_TASK
+  tiny = _module("tiny").get_config()
+  assert {k: c.model[k] for k in TINY_MODEL} == {k: tiny.model[k] for k in TINY_MODEL}
+  assert {k: c.data[k] for k in TINY_TASK} == {k: tiny.data[k] for k in TINY_TASK}
+  assert c.tokenizer == tiny.tokenizer
   assert c.pipeline.n_async * recipe.rl.n_batch == recipe.pipeline.n_async * c.rl.n_batch
   # Divided by the stated factors.
   assert c.rl.n_batch == recipe.rl.n_batch // B and c.rl.group_size == recipe.rl.group_size // G
@@ -80,7 +86,7 @@ def test_rehearsal_config_is_the_recipe_divided(name):
 
 
 def _rehearsal_of(mod, recipe):
-  from magistral_jax.rehearsal import rehearsal_of
+  from magistral_jax.run.rehearsal import rehearsal_of
   return rehearsal_of(recipe, length_divisor=mod.LENGTH_DIVISOR, batch_divisor=mod.BATCH_DIVISOR,
                       group_divisor=mod.GROUP_DIVISOR, batches_per_stage=mod.REHEARSAL_BATCHES)
 

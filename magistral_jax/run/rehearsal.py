@@ -22,8 +22,9 @@ sequence stays one token too short, and `config.validate`'s row-fit check report
 
 Tokenizer and data: the recipes' are Mistral's Tekken tokenizer (131k vocabulary) with the
 paper's system prompt (176 Tekken tokens) on filtered math/code sets. A rehearsal instead uses
-the CPU default's task (configs/tiny.py): the character tokenizer (104 symbols), no system prompt
-and synthetic multi-step arithmetic through the real math verifier, with the full Magistral
+the CPU default's model and task, read from configs/tiny.py (TINY_RECIPE): its model dimensions,
+the character tokenizer (104 symbols), synthetic multi-step arithmetic through the real math
+verifier, and its cold start's learning rate, with no system prompt and the full Magistral
 reward. Why: the paper's system prompt alone is longer than the divided prompt limit (4096 / 128
 = 32 tokens), a 131k-wide output layer would cost ~1000x the tiny model's logits on
 every SFT, decode and train token, and a tiny random model on MATH problems never meets the
@@ -39,7 +40,11 @@ completion fails the format, its group-mates mostly do not, so the group is kept
 """
 from __future__ import annotations
 
+import pathlib
+
 import ml_collections as mlc
+
+from magistral_jax.run.recipes import load_recipe
 
 # Stage override keys by how a rehearsal scales them; any other key is kept as the recipe has it
 # only if it is not a number (a number the rehearsal does not know how to scale is an error).
@@ -51,6 +56,16 @@ GROUP_KEYS = ("rl.group_size",)
 # The rehearsal's device layout: 8 simulated CPU devices (launch/train.py asks for them).
 TRAINER_DEVICES = 4
 GENERATORS = (2, 2)
+
+# The CPU default recipe, beside the package in the checkout a rehearsal runs from (the recipes
+# are not installed), and what a rehearsal takes from it: the model's dimensions (not its dtype
+# or remat fields: a rehearsal has the recipe's precision), the task, and the cold start's
+# learning rate and rows per microbatch.
+TINY_RECIPE = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.py"
+TINY_MODEL = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "bos_token_id", "eos_token_id")
+TINY_TASK = ("source", "min_steps", "max_steps", "max_operand", "allow_negative", "sft_slip_rate")
+TINY_SFT = ("learning_rate", "rows_per_micro")
 
 
 def _div(value: int, divisor: int, what: str) -> int:
@@ -65,30 +80,28 @@ def rehearsal_of(recipe: mlc.ConfigDict, *, length_divisor: int, batch_divisor: 
                  sft_steps: int = 50, ramble_rate: float = 0.25) -> mlc.ConfigDict:
   """The CPU rehearsal of `recipe` (a copy; see the module docstring for what is kept)."""
   c = mlc.ConfigDict(recipe.to_dict())
+  tiny = load_recipe(str(TINY_RECIPE))
   L, B = length_divisor, batch_divisor
 
-  # ---- the model: tiny dims (configs/tiny.py's); dtype/remat fields stay the recipe's ----
+  # ---- the model: tiny's dims; dtype/remat fields stay the recipe's ----
   max_len = (_div(recipe.engine.max_prefill_length, L, "engine.max_prefill_length")
              + _div(recipe.sampling.max_new_tokens, L, "sampling.max_new_tokens"))
-  c.model.update(vocab_size=104, hidden_size=128, intermediate_size=384, num_layers=4,
-                 num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=max_len,
-                 bos_token_id=1, eos_token_id=2)
+  c.model.update({k: tiny.model[k] for k in TINY_MODEL}, max_position_embeddings=max_len)
   c.init.update(source="random", path="")
-  c.tokenizer = "char"
+  c.tokenizer = tiny.tokenizer
   # No system prompt: the paper's (and even the tiny task's one-line prompt) is longer than a
   # divided prompt limit ("Q: Compute 7+2-5+3.\nA: " is ~24 symbols); the cold start teaches the
   # format.
   c.system_prompt = "none"
-  c.data.update(source="synthetic", data_dir="", min_steps=1, max_steps=3, max_operand=9,
-                allow_negative=False, heldout=4, sft_slip_rate=0.4,
+  c.data.update({k: tiny.data[k] for k in TINY_TASK}, data_dir="", heldout=4,
                 sft_ramble_rate=ramble_rate)
-  # The cold start (launch/train.py runs it for init.source=random): configs/tiny.py's lr and
-  # rows, few steps (see the module docstring).
+  # The cold start (launch/train.py runs it for init.source=random): tiny's lr and rows per
+  # microbatch, few steps (see the module docstring).
   # The cold start's rows are the RL rows (prompt limit + max_new_tokens): a rambling trace fills
   # one, so the policy has rambled at every position a completion can reach and runs on to
   # max_new_tokens (with shorter rows it learned to stop soon past the row's end).
-  c.sft.update(num_steps=sft_steps, batch_size=16, learning_rate=3e-3, row_len=max_len,
-               rows_per_micro=4)
+  c.sft.update({k: tiny.sft[k] for k in TINY_SFT}, num_steps=sft_steps, batch_size=16,
+               row_len=max_len)
 
   # ---- lengths ----
   c.engine.max_prefill_length = _div(recipe.engine.max_prefill_length, L,
@@ -124,7 +137,7 @@ def rehearsal_of(recipe: mlc.ConfigDict, *, length_divisor: int, batch_divisor: 
     if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in (
         "rl.eps_low", "rl.eps_high", "optimizer.learning_rate", "sampling.temperature"):
       raise ValueError(f"rehearsal: stage override {key!r} has no rule for scaling; add it to "
-                       "magistral_jax/rehearsal.py")
+                       "magistral_jax/run/rehearsal.py")
     return value
 
   c.stages = tuple(
