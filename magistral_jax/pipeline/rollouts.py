@@ -9,7 +9,7 @@
 
 The optimizer loop itself is train/rl_loop.py; this module owns the threads and the queues. A
 generator that stops serving (a lost generator process) has its open groups generated again by
-the others: pipeline/generator_loss.py.
+the others: pipeline/lost_generators.py.
 
 Async (the paper): generators never wait for the trainer. The off-policy bound is the paper's:
 completions generated but not yet trained on never exceed `n_async` (paper §4: n_async / n_batch
@@ -62,9 +62,9 @@ from magistral_jax.generate.protocol import Generator
 from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.pipeline.errors import PipelineError
-from magistral_jax.pipeline.generator_loss import GeneratorLoss
 from magistral_jax.pipeline.generator_meter import GeneratorMeter
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
+from magistral_jax.pipeline.lost_generators import LostGenerators
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.rl.config import GRPOConfig
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 INTERRUPTED = threading.Event()
 
 
-class Rollouts(GeneratorLoss):
+class Rollouts(LostGenerators):
   """Generators + verifier pool + group scoring. See the module docstring.
 
   Args:
@@ -129,7 +129,7 @@ class Rollouts(GeneratorLoss):
     self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
-    self._init_generator_loss()
+    self._init_lost_generators()
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
     self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)

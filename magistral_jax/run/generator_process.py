@@ -1,5 +1,5 @@
 """A generator process of a many-host run (README.md, "Many hosts"): one generator on this
-process's devices, driven by the trainer leader (pipeline.remote.serve_generator), scoring the
+process's devices, driven by the trainer leader (pipeline.generator_service.serve_generator), scoring the
 evaluations it is asked for with its own verifier pool (and, with verifier.placement=
 "generators", every completion it generates). Its weights only ever come from the
 trainer, by device-to-device transfer. A relaunched generator process (same process id) rejoins

@@ -1,8 +1,9 @@
 """What the RL loop (train.rl_loop.train) needs of the generation side, defined here by its
 consumer: batches of scored groups in, the trainer's params out after each optimizer step.
 
-pipeline.rollouts.Rollouts (generators local or colocated) and pipeline.remote's LeaderRollouts
-and FollowerRollouts (a run of many processes) implement it; train/ imports nothing of pipeline/.
+pipeline.rollouts.Rollouts (generators local or colocated) and pipeline.trainer_rollouts'
+LeaderRollouts and FollowerRollouts (a run of many processes) implement it; train/ imports
+nothing of pipeline/.
 """
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ from magistral_jax.rewards.reward import RewardResult
 log = logging.getLogger(__name__)
 
 
-class GeneratorLoss:
+class LostGenerators:
   """Rollouts' handling of lost generators (see the module docstring); Rollouts holds the state
   it works on (its lock, counters, queues and group assembler)."""
 
-  def _init_generator_loss(self) -> None:
+  def _init_lost_generators(self) -> None:
     # Which generator each open group went to, how many of its samples came back, the groups
     # given up with a lost generator, and the prompts to submit again.
     self._serving = [True] * len(self.generators)
