@@ -7,15 +7,15 @@ JetStream splits serving into
 over a fixed number of decode slots (`max_concurrent_decodes`); `prefill(..., existing_prefix=
 prefix)` continues a cached prefix (JetStream's prefix caching). We keep that contract (so
 jetstream_adapter.py can hand this engine to the real orchestrator) and add what RL needs: every
-token comes with its fp32 log-prob under the sampling policy (sampling.py), per-slot PRNG
-streams, and `resample` so the G samples of a GRPO group share one prefill.
+token comes with its fp32 log-prob under the sampling policy (sampling.py), and per-slot PRNG
+streams.
 
 Batched refill (what GeneratorLoop uses):
   prefill_many(params, padded [N, bucket], true_lengths [N])  -> Prefixes (N prompt caches)
   insert_many(prefixes, decode_state, slots, rows, keys, ...)  -> decode_state, first tokens
 prefill N prompts of one length bucket in one call, and copy them into any number of slots in one
-call (several slots may share a row), each slot drawing its first token from the row's
-last-position logits with its own PRNG stream.
+call (several slots may share a row: the G samples of a GRPO group share one prefill), each slot
+drawing its first token from the row's last-position logits with its own PRNG stream.
 
 `generate` is one jitted program per attention window with fixed shapes and shardings and the
 decode state donated, so new weights never recompile it; shapes.py bounds every program's shapes.
@@ -126,7 +126,6 @@ class Engine:
     self._prefill = jax.jit(self._prefill_impl, out_shardings=None)
     self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
-    self._resample = jax.jit(self._resample_impl)
     self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
     self._prefill_many = jax.jit(self._prefill_many_impl)
     self._insert_many = jax.jit(self._insert_many_impl,
@@ -157,8 +156,7 @@ class Engine:
     "generate" counts the programs of every dot library compiled so far (two after tuning),
     "compact" the child engines' generate / set_active programs, the gathers and the scatter."""
     counts = {name: getattr(self, f"_{name}")._cache_size()
-              for name in ("prefill", "insert", "resample", "set_active", "prefill_many",
-                           "insert_many")}
+              for name in ("prefill", "insert", "set_active", "prefill_many", "insert_many")}
     counts["generate"] = self.generate_step.cache_size()
     counts["compact"] = self._compaction.cache_size()
     return counts
@@ -261,15 +259,6 @@ class Engine:
     return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key,
                          *prefix)
 
-  def _resample_impl(self, prefix: Prefix, key):
-    tok, lp = S.sample(prefix.logits[None], key[None], prefix.true_length[None], self.sampling)
-    return prefix._replace(token=tok[0], logprob=lp[0], key=key)
-
-  def resample(self, prefix: Prefix, rng) -> Prefix:
-    """The same prompt cache with a new slot stream and a first token drawn with it: how one
-    prefill serves the G samples of a GRPO group."""
-    return self._resample(prefix, jnp.asarray(rng, jnp.uint32))
-
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
     put = lambda big, row: put_slot(big, row, slot)
     cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
@@ -341,7 +330,7 @@ class Engine:
   def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
                         sample_index, count, active, temperature):
     # Draw every entry's first token from its row's logits with its own stream (the key for
-    # sample i of a request is fold_in(request_key, i), as `resample` would have it).
+    # sample i of a request is fold_in(request_key, i)).
     slot_keys = jax.vmap(jax.random.fold_in)(keys, sample_index)
     lg = prefixes.logits[rows]
     true_len = prefixes.true_length[rows]

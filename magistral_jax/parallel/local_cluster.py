@@ -52,13 +52,9 @@ _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 ONE_CPU_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 
-def free_port() -> int:
-  """A TCP port on 127.0.0.1 that nothing listens on right now."""
-  return free_ports(1)[0]
-
-
 def free_ports(n: int) -> list[int]:
-  """n distinct free ports: all sockets stay bound until every port is read."""
+  """n distinct TCP ports on 127.0.0.1 that nothing listens on right now: all sockets stay bound
+  until every port is read."""
   socks = []
   try:
     for _ in range(n):

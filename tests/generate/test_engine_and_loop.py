@@ -456,7 +456,7 @@ def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params)
 
 def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mesh):
   """prefill_many + insert_many (what the loop uses) give the same caches, first tokens,
-  log-probs and continuations as the JetStream-contract prefill / resample / insert."""
+  log-probs and continuations as the JetStream-contract prefill / insert."""
   eng = engine(mesh, sampling=SAMPLED)
   ps = prompts(4, seed=8)
   padded = [eng.pad_prompt(p, truncate=False) for p in ps]
@@ -468,10 +468,10 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     # Only prompts that share a bucket can be batched; pad them all to 16 for this check.
     tokens16 = np.zeros(16, np.int32)
     tokens16[:n] = pad[:n]
+    # Prompt 3 as sample index 1 of its request (a group's second sample): its stream is
+    # fold_in(request_key, 1).
     prefix = eng.prefill(eng.load_params(params), tokens16, n,
-                         rng=jax.random.fold_in(keys[i], 0))
-    if i == 3:  # sample index 1 of prompt 3: the group path (resample)
-      prefix = eng.resample(prefix, jax.random.fold_in(keys[i], 1))
+                         rng=jax.random.fold_in(keys[i], 1 if i == 3 else 0))
     firsts_one[3 - i] = (int(prefix.token), float(prefix.logprob))
     one = eng.insert(prefix, one, 3 - i)
   # Batched path: one prefill of 4 rows, one insert into the 4 slots.
