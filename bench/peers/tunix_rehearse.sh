@@ -6,7 +6,7 @@
 #      image has 3.12, whose jax 0.11.2 / flax 0.12.10 / numpy 2.5.2 need 3.12, so the mirror
 #      takes the newest for 3.11): gpu-host-mirror.txt, torch from a local CPU wheel where there
 #      is one, less what pip pulled in that the image does not list (NOT_ON_IMAGE);
-#   2. bench/peers/tunix_bundle.py build --python_version <that python's> into BUNDLE;
+#   2. tools/tunix_bundle.py build --python_version <that python's> into BUNDLE;
 #   3. tunix_bundle.py stage with the mirror's interpreter into TUNIX_SITE (as on the GPU host);
 #   4. bench/vs_tunix.py, tiny model, both sides: ours from .venv, tunix from TUNIX_SITE/bin/python
 #      (the mirror's python, TUNIX_SITE first on its path); REHEARSE_ARGS adds flags.
@@ -35,10 +35,10 @@ fi
 [ -z "$NOT_ON_IMAGE" ] ||
   "$venv/bin/python" -m pip uninstall -y -q $NOT_ON_IMAGE 2>/dev/null || true
 echo "== bundle for python $pyver in $bundle"
-.venv/bin/python bench/peers/tunix_bundle.py build --out "$bundle" --python_version "$pyver"
+.venv/bin/python tools/tunix_bundle.py build --out "$bundle" --python_version "$pyver"
 echo "== stage into $site"
 rm -rf "$site"
-"$venv/bin/python" bench/peers/tunix_bundle.py stage --bundle "$bundle" --site "$site"
+"$venv/bin/python" tools/tunix_bundle.py stage --bundle "$bundle" --site "$site"
 echo "== bench/vs_tunix.py (tiny), tunix from $site/bin/python"
 # shellcheck disable=SC2086
 .venv/bin/python bench/vs_tunix.py --model=tiny --tokenizer="$site/tokenizer" \

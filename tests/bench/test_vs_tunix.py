@@ -91,10 +91,10 @@ def test_both_sides_score_alike(tmp_path):
   assert len({round(r - b, 6) for r, b in zip(ours, base)}) > 1   # the tie-breaker varies
 
 
-# ---- bench/peers/tunix_bundle.py: the parts carried to a GPU host (no network, no pip download) --
+# ---- tools/tunix_bundle.py: the parts carried to a GPU host (no network, no pip download) -----
 
 def _bundle_module():
-  sys.path.insert(0, os.path.join(ROOT, "bench", "peers"))
+  sys.path.insert(0, os.path.join(ROOT, "tools"))
   try:
     import tunix_bundle
   finally:

@@ -8,7 +8,7 @@ the GGUF it comes from is 94 MiB), packed into parts of at most --part_mb each, 
 there into a directory of its own, never into the image's site-packages or ours.
 
   build (here, with the network; stdlib + pip):
-    python bench/peers/tunix_bundle.py build [--out tunix_bundle] [--python_version 3.12]
+    python tools/tunix_bundle.py build [--out tunix_bundle] [--python_version 3.12]
         [--part_mb 55] [--extra NAME==VER ...]
     Downloads the pins of tunix-carry.txt (+ --extra) as binary wheels for cp<python_version>
     manylinux x86_64 (`pip download --no-deps`: exactly these, nothing they pull in), exports the
@@ -18,7 +18,7 @@ there into a directory of its own, never into the image's site-packages or ours.
     its own. The same pins give the same MANIFEST.
 
   stage (there, once per carried part; stdlib + pip):
-    python3 bench/peers/tunix_bundle.py stage [--bundle tunix_bundle] [--site /tmp/tunix_site]
+    python3 tools/tunix_bundle.py stage [--bundle tunix_bundle] [--site /tmp/tunix_site]
     Checks each carried part's files against its MANIFEST (sha256 and size) and keeps them in
     SITE/.parts; once every wheel the MANIFEST names is there, installs them with
     `pip install --no-index --no-deps --no-compile --target SITE`, copies the tokenizer to
@@ -40,7 +40,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
 CARRY = os.path.join(HERE, "tunix-carry.txt")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -211,7 +211,7 @@ def stage(args) -> int:
     with open(manifest_path, "w") as f:
       f.write(text)
   if not os.path.exists(manifest_path):
-    print(f"stage: no part of a tunix bundle in {bundle} (bench/peers/tunix_bundle.py build)",
+    print(f"stage: no part of a tunix bundle in {bundle} (tools/tunix_bundle.py build)",
           file=sys.stderr)
     return 3
   with open(manifest_path) as f:
@@ -248,7 +248,7 @@ def write_wrapper(site: str, python: str) -> str:
   path = os.path.join(site, "bin", "python")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
-    f.write("#!/bin/sh\n# bench/peers/tunix_bundle.py stage: the tunix side's interpreter.\n"
+    f.write("#!/bin/sh\n# tools/tunix_bundle.py stage: the tunix side's interpreter.\n"
             f'PYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{python}" "$@"\n')
   os.chmod(path, 0o755)
   return path
