@@ -144,7 +144,7 @@ def get_config(arg=None):
     # paper's loss and reward on a task where the model has headroom, chosen from the headroom
     # table (BENCHMARKS.md "Headroom"): the synthetic arithmetic task at difficulty `task`,
     # "Compute 52-17+8." with the real math verifier on the exact answer. Held out: 256 problems
-    # of the task's disjoint held-out stream, pass@1 averaged over k=4, before, every 5 batches
+    # of the task's evaluation bucket (data/synthetic.py: never trained on), pass@1 averaged over k=4, before, every 5 batches
     # and after (WORKDIR/eval_*.json, heldout_curve.jsonl; bench/learn.py pairs them).
     c.data.update(source="synthetic", heldout_source="", heldout=256,
                   **synthetic.set_options(args.get("task", LEARN_TASK)))
@@ -155,7 +155,7 @@ def get_config(arg=None):
       # 32 prompts x G=8 a batch, 4 optimizer steps of 64 (the later ones off-policy within the
       # clip), lr 1e-5 (NOT STATED; 2e-6 with one step a batch moved nothing in 35 batches of
       # the GSM8K recipe). Rows of 768 tokens: the 512-token prompt limit + 256 new tokens.
-      # Measured on an H100 (BENCHMARKS.md "A real model learns"): 32 batches, +18.8 points.
+      # Its measurement: BENCHMARKS.md "A real model learns".
       c.rl.update(n_batch=256, n_mini=64, group_size=8, microbatch_tokens=32 * 768,
                   microbatch_rows=32)
       c.optimizer.update(learning_rate=1e-5)

@@ -34,9 +34,10 @@ def get_config(arg=None):
   # The cold start teaches the format and the arithmetic facts at a constant lr, stopped while
   # its loss is still falling. Its demonstrator is imperfect: 40% of the traces make one
   # arithmetic slip (an off-by-one step whose error carries to the boxed answer), as a cold start
-  # distilled from another model's traces would. The SFT policy imitates the slips (held-out
-  # pass@1 ~0.5); the verifier's reward is what teaches it to stop (docs/perf_log.md "Tiny default
-  # run" has the tuning runs).
+  # distilled from another model's traces would. The SFT policy imitates the slips; the
+  # verifier's reward is what teaches it to stop (BENCHMARKS.md "Tiny default run"). One problem
+  # text in 8 is reserved for evaluation (data/synthetic.py): a 1-step problem held out is still
+  # practised as a step of longer ones, so the training distribution keeps every fact.
   c.sft.update(num_steps=800, batch_size=32, learning_rate=3e-3, row_len=256, rows_per_micro=4)
   # 8 prompts x G=8 per batch, two optimizer steps per batch (n_mini = n_batch / 2: the paper
   # finds n_batch = n_mini best and more than 2 minibatches harmful; here 2 learned faster at the
@@ -44,7 +45,7 @@ def get_config(arg=None):
   c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=64, n_mini=32, group_size=8,
               microbatch_tokens=2048, microbatch_rows=4)
   # RL lr: 1e-3 undid the cold start (noisy gradient, 8 prompts a batch), 3e-4 barely moved,
-  # 2e-4 gained +14..17 points.
+  # 2e-4 learned fastest of the three.
   c.optimizer.update(learning_rate=2e-4, warmup_steps=0, grad_clip_norm=1.0)
   c.sampling.update(temperature=1.0, max_new_tokens=64)
   c.engine.update(max_concurrent_decodes=16, max_prefill_length=64)
@@ -84,8 +85,8 @@ def _apply_arg(c, arg):
       c.pipeline.mode = "sync"
       # One CPU device runs each step on about one core (the disaggregated layout's 8 simulated
       # devices keep both busy), so the cold start and the RL run are shortened to fit 15
-      # minutes on 2 cores: 500 SFT steps leave held-out pass@1 ~0.26 (800: ~0.52), and 140
-      # batches take it to ~0.54 (BENCHMARKS.md "One device, colocated"). Later arguments
+      # minutes on 2 cores: 500 SFT steps and 140 batches (BENCHMARKS.md "One device,
+      # colocated" has what they reach). Later arguments
       # (sft_steps=, batches=) still override these.
       c.sft.num_steps, c.num_batches = 500, 140
     elif key == "multihost":   # 3 processes x 2 devices: launch/local_cluster.py

@@ -6,4 +6,5 @@
   report.py            metric series and panels for the run report
   plots.py             matplotlib figures (imported only by the notebooks)
   scale_model.py       one RL step's time from its parts' rates (bench/scale_model.py)
+  exposure.py          which held-out problems a run recorded before issue #63 had trained on
 """

@@ -48,8 +48,9 @@ def fit_reward_log_length(reward: np.ndarray, length: np.ndarray) -> dict:
 
 
 def prompt_set(config, num_prompts: int, split: str = "heldout") -> list[dict]:
-  """Problems to score on. The synthetic source draws a seeded stream disjoint from training
-  ('heldout' split: the run's own held-out problems come first)."""
+  """Problems to score on. The synthetic source's 'heldout' split draws from the evaluation
+  bucket no training stream draws from (data/synthetic.py; the run's own held-out problems come
+  first)."""
   if num_prompts < 1:
     raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
   if config.data.source != "synthetic":

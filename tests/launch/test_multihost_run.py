@@ -178,6 +178,7 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   assert reward[-5:].mean() > reward[:5].mean() + 0.01, reward.round(3)
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert summary["batches"] == BATCHES and "heldout_accuracy_after" in summary
+  assert summary["heldout_trained_on"] == 0   # the leader's record of what it trained on
   # The mid-run evaluations (eval.every=4) ran, each staging weights between two pushes.
   curve = [json.loads(l) for l in open(os.path.join(workdir, "heldout_curve.jsonl"))]
   assert {4, 8, 12} <= {int(row["batch"]) for row in curve}, curve

@@ -141,6 +141,7 @@ def test_rehearsal_runs_every_stage_resumes_and_learns(name, tmp_path):
   assert f"stage {len(stages)}/{len(stages)}" in out2
   summary = json.load(open(tmp_path / "summary.json"))
   assert summary["batches"] == total and summary["optimizer_steps"] == total
+  assert summary["heldout_trained_on"] == 0
 
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   rl = [r for r in rows if "loss" in r and "reward" in r]

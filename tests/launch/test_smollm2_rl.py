@@ -132,6 +132,7 @@ def test_the_real_model_learns_short_form(tmp_path):
           f"--config.sft.num_steps={SHORT_SFT_STEPS}")
   s = json.load(open(sft / "sft_summary.json"))
   assert s["sft_steps"] == SHORT_SFT_STEPS and 0 < s["final_nll_per_token"] < 3.0
+  assert (sft / "trained_on.json").exists()   # the RL run counts its held-out set against it
 
   rl = tmp_path / "rl"
   _launch("train.py", rl, f"--config=configs/smollm2.py:learn,colocated,init={sft / 'params'}",
@@ -139,6 +140,7 @@ def test_the_real_model_learns_short_form(tmp_path):
           "--config.eval.k=2", f"--config.optimizer.warmup_steps={SHORT_WARMUP}")
   summary = json.load(open(rl / "summary.json"))
   assert summary["batches"] == SHORT_BATCHES == summary["optimizer_steps"]
+  assert summary["heldout_trained_on"] == 0
   rows = [json.loads(l) for l in open(rl / "metrics.jsonl")]
   steps = [r for r in rows if "reward" in r and "grad_norm" in r]
   assert len(steps) == SHORT_BATCHES and all(r["update_applied"] == 1.0 for r in steps)
