@@ -23,7 +23,10 @@ started in a new session, so:
     user namespace maps our uid to root inside it, for the mount setup only: every capability is
     dropped from the bounding set before exec, so the program has none (cannot unmount, remount
     read-write or mount anything) and runs as our uid on the outside;
-  - a seccomp filter refuses unshare, setns and clone with namespace flags (x86_64, aarch64);
+  - a seccomp filter (x86_64, aarch64; sandbox_root.seccomp_program says why for each) refuses
+    unshare, setns and clone with namespace flags; the kernel keyring (keyctl, add_key,
+    request_key), io_uring, userfaultfd, ptrace, perf_event_open and bpf; AF_VSOCK sockets; and
+    personality changes;
   - if the worker dies, PDEATHSIG takes `unshare`, and the namespace's first process with it.
 
 What the second red-team wave (issue #50) found, and why each class is now contained by
@@ -90,7 +93,7 @@ from magistral_jax.rewards import run_tree
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
 from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
 from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
-                                                base_ro_paths)
+                                                base_ro_paths, seccomp_program)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,10 @@ def process_uid_base(pid: int | None = None) -> int:
 
 
 DEFAULT_UID_BASE = UID_BASE
+# The seccomp filter of this machine (sandbox_root.seccomp_program), or None where SECCOMP has no
+# numbers for it.
+_SECCOMP_PROGRAM = (seccomp_program(SECCOMP[platform.machine()])
+                    if platform.machine() in SECCOMP else None)
 # Strongest first. The first two have a private filesystem; the last two are the weak modes that
 # only allow_weak permits.
 ISOLATION_PRIVATE_FS = "mountns+netns+pidns+uid+rlimits"
@@ -246,7 +253,7 @@ class Sandbox:
               "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
               "uid": None if user else self.uid, "then": python_src,
               "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1),
-              "seccomp": SECCOMP.get(platform.machine())}
+              "seccomp": _SECCOMP_PROGRAM}
       ns = ["--user", "--map-root-user"] if user else []
       setup_python = argv[0] if python_src is not None else self._setup_python
       # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run

@@ -1,0 +1,163 @@
+"""The classes of the fourth red-team wave (issue #64), met with new variants written here: kernel
+interfaces that outlive a run or escape the filter's view (the keyring, io_uring, userfaultfd,
+ptrace, personality, perf, bpf, vsock), keys left behind, verdicts learned from which tests run
+next, and faults a program could force on the verifier. Every hostile program must be judged as
+failing (reward without correctness), never as a verifier fault."""
+import platform
+
+import pytest
+
+from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
+from magistral_jax.rewards import sandbox_root
+from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
+
+CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
+NUMBERS = SECCOMP.get(platform.machine())
+needs_filter = pytest.mark.skipif(NUMBERS is None, reason="no seccomp numbers for this machine")
+
+
+def _code(src, lang="python"):
+  return f"<think>\nHere goes.\n</think>\n```{lang}\n{src}\n```\n"
+
+
+def _score(task, src, lang="python", cfg=CFG):
+  return compute_reward(task, _code(src, lang), None, cfg)
+
+
+def _stdin_task(pairs, language="python"):
+  return {"kind": "code", "problem": "p", "language": language,
+          "tests": [{"input": i, "output": o} for i, o in pairs]}
+
+
+@pytest.fixture(params=["default", "userns"])
+def sbx(request, monkeypatch):
+  """Both private-filesystem modes (the user-namespace one is what a non-root host gets)."""
+  s = sandbox.Sandbox(uid=sandbox.process_uid_base() + 210)
+  assert s.isolation in sandbox.PRIVATE_FS, s.isolation
+  if request.param == "userns":
+    s.isolation = sandbox.ISOLATION_USERNS
+  monkeypatch.setattr(sandbox, "_default", s)
+  return s
+
+
+# ----------------------------------------------------------------------------- the filter itself
+
+def _run_filter(program, arch, nr, arg0=0):
+  """What the kernel would do with one syscall: a small cBPF interpreter over the instructions
+  seccomp_program builds (only the opcodes it uses)."""
+  data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
+  acc, pc = 0, 0
+  while True:
+    code, jt, jf, k = program[pc]
+    if code == 0x20:
+      acc = data[k]
+    elif code == 0x06:
+      return k
+    else:
+      taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+      pc += jt if taken else jf
+    pc += 1
+
+
+@pytest.mark.parametrize("machine", sorted(SECCOMP))
+def test_the_filter_refuses_what_it_lists_and_allows_the_rest(machine):
+  nums = SECCOMP[machine]
+  prog = seccomp_program(nums)
+  run = lambda name, arg0=0: _run_filter(prog, nums["arch"], nums[name], arg0)
+  for name in sandbox_root.SECCOMP_DENIED:
+    assert run(name) == sandbox_root.SECCOMP_EPERM, name
+  assert run("clone3") == sandbox_root.SECCOMP_ENOSYS
+  assert run("clone", 0x10000000) == sandbox_root.SECCOMP_EPERM        # CLONE_NEWUSER
+  assert run("clone", 0x01200011) == sandbox_root.SECCOMP_ALLOW        # what fork() passes
+  assert run("socket", 40) == sandbox_root.SECCOMP_EPERM               # AF_VSOCK
+  assert run("socket", 40 + (1 << 32)) == sandbox_root.SECCOMP_EPERM   # the kernel reads an int
+  for family in (1, 2, 10):                                            # unix, inet, inet6
+    assert run("socket", family) == sandbox_root.SECCOMP_ALLOW
+  assert run("personality", 0xFFFFFFFF) == sandbox_root.SECCOMP_ALLOW  # a query
+  assert run("personality", 0) == sandbox_root.SECCOMP_ALLOW
+  assert run("personality", 0x0040000) == sandbox_root.SECCOMP_EPERM   # ADDR_NO_RANDOMIZE
+  for nr in (0, 1, 2, 60, 231):                                        # read, write, ... exit
+    assert _run_filter(prog, nums["arch"], nr) == sandbox_root.SECCOMP_ALLOW
+  assert _run_filter(prog, nums["arch"], 0x40000000 + 1) == sandbox_root.SECCOMP_EPERM  # x32
+  assert _run_filter(prog, 0x40000003, 1) == sandbox_root.SECCOMP_KILL  # another ABI (i386)
+
+
+# ----------------------------------------------------------------------------- inside a run
+
+# Each tries one interface with arguments that would work unfiltered, and prints the answer ("2")
+# only if the call went through: a program that reaches the interface would pass; one that is
+# refused prints the errno it got. (ctypes.c_long for every argument: syscall(2) is variadic.)
+_PROBE = r"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+L = ctypes.c_long
+buf = ctypes.create_string_buffer(256)
+def sc(nr, *args):
+  r = libc.syscall(L(nr), *[L(a) if isinstance(a, int) else a for a in args])
+  return r, ctypes.get_errno()
+r, e = {call}
+print(2 if r >= 0 else "refused %s" % errno.errorcode.get(e, e))
+"""
+
+_CALLS = {
+    # A world-readable key in the user keyring: the cross-run channel the wave used.
+    "add_key": 'sc(N["add_key"], b"user", b"mj_wave4", b"1", 1, -4)',   # KEY_SPEC_USER_KEYRING
+    "keyctl": 'sc(N["keyctl"], 0, -3, 1)',        # KEYCTL_GET_KEYRING_ID of the session keyring
+    "request_key": 'sc(N["request_key"], b"user", b"mj_wave4", None, 0)',
+    "io_uring_setup": 'sc(N["io_uring_setup"], 4, buf)',
+    "io_uring_enter": 'sc(N["io_uring_enter"], 0, 0, 0, 0, None, 0)',
+    "io_uring_register": 'sc(N["io_uring_register"], 0, 0, None, 0)',
+    "userfaultfd": 'sc(N["userfaultfd"], 0o2000000)',                  # O_CLOEXEC
+    "ptrace": 'sc(N["ptrace"], 0, 0, 0, 0)',                            # PTRACE_TRACEME
+    "personality": 'sc(N["personality"], 0x0040000)',                   # ADDR_NO_RANDOMIZE
+    "perf_event_open": 'sc(N["perf_event_open"], buf, 0, -1, -1, 0)',
+    "bpf": 'sc(N["bpf"], 0, buf, 72)',                                  # BPF_MAP_CREATE
+    "vsock": 'sc(N["socket"], 40, 1, 0)',                               # AF_VSOCK, SOCK_STREAM
+    "vsock_high_bits": 'sc(N["socket"], 40 + (1 << 32), 1, 0)',
+}
+
+
+def _probe(name):
+  return f"N = {NUMBERS!r}\n" + _PROBE.replace("{call}", _CALLS[name])
+
+
+@needs_filter
+@pytest.mark.parametrize("name", sorted(_CALLS))
+def test_refused_interfaces_fail_the_program_and_are_no_fault(sbx, name):
+  r = _score(_stdin_task([("1\n", "2\n")]), _probe(name))
+  assert r.error is None, r.error
+  assert r.parts["correct"] == 0.0, (name, r.info)
+
+
+@needs_filter
+def test_every_refusal_is_eperm_and_allowed_calls_still_work(sbx):
+  # Passes only if each probe is refused with EPERM, and the harmless neighbours still work: a
+  # personality query, an ordinary socket (useless in the empty network namespace), a fork.
+  names = sorted(_CALLS)
+  src = (f"N = {NUMBERS!r}\n" + _PROBE.split("r, e = {call}")[0]
+         + "out = []\n"
+         + "".join(f"r, e = {_CALLS[n]}\nout.append('%d:%s' % (r, errno.errorcode.get(e, e)))\n"
+                   for n in names)
+         + "import os, socket\n"
+         + "out.append(str(sc(N['personality'], 0xFFFFFFFF)[0] >= 0))\n"
+         + "socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()\n"
+         + "pid = os.fork()\nif pid == 0:\n  os._exit(3)\nout.append(str(os.waitpid(pid, 0)[1] >> 8))\n"
+         + "print(' '.join(out))\n")
+  expected = " ".join(["-1:EPERM"] * len(names) + ["True", "3"]) + "\n"
+  r = _score(_stdin_task([("1\n", expected)]), src)
+  assert r.error is None and r.parts["correct"] == 0.9, r.info
+
+
+@needs_filter
+def test_a_cpp_program_reaching_for_the_keyring_or_io_uring_fails(sbx):
+  src = ("#include <cstdio>\n#include <unistd.h>\n#include <sys/syscall.h>\n"
+         "int main() {\n"
+         "  long k = syscall(SYS_add_key, \"user\", \"mj_wave4\", \"7\", 1, -4);\n"
+         "  char p[120] = {0};\n"
+         "  long u = syscall(SYS_io_uring_setup, 4, p);\n"
+         "  if (k >= 0 || u >= 0) puts(\"2\"); else puts(\"refused\");\n}\n")
+  r = _score(_stdin_task([("1\n", "2\n")], "cpp"), src, "cpp")
+  assert r.error is None and r.parts["correct"] == 0.0, r.info
+  # The same program, judged against what a refused one prints: it compiled and ran.
+  r = _score(_stdin_task([("1\n", "refused\n")], "cpp"), src, "cpp")
+  assert r.error is None and r.parts["correct"] == 0.9, r.info
