@@ -291,3 +291,4 @@ def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limi
     return CodeResult(False, str(e), 1)
   finally:
     channel.close()
+    sandbox.remove_keys()

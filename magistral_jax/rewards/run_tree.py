@@ -1,12 +1,13 @@
 """A sandboxed run's processes and files as the host sees them (rewards/sandbox.py runs it): its
 process tree and the CPU the tree has used, the judgement of a run still going at its wall-clock
-backstop, killing it, its input as a sealed memfd, and removing a tree of files that the run may
-have shaped.
+backstop, reading its output, killing it, its input as a sealed memfd, and removing a tree of
+files that the run may have shaped.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import selectors
 import signal
 import subprocess
 import time
@@ -106,6 +107,40 @@ def judge_overrun(pid: int, elapsed_s: float, cpu_limit_s: float) -> tuple[float
     return cpu, None
   return cpu, (f"wall-clock backstop ({elapsed_s:.1f}s) reached after only {cpu:.2f}s of its "
                f"{cpu_limit_s:g}s CPU limit: the host is overloaded")
+
+
+def read_output(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
+                err_cap: int = 4096):
+  """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
+  the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
+  overflows. Never blocks past the deadline."""
+  out, err, size = [], bytearray(), 0
+  fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
+  timed_out = truncated = False
+  with selectors.DefaultSelector() as sel:
+    for fd in fds:
+      sel.register(fd, selectors.EVENT_READ)
+    while fds:
+      left = deadline - time.monotonic()
+      if left <= 0 or (watch is not None and watch.check()):
+        timed_out = True
+        break
+      for key, _ in sel.select(min(left, CpuWatch.EVERY_S)):
+        data = os.read(key.fd, 1 << 16)
+        if not data:
+          sel.unregister(key.fd)
+          del fds[key.fd]
+        elif fds[key.fd] == "out":
+          out.append(data)
+          size += len(data)
+        elif len(err) < err_cap:
+          err += data[:err_cap - len(err)]
+      if size > cap:
+        truncated = True
+        break
+  proc.stdout.close()
+  proc.stderr.close()
+  return b"".join(out)[:cap], bytes(err), timed_out, truncated
 
 
 def remove_tree(path: str):

@@ -62,6 +62,15 @@ construction rather than by a check on the instance:
 We read stdout ourselves, stop at the deadline and at an output cap, and never wait on a pipe a
 survivor could hold open.
 
+The fourth wave (issue #64), class by class:
+  - Verdicts carried between runs by the kernel keyring (not namespaced), and keys left on the
+    host: the filter refuses keyctl, add_key and request_key; each run joins a fresh session
+    keyring, so it never holds ours; and as root every key the slot uid can reach is removed
+    after each run (sandbox_keys.py says why that second line is needed and how).
+  - Kernel interfaces past the filter's view or the namespaces' reach (io_uring, userfaultfd,
+    ptrace, personality, perf_event_open, bpf, AF_VSOCK): refused by the filter
+    (sandbox_root.seccomp_program says why for each).
+
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
 .allow_weak_sandbox): then it falls back, with a loud warning, to the PID/network/IPC namespaces
@@ -82,14 +91,13 @@ import glob
 import logging
 import os
 import platform
-import selectors
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from magistral_jax.rewards import run_tree
+from magistral_jax.rewards import run_tree, sandbox_keys
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
 from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
 from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
@@ -253,7 +261,8 @@ class Sandbox:
               "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
               "uid": None if user else self.uid, "then": python_src,
               "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1),
-              "seccomp": _SECCOMP_PROGRAM}
+              "seccomp": _SECCOMP_PROGRAM,
+              "keyctl": SECCOMP.get(platform.machine(), {}).get("keyctl")}
       ns = ["--user", "--map-root-user"] if user else []
       setup_python = argv[0] if python_src is not None else self._setup_python
       # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run
@@ -328,8 +337,8 @@ class Sandbox:
         if stdin_fd is not None:
           os.close(stdin_fd)
       watch = CpuWatch(proc.pid, limits.cpu_s)
-      out, err, timed_out, truncated = self._read(proc, start + wall_s, limits.max_output_bytes,
-                                                  watch)
+      out, err, timed_out, truncated = run_tree.read_output(
+          proc, start + wall_s, limits.max_output_bytes, watch)
       cpu = fault = None
       if watch.spent:
         cpu = watch.used
@@ -345,42 +354,15 @@ class Sandbox:
         rc = proc.wait()
     finally:
       self._restore(cwd, writable)
+      self.remove_keys()
     return RunResult(rc, out, err, timed_out, truncated, time.monotonic() - start, cpu, fault)
 
-  @staticmethod
-  def _read(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
-            err_cap: int = 4096):
-    """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
-    the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
-    overflows. Never blocks past the deadline."""
-    out, err, size = [], bytearray(), 0
-    fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
-    timed_out = truncated = False
-    with selectors.DefaultSelector() as sel:
-      for fd in fds:
-        sel.register(fd, selectors.EVENT_READ)
-      while fds:
-        left = deadline - time.monotonic()
-        if left <= 0 or (watch is not None and watch.check()):
-          timed_out = True
-          break
-        for key, _ in sel.select(min(left, CpuWatch.EVERY_S)):
-          data = os.read(key.fd, 1 << 16)
-          if not data:
-            sel.unregister(key.fd)
-            del fds[key.fd]
-          elif fds[key.fd] == "out":
-            out.append(data)
-            size += len(data)
-          elif len(err) < err_cap:
-            err += data[:err_cap - len(err)]
-        if size > cap:
-          truncated = True
-          break
-    proc.stdout.close()
-    proc.stderr.close()
-    return b"".join(out)[:cap], bytes(err), timed_out, truncated
-
+  def remove_keys(self) -> int:
+    """Removes the kernel keys the slot uid made (sandbox_keys.py: the filter refuses keyctl, this
+    is the second line). Only where each slot has a uid of its own; call it once a run is over."""
+    if self.isolation not in (ISOLATION_PRIVATE_FS, ISOLATION_NAMESPACES):
+      return 0
+    return sandbox_keys.remove_uid_keys(self.uid)
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

@@ -84,6 +84,12 @@ for cap in range(64):
   if libc.prctl(24, cap, 0, 0, 0) != 0:     # PR_CAPBSET_DROP; EINVAL past the last cap
     break
 libc.prctl(38, 1, 0, 0, 0)                  # PR_SET_NO_NEW_PRIVS
+# A fresh, empty session keyring of the run's own (KEYCTL_JOIN_SESSION_KEYRING, anonymous), joined
+# before the uid drop so that it counts as ours, not the slot uid's: the run no longer holds the
+# verifier's session keyring, so nothing it does can link a key under ours (the filter refuses
+# keyctl anyway; this is the second line, see sandbox_keys.py). Gone with the run.
+if spec.get("keyctl") is not None:
+  libc.syscall(ctypes.c_long(spec["keyctl"]), ctypes.c_long(1), ctypes.c_long(0))
 uid = spec["uid"]
 if uid is not None:
   os.setgroups([])

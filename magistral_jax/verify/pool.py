@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 
-from magistral_jax.rewards import sandbox
+from magistral_jax.rewards import sandbox, sandbox_keys
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.verify.config import VerifierConfig
@@ -235,6 +235,9 @@ class VerifierPool:
     uid = self.uid_base + slot
     res = self._cleanup(f"killing the processes of slot {slot}'s uid {uid}", kill_uid_processes,
                         uid, self.sweep_timeout_s)
+    # A worker killed mid-run never reached its own removal of the uid's kernel keys.
+    self._cleanup(f"removing the kernel keys of slot {slot}'s uid {uid}",
+                  sandbox_keys.remove_uid_keys, uid)
     if not res or not res[0]:
       return
     found, left = res

@@ -3,12 +3,15 @@ interfaces that outlive a run or escape the filter's view (the keyring, io_uring
 ptrace, personality, perf, bpf, vsock), keys left behind, verdicts learned from which tests run
 next, and faults a program could force on the verifier. Every hostile program must be judged as
 failing (reward without correctness), never as a verifier fault."""
+import os
 import platform
+import subprocess
+import time
 
 import pytest
 
 from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
-from magistral_jax.rewards import sandbox_root
+from magistral_jax.rewards import sandbox_keys, sandbox_root
 from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
@@ -161,3 +164,77 @@ def test_a_cpp_program_reaching_for_the_keyring_or_io_uring_fails(sbx):
   # The same program, judged against what a refused one prints: it compiled and ran.
   r = _score(_stdin_task([("1\n", "refused\n")], "cpp"), src, "cpp")
   assert r.error is None and r.parts["correct"] == 0.9, r.info
+
+
+# ----------------------------------------------------------------------------- keys left behind
+
+def test_key_users_are_parsed_per_uid():
+  text = ("    0:    10 9/9 3/1000000 48/25000000\n1999001:     9 8/8 7/200 89/20000\n"
+          "garbage line\n")
+  assert sandbox_keys.parse_key_users(text) == {0: 9, 1999001: 8}
+
+
+# Makes keys as `uid` the way the wave did: a world-readable one linked into the user keyring,
+# one in the user keyring as made, one in the persistent keyring (kept for days after use).
+_MAKE_KEYS = r"""
+import ctypes, os, sys
+N = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+L = ctypes.c_long
+def sc(nr, *a):
+  return libc.syscall(L(nr), *[L(x) if isinstance(x, int) else x for x in a])
+made = []
+k = sc({add_key}, b"user", b"mj_wave4_a", b"1", 1, -3)       # in the (possessed) session keyring
+made.append(k > 0 and sc(N, 5, k, 0x3f3f3f3f) == 0)          # KEYCTL_SETPERM: world-readable
+made.append(sc(N, 8, k, -4) == 0)                            # KEYCTL_LINK into the user keyring
+made.append(sc({add_key}, b"user", b"mj_wave4_b", b"1", 1, -4) > 0)
+p = sc(N, 22, -1, -2)                                        # KEYCTL_GET_PERSISTENT
+made.append(p > 0 and sc({add_key}, b"user", b"mj_wave4_c", b"1", 1, p) > 0)
+print(all(made))
+"""
+
+
+def _wait_no_keys(uid, wait_s=10.0):
+  deadline = time.monotonic() + wait_s
+  while sandbox_keys.key_count(uid) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return sandbox_keys.key_count(uid)
+
+
+@needs_filter
+@pytest.mark.skipif(os.geteuid() != 0, reason="keys are swept where each slot has its own uid")
+def test_keys_a_sandbox_uid_made_are_all_removed():
+  uid = sandbox.process_uid_base() + 212
+  src = _MAKE_KEYS.replace("{add_key}", str(NUMBERS["add_key"]))
+  drop = (f"import os\nos.setgroups([])\nos.setresgid({uid}, {uid}, {uid})\n"
+          f"os.setresuid({uid}, {uid}, {uid})\n")
+  r = subprocess.run(["/usr/bin/python3", "-c", drop + src, str(NUMBERS["keyctl"])],
+                     capture_output=True, text=True, timeout=30)
+  assert r.stdout.strip() == "True", r.stderr
+  assert sandbox_keys.key_count(uid) >= 3
+  assert sandbox_keys.remove_uid_keys(uid) >= 3
+  assert _wait_no_keys(uid) == 0
+  assert sandbox_keys.remove_uid_keys(os.getuid()) == 0     # never our own
+
+
+@needs_filter
+@pytest.mark.skipif(os.geteuid() != 0, reason="keys are swept where each slot has its own uid")
+def test_without_the_filter_a_run_that_makes_keys_leaves_none(monkeypatch):
+  # The second line alone: the filter off (as on a machine it has no numbers for), a run makes
+  # keys, and once it is scored none of its uid's keys is left.
+  s = sandbox.Sandbox(uid=sandbox.process_uid_base() + 213)
+  assert s.isolation == sandbox.ISOLATION_PRIVATE_FS
+  monkeypatch.setattr(sandbox, "_default", s)
+  monkeypatch.setattr(sandbox, "_SECCOMP_PROGRAM", None)
+  src = ("import sys\nsys.argv = ['', '%d']\n" % NUMBERS["keyctl"]
+         + _MAKE_KEYS.replace("{add_key}", str(NUMBERS["add_key"])))
+  r = _score(_stdin_task([("1\n", "True\n")]), src)
+  assert r.parts["correct"] == 0.9, r.info        # the keys were made: the filter was off
+  assert _wait_no_keys(s.uid) == 0
+  # The same through the function-call harness, whose process serves every call.
+  task = {"kind": "code", "problem": "p", "language": "python", "entry_point": "f",
+          "test_code": "def check(candidate):\n  assert candidate() is True\n"}
+  r = _score(task, "def f():\n" + "".join("  " + l + "\n" for l in src.splitlines())
+             + "  return all(made)\n")
+  assert r.parts["correct"] == 0.9, r.info
+  assert _wait_no_keys(s.uid) == 0
