@@ -15,7 +15,10 @@ Two kinds of test:
 Limits are CPU seconds; a run stopped at the wall-clock backstop by a loaded host (not by its
 own CPU use or idling) raises VerifierFault: no verdict, the group is dropped (rewards/reward.py).
 At most `num_tests` tests are drawn with `random.Random(group_seed)`, so every completion of a
-group sees the same tests. The reward is binary: all drawn tests must pass.
+group sees the same tests. The reward is binary: all drawn tests must pass. No test's result
+decides what runs next: every drawn test runs, in an order shuffled by a secret of ours, and the
+verdict is formed at the end (code_guard.py), so a program cannot learn its verdict from the
+sequence of tests or calls it is given.
 """
 from __future__ import annotations
 

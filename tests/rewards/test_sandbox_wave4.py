@@ -3,6 +3,7 @@ interfaces that outlive a run or escape the filter's view (the keyring, io_uring
 ptrace, personality, perf, bpf, vsock), keys left behind, verdicts learned from which tests run
 next, and faults a program could force on the verifier. Every hostile program must be judged as
 failing (reward without correctness), never as a verifier fault."""
+import ast
 import os
 import platform
 import subprocess
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
-from magistral_jax.rewards import sandbox_keys, sandbox_root
+from magistral_jax.rewards import code_asserts, code_guard, sandbox_keys, sandbox_root
 from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
@@ -238,3 +239,104 @@ def test_without_the_filter_a_run_that_makes_keys_leaves_none(monkeypatch):
              + "  return all(made)\n")
   assert r.parts["correct"] == 0.9, r.info
   assert _wait_no_keys(s.uid) == 0
+
+
+# ----------------------------------------------------------------------------- no verdict oracle
+
+def _spy_calls(monkeypatch):
+  """Records every call our side sends to the candidate: (function, args)."""
+  sent = []
+  real = code_asserts.Channel.request
+
+  def request(self, line):
+    _, fn, args, _ = ast.literal_eval(line.decode())
+    sent.append((fn, tuple(args)))
+    return real(self, line)
+  monkeypatch.setattr(code_asserts.Channel, "request", request)
+  return sent
+
+
+def _spy_runs(monkeypatch, sbx):
+  """Records the stdin of every run of the stdin/stdout harness."""
+  seen = []
+  real = sbx.run
+
+  def run(*a, stdin=None, **k):
+    seen.append(stdin)
+    return real(*a, stdin=stdin, **k)
+  monkeypatch.setattr(sbx, "run", run)
+  return seen
+
+
+# Wrong on the first call it gets, right afterwards: under a harness that stops at the first
+# failure it would get one call and learn that its guess was wrong; a guess that happened to be
+# right would get the next call. Here both get every call.
+LEARNER = ("_calls = []\ndef f(x):\n  _calls.append(x)\n"
+           "  return -1 if len(_calls) == 1 else 2 * x\n")
+EIGHT = {"kind": "code", "problem": "p", "language": "python",
+         "test_list": [f"assert f({i}) == {2 * i}" for i in range(8)]}
+LOOP = {"kind": "code", "problem": "p", "language": "python", "entry_point": "f",
+        "test_code": "def check(candidate):\n  for x in range(5):\n    assert candidate(x) == 2 * x\n"
+                     "  assert candidate(10) == 20\n  assert candidate(11) == 22\n"}
+
+
+def test_every_call_is_made_whatever_the_answers_and_in_an_unpredictable_order(sbx, monkeypatch):
+  sent = _spy_calls(monkeypatch)
+  orders = []
+  for _ in range(3):
+    sent.clear()
+    assert _score(EIGHT, "def f(x):\n  return 2 * x").parts["correct"] == 0.9
+    orders.append(list(sent))
+    assert sorted(sent) == [("f", (i,)) for i in range(8)]
+  assert len({tuple(o) for o in orders}) > 1            # 1 in 40,320 per pair to be equal
+  for src in (LEARNER, "def f(x):\n  return -1", "def f(x):\n  raise ValueError(x)"):
+    sent.clear()
+    assert _score(EIGHT, src).parts["correct"] == 0.0, src
+    assert sorted(sent) == [("f", (i,)) for i in range(8)], src
+  # HumanEval's check(): a loop of asserts runs to its end, and the asserts after it run too.
+  sent.clear()
+  assert _score(LOOP, LEARNER).parts["correct"] == 0.0
+  assert sorted(sent) == sorted([("f", (x,)) for x in (0, 1, 2, 3, 4, 10, 11)])
+  assert sent[:5] == [("f", (x,)) for x in range(5)]   # a loop keeps its own order
+  assert _score(LOOP, "def f(x):\n  return 2 * x").parts["correct"] == 0.9
+
+
+def test_a_crash_still_fails_and_ends_the_conversation(sbx, monkeypatch):
+  sent = _spy_calls(monkeypatch)
+  r = _score(EIGHT, "import os\n_n = []\ndef f(x):\n  _n.append(x)\n"
+                    "  if len(_n) == 3:\n    os._exit(0)\n  return 2 * x\n")
+  assert r.parts["correct"] == 0.0 and r.error is None, r
+  assert len(sent) == 8 and "call failed" in r.info["code"]   # later calls fail at once
+
+
+def test_tests_that_share_a_variable_keep_their_order():
+  # "x = ...; assert f(x) is None; assert x == ..." depends on the order; literal asserts do not.
+  src = ("def check(candidate):\n  x = [3, 1]\n  assert candidate(x) is None\n"
+         "  assert x == [1, 3]\n  assert candidate([2]) is None\n  assert candidate([4]) is None\n"
+         "  assert candidate([5]) is None\n")
+  seen = set()
+  for seed in range(40):
+    body = ast.unparse(code_guard.unordered_tests(src, "f", seed))
+    lines = [l.strip() for l in body.splitlines() if l.strip().startswith("assert")]
+    assert lines[:2] == ["assert candidate(x) is None", "assert x == [1, 3]"], lines
+    seen.add(tuple(lines[2:]))
+  assert len(seen) == 6                                  # the three literal asserts: any order
+
+
+def test_no_wrong_answer_stops_the_stdin_tests(sbx, monkeypatch):
+  task = _stdin_task([(f"{i}\n", f"{2 * i}\n") for i in range(5)])
+  runs = _spy_runs(monkeypatch, sbx)
+  orders = []
+  for src in ("print(-1)", "x = int(input())\nprint(2 * x if x else 5)",
+              "print(2 * int(input()))"):
+    for _ in range(2):
+      runs.clear()
+      r = _score(task, src)
+      assert r.parts["correct"] == (0.9 if src.startswith("print(2") else 0.0), (src, r.info)
+      assert sorted(runs) == [f"{i}\n".encode() for i in range(5)], src
+      orders.append(tuple(runs))
+  assert len(set(orders)) > 1
+  # A crash is the program's own doing: it still fails, and the check may stop there.
+  runs.clear()
+  r = _score(task, "import sys\nsys.exit(3)")
+  assert r.parts["correct"] == 0.0 and "exit code 3" in r.info["code"] and len(runs) == 1
