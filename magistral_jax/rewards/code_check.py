@@ -73,6 +73,32 @@ def draw_tests(n: int, num_tests: int, group_seed: int) -> list[int]:
   return sorted(random.Random(group_seed).sample(range(n), num_tests))
 
 
+# What a run costs beyond its backstop, generously: starting the namespaces, the judgement, the
+# kill and the reaping (Sandbox.run waits up to 1 s past the backstop), a loaded host's latency.
+RUN_OVERHEAD_S = 3.0
+
+
+def worst_case_s(task, num_tests: int, test_timeout_s: float, compile_timeout_s: float) -> float:
+  """The longest checking `task` may take in the sandbox: every run at its wall-clock backstop
+  (each drawn stdin test is a run; the assert tests are one run; C++ adds its compile), plus
+  RUN_OVERHEAD_S each. 0 for a task that runs no code, or one too malformed to say (its check
+  fails fast). The verifier pool sets a task's deadline from this, so a slow honest program is
+  never cut short by the pool."""
+  try:
+    if not isinstance(task, dict) or task.get("kind") != "code":
+      return 0.0
+    per_run = Limits(cpu_s=test_timeout_s).backstop_s + RUN_OVERHEAD_S
+    if "tests" not in task:
+      return per_run
+    runs = min(len(task["tests"]), num_tests)
+    total = runs * per_run
+    if task_language(task) == "cpp":
+      total += Limits(cpu_s=compile_timeout_s).backstop_s + RUN_OVERHEAD_S
+    return float(total)
+  except (TypeError, ValueError, KeyError):
+    return 0.0
+
+
 def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox, num_tests: int,
                test_timeout_s: float, memory_mb: int, compile_timeout_s: float, python: str,
                group_seed: int = 0) -> CodeResult:

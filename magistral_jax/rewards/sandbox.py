@@ -56,9 +56,10 @@ construction rather than by a check on the instance:
     machine without its numbers (SECCOMP in sandbox_root.py) the filter is not installed.
   - Honest programs failed by load: limits are CPU seconds (RLIMIT_CPU), which load cannot
     move. The wall clock is only a backstop (Limits.backstop_s): a run still going there is
-    judged by the CPU it used (`run_tree.judge_overrun`): at its CPU limit, or idle, it is the program's
-    doing (a time limit); otherwise the host was too loaded to judge it, a verifier fault (the
-    caller drops the group instead of scoring an honest program wrong).
+    judged by what it was doing when it fired (`run_judge.judge_overrun`): at its CPU limit,
+    asleep or blocked, or running unhindered, it is the program's doing (a time limit);
+    runnable but kept waiting while others held the CPUs, the host was too loaded to judge it,
+    a verifier fault (the caller drops the group instead of scoring an honest program wrong).
 We read stdout ourselves, stop at the deadline and at an output cap, and never wait on a pipe a
 survivor could hold open.
 
@@ -97,7 +98,7 @@ import sys
 import tempfile
 import time
 
-from magistral_jax.rewards import run_tree, sandbox_keys
+from magistral_jax.rewards import run_judge, run_tree, sandbox_keys
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
 from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
 from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
@@ -343,7 +344,7 @@ class Sandbox:
       if watch.spent:
         cpu = watch.used
       elif timed_out:
-        cpu, fault = run_tree.judge_overrun(proc.pid, time.monotonic() - start, limits.cpu_s)
+        cpu, fault = run_judge.judge_overrun(watch, time.monotonic() - start, limits.cpu_s)
       if timed_out or truncated:
         run_tree.kill_run(proc)
       try:

@@ -7,12 +7,15 @@ import ast
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import pytest
 
 from magistral_jax.rewards import RewardConfig, compute_reward, sandbox
-from magistral_jax.rewards import code_asserts, code_guard, sandbox_keys, sandbox_root
+from magistral_jax.rewards import (code_asserts, code_guard, run_judge, run_tree, sandbox_keys,
+                                   sandbox_root)
+from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=2.0)
@@ -340,3 +343,102 @@ def test_no_wrong_answer_stops_the_stdin_tests(sbx, monkeypatch):
   runs.clear()
   r = _score(task, "import sys\nsys.exit(3)")
   assert r.parts["correct"] == 0.0 and "exit code 3" in r.info["code"] and len(runs) == 1
+
+
+# ----------------------------------------------------------------------------- the backstop
+
+def _sample(t, cpu, run=None, wait=None, runnable=True, busy=None):
+  threads = None if run is None else {7: (int(run * 1e9), int(wait * 1e9))}
+  return run_tree.Sample(t, cpu, threads, runnable, busy)
+
+
+def test_the_judgement_reads_what_the_run_was_doing_when_the_backstop_fired():
+  fault = lambda now, then, pressure=None: run_judge.overrun_fault(4.0, 15.0, now, then, pressure)
+  t0 = _sample(10.0, 1.0, run=1.0, wait=0.2, busy=100.0)
+  # Starved: runnable, waited most of the window, others held the CPUs.
+  assert fault(_sample(12.0, 1.5, run=1.5, wait=1.6, busy=103.5), t0) is not None
+  # Used its CPU limit: its own time limit.
+  assert fault(_sample(12.0, 4.0, run=1.5, wait=1.6, busy=103.5), t0) is None
+  # Asleep, blocked or stopped when it fired (a deadlock, a pipe, a stopped child).
+  assert fault(_sample(12.0, 1.5, run=1.5, wait=1.6, runnable=False, busy=103.5), t0) is None
+  # A duty cycle caught in its busy phase: runnable a fifth of the window.
+  assert fault(_sample(12.0, 1.4, run=1.4, wait=0.2, busy=103.5), t0) is None
+  # Running unhindered: it had the CPU whenever it wanted it.
+  assert fault(_sample(12.0, 2.9, run=2.9, wait=0.3, busy=102.0), t0) is None
+  # Waiting for its own threads: nobody else used the CPUs (1.9 of 2.0 busy seconds are its own).
+  assert fault(_sample(12.0, 2.9, run=2.9, wait=3.0, busy=101.9), t0) is None
+  # No schedstat: the host's CPU pressure decides, and without it nothing is a fault.
+  n0, n1 = _sample(10.0, 1.0, busy=100.0), _sample(12.0, 1.5, busy=103.5)
+  assert fault(n1, n0, pressure=80.0) is not None
+  assert fault(n1, n0, pressure=10.0) is None and fault(n1, n0, pressure=None) is None
+  assert fault(_sample(12.0, 1.5, runnable=False), None, pressure=95.0) is None
+
+
+# Each burns some CPU, then stops being runnable in its own way (or only ever half-runs), far
+# short of its 30 s CPU limit when the 4 s backstop fires.
+IDLERS = {
+    "busy_then_sleep": "import time\nt = time.time()\nwhile time.time() - t < 0.8: pass\n"
+                       "time.sleep(100)",
+    "busy_then_own_pipe": "import os, time\nr, w = os.pipe()\nt = time.time()\n"
+                          "while time.time() - t < 0.8: pass\nos.read(r, 1)",
+    "thread_deadlock": "import threading, time\na, b = threading.Lock(), threading.Lock()\n"
+                       "def one(x, y):\n  with x:\n    time.sleep(0.2)\n    with y: pass\n"
+                       "ts = [threading.Thread(target=one, args=p) for p in ((a, b), (b, a))]\n"
+                       "[t.start() for t in ts]\nt = time.time()\nwhile time.time() - t < 0.5: pass\n"
+                       "[t.join() for t in ts]",
+    "waits_on_a_stopped_child": "import os, signal, time\npid = os.fork()\nif pid == 0:\n"
+                                "  os.kill(os.getpid(), signal.SIGSTOP)\n  os._exit(0)\n"
+                                "t = time.time()\nwhile time.time() - t < 0.5: pass\nos.waitpid(pid, 0)",
+    "duty_cycle": "import time\nwhile True:\n  t = time.time()\n  while time.time() - t < 0.1: pass\n"
+                  "  time.sleep(0.4)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDLERS))
+def test_a_program_that_idles_past_the_backstop_is_at_fault(sbx, name):
+  d = sbx.make_dir()
+  try:
+    r = sbx.run(["/usr/bin/python3", "-c", IDLERS[name]], d,
+                Limits(cpu_s=30, wall_factor=0.0, wall_extra_s=4.0))
+    assert r.timed_out and r.fault is None, (name, r)
+  finally:
+    sbx.remove_dir(d)
+
+
+def test_idling_programs_are_judged_failing_not_faults(sbx):
+  # Through the whole check: a time limit, a wrong answer, no verifier fault.
+  cfg = RewardConfig(language_bonus=0.0, test_timeout_s=1.0)
+  for name in ("busy_then_sleep", "duty_cycle"):
+    r = _score(_stdin_task([("1\n", "2\n")]), IDLERS[name], cfg=cfg)
+    assert r.error is None and r.parts["correct"] == 0.0, (name, r)
+  task = {"kind": "code", "problem": "p", "language": "python", "entry_point": "f",
+          "test_code": "def check(candidate):\n  assert candidate(1) == 2\n"}
+  src = "def f(x):\n" + "".join("  " + l + "\n" for l in IDLERS["thread_deadlock"].splitlines())
+  r = _score(task, src, cfg=cfg)
+  assert r.error is None and r.parts["correct"] == 0.0, r
+
+
+@pytest.fixture
+def one_crowded_cpu():
+  """Our process (and so the runs it starts) on one CPU, shared with two busy loops of ours."""
+  mask = os.sched_getaffinity(0)
+  cpu = min(mask)
+  os.sched_setaffinity(0, {cpu})
+  hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+  try:
+    yield
+  finally:
+    for h in hogs:
+      h.kill()
+      h.wait()
+    os.sched_setaffinity(0, mask)
+
+
+def test_a_busy_program_starved_by_others_is_a_verifier_fault(sbx, one_crowded_cpu):
+  d = sbx.make_dir()
+  try:
+    r = sbx.run(["/usr/bin/python3", "-c", "while True: pass"], d,
+                Limits(cpu_s=30, wall_factor=0.0, wall_extra_s=4.0))
+    assert r.timed_out and r.fault and "overloaded" in r.fault, r
+  finally:
+    sbx.remove_dir(d)
