@@ -71,6 +71,10 @@ The fourth wave (issue #64), class by class:
   - Kernel interfaces past the filter's view or the namespaces' reach (io_uring, userfaultfd,
     ptrace, personality, perf_event_open, bpf, AF_VSOCK): refused by the filter
     (sandbox_root.seccomp_program says why for each).
+  - Faults a wrong program could force (burn a little CPU, then sleep or block): a run is judged
+    by what it was doing when the backstop fired, not by its average (run_judge.py).
+  - Verdicts learned from which test or call comes next: every one runs, in a secret order, and
+    the verdict is formed at the end (code_guard.py), so there is nothing to carry between runs.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
