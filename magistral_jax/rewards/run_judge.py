@@ -16,8 +16,9 @@ fired, from the samples CpuWatch took of it (run_tree.Sample) over the last WIND
   - it was runnable but hardly waited for a CPU (schedstat wait under WAIT_SHARE of the
     window): it had the CPU whenever it wanted, so what kept it short of its limit was its own
     idling earlier;
-  - it waited, but no one else used the CPUs we may use (their busy time in /proc/stat, less
-    the run's own, under OTHERS_SHARE of the window): it was waiting for its own threads;
+  - it waited, but others used too little of the CPUs we may use to explain it (their busy time
+    in /proc/stat, less the run's own, under half its wait, or under OTHERS_SHARE of the window):
+    it was waiting mostly for its own threads (many busy threads pinned to one CPU, say);
   - otherwise it was runnable, waiting, and other processes held the CPUs: the host was
     overloaded, a verifier fault.
 Where the kernel has no schedstat, the host's CPU pressure (/proc/pressure/cpu, "some" avg10)
@@ -34,7 +35,7 @@ from magistral_jax.rewards.run_tree import CpuWatch, Sample
 WINDOW_S = 2.0          # how far back "what it was doing" looks
 RUNNABLE_SHARE = 0.5    # runnable less than this share of the window: it was mostly idle
 WAIT_SHARE = 0.25       # waited for a CPU less than this share of the window: it was not starved
-OTHERS_SHARE = 0.5      # others used less than this many CPU-seconds per second: no contention
+OTHERS_SHARE = 0.25     # others used less than this many CPU-seconds per second: no contention
 PRESSURE_PCT = 50.0     # without schedstat: host CPU pressure ("some" avg10) that means overload
 
 
@@ -76,7 +77,7 @@ def overrun_fault(cpu_limit_s: float, elapsed_s: float, now: Sample, then: Sampl
     why = f"it waited {waited:.2f}s for a CPU in the last {span:.1f}s"
     if now.host_busy_s is not None and then.host_busy_s is not None:
       others = (now.host_busy_s - then.host_busy_s) - (now.cpu_s - then.cpu_s)
-      if others < OTHERS_SHARE * span:
+      if others < max(OTHERS_SHARE * span, 0.5 * waited):
         return None
       why += f", while others used {others:.1f} CPU-s"
   else:

@@ -367,6 +367,10 @@ def test_the_judgement_reads_what_the_run_was_doing_when_the_backstop_fired():
   assert fault(_sample(12.0, 2.9, run=2.9, wait=0.3, busy=102.0), t0) is None
   # Waiting for its own threads: nobody else used the CPUs (1.9 of 2.0 busy seconds are its own).
   assert fault(_sample(12.0, 2.9, run=2.9, wait=3.0, busy=101.9), t0) is None
+  # ... or mostly for them: 30 of its threads pinned to one CPU, others busy on another.
+  assert fault(_sample(12.0, 2.9, run=2.9, wait=60.0, busy=104.0), t0) is None
+  # Half the CPU to it and half to others (two sessions at equal weight) is starving too.
+  assert fault(_sample(12.0, 2.0, run=2.0, wait=1.2, busy=102.0), t0) is not None
   # No schedstat: the host's CPU pressure decides, and without it nothing is a fault.
   n0, n1 = _sample(10.0, 1.0, busy=100.0), _sample(12.0, 1.5, busy=103.5)
   assert fault(n1, n0, pressure=80.0) is not None
