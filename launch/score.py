@@ -10,19 +10,20 @@ Input lines (one completion each):
 Optional: "max_tokens" and "response_tokens" (length penalty), "group_seed" (which tests are
 drawn; defaults to a hash of the problem, so completions of one problem share their tests).
 Each output line is the input plus "reward", "parts" and "error", written as ASCII JSON (escapes
-keep it valid UTF-8 even for strings holding lone surrogates). Output order follows input order;
+keep it valid UTF-8 even for strings holding lone surrogates), and strict JSON: a NaN or
+Infinity that an input line held (Python's json reads them) is written back as the string "NaN",
+"Infinity" or "-Infinity" (verify/score_file.py). The stats printed last are strict JSON too. Output order follows input order;
 blank lines are skipped. A line that is malformed (bad JSON, a number too long to read, nesting
 too deep, missing fields), that cannot be sent to a verifier, or whose record cannot be written
 back gets reward 0 and an error that starts "line N:" (N counts every line of the file); it never
 aborts the file.
 """
-import json
 import os
 
 from absl import app, flags, logging
 
 from magistral_jax.rewards.config import RewardConfig
-from magistral_jax.verify.score_file import score_file
+from magistral_jax.verify.score_file import score_file, strict_dumps
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "JSONL file of completions.")
@@ -45,7 +46,7 @@ def main(argv):
                      FLAGS.progress)
   logging.info("scored %d lines (%d with errors): %s", stats["lines"], stats["lines_with_error"],
                stats)
-  print(json.dumps(stats))
+  print(strict_dumps(stats))
 
 
 if __name__ == "__main__":

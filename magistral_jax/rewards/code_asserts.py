@@ -11,7 +11,9 @@ comparisons, the expected values and the verdict never exist in the candidate's 
 early, raising, patching builtins, print or sys.stdout, or writing forged answer lines can only
 make calls fail or return values it chose, which pass only if they are the right ones. The verdict
 is "every test statement ran without an exception, and no call into the candidate failed",
-decided here. What the boundary would otherwise hide or change is put back by construction:
+decided here, once every test statement has run (in a shuffled order: code_guard.py, so the
+calls it gets never tell the candidate how it is doing). What the boundary would otherwise hide
+or change is put back by construction:
   - helpers: the functions the task's own code defines (a HumanEval prompt's `poly` beside
     `find_zero`, `encode_shift` beside `decode_shift`: `test_setup_code`, or for `test_code`
     tasks the prompt less its entry point, humaneval.py) run in OUR process, so the tests
@@ -36,8 +38,10 @@ import builtins
 import importlib
 import json
 import os
+import secrets
 import time
 
+from magistral_jax.rewards import code_guard
 from magistral_jax.rewards.code_codec import WRITER, decode_parsed, decode_value, encode_value
 from magistral_jax.rewards.code_result import CodeResult, VerifierFault, write_source
 from magistral_jax.rewards.sandbox_channel import Channel
@@ -237,11 +241,13 @@ def _update_in_place(mine, theirs):
 
 
 def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limits,
-                     setup_src: str = "") -> CodeResult:
+                     setup_src: str = "", order_seed: int | None = None) -> CodeResult:
   """Runs the assert tests in OUR process against the candidate in a sandboxed one (see the module
   docstring): passed only if every test statement ran without raising and no call into the
   candidate failed. `setup_src` (the task's own helpers) runs here first; with an
-  `entry_point` (HumanEval), the entry point is the only name that reaches the candidate."""
+  `entry_point` (HumanEval), the entry point is the only name that reaches the candidate. Every
+  test statement runs, in an order shuffled by `order_seed` (None: a fresh secret), see
+  code_guard.py."""
   write_source(os.path.join(workdir, "solution.py"), code)
   exe, binds = interpreter_binds(python)
   # One process serves all calls, so the backstop covers the whole test program.
@@ -269,21 +275,32 @@ def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limi
     for name, module in cand.modules.items():
       if module in _TEST_MODULES and name not in ns and not hasattr(builtins, name):
         ns[name] = importlib.import_module(module)
+    # No verdict oracle (code_guard.py): every test statement runs whatever the others did, in
+    # an order drawn from a secret of ours, and the verdict is formed once all have run.
+    failed: list[BaseException] = []
+    ns[code_guard.FAIL], ns[code_guard.FAULT] = failed.append, VerifierFault
+    if order_seed is None:
+      order_seed = secrets.randbits(64)
     try:
       # The task's helpers and tests define their names over the candidate's: a helper the tests
       # call is the prompt's, run here, never the candidate's copy of it.
-      exec(compile(setup_src + "\n" + test_src, "tests.py", "exec"), ns)
+      exec(compile(setup_src, "setup.py", "exec"), ns)
+      exec(compile(code_guard.unordered_tests(test_src, entry_point, order_seed, setup_src),
+                   "tests.py", "exec"), ns)
       if entry_point:
         if entry_point not in cand.names:
           return CodeResult(False, f"entry point {entry_point!r} not defined", 1)
         ns["check"](cand.proxy(entry_point))
     except VerifierFault:
       raise
-    except CandidateError as e:
-      return CodeResult(False, f"call failed: {e}: "
+    except Exception as e:   # outside any guarded statement: the setup, check's own definition
+      failed.append(e)
+    first = failed[0] if failed else None
+    if isinstance(first, CandidateError):
+      return CodeResult(False, f"call failed: {first}: "
                         + bytes(channel.err).decode(errors="replace")[-200:], 1)
-    except Exception as e:   # AssertionError and whatever a wrong value makes the tests raise
-      return CodeResult(False, f"test failed: {type(e).__name__}: {str(e)[:200]}", 1)
+    if first is not None:    # AssertionError and whatever a wrong value makes the tests raise
+      return CodeResult(False, f"test failed: {type(first).__name__}: {str(first)[:200]}", 1)
     if cand.failures:          # a failed call that the test code caught and went on from
       return CodeResult(False, f"call failed: {cand.failures[0][:300]}", 1)
     return CodeResult(True, "", 1)
@@ -291,3 +308,4 @@ def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limi
     return CodeResult(False, str(e), 1)
   finally:
     channel.close()
+    sandbox.remove_keys()

@@ -15,7 +15,10 @@ Two kinds of test:
 Limits are CPU seconds; a run stopped at the wall-clock backstop by a loaded host (not by its
 own CPU use or idling) raises VerifierFault: no verdict, the group is dropped (rewards/reward.py).
 At most `num_tests` tests are drawn with `random.Random(group_seed)`, so every completion of a
-group sees the same tests. The reward is binary: all drawn tests must pass.
+group sees the same tests. The reward is binary: all drawn tests must pass. No test's result
+decides what runs next: every drawn test runs, in an order shuffled by a secret of ours, and the
+verdict is formed at the end (code_guard.py), so a program cannot learn its verdict from the
+sequence of tests or calls it is given.
 """
 from __future__ import annotations
 
@@ -68,6 +71,32 @@ def draw_tests(n: int, num_tests: int, group_seed: int) -> list[int]:
   if n <= num_tests:
     return list(range(n))
   return sorted(random.Random(group_seed).sample(range(n), num_tests))
+
+
+# What a run costs beyond its backstop, generously: starting the namespaces, the judgement, the
+# kill and the reaping (Sandbox.run waits up to 1 s past the backstop), a loaded host's latency.
+RUN_OVERHEAD_S = 3.0
+
+
+def worst_case_s(task, num_tests: int, test_timeout_s: float, compile_timeout_s: float) -> float:
+  """The longest checking `task` may take in the sandbox: every run at its wall-clock backstop
+  (each drawn stdin test is a run; the assert tests are one run; C++ adds its compile), plus
+  RUN_OVERHEAD_S each. 0 for a task that runs no code, or one too malformed to say (its check
+  fails fast). The verifier pool sets a task's deadline from this, so a slow honest program is
+  never cut short by the pool."""
+  try:
+    if not isinstance(task, dict) or task.get("kind") != "code":
+      return 0.0
+    per_run = Limits(cpu_s=test_timeout_s).backstop_s + RUN_OVERHEAD_S
+    if "tests" not in task:
+      return per_run
+    runs = min(len(task["tests"]), num_tests)
+    total = runs * per_run
+    if task_language(task) == "cpp":
+      total += Limits(cpu_s=compile_timeout_s).backstop_s + RUN_OVERHEAD_S
+    return float(total)
+  except (TypeError, ValueError, KeyError):
+    return 0.0
 
 
 def check_code(task: dict, language: str | None, code: str, *, sandbox: Sandbox, num_tests: int,

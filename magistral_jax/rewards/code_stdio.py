@@ -5,7 +5,9 @@ numbers match within it). Python runs through RUN_SOLUTION; C++ is compiled firs
 from __future__ import annotations
 
 import math
+import random
 import re
+import secrets
 
 from magistral_jax.rewards.code_result import CodeResult, VerifierFault
 
@@ -59,20 +61,38 @@ def task_tolerance(task: dict) -> float | None:
 
 
 def run_stdin_tests(sandbox, workdir, argv, tests, limits, ro_binds=(), python_src=None,
-                    inputs=None, tolerance=None) -> CodeResult:
-  """One run per test; the output is compared here, in our process, to the expected one."""
-  for k, t in enumerate(tests):
+                    inputs=None, tolerance=None, order_seed: int | None = None) -> CodeResult:
+  """One run per test; the output is compared here, in our process, to the expected one.
+
+  No verdict oracle (as for assert tests, code_guard.py): a wrong answer does not stop the
+  check, so which tests run, and how many, never depends on whether an answer was right (a
+  program that counts its runs through some channel between them learns nothing); they run in
+  an order shuffled by `order_seed` (None: a fresh secret of ours). The check stops early only
+  where the program's own conduct decided it (a time limit, the output cap, a non-zero exit):
+  that tells it nothing it did not know. A verifier fault ends the check with no verdict, unless
+  a wrong answer has already decided it."""
+  order = list(range(len(tests)))
+  random.Random(secrets.randbits(64) if order_seed is None else order_seed).shuffle(order)
+  wrong = None
+  for ran, k in enumerate(order, 1):
+    t = tests[k]
     r = sandbox.run(argv, workdir, limits, ro_binds=ro_binds, python_src=python_src,
                     stdin=str(t["input"]).encode("utf-8", errors="replace"), inputs=inputs)
     if r.fault:
+      if wrong is not None:
+        wrong.tests_run = ran
+        return wrong
       raise VerifierFault(f"test {k}: {r.fault}")
     if r.timed_out:
-      return CodeResult(False, f"test {k}: time limit", k + 1)
+      return CodeResult(False, f"test {k}: time limit", ran)
     if r.output_truncated:
-      return CodeResult(False, f"test {k}: output limit", k + 1)
+      return CodeResult(False, f"test {k}: output limit", ran)
     if r.returncode != 0:
       return CodeResult(False, f"test {k}: exit code {r.returncode}: "
-                        + r.stderr.decode(errors="replace")[-200:], k + 1)
-    if not outputs_match(r.stdout.decode("utf-8", errors="replace"), str(t["output"]), tolerance):
-      return CodeResult(False, f"test {k}: wrong answer", k + 1)
-  return CodeResult(True, "", len(tests))
+                        + r.stderr.decode(errors="replace")[-200:], ran)
+    if wrong is None and not outputs_match(r.stdout.decode("utf-8", errors="replace"),
+                                           str(t["output"]), tolerance):
+      wrong = CodeResult(False, f"test {k}: wrong answer")
+  if wrong is not None:
+    wrong.tests_run = len(tests)
+  return wrong or CodeResult(True, "", len(tests))

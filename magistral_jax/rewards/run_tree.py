@@ -1,21 +1,18 @@
 """A sandboxed run's processes and files as the host sees them (rewards/sandbox.py runs it): its
-process tree and the CPU the tree has used, the judgement of a run still going at its wall-clock
-backstop, killing it, its input as a sealed memfd, and removing a tree of files that the run may
-have shaped.
+process tree, the CPU the tree has used and what it was doing (samples for rewards/run_judge.py,
+which judges a run still going at its wall-clock backstop), reading its output, killing it, its
+input as a sealed memfd, and removing a tree of files that the run may have shaped.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import fcntl
 import os
+import selectors
 import signal
 import subprocess
 import time
-
-# A run that reaches its wall-clock backstop while it has used less CPU than this share of the
-# elapsed time was idle (sleeping, blocked, waiting on a lock): its own doing, a time limit. One
-# that used more, but less than its CPU limit, was slowed by the host: a verifier fault.
-IDLE_CPU_SHARE = 0.05
-
 
 def sealed_memfd(data: bytes) -> int:
   """A read-positioned memfd holding `data`, sealed against writes and resizing."""
@@ -75,37 +72,125 @@ def tree_cpu_s(pid: int) -> float:
   return total / _TICK
 
 
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One look at a run's process tree (CpuWatch takes one every EVERY_S; rewards/run_judge.py
+  reads what the run was doing between two of them)."""
+  t: float                      # time.monotonic()
+  cpu_s: float                  # the tree's CPU, reaped children included (the limit's measure)
+  threads: dict | None          # tid -> (ns on a CPU, ns runnable but waiting) from schedstat;
+                                # None where the kernel has no schedstat
+  runnable: bool                # some thread was in state R (running or waiting for a CPU)
+  host_busy_s: float | None     # busy time of the CPUs we may use, whoever used it (/proc/stat)
+
+
+def _host_busy_s(cpus: frozenset) -> float | None:
+  """Busy CPU seconds so far (user, nice, system, irq, softirq, steal) of the CPUs in `cpus`."""
+  try:
+    with open("/proc/stat") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return None
+  total = 0
+  for line in lines:
+    name, _, rest = line.partition(" ")
+    if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+      v = [int(x) for x in rest.split()]
+      total += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+  return total / _TICK
+
+
+def sample_tree(pid: int, cpus: frozenset) -> Sample:
+  """The tree's CPU, each live thread's schedstat and state, and the host's busy time."""
+  threads: dict | None = {}
+  runnable = False
+  for p in descendants(pid):
+    try:
+      tids = os.listdir(f"/proc/{p}/task")
+    except OSError:
+      continue
+    for t in tids:
+      try:
+        with open(f"/proc/{p}/task/{t}/stat") as f:
+          runnable |= f.read().rpartition(")")[2].split()[0] == "R"
+      except (OSError, IndexError):
+        continue
+      if threads is None:
+        continue
+      try:
+        with open(f"/proc/{p}/task/{t}/schedstat") as f:
+          run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        threads[int(t)] = (run_ns, wait_ns)
+      except FileNotFoundError:
+        threads = None             # no schedstat in this kernel (or the thread just went)
+      except (OSError, ValueError):
+        pass
+  return Sample(time.monotonic(), tree_cpu_s(pid), threads, runnable, _host_busy_s(cpus))
+
+
 class CpuWatch:
   """The CPU limit over a run's whole process tree: RLIMIT_CPU counts each process on its own,
   so 32 forked busy loops would take 32 times the limit before the backstop stopped them.
-  Checked every EVERY_S while we wait on the run (a walk of its /proc entries)."""
+  Checked every EVERY_S while we wait on the run (a walk of its /proc entries); the last few
+  samples are kept for the judgement of a run still going at its backstop (run_judge.py)."""
   EVERY_S = 0.5
+  KEEP = 8
 
   def __init__(self, pid: int, limit_s: float):
     self.pid, self.limit_s = pid, limit_s
     self.next = time.monotonic() + self.EVERY_S
     self.used, self.spent = 0.0, False
+    self.cpus = frozenset(os.sched_getaffinity(0))   # ours: the run's can only be narrower
+    self.samples: collections.deque = collections.deque(maxlen=self.KEEP)
+
+  def sample(self) -> Sample:
+    s = sample_tree(self.pid, self.cpus)
+    self.samples.append(s)
+    self.used = s.cpu_s
+    self.spent = self.used >= self.limit_s
+    return s
 
   def check(self) -> bool:
     """True once the tree has used its CPU limit."""
     now = time.monotonic()
     if not self.spent and now >= self.next:
       self.next = now + self.EVERY_S
-      self.used = tree_cpu_s(self.pid)
-      self.spent = self.used >= self.limit_s
+      self.sample()
     return self.spent
 
 
-def judge_overrun(pid: int, elapsed_s: float, cpu_limit_s: float) -> tuple[float, str | None]:
-  """(CPU used, fault or None) for a run still going at its wall-clock backstop, measured before
-  it is killed. The program's own doing (None) when it used its CPU limit or was idle; else the
-  host was too loaded to judge it in time: a verifier fault, so the group is dropped rather than
-  an honest program scored wrong."""
-  cpu = tree_cpu_s(pid)
-  if cpu >= cpu_limit_s or cpu < IDLE_CPU_SHARE * elapsed_s:
-    return cpu, None
-  return cpu, (f"wall-clock backstop ({elapsed_s:.1f}s) reached after only {cpu:.2f}s of its "
-               f"{cpu_limit_s:g}s CPU limit: the host is overloaded")
+def read_output(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
+                err_cap: int = 4096):
+  """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
+  the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
+  overflows. Never blocks past the deadline."""
+  out, err, size = [], bytearray(), 0
+  fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
+  timed_out = truncated = False
+  with selectors.DefaultSelector() as sel:
+    for fd in fds:
+      sel.register(fd, selectors.EVENT_READ)
+    while fds:
+      left = deadline - time.monotonic()
+      if left <= 0 or (watch is not None and watch.check()):
+        timed_out = True
+        break
+      for key, _ in sel.select(min(left, CpuWatch.EVERY_S)):
+        data = os.read(key.fd, 1 << 16)
+        if not data:
+          sel.unregister(key.fd)
+          del fds[key.fd]
+        elif fds[key.fd] == "out":
+          out.append(data)
+          size += len(data)
+        elif len(err) < err_cap:
+          err += data[:err_cap - len(err)]
+      if size > cap:
+        truncated = True
+        break
+  proc.stdout.close()
+  proc.stderr.close()
+  return b"".join(out)[:cap], bytes(err), timed_out, truncated
 
 
 def remove_tree(path: str):

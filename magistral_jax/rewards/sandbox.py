@@ -23,7 +23,10 @@ started in a new session, so:
     user namespace maps our uid to root inside it, for the mount setup only: every capability is
     dropped from the bounding set before exec, so the program has none (cannot unmount, remount
     read-write or mount anything) and runs as our uid on the outside;
-  - a seccomp filter refuses unshare, setns and clone with namespace flags (x86_64, aarch64);
+  - a seccomp filter (x86_64, aarch64; sandbox_root.seccomp_program says why for each) refuses
+    unshare, setns and clone with namespace flags; the kernel keyring (keyctl, add_key,
+    request_key), io_uring, userfaultfd, ptrace, perf_event_open and bpf; AF_VSOCK sockets; and
+    personality changes;
   - if the worker dies, PDEATHSIG takes `unshare`, and the namespace's first process with it.
 
 What the second red-team wave (issue #50) found, and why each class is now contained by
@@ -53,11 +56,25 @@ construction rather than by a check on the instance:
     machine without its numbers (SECCOMP in sandbox_root.py) the filter is not installed.
   - Honest programs failed by load: limits are CPU seconds (RLIMIT_CPU), which load cannot
     move. The wall clock is only a backstop (Limits.backstop_s): a run still going there is
-    judged by the CPU it used (`run_tree.judge_overrun`): at its CPU limit, or idle, it is the program's
-    doing (a time limit); otherwise the host was too loaded to judge it, a verifier fault (the
-    caller drops the group instead of scoring an honest program wrong).
+    judged by what it was doing when it fired (`run_judge.judge_overrun`): at its CPU limit,
+    asleep or blocked, or running unhindered, it is the program's doing (a time limit);
+    runnable but kept waiting while others held the CPUs, the host was too loaded to judge it,
+    a verifier fault (the caller drops the group instead of scoring an honest program wrong).
 We read stdout ourselves, stop at the deadline and at an output cap, and never wait on a pipe a
 survivor could hold open.
+
+The fourth wave (issue #64), class by class:
+  - Verdicts carried between runs by the kernel keyring (not namespaced), and keys left on the
+    host: the filter refuses keyctl, add_key and request_key; each run joins a fresh session
+    keyring, so it never holds ours; and as root every key the slot uid can reach is removed
+    after each run (sandbox_keys.py says why that second line is needed and how).
+  - Kernel interfaces past the filter's view or the namespaces' reach (io_uring, userfaultfd,
+    ptrace, personality, perf_event_open, bpf, AF_VSOCK): refused by the filter
+    (sandbox_root.seccomp_program says why for each).
+  - Faults a wrong program could force (burn a little CPU, then sleep or block): a run is judged
+    by what it was doing when the backstop fired, not by its average (run_judge.py).
+  - Verdicts learned from which test or call comes next: every one runs, in a secret order, and
+    the verdict is formed at the end (code_guard.py), so there is nothing to carry between runs.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
@@ -79,18 +96,17 @@ import glob
 import logging
 import os
 import platform
-import selectors
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from magistral_jax.rewards import run_tree
+from magistral_jax.rewards import run_judge, run_tree, sandbox_keys
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
 from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
 from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
-                                                base_ro_paths)
+                                                base_ro_paths, seccomp_program)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +123,10 @@ def process_uid_base(pid: int | None = None) -> int:
 
 
 DEFAULT_UID_BASE = UID_BASE
+# The seccomp filter of this machine (sandbox_root.seccomp_program), or None where SECCOMP has no
+# numbers for it.
+_SECCOMP_PROGRAM = (seccomp_program(SECCOMP[platform.machine()])
+                    if platform.machine() in SECCOMP else None)
 # Strongest first. The first two have a private filesystem; the last two are the weak modes that
 # only allow_weak permits.
 ISOLATION_PRIVATE_FS = "mountns+netns+pidns+uid+rlimits"
@@ -246,7 +266,8 @@ class Sandbox:
               "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
               "uid": None if user else self.uid, "then": python_src,
               "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1),
-              "seccomp": SECCOMP.get(platform.machine())}
+              "seccomp": _SECCOMP_PROGRAM,
+              "keyctl": SECCOMP.get(platform.machine(), {}).get("keyctl")}
       ns = ["--user", "--map-root-user"] if user else []
       setup_python = argv[0] if python_src is not None else self._setup_python
       # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run
@@ -321,13 +342,13 @@ class Sandbox:
         if stdin_fd is not None:
           os.close(stdin_fd)
       watch = CpuWatch(proc.pid, limits.cpu_s)
-      out, err, timed_out, truncated = self._read(proc, start + wall_s, limits.max_output_bytes,
-                                                  watch)
+      out, err, timed_out, truncated = run_tree.read_output(
+          proc, start + wall_s, limits.max_output_bytes, watch)
       cpu = fault = None
       if watch.spent:
         cpu = watch.used
       elif timed_out:
-        cpu, fault = run_tree.judge_overrun(proc.pid, time.monotonic() - start, limits.cpu_s)
+        cpu, fault = run_judge.judge_overrun(watch, time.monotonic() - start, limits.cpu_s)
       if timed_out or truncated:
         run_tree.kill_run(proc)
       try:
@@ -338,42 +359,15 @@ class Sandbox:
         rc = proc.wait()
     finally:
       self._restore(cwd, writable)
+      self.remove_keys()
     return RunResult(rc, out, err, timed_out, truncated, time.monotonic() - start, cpu, fault)
 
-  @staticmethod
-  def _read(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
-            err_cap: int = 4096):
-    """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
-    the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
-    overflows. Never blocks past the deadline."""
-    out, err, size = [], bytearray(), 0
-    fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
-    timed_out = truncated = False
-    with selectors.DefaultSelector() as sel:
-      for fd in fds:
-        sel.register(fd, selectors.EVENT_READ)
-      while fds:
-        left = deadline - time.monotonic()
-        if left <= 0 or (watch is not None and watch.check()):
-          timed_out = True
-          break
-        for key, _ in sel.select(min(left, CpuWatch.EVERY_S)):
-          data = os.read(key.fd, 1 << 16)
-          if not data:
-            sel.unregister(key.fd)
-            del fds[key.fd]
-          elif fds[key.fd] == "out":
-            out.append(data)
-            size += len(data)
-          elif len(err) < err_cap:
-            err += data[:err_cap - len(err)]
-        if size > cap:
-          truncated = True
-          break
-    proc.stdout.close()
-    proc.stderr.close()
-    return b"".join(out)[:cap], bytes(err), timed_out, truncated
-
+  def remove_keys(self) -> int:
+    """Removes the kernel keys the slot uid made (sandbox_keys.py: the filter refuses keyctl, this
+    is the second line). Only where each slot has a uid of its own; call it once a run is over."""
+    if self.isolation not in (ISOLATION_PRIVATE_FS, ISOLATION_NAMESPACES):
+      return 0
+    return sandbox_keys.remove_uid_keys(self.uid)
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

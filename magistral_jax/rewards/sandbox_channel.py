@@ -9,7 +9,7 @@ import selectors
 import subprocess
 import time
 
-from magistral_jax.rewards import run_tree
+from magistral_jax.rewards import run_judge, run_tree
 from magistral_jax.rewards.run_tree import CpuWatch
 from magistral_jax.rewards.sandbox_limits import Limits
 
@@ -79,8 +79,8 @@ class Channel:
     if self.watch.check():
       self._fail("time limit (CPU)")
     if left <= 0:
-      _, fault = run_tree.judge_overrun(self.proc.pid, time.monotonic() - self.start,
-                                       self.limits.cpu_s)
+      _, fault = run_judge.judge_overrun(self.watch, time.monotonic() - self.start,
+                                         self.limits.cpu_s)
       self._fail("time limit", fault)
     return self._sel.select(min(left, CpuWatch.EVERY_S))
 

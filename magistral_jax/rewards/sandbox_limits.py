@@ -24,7 +24,7 @@ class Limits:
   work_mb: int = 64           # size of the run's writable directory (a tmpfs of its own)
   work_inodes: int = 4096     # files and directories it may hold
   # The wall-clock backstop: wall_factor * cpu_s + wall_extra_s. Generous, because reaching it
-  # is a verifier fault unless the program was idle (IDLE_CPU_SHARE) or used its CPU limit.
+  # is a verifier fault only if the run was kept waiting for a CPU by others (run_judge.py).
   wall_factor: float = 3.0
   wall_extra_s: float = 3.0
 

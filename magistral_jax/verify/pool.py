@@ -3,7 +3,9 @@
 One dispatcher thread owns the workers. It hands a task to an idle worker, waits on the result
 pipes, the worker sentinels and a wake-up pipe, and enforces each task's deadline:
   - timeout: the worker is SIGKILLed, the future gets reward 0 with an error, and a fresh worker
-    takes the slot once the old one's sandboxes are gone (verify/uids.py);
+    takes the slot once the old one's sandboxes are gone (verify/uids.py). A task's deadline is
+    task_timeout_s plus the longest its code may take under its own limits
+    (code_check.worst_case_s), so only a hung worker meets it, never a slow honest program;
   - crash: same, with "worker died";
   - recycling: after `max_tasks_per_worker` tasks a successor is started in the background; the
     old worker keeps taking tasks until the successor reports ready (a worker needs seconds to
@@ -34,7 +36,7 @@ import queue
 import threading
 import time
 
-from magistral_jax.rewards import sandbox
+from magistral_jax.rewards import code_check, sandbox, sandbox_keys
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.verify.config import VerifierConfig
@@ -51,6 +53,8 @@ class _Pending:
   payload: tuple
   future: concurrent.futures.Future
   submitted: float
+  timeout_s: float = 0.0     # from its start on a worker to its deadline (see `submit`)
+
 
 
 class VerifierPool:
@@ -124,8 +128,13 @@ class VerifierPool:
     if self._stopped is not None:
       raise RuntimeError(f"verifier pool stopped: {self._stopped}")
     fut: concurrent.futures.Future = concurrent.futures.Future()
+    # The deadline: task_timeout_s plus the longest its code may take under its own limits, so
+    # a slow honest program ends by its own limits' verdict; only a hung worker meets it.
+    c = self.reward_cfg
+    timeout_s = self.task_timeout_s + code_check.worst_case_s(task, c.num_tests, c.test_timeout_s,
+                                                              c.compile_timeout_s)
     item = _Pending(next(self._ids), (task, response, response_tokens, group_seed), fut,
-                    time.monotonic())
+                    time.monotonic(), timeout_s)
     self._queue.put(item)
     with self._lock:
       self._counts["submitted"] += 1
@@ -235,6 +244,9 @@ class VerifierPool:
     uid = self.uid_base + slot
     res = self._cleanup(f"killing the processes of slot {slot}'s uid {uid}", kill_uid_processes,
                         uid, self.sweep_timeout_s)
+    # A worker killed mid-run never reached its own removal of the uid's kernel keys.
+    self._cleanup(f"removing the kernel keys of slot {slot}'s uid {uid}",
+                  sandbox_keys.remove_uid_keys, uid)
     if not res or not res[0]:
       return
     found, left = res
@@ -336,7 +348,7 @@ class VerifierPool:
           except Exception as e:   # unpicklable task, or the worker just died
             self._resolve(item, failed_result(f"could not send task to worker: {e}"))
             continue
-          w.tid, w.deadline = item.tid, time.monotonic() + self.task_timeout_s
+          w.tid, w.deadline = item.tid, time.monotonic() + item.timeout_s
           running[item.tid] = item
       if self._closed and not running and self._queue.empty():
         return
@@ -385,9 +397,9 @@ class VerifierPool:
         if w.tid is not None and now >= w.deadline and not w.retired:
           item = running.pop(w.tid)
           log.warning("verifier task %d timed out after %.1fs; killing worker %d", item.tid,
-                      self.task_timeout_s, w.slot)
+                      item.timeout_s, w.slot)
           w.tid = None
-          self._resolve(item, failed_result(f"verification timed out after {self.task_timeout_s}s"),
+          self._resolve(item, failed_result(f"verification timed out after {item.timeout_s:g}s"),
                         "timeouts")
           self._replace(w, kill=True)
 

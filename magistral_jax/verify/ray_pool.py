@@ -12,6 +12,7 @@ import concurrent.futures
 import threading
 import time
 
+from magistral_jax.rewards import code_check
 from magistral_jax.rewards.reward import RewardResult, compute_reward, failed_result
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.verify.uids import release_uid_offsets, slot_uids
@@ -107,7 +108,10 @@ class RayVerifierPool:
           slot = self._idle.popleft()
           args, fut, t = self._waiting.popleft()
           ref = self._actors[slot].score.remote(*args)
-          self._running[ref] = (slot, fut, time.monotonic() + self.task_timeout_s, t)
+          c = self.reward_cfg
+          budget = code_check.worst_case_s(args[0], c.num_tests, c.test_timeout_s,
+                                           c.compile_timeout_s)   # as in VerifierPool.submit
+          self._running[ref] = (slot, fut, time.monotonic() + self.task_timeout_s + budget, t)
         if self._closed and not self._running and not self._waiting:
           return
         refs = list(self._running)

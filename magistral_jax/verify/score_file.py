@@ -1,8 +1,15 @@
 """Scoring a JSONL file of completions through the verifier pool, line by line, losing none
 (launch/score.py is its command line; the line schema and the error contract are there).
+
+What we write is strict JSON (RFC 8259): Python's json reads `NaN`, `Infinity` and `-Infinity`
+in an input line and would echo them back, but they are not JSON and strict readers (jq, most
+other languages) reject the whole line. So every non-finite float we write, in a record or in the
+stats, is written as the string "NaN", "Infinity" or "-Infinity" (`finite_json`): the value stays
+readable and no reader fails on it.
 """
 import collections
 import json
+import math
 import os
 import sys
 import zlib
@@ -43,16 +50,40 @@ def parse_line(raw: bytes, lineno: int):
   return rec, (task, rec["response"], tokens, seed)
 
 
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def finite_json(value):
+  """`value` with every non-finite float (in dicts, lists and tuples, at any depth) replaced by
+  the string "NaN", "Infinity" or "-Infinity", so that json.dumps(..., allow_nan=False) can
+  write it. Containers with nothing to replace are returned as they are (no copy)."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else _NON_FINITE.get(value, "NaN")
+  if isinstance(value, dict):
+    new = {k: finite_json(v) for k, v in value.items()}
+    return value if all(new[k] is v for k, v in value.items()) else new
+  if isinstance(value, (list, tuple)):
+    new = [finite_json(v) for v in value]
+    return value if all(a is b for a, b in zip(new, value)) else new
+  return value
+
+
+def strict_dumps(value) -> str:
+  """ASCII, strict JSON (no NaN or Infinity literals): see the module docstring."""
+  return json.dumps(finite_json(value), allow_nan=False)
+
+
 def output_line(lineno: int, rec, reward: float, parts: dict, error: str | None):
   """(text, error) of one input line's output: the record plus its score, as ASCII JSON.
 
   ASCII escapes keep the file valid UTF-8 whatever the strings hold (a lone surrogate from a
-  `\\ud800` escape cannot be encoded as UTF-8). A record that cannot be serialised at all (nested
-  past the encoder's depth, say) is replaced by its line number and id, with reward 0 and an
-  error, so one line never costs the others their output.
+  `\\ud800` escape cannot be encoded as UTF-8); non-finite floats are written as strings
+  (`strict_dumps`), so every line is strict JSON. A record that cannot be serialised at all
+  (nested past the encoder's depth, say) is replaced by its line number and id, with reward 0
+  and an error, so one line never costs the others their output.
   """
   try:
-    return json.dumps({**rec, "reward": reward, "parts": parts, "error": error}) + "\n", error
+    return strict_dumps({**rec, "reward": reward, "parts": parts, "error": error}) + "\n", error
   except Exception as e:
     msg = f"line {lineno}: the record could not be written back ({type(e).__name__}: {e})"
     if error:
@@ -61,7 +92,7 @@ def output_line(lineno: int, rec, reward: float, parts: dict, error: str | None)
     rid = rec.get("id") if isinstance(rec, dict) else None
     if isinstance(rid, (str, int)) and not isinstance(rid, bool):
       out["id"] = rid
-    return json.dumps(out) + "\n", msg
+    return strict_dumps(out) + "\n", msg
 
 
 def score_file(input_path: str, output_path: str, workers: int, cfg: RewardConfig,

@@ -14,6 +14,7 @@ import pytest
 
 from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.verify import pool as pool_mod
 from magistral_jax.verify.pool import VerifierPool
 from magistral_jax.verify.config import VerifierConfig
 from magistral_jax.verify.uids import claim_uid_offsets, kill_uid_processes
@@ -125,12 +126,26 @@ def test_verifier_config_errors_name_the_field(field):
     VerifierConfig(**{field: 0})
 
 
-def test_timed_out_task_resolves_to_zero_and_the_pool_recovers(pool):
+def test_timed_out_task_resolves_to_zero_and_the_pool_recovers(pool, monkeypatch):
+  # A worker that hangs past a task's deadline: here the deadline leaves out the task's own
+  # budget (as if its limits allowed nothing), so 5 x 1.2 s overruns the 3 s left.
+  monkeypatch.setattr(pool_mod.code_check, "worst_case_s", lambda *a: 0.0)
   before = pool.metrics()["timeouts"]
   r = pool.submit(STDIN, SLOW).result(timeout=60)
   assert r.reward == 0.0 and "timed out" in r.error
   assert pool.metrics()["timeouts"] == before + 1
   assert pool.submit(STDIN, GOOD).result(timeout=60).reward == 1.0
+
+
+def test_a_slow_honest_program_is_never_cut_by_the_pool(pool):
+  # The same slow program, each of its 5 tests right: its deadline follows from its own limits
+  # (5 tests x each run's backstop), not the pool's 3 s, so it passes.
+  before = pool.metrics()["timeouts"]
+  r = pool.submit(STDIN, SLOW).result(timeout=120)
+  assert r.error is None and r.reward == 1.0, r
+  assert pool.metrics()["timeouts"] == before
+  assert pool_mod.code_check.worst_case_s(STDIN, CFG.num_tests, CFG.test_timeout_s,
+                                          CFG.compile_timeout_s) >= 5 * 7.5
 
 
 def test_pool_survives_a_worker_killed_mid_task(pool):
