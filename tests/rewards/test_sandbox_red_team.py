@@ -51,14 +51,8 @@ def _humaneval_tasks(task_id):
 
 
 @pytest.fixture(params=["default", "userns"])
-def sbx(request, monkeypatch):
-  """Both private-filesystem modes (the user-namespace one is what a non-root host gets)."""
-  s = sandbox.Sandbox(uid=sandbox.process_uid_base() + 200)
-  assert s.isolation in sandbox.PRIVATE_FS, s.isolation
-  if request.param == "userns":
-    s.isolation = sandbox.ISOLATION_USERNS
-  monkeypatch.setattr(sandbox, "_default", s)
-  return s
+def sbx(request, private_sandbox):
+  return private_sandbox(request.param, 200)
 
 
 # ----------------------------------------------------------------------------- the tests' helpers

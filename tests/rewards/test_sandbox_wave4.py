@@ -39,14 +39,8 @@ def _stdin_task(pairs, language="python"):
 
 
 @pytest.fixture(params=["default", "userns"])
-def sbx(request, monkeypatch):
-  """Both private-filesystem modes (the user-namespace one is what a non-root host gets)."""
-  s = sandbox.Sandbox(uid=sandbox.process_uid_base() + 210)
-  assert s.isolation in sandbox.PRIVATE_FS, s.isolation
-  if request.param == "userns":
-    s.isolation = sandbox.ISOLATION_USERNS
-  monkeypatch.setattr(sandbox, "_default", s)
-  return s
+def sbx(request, private_sandbox):
+  return private_sandbox(request.param, 210)
 
 
 # ----------------------------------------------------------------------------- the filter itself
