@@ -356,7 +356,9 @@ _RAY_CHECK = r"""
 import os
 import ray
 from tests.verify.test_pool import CFG, GOOD, MATH, STDIN, _code, _math
-from magistral_jax.verify import RayVerifierPool, VerifierConfig, VerifierPool
+from magistral_jax.verify.config import VerifierConfig
+from magistral_jax.verify.pool import VerifierPool
+from magistral_jax.verify.ray_pool import RayVerifierPool
 ray.init(num_cpus=2, include_dashboard=False)
 try:
   # The run config's verifier.backend="ray" builds this backend.
