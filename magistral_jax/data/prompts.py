@@ -13,7 +13,7 @@ question text): the stream skips every problem that matches a held-out one, the 
 keeps a bucket of its problem space for evaluation only (synthetic.py), and
 `check_heldout_unseen` raises, naming them, when a held-out set shares problems with what
 data.source trains on, before any work (launch/train.py, launch/eval.py). What the run did train
-on is recorded besides (splits.TrainedOn), and every evaluation counts against it.
+on is recorded besides (trained_on.TrainedOn), and every evaluation counts against it.
 """
 from __future__ import annotations
 
@@ -120,6 +120,11 @@ def check_heldout_unseen(config, problems: Iterable[Mapping], workdir: str | Non
                  trained_name=f"the RL stream (data.source={config.data.source!r})")
 
 
+def heldout_keyset(heldout) -> KeySet:
+  """The KeySet of held-out problem dicts (or bare ids, matched as they are)."""
+  return KeySet(problem_key(h) if isinstance(h, Mapping) else (str(h), "") for h in heldout)
+
+
 class SyntheticPrompts:
   """The synthetic-arithmetic prompt stream with a resumable position: the task's "train" split,
   which never draws a problem of the evaluation bucket (synthetic.py), less any problem matching
@@ -127,8 +132,7 @@ class SyntheticPrompts:
   stream replays the same draws and skips, so it continues where the run stopped."""
 
   def __init__(self, seed: int, data_cfg, consumed: int = 0, heldout=()):
-    self.heldout = heldout if isinstance(heldout, KeySet) else KeySet(
-        problem_key(h) for h in heldout)
+    self.heldout = heldout_keyset(heldout)
     self._it = (p for p in synthetic.problems(seed, "train", **synthetic.options(data_cfg))
                 if problem_key(p) not in self.heldout)
     self.consumed = 0
@@ -156,8 +160,7 @@ class TrainProblems:
     self.loader = problem_loader(config, None, workdir)
     if state:
       self.loader.restore(state)
-    self.heldout = KeySet(problem_key(h) if isinstance(h, Mapping) else (str(h), "")
-                          for h in heldout)
+    self.heldout = heldout_keyset(heldout)
     fp = self.loader._fingerprint
     # An epoch is a permutation, so a run of skipped problems is at most two epochs' worth.
     self._max_skips = 2 * sum(fp["datasets"].values()) * len(fp["code_languages"]) + 1
@@ -201,8 +204,7 @@ def train_prompts(config, heldout, state: dict | None, workdir: str | None = Non
   `trained` (a trained_on.TrainedOn) every problem drawn is recorded in it."""
   state = state or {}
   if config.data.source == "synthetic":
-    stream = SyntheticPrompts(config.seed, config.data, state.get("consumed", 0),
-                              [h for h in heldout if isinstance(h, Mapping)])
+    stream = SyntheticPrompts(config.seed, config.data, state.get("consumed", 0), heldout)
   else:
     stream = TrainProblems(config, heldout, state if "iterator" in state else None, workdir)
   return stream if trained is None else RecordedPrompts(stream, trained)
