@@ -100,8 +100,9 @@ def _host_busy_s(cpus: frozenset) -> float | None:
   return total / _TICK
 
 
-def sample_tree(pid: int, cpus: frozenset) -> Sample:
-  """The tree's CPU, each live thread's schedstat and state, and the host's busy time."""
+def sample_tree(pid: int, cpus: frozenset, group=None) -> Sample:
+  """The tree's CPU (its cgroup's, with a run_cgroup.RunGroup `group`: every process it ever had,
+  reaped or not), each live thread's schedstat and state, and the host's busy time."""
   threads: dict | None = {}
   runnable = False
   for p in descendants(pid):
@@ -125,26 +126,31 @@ def sample_tree(pid: int, cpus: frozenset) -> Sample:
         threads = None             # no schedstat in this kernel (or the thread just went)
       except (OSError, ValueError):
         pass
-  return Sample(time.monotonic(), tree_cpu_s(pid), threads, runnable, _host_busy_s(cpus))
+  cpu = group.cpu_s() if group is not None else None
+  return Sample(time.monotonic(), tree_cpu_s(pid) if cpu is None else cpu, threads, runnable,
+                _host_busy_s(cpus))
 
 
 class CpuWatch:
   """The CPU limit over a run's whole process tree: RLIMIT_CPU counts each process on its own,
-  so 32 forked busy loops would take 32 times the limit before the backstop stopped them.
-  Checked every EVERY_S while we wait on the run (a walk of its /proc entries); the last few
-  samples are kept for the judgement of a run still going at its backstop (run_judge.py)."""
+  so 32 forked busy loops would take 32 times the limit before the backstop stopped them. The
+  measure is the run's cgroup (`group`, rewards/run_cgroup.py) where it has one; without, the
+  tree's live processes and what they reaped (the filter then keeps every child's CPU on that
+  path: sandbox.py). Checked every EVERY_S while we wait on the run (a walk of its /proc
+  entries); the last few samples are kept for the judgement of a run still going at its
+  backstop (run_judge.py)."""
   EVERY_S = 0.5
   KEEP = 8
 
-  def __init__(self, pid: int, limit_s: float):
-    self.pid, self.limit_s = pid, limit_s
+  def __init__(self, pid: int, limit_s: float, group=None):
+    self.pid, self.limit_s, self.group = pid, limit_s, group
     self.next = time.monotonic() + self.EVERY_S
     self.used, self.spent = 0.0, False
     self.cpus = frozenset(os.sched_getaffinity(0))   # ours: the run's can only be narrower
     self.samples: collections.deque = collections.deque(maxlen=self.KEEP)
 
   def sample(self) -> Sample:
-    s = sample_tree(self.pid, self.cpus)
+    s = sample_tree(self.pid, self.cpus, self.group)
     self.samples.append(s)
     self.used = s.cpu_s
     self.spent = self.used >= self.limit_s

@@ -98,15 +98,16 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
-from magistral_jax.rewards import run_judge, run_tree, sandbox_keys
+from magistral_jax.rewards import run_cgroup, run_judge, run_tree, sandbox_keys
 from magistral_jax.rewards.run_tree import CpuWatch, remove_tree, sealed_memfd
-from magistral_jax.rewards.sandbox_limits import Limits, make_preexec, prlimit_args
-from magistral_jax.rewards.sandbox_root import (SECCOMP, SETUP_SOURCE, SYS_PIVOT_ROOT,
-                                                base_ro_paths, seccomp_program)
+from magistral_jax.rewards.sandbox_command import (  # noqa: F401 (the modes are this module's face)
+    ISOLATION_FALLBACK, ISOLATION_NAMESPACES, ISOLATION_PRIVATE_FS, ISOLATION_REFUSED,
+    ISOLATION_USERNS, PRIVATE_FS, SHM_SEGMENTS, WORKDIR, Launcher, SandboxUnavailable)
+from magistral_jax.rewards.sandbox_limits import Limits
+from magistral_jax.rewards.sandbox_root import SYS_PIVOT_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -123,25 +124,6 @@ def process_uid_base(pid: int | None = None) -> int:
 
 
 DEFAULT_UID_BASE = UID_BASE
-# The seccomp filter of this machine (sandbox_root.seccomp_program), or None where SECCOMP has no
-# numbers for it.
-_SECCOMP_PROGRAM = (seccomp_program(SECCOMP[platform.machine()])
-                    if platform.machine() in SECCOMP else None)
-# Strongest first. The first two have a private filesystem; the last two are the weak modes that
-# only allow_weak permits.
-ISOLATION_PRIVATE_FS = "mountns+netns+pidns+uid+rlimits"
-ISOLATION_USERNS = "userns+mountns+netns+pidns+rlimits"
-ISOLATION_NAMESPACES = "netns+pidns+uid+rlimits"
-ISOLATION_FALLBACK = "session+rlimits"
-ISOLATION_REFUSED = "refused"
-PRIVATE_FS = (ISOLATION_PRIVATE_FS, ISOLATION_USERNS)
-WORKDIR = "/sandbox"          # where the run directory appears inside the private root
-
-
-class SandboxUnavailable(RuntimeError):
-  """No mount namespace could be made and the weak modes were not allowed."""
-
-
 @dataclasses.dataclass
 class RunResult:
   returncode: int | None
@@ -159,20 +141,16 @@ class Sandbox:
   """Runs programs for one pool slot. Stateful (uid, chosen isolation), so a class."""
 
   def __init__(self, uid: int | None = None, root_dir: str | None = None,
-               allow_weak: bool = False):
+               allow_weak: bool = False, cgroup: str | None = None):
     self.uid = uid if uid is not None else process_uid_base() + UIDS_PER_PROCESS - 1
     self.root_dir = root_dir
     self.allow_weak = allow_weak
-    self._unshare = shutil.which("unshare")
-    # setpriv --pdeathsig: if our process dies, the run dies with it (and so its namespace).
-    self._prefix = [shutil.which("setpriv"), "--pdeathsig", "KILL", "--", shutil.which("prlimit")]
-    # The setup runs before pivot_root, so any interpreter will do: the system one starts fastest
-    # (a pyenv one takes twice as long); -I -S: nothing from the environment or site-packages.
-    self._setup_python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
-                               if os.access(p, os.X_OK)), sys.executable)
-    self._ro, self._links = base_ro_paths()
-    self._mnt = os.path.join(root_dir or tempfile.gettempdir(), "mj_sbx_mnt")
+    self._launcher = Launcher(root_dir)
+    self._mnt = self._launcher.mnt
     self.isolation = self._choose_isolation()
+    # A cgroup per run (run_cgroup.py; `cgroup`: its mode, default $MAGISTRAL_SANDBOX_CGROUP or
+    # auto), joined by the setup: the private-filesystem modes only.
+    self.cgroups = run_cgroup.RunCgroups(cgroup if self.isolation in PRIVATE_FS else "off")
     if self.isolation == ISOLATION_REFUSED:
       log.error("sandbox: no mount namespace (unshare missing or user namespaces refused): "
                 "REFUSING to run generated code. Set allow_weak_sandbox to accept a sandbox "
@@ -193,7 +171,7 @@ class Sandbox:
     d = None
     try:
       d = self.make_dir(isolation)
-      cmd, _ = self._command(["true"], d, Limits(), (), isolation, inputs=[], writable=False)
+      cmd, _ = self._launcher.command(self.uid, ["true"], d, Limits(), (), isolation, inputs=[], writable=False)
       r = subprocess.run(cmd, capture_output=True, timeout=20, cwd=d)
       if r.returncode != 0:
         log.info("sandbox: %s unavailable: %s", isolation, r.stderr.decode(errors="replace")[-300:])
@@ -243,47 +221,6 @@ class Sandbox:
       return path
     return os.path.join(WORKDIR, os.path.relpath(path, cwd))
 
-  def _command(self, argv, cwd, limits, ro_binds, isolation, python_src=None, inputs=None,
-               writable=False):
-    """(argv to Popen, preexec_fn or None) for one run under `isolation`. With `python_src`,
-    argv is [python]: that interpreter runs the source (in the private root, the same
-    interpreter process that set the root up). With a private filesystem, `inputs` (names of
-    files in `cwd`; None: every regular file there) are bound read-only into the run's tmpfs
-    working directory, or, with `writable`, `cwd` itself is the working directory (for the
-    compiler only: no candidate code may run with a host directory to write)."""
-    if python_src is not None and isolation not in PRIVATE_FS:
-      argv = [argv[0], "-I", "-S", "-c", python_src]
-    if isolation == ISOLATION_REFUSED:
-      raise SandboxUnavailable("sandbox refused: no mount namespace on this host; generated code "
-                               "is not run (RewardConfig.allow_weak_sandbox allows weaker modes)")
-    if isolation in PRIVATE_FS:
-      user = isolation == ISOLATION_USERNS
-      if inputs is None:
-        inputs = [e.name for e in os.scandir(cwd) if e.is_file(follow_symlinks=False)]
-      spec = {"mnt": self._mnt, "workdir": WORKDIR, "work_rw": cwd if writable else None,
-              "inputs": [[os.path.join(cwd, n), n] for n in inputs], "work_mb": limits.work_mb,
-              "work_inodes": limits.work_inodes, "tmp_mb": limits.tmp_mb,
-              "ro": self._ro + [[h, i] for h, i in ro_binds], "links": self._links,
-              "uid": None if user else self.uid, "then": python_src,
-              "sys_pivot_root": SYS_PIVOT_ROOT.get(platform.machine(), -1),
-              "seccomp": _SECCOMP_PROGRAM,
-              "keyctl": SECCOMP.get(platform.machine(), {}).get("keyctl")}
-      ns = ["--user", "--map-root-user"] if user else []
-      setup_python = argv[0] if python_src is not None else self._setup_python
-      # --ipc: SysV objects and POSIX message queues of their own, gone with the run, so no run
-      # reads what another left (and none is left on the host).
-      return [*self._prefix, *prlimit_args(limits), "--", self._unshare, *ns, "--mount", "--net",
-              "--ipc", "--pid", "--fork", "--kill-child", "--", setup_python, "-I", "-S", "-c",
-              SETUP_SOURCE, repr(spec), *([] if python_src is not None else argv)], None
-    if isolation == ISOLATION_NAMESPACES:
-      # setpriv/prlimit instead of a Python preexec_fn: without one, subprocess can vfork, which
-      # spares every run the copy of the page tables that a plain fork makes in a worker that
-      # holds SymPy.
-      return [*self._prefix, *prlimit_args(limits), "--", self._unshare, "--net", "--ipc",
-              "--pid", "--fork", "--kill-child", f"--setuid={self.uid}", f"--setgid={self.uid}", "--",
-              *argv], None
-    return list(argv), make_preexec(limits, limits.cpu_s)
-
   def _env(self, cwd, env):
     if env is not None:
       return env
@@ -304,12 +241,21 @@ class Sandbox:
             ro_binds: tuple[tuple[str, str], ...] | list = (), env: dict | None = None,
             python_src: str | None = None, inputs: list[str] | None = None) -> subprocess.Popen:
     """Starts `argv` in `cwd` with pipes on stdin, stdout and stderr (for a conversation; see
-    `Channel`, which kills it when closed). `python_src`, `inputs`: as in `run`. Our end of
-    stdin is non-blocking: a program that stops reading cannot block a write (Channel)."""
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src, inputs)
-    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=self._env(cwd, env),
-                            start_new_session=True, close_fds=True, preexec_fn=preexec)
+    `Channel`, which kills it and removes its cgroup, `proc.run_group`, when closed).
+    `python_src`, `inputs`: as in `run`. Our end of stdin is non-blocking: a program that stops
+    reading cannot block a write (Channel)."""
+    group = self.cgroups.create(limits.memory_mb, limits.nproc)
+    try:
+      cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds, self.isolation, python_src,
+                                   inputs, group=group)
+      proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=self._env(cwd, env),
+                              start_new_session=True, close_fds=True, preexec_fn=preexec)
+    except BaseException:
+      if group is not None:
+        group.remove()
+      raise
+    proc.run_group = group
     os.set_blocking(proc.stdin.fileno(), False)
     return proc
 
@@ -323,8 +269,9 @@ class Sandbox:
     sees, read-only (None: all). `writable`: the working directory is `cwd` itself, writable
     (the compiler's run). `wall_s`: the backstop (default `limits.backstop_s`)."""
     wall_s = limits.backstop_s if wall_s is None else wall_s
-    cmd, preexec = self._command(argv, cwd, limits, ro_binds, self.isolation, python_src, inputs,
-                                 writable)
+    group = self.cgroups.create(limits.memory_mb, limits.nproc)
+    cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds, self.isolation, python_src, inputs,
+                                 writable, group)
     env = self._env(cwd, env)
     # The input lives in a sealed memfd: no path in a directory the program controls is ever
     # opened by us (a symlink or FIFO planted there cannot redirect or block us), and no pipe
@@ -341,7 +288,7 @@ class Sandbox:
       finally:
         if stdin_fd is not None:
           os.close(stdin_fd)
-      watch = CpuWatch(proc.pid, limits.cpu_s)
+      watch = CpuWatch(proc.pid, limits.cpu_s, group)
       out, err, timed_out, truncated = run_tree.read_output(
           proc, start + wall_s, limits.max_output_bytes, watch)
       cpu = fault = None
@@ -358,6 +305,8 @@ class Sandbox:
         run_tree.kill_run(proc)
         rc = proc.wait()
     finally:
+      if group is not None:
+        group.remove()
       self._restore(cwd, writable)
       self.remove_keys()
     return RunResult(rc, out, err, timed_out, truncated, time.monotonic() - start, cpu, fault)
@@ -371,11 +320,12 @@ class Sandbox:
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:
-  """Removes the run dirs of a DEAD process `pid` (a verifier worker killed mid-run never reaches
-  its own cleanup). Returns how many there were."""
+  """Removes the run dirs and run cgroups of a DEAD process `pid` (a verifier worker killed
+  mid-run never reaches its own cleanup). Returns how many run dirs there were."""
   dirs = glob.glob(os.path.join(root_dir or tempfile.gettempdir(), f"mj_sbx_{pid}_*"))
   for d in dirs:
     remove_tree(d)
+  run_cgroup.sweep(owner=pid)
   return len(dirs)
 
 

@@ -30,7 +30,8 @@ class Channel:
   def __init__(self, proc: subprocess.Popen, start: float, limits: Limits, err_cap: int = 4096):
     self.proc, self.start, self.limits, self.err_cap = proc, start, limits, err_cap
     self.deadline = start + limits.backstop_s
-    self.watch = CpuWatch(proc.pid, limits.cpu_s)
+    self.group = getattr(proc, "run_group", None)     # its cgroup (Sandbox.start), or None
+    self.watch = CpuWatch(proc.pid, limits.cpu_s, self.group)
     self.cap = limits.max_output_bytes
     self.err = bytearray()
     self._buf = bytearray()
@@ -117,3 +118,6 @@ class Channel:
       self.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
       pass
+    if self.group is not None:
+      self.group.remove()
+      self.group = None

@@ -14,6 +14,18 @@ import ctypes, os, sys
 # The spec is a literal we wrote (repr); eval without builtins, not json (whose imports cost).
 spec = eval(sys.argv[1], {"__builtins__": {}}); argv = sys.argv[2:]
 libc = ctypes.CDLL(None, use_errno=True)
+# The run's own cgroup (rewards/run_cgroup.py), joined first, so everything the program does is
+# counted there; then a cgroup namespace of its own, so it sees that cgroup as its root.
+for p in spec.get("cgroup_procs", ()):
+  with open(p, "w") as f:
+    f.write("0")
+if spec.get("cgroup_procs") and libc.unshare(0x02000000) != 0:     # CLONE_NEWCGROUP
+  raise OSError(ctypes.get_errno(), "unshare cgroup namespace")
+# SysV shm limits of the run's private IPC namespace (these sysctls are per namespace): its
+# segments, each and all together, are bounded like its tmpfs, cgroup or not.
+for name, value in spec.get("shm", ()):
+  with open("/proc/sys/kernel/" + name, "w") as f:
+    f.write(str(value))
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
 def mount(src, dst, fstype, flags, data=None):
   if libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(),
@@ -149,12 +161,12 @@ SECCOMP = {
                "socket": 41, "personality": 135, "keyctl": 250, "add_key": 248,
                "request_key": 249, "io_uring_setup": 425, "io_uring_enter": 426,
                "io_uring_register": 427, "userfaultfd": 323, "ptrace": 101,
-               "perf_event_open": 298, "bpf": 321},
+               "perf_event_open": 298, "bpf": 321, "rt_sigaction": 13, "memfd_create": 319},
     "aarch64": {"arch": 0xC00000B7, "clone": 220, "unshare": 97, "setns": 268, "clone3": 435,
                 "socket": 198, "personality": 92, "keyctl": 219, "add_key": 217,
                 "request_key": 218, "io_uring_setup": 425, "io_uring_enter": 426,
                 "io_uring_register": 427, "userfaultfd": 282, "ptrace": 117,
-                "perf_event_open": 241, "bpf": 280},
+                "perf_event_open": 241, "bpf": 280, "rt_sigaction": 134, "memfd_create": 279},
 }
 # Refused outright (EPERM), and why:
 #   - unshare, setns: no namespace can be made or joined from inside (a nested user namespace's
@@ -180,10 +192,12 @@ PERSONALITY_QUERY = 0xFFFFFFFF
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 SECCOMP_ALLOW, SECCOMP_KILL = 0x7FFF0000, 0x80000000
 SECCOMP_EPERM, SECCOMP_ENOSYS = 0x50000 | 1, 0x50000 | 38
-_NR, _ARCH, _ARG0 = 0, 4, 16  # arg0's low 32 bits (little-endian machines only, as in SECCOMP)
+_NR, _ARCH, _ARG0, _ARG1 = 0, 4, 16, 24  # an arg's low 32 bits (little-endian, as in SECCOMP)
+SIGCHLD = 17
 
 
-def seccomp_program(numbers: dict) -> list[tuple[int, int, int, int]]:
+def seccomp_program(numbers: dict, cpu_counted: bool = True, memory_counted: bool = True
+                    ) -> list[tuple[int, int, int, int]]:
   """The filter for one machine's `numbers` (a SECCOMP entry), as (code, jt, jf, k)
   instructions. As Docker's default profile does:
     - another ABI than the machine's own (i386 on x86_64) is killed; x32 numbers are refused;
@@ -194,9 +208,19 @@ def seccomp_program(numbers: dict) -> list[tuple[int, int, int, int]]:
       namespace confines it;
     - personality is a query only (0xffffffff, or setting the default PER_LINUX, 0): changing the
       execution domain would switch off ASLR or change syscall semantics under the filter.
+  Where the run's cgroup (rewards/run_cgroup.py) does not count its CPU (`cpu_counted` False:
+  no cgroup) or bound its memory (`memory_counted` False: no cgroup, or no memory controller),
+  one more each, so that the per-process accounting still sees the whole tree:
+    - rt_sigaction(SIGCHLD, <any new action>): without a handler or disposition change no
+      process can have the kernel reap its children (SIG_IGN, SA_NOCLDWAIT), so every child's CPU
+      stays on a zombie or reaches its reaper's cutime (or, orphaned, PID 1's), where the CPU
+      watch counts it; querying the action is allowed;
+    - memfd_create: its pages belong to no process and, unmapped, no limit of a process sees
+      them (SysV shm is bounded by the IPC namespace's shm limits, /tmp and /dev/shm by their
+      tmpfs sizes).
   Everything else is allowed. A refusal is an errno, not a kill: the program sees a failed call
   and goes on, and its output is judged as any other."""
-  deny = [numbers[name] for name in SECCOMP_DENIED]
+  deny = [numbers[n] for n in SECCOMP_DENIED + (() if memory_counted else ("memfd_create",))]
   # Each argument check is a tail of its own that ends in a return; `tails` are laid out after
   # the main chain, which ends with ALLOW.
   tails = {
@@ -207,6 +231,11 @@ def seccomp_program(numbers: dict) -> list[tuple[int, int, int, int]]:
       "personality": [(_LD, 0, 0, _ARG0), (_JEQ, 2, 0, PERSONALITY_QUERY), (_JEQ, 1, 0, 0),
                       (_RET, 0, 0, SECCOMP_EPERM), (_RET, 0, 0, SECCOMP_ALLOW)],
   }
+  if not cpu_counted:     # SIGCHLD with a non-NULL new action (both halves of the pointer) refused
+    tails["rt_sigaction"] = [
+        (_LD, 0, 0, _ARG0), (_JEQ, 0, 5, SIGCHLD), (_LD, 0, 0, _ARG1), (_JEQ, 0, 2, 0),
+        (_LD, 0, 0, _ARG1 + 4), (_JEQ, 1, 0, 0), (_RET, 0, 0, SECCOMP_EPERM),
+        (_RET, 0, 0, SECCOMP_ALLOW)]
   head = [(_LD, 0, 0, _ARCH), (_JEQ, 1, 0, numbers["arch"]), (_RET, 0, 0, SECCOMP_KILL),
           (_LD, 0, 0, _NR), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, SECCOMP_EPERM),
           (_JEQ, 0, 1, numbers["clone3"]), (_RET, 0, 0, SECCOMP_ENOSYS)]

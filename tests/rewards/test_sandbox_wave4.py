@@ -15,8 +15,8 @@ import pytest
 from magistral_jax.rewards import sandbox
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
-from magistral_jax.rewards import (code_asserts, code_guard, run_judge, run_tree, sandbox_keys,
-                                   sandbox_root)
+from magistral_jax.rewards import (code_asserts, code_guard, run_judge, run_tree,
+                                   sandbox_command, sandbox_keys, sandbox_root)
 from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
 
@@ -45,10 +45,10 @@ def sbx(request, private_sandbox):
 
 # ----------------------------------------------------------------------------- the filter itself
 
-def _run_filter(program, arch, nr, arg0=0):
+def _run_filter(program, arch, nr, arg0=0, arg1=0):
   """What the kernel would do with one syscall: a small cBPF interpreter over the instructions
   seccomp_program builds (only the opcodes it uses)."""
-  data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF}
+  data = {0: nr, 4: arch, 16: arg0 & 0xFFFFFFFF, 24: arg1 & 0xFFFFFFFF, 28: arg1 >> 32}
   acc, pc = 0, 0
   while True:
     code, jt, jf, k = program[pc]
@@ -225,7 +225,7 @@ def test_without_the_filter_a_run_that_makes_keys_leaves_none(monkeypatch):
   s = sandbox.Sandbox(uid=sandbox.process_uid_base() + 213)
   assert s.isolation == sandbox.ISOLATION_PRIVATE_FS
   monkeypatch.setattr(sandbox, "_default", s)
-  monkeypatch.setattr(sandbox, "_SECCOMP_PROGRAM", None)
+  monkeypatch.setattr(sandbox_command, "_SECCOMP_PROGRAM", None)
   src = ("import sys\nsys.argv = ['', '%d']\n" % NUMBERS["keyctl"]
          + _MAKE_KEYS.replace("{add_key}", str(NUMBERS["add_key"])))
   r = _score(_stdin_task([("1\n", "True\n")]), src)
