@@ -99,6 +99,11 @@ _main()
 '''
 
 
+# The longest answer line a call may send (its value and the arguments it changed, encoded): the
+# size is bounded before anything is decoded, so decoding costs our process memory and CPU in
+# proportion to this, not to the program's output cap. A longer answer fails the call.
+MAX_ANSWER_BYTES = 1 << 20
+
 _TEST_MODULES = frozenset({
     "math", "cmath", "re", "string", "collections", "itertools", "functools", "operator", "heapq",
     "bisect", "fractions", "decimal", "statistics", "copy", "datetime", "random"})
@@ -254,7 +259,7 @@ def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limi
   start = time.monotonic()
   proc = sandbox.start([exe], workdir, limits, ro_binds=binds, python_src=_DRIVER,
                        inputs=["solution.py"])
-  channel = Channel(proc, start, limits)
+  channel = Channel(proc, start, limits, line_cap=MAX_ANSWER_BYTES)
   try:
     try:
       cand = _Candidate(channel)

@@ -25,8 +25,8 @@ Where the kernel has no schedstat, the host's CPU pressure (/proc/pressure/cpu, 
 stands in for the run's own wait; with neither, a run is never judged a fault (a wrong verdict
 under real overload rather than a fault any program could force). A program cannot make itself
 runnable-but-waiting without load from others: whatever it runs itself counts towards its CPU
-limit, which then ends it first. What it runs where we cannot see it (children reaped by the
-kernel) is the one way left, and needs accounting of the run as a whole (a cgroup).
+limit, which then ends it first, and that limit counts the run as a whole (its cgroup,
+run_cgroup.py; without one, the filter keeps every child's CPU where the watch reads it).
 """
 from __future__ import annotations
 

@@ -168,9 +168,10 @@ class CpuWatch:
 def read_output(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,
                 err_cap: int = 4096):
   """Reads stdout (up to `cap`) and the first `err_cap` bytes of stderr until both close,
-  the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout
-  overflows. Never blocks past the deadline."""
-  out, err, size = [], bytearray(), 0
+  the deadline passes, `watch` finds the CPU limit spent (both: timed_out) or stdout or stderr
+  passes `cap` (truncated: the run is then killed, so a flood, vmsplice'd pages included,
+  costs us at most `cap` bytes of reading per stream). Never blocks past the deadline."""
+  out, err, size, err_size = [], bytearray(), 0, 0
   fds = {proc.stdout.fileno(): "out", proc.stderr.fileno(): "err"}
   timed_out = truncated = False
   with selectors.DefaultSelector() as sel:
@@ -189,9 +190,11 @@ def read_output(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None
         elif fds[key.fd] == "out":
           out.append(data)
           size += len(data)
-        elif len(err) < err_cap:
-          err += data[:err_cap - len(err)]
-      if size > cap:
+        else:
+          err_size += len(data)
+          if len(err) < err_cap:
+            err += data[:err_cap - len(err)]
+      if size > cap or err_size > cap:
         truncated = True
         break
   proc.stdout.close()

@@ -10,11 +10,14 @@ started in a new session, so:
     bind mounts of only what programs need (/usr and the /bin, /lib* links or dirs, the dynamic
     loader's /etc files, a non-/usr interpreter's prefix, the precompiled header); the working
     directory /sandbox, a size- and inode-limited tmpfs of the run's own, holding our input files
-    (the source, the binary) as read-only binds; private size-limited tmpfs /tmp and /dev/shm; a
+    (the source, the binary) as copies of ours (not bind mounts: its mountinfo names no host path
+    of ours); private size-limited tmpfs /tmp and /dev/shm; a
     /proc of the run's own PID namespace; a handful of device nodes. The old root is detached
     after pivot_root, so no project, home, dataset or host /tmp path resolves;
   - the new network namespace has only a down loopback: sockets cannot reach anything;
-  - the new IPC namespace has SysV objects and POSIX message queues of its own;
+  - the new IPC namespace has SysV objects and POSIX message queues of its own, and shm limits
+    (size of each segment and all together within tmp_mb, SHM_SEGMENTS segments);
+  - the run joins a cgroup of its own first (run_cgroup.py), then a cgroup namespace;
   - the program is PID 1 of a new PID namespace; when it exits or we kill `unshare`, the kernel
     kills every process in the namespace, `setsid()` grandchildren included, and the namespace's
     tmpfs mounts and IPC objects go with it;
@@ -36,7 +39,7 @@ construction rather than by a check on the instance:
     objects, and they all die with the run, so none is left on the host.
   - Root writes through a symlink in the run directory: we never open, create or write a path
     in a directory the program can write. Inputs go in as a sealed memfd on stdin; the source
-    and binary are bound read-only into the run's tmpfs; the only host directory a sandboxed
+    and binary are copied into the run's tmpfs by its setup; the only host directory a sandboxed
     process may write is the compiler's, and no candidate code runs there. A link or FIFO the
     program plants is in its own tmpfs, which nothing of ours ever opens.
   - Hangs in our own process: the memfd means no open() and no pipe write of ours for stdin
@@ -75,6 +78,11 @@ The fourth wave (issue #64), class by class:
     by what it was doing when the backstop fired, not by its average (run_judge.py).
   - Verdicts learned from which test or call comes next: every one runs, in a secret order, and
     the verdict is formed at the end (code_guard.py), so there is nothing to carry between runs.
+  - CPU and memory limits dodged by a tree (children the kernel reaps, setsid children, shm,
+    memfd, tmpfs pages, a tree of processes each under its own rlimit): each run has a cgroup of
+    its own (run_cgroup.py), which counts and bounds everything its processes ever did and
+    gives it one run's CPU weight; without one, the filter keeps every child's CPU on a counter
+    we read and refuses memfd. SysV shm is bounded per run by its IPC namespace's limits.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
@@ -171,7 +179,8 @@ class Sandbox:
     d = None
     try:
       d = self.make_dir(isolation)
-      cmd, _ = self._launcher.command(self.uid, ["true"], d, Limits(), (), isolation, inputs=[], writable=False)
+      cmd, _ = self._launcher.command(self.uid, ["true"], d, Limits(), (), isolation, inputs=[],
+                                      writable=False)
       r = subprocess.run(cmd, capture_output=True, timeout=20, cwd=d)
       if r.returncode != 0:
         log.info("sandbox: %s unavailable: %s", isolation, r.stderr.decode(errors="replace")[-300:])
@@ -201,8 +210,7 @@ class Sandbox:
 
   def make_dir(self, isolation: str | None = None) -> str:
     """A fresh host dir for one task's files (the source, the binary). With a private
-    filesystem the program never sees it: its files are bound read-only into the run's own
-    tmpfs, and only the compiler writes here (see `run(writable=True)`). In the weak uid mode it
+    filesystem the program never sees it: its files are copied into the run's own tmpfs, and only the compiler writes here (see `run(writable=True)`). In the weak uid mode it
     is the program's writable working directory, owned by the slot uid."""
     # The pid in the name: whoever sees this process die can remove what it left (leftovers()).
     d = tempfile.mkdtemp(prefix=f"mj_sbx_{os.getpid()}_", dir=self.root_dir)
@@ -246,8 +254,8 @@ class Sandbox:
     reading cannot block a write (Channel)."""
     group = self.cgroups.create(limits.memory_mb, limits.nproc)
     try:
-      cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds, self.isolation, python_src,
-                                   inputs, group=group)
+      cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds,
+                                            self.isolation, python_src, inputs, group=group)
       proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=self._env(cwd, env),
                               start_new_session=True, close_fds=True, preexec_fn=preexec)
@@ -270,8 +278,8 @@ class Sandbox:
     (the compiler's run). `wall_s`: the backstop (default `limits.backstop_s`)."""
     wall_s = limits.backstop_s if wall_s is None else wall_s
     group = self.cgroups.create(limits.memory_mb, limits.nproc)
-    cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds, self.isolation, python_src, inputs,
-                                 writable, group)
+    cmd, preexec = self._launcher.command(self.uid, argv, cwd, limits, ro_binds, self.isolation,
+                                          python_src, inputs, writable, group)
     env = self._env(cwd, env)
     # The input lives in a sealed memfd: no path in a directory the program controls is ever
     # opened by us (a symlink or FIFO planted there cannot redirect or block us), and no pipe

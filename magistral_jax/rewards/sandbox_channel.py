@@ -27,15 +27,17 @@ class Channel:
       super().__init__(why)
       self.fault = fault
 
-  def __init__(self, proc: subprocess.Popen, start: float, limits: Limits, err_cap: int = 4096):
+  def __init__(self, proc: subprocess.Popen, start: float, limits: Limits, err_cap: int = 4096,
+               line_cap: int | None = None):
     self.proc, self.start, self.limits, self.err_cap = proc, start, limits, err_cap
+    self.line_cap = line_cap        # the longest answer line read (None: the output cap)
     self.deadline = start + limits.backstop_s
     self.group = getattr(proc, "run_group", None)     # its cgroup (Sandbox.start), or None
     self.watch = CpuWatch(proc.pid, limits.cpu_s, self.group)
     self.cap = limits.max_output_bytes
     self.err = bytearray()
     self._buf = bytearray()
-    self._read_total = 0
+    self._read_total = self._err_total = 0
     self._in = proc.stdin.fileno()
     self._sel = selectors.DefaultSelector()
     self._sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
@@ -69,6 +71,8 @@ class Channel:
 
   def read_line(self) -> bytes:
     while b"\n" not in self._buf:
+      if self.line_cap is not None and len(self._buf) > self.line_cap:
+        self._fail(f"an answer line over {self.line_cap} bytes")
       for key, _ in self._select():
         self._drain(key)
     line, _, rest = bytes(self._buf).partition(b"\n")
@@ -96,8 +100,14 @@ class Channel:
       self._read_total += len(data)
       if self._read_total > self.cap:
         self._fail("output limit")
-    elif len(self.err) < self.err_cap:
-      self.err += data[:self.err_cap - len(self.err)]
+    else:
+      # stderr is drained whole, but no more than the output cap of it: a flood past it (by
+      # vmsplice, say, which costs the program nothing per page) ends the run, not our CPU.
+      self._err_total += len(data)
+      if self._err_total > self.cap:
+        self._fail("output limit (stderr)")
+      if len(self.err) < self.err_cap:
+        self.err += data[:self.err_cap - len(self.err)]
 
   def _fail(self, why: str, fault: str | None = None):
     self.close()

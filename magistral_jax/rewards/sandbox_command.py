@@ -55,11 +55,11 @@ class Launcher:
 
   def command(self, uid, argv, cwd, limits, ro_binds, isolation, python_src=None, inputs=None,
               writable=False, group=None):
-    """(argv to Popen, preexec_fn or None) for one run under `isolation`, as slot `uid`. With `python_src`,
-    argv is [python]: that interpreter runs the source (in the private root, the same
-    interpreter process that set the root up). With a private filesystem, `inputs` (names of
-    files in `cwd`; None: every regular file there) are bound read-only into the run's tmpfs
-    working directory, or, with `writable`, `cwd` itself is the working directory (for the
+    """(argv to Popen, preexec_fn or None) for one run under `isolation`, as slot `uid`. With
+    `python_src`, argv is [python]: that interpreter runs the source (in the private root, the
+    same interpreter process that set the root up). With a private filesystem, `inputs` (names
+    of files in `cwd`; None: every regular file there) are copied into the run's tmpfs working
+    directory, or, with `writable`, `cwd` itself is the working directory (for the
     compiler only: no candidate code may run with a host directory to write). `group`: the
     run's cgroup (run_cgroup.RunGroup), joined by the setup before anything else."""
     if python_src is not None and isolation not in PRIVATE_FS:

@@ -62,12 +62,19 @@ if spec["work_rw"] is not None:
 else:
   # Every other run: a fresh size- and inode-limited tmpfs, gone with the namespace, so nothing
   # the program writes reaches the host, and the host never touches a path the program made.
-  # Our input files (the source, the binary) are bound read-only into it.
+  # Our input files (the source, the binary) are copied into it, read-only and ours: copies, not
+  # bind mounts, so the run's /proc/self/mountinfo names no host path of ours.
   owner = ",uid=%d,gid=%d" % (spec["uid"], spec["uid"]) if spec["uid"] is not None else ""
   mount("tmpfs", W, "tmpfs", NOSUID | NODEV,
         "size=%dm,nr_inodes=%d,mode=0755%s" % (spec["work_mb"], spec["work_inodes"], owner))
   for src, name in spec["inputs"]:
-    ro_bind(src, W + "/" + name)
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    out = os.open(W + "/" + name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                  os.fstat(fd).st_mode & 0o555)
+    while os.sendfile(out, fd, None, 1 << 24):
+      pass
+    os.close(fd)
+    os.close(out)
 size = "size=%dm,mode=1777" % spec["tmp_mb"]
 os.makedirs(R + "/tmp")
 mount("tmpfs", R + "/tmp", "tmpfs", NOSUID | NODEV, size)
