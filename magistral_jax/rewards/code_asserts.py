@@ -35,6 +35,7 @@ the tests under the same name.
 from __future__ import annotations
 
 import builtins
+import collections
 import importlib
 import json
 import os
@@ -42,7 +43,7 @@ import secrets
 import time
 
 from magistral_jax.rewards import code_guard
-from magistral_jax.rewards.code_codec import WRITER, decode_parsed, decode_value, encode_value
+from magistral_jax.rewards.code_codec import WRITER, decode_parsed, literal
 from magistral_jax.rewards.code_result import CodeResult, VerifierFault, write_source
 from magistral_jax.rewards.sandbox_channel import Channel
 from magistral_jax.rewards.sandbox_root import interpreter_binds
@@ -53,16 +54,49 @@ from magistral_jax.rewards.sandbox_root import interpreter_binds
 # values CODEC accepted; an answer is one JSON line. Nothing here is secret: the candidate may
 # read, patch or replace all of it.
 _DRIVER = WRITER + r'''
-import os
-_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set,
-             "frozenset": frozenset}
+import os, sys, collections as _co
+_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set, "frozenset": frozenset,
+             "float": float, "complex": complex, "Counter": _co.Counter, "deque": _co.deque,
+             "OrderedDict": _co.OrderedDict, "defaultdict": _co.defaultdict,
+             "None": None, "int": int, "str": str, "bytes": bytes, "list": list, "dict": dict,
+             "tuple": tuple, "bool": bool}
+_handles = []
+_LITERALS["_H"] = _handles.__getitem__
+_MUTABLE = (list, dict, set, _co.Counter, _co.OrderedDict, _co.defaultdict, _co.deque)
+def _paths(x, path, out, depth=0):
+  # id -> JSON path of every mutable container in the arguments (before the call).
+  t = type(x)
+  if depth > 180 or not (t in _MUTABLE or t is tuple):
+    return
+  if t in _MUTABLE:
+    out[id(x)] = (x, path)
+  if t is list or t is tuple or t is _co.deque:
+    for i, v in enumerate(x):
+      _paths(v, path + "," + str(i), out, depth + 1)
+  elif t is not set:
+    for k, v in list(x.items()):
+      _paths(v, path + ',{"key":' + write(k) + "}", out, depth + 1)
+_known = {}
+def _handle(x):
+  kind = "fn" if callable(x) else "it" if hasattr(type(x), "__next__") else None
+  if kind is None:
+    return None
+  if id(x) not in _known:
+    _known[id(x)] = len(_handles)
+    _handles.append(x)          # kept alive, so no other object takes its id
+  return '{"%s":%d}' % (kind, _known[id(x)])
+def _state_hook(x):
+  return _handle(x) if id(x) in _known else None
 def _main():
   rfd, wfd = os.dup(0), os.dup(1)
   null = os.open("/dev/null", os.O_RDONLY)
   os.dup2(null, 0)
   os.dup2(2, 1)
   rin, wout = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
-  ns = {"__name__": "solution", "__builtins__": __builtins__}
+  # A real module, so that what pickles by reference (multiprocessing's calls) finds it.
+  mod = type(os)("solution")
+  sys.modules["solution"] = mod
+  ns = mod.__dict__
   def reply(text):
     wout.write(text.encode() + b"\n")
     wout.flush()
@@ -77,22 +111,39 @@ def _main():
         + write([[k, v.__name__] for k, v in items if type(v) is type(os) and type(v.__name__) is str])
         + "}")
   for line in rin:
-    rid, fn, args, kwargs = eval(line, _LITERALS)
-    before = write([args, kwargs])
+    rid, target, args, kwargs = eval(line, _LITERALS)
+    before = write([args, kwargs], 0, _state_hook)
+    refs = {}
+    for i, a in enumerate(args):
+      _paths(a, str(i), refs)
+    for k, a in kwargs.items():
+      _paths(a, _esc(k), refs)
     try:
-      result = ns[fn](*args, **kwargs)
+      if type(target) is str:
+        fn = ns[target]
+      elif target[0] == "next":
+        fn = _handles[target[1]].__next__
+      else:
+        fn = _handles[target[1]]
+      result = fn(*args, **kwargs)
     except BaseException as e:
-      reply('{"id":%d,"err":[%s,%s]}' % (rid, _esc(type(e).__name__), _esc(str(e)[:300])))
+      base = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"), "Exception")
+      reply('{"id":%d,"err":[%s,%s,%s]}' % (rid, _esc(type(e).__name__), _esc(str(e)[:300]),
+                                             _esc(base)))
       continue
+    def hook(x):
+      # A container of the arguments: the caller's own object, as it is now; a function or an
+      # iterator: a handle the caller calls or iterates through us.
+      hit = refs.get(id(x))
+      if hit is not None and hit[0] is x:
+        return '{"r":[[' + hit[1] + "]," + write(x) + "]}"
+      return None if type(x) in _MUTABLE or type(x) in (tuple, frozenset, bytes, complex) else _handle(x)
     try:
       # What the caller could see besides the value: the arguments as the call left them (when
-      # it changed them), and which argument the result IS, when it is one of them.
-      after = write([args, kwargs])
-      same = [i for i, a in enumerate(args) if result is a]
-      same = same[0] if same else next((k for k, a in kwargs.items() if result is a), None)
-      reply('{"id":%d,"ok":%s,"args":%s,"same":%s}' % (
-          rid, write(result), "null" if after == before else after,
-          "null" if same is None else write(same)))
+      # it changed them), and which of its objects the result is or holds.
+      after = write([args, kwargs], 0, _state_hook)
+      reply('{"id":%d,"ok":%s,"args":%s}' % (rid, write(result, 0, hook),
+                                             "null" if after == before else after))
     except BaseException as e:   # not a plain value: a failed call, not an exception to test for
       reply('{"id":%d,"bad":%s}' % (rid, _esc(str(e)[:300])))
 _main()
@@ -127,6 +178,7 @@ class _Candidate:
     self.channel = channel
     self.calls = 0
     self.failures: list[str] = []
+    self.unsupported: str | None = None   # why the tests cannot be judged here (UnsupportedTask)
     try:   # the driver speaks first, once the solution is loaded
       hello = self._parse(channel.read_line())
     except Channel.Closed as e:
@@ -157,57 +209,133 @@ class _Candidate:
       raise CandidateError("garbled answer")
     return msg
 
-  def call(self, fn: str, args: tuple, kwargs: dict):
+  def call(self, target, args: tuple, kwargs: dict):
+    """Calls the candidate's function `target` (its name, or ("call" | "next", handle) of a
+    function or iterator it returned) with the tests' `args`, `kwargs`."""
     try:
-      return self._call(fn, args, kwargs)
+      return self._call(target, args, kwargs)
     except CandidateError as e:
       self.failures.append(str(e))
       raise
 
-  def _call(self, fn: str, args: tuple, kwargs: dict):
+  def _literal_handle(self, x):
+    if isinstance(x, _Remote) and x.cand is self:
+      return f"_H({x.n})"
+    return None
+
+  def _call(self, target, args: tuple, kwargs: dict):
     self.calls += 1
     try:
-      # Checked plain (exact types), then sent as a Python literal the driver can eval without
-      # builtins; the arguments are the tests' (ours), never the candidate's.
-      sent_args, sent_kwargs = decode_value(encode_value([list(args), dict(kwargs)]))
-      req = repr((self.calls, fn, sent_args, sent_kwargs)).encode()
+      # Sent as a Python literal the driver evals without builtins, of plain values only (exact
+      # types), or handles it gave us; the arguments are the tests' (ours), never the candidate's.
+      req = literal((self.calls, target, list(args), dict(kwargs)), self._literal_handle)
     except (TypeError, ValueError) as e:
-      raise CandidateError(f"argument not passable as plain data: {e}") from None
+      # The task's tests pass what the task format does not allow (a function of their own, an
+      # object): no verdict can be one process's, so none is given.
+      self.unsupported = f"the tests pass an argument the harness cannot send: {e}"
+      raise UnsupportedTask(self.unsupported) from None
+    name = target if isinstance(target, str) else f"{target[0]} of a returned object"
     try:
-      msg = self._parse(self.channel.request(req))
+      msg = self._parse(self.channel.request(req.encode()))
     except Channel.Closed as e:
-      raise self._closed(e, f"call {fn}") from None
+      raise self._closed(e, f"call {name}") from None
     if msg.get("id") != self.calls:
       raise CandidateError("answer out of sequence")
     if "ok" in msg:
-      try:
-        value = decode_parsed(msg["ok"])
-        if msg.get("args") is not None:
-          new_args, new_kwargs = decode_parsed(msg["args"])
-          _update_in_place(list(args), new_args)
-          _update_in_place(dict(kwargs), new_kwargs)
-      except (TypeError, ValueError, KeyError, IndexError, RecursionError) as e:
-        raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
-      same = msg.get("same")
-      if type(same) is int and 0 <= same < len(args):
-        return args[same]
-      if type(same) is str and same in kwargs:
-        return kwargs[same]
-      return value
+      return self._value(msg, args, kwargs)
     if "bad" in msg:
       raise CandidateError(f"returned a value that is not plain data: {str(msg['bad'])[:200]}")
     err = msg.get("err")
-    if isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err):
-      # Never re-raised as itself: a StopIteration would silently end a map() or zip() in the
-      # test, and any exception could be caught by the test's own handlers.
-      raise CandidateError(f"raised {err[0]}: {err[1]}")
-    raise CandidateError("garbled answer")
+    if not (isinstance(err, list) and len(err) == 3 and all(isinstance(x, str) for x in err)):
+      raise CandidateError("garbled answer")
+    if err[2] == "StopIteration" and not isinstance(target, str) and target[0] == "next":
+      raise StopIteration        # an iterator it returned is exhausted, as in one process
+    cls = getattr(builtins, err[2], None)
+    if (isinstance(cls, type) and issubclass(cls, Exception)
+        and not issubclass(cls, (StopIteration, StopAsyncIteration))):
+      try:
+        exc = cls(f"{err[0]}: {err[1]}")
+      except Exception:
+        exc = None
+      if exc is not None:
+        raise exc        # as in one process: the test may expect it (`except ValueError`)
+    # Sticky, never raised as itself: a StopIteration would silently end a map() or zip() in the
+    # test, and BaseExceptions (SystemExit, KeyboardInterrupt) are no test's business.
+    raise CandidateError(f"raised {err[0]}: {err[1]}")
+
+  def _value(self, msg: dict, args: tuple, kwargs: dict):
+    """The call's value: plain data, or the caller's own objects where the result is (or holds)
+    a container of the arguments, or remote handles; the arguments updated in place."""
+    pending = []
+
+    def hook(tag, v):
+      if tag == "r":
+        obj = _at_path(args, kwargs, v[0])
+        pending.append((obj, decode_parsed(v[1])))
+        return obj
+      if type(v) is not int:
+        raise ValueError("bad handle")
+      return (_RemoteFunction if tag == "fn" else _RemoteIterator)(self, v)
+    try:
+      value = decode_parsed(msg["ok"], hook)
+      if msg.get("args") is not None:
+        new_args, new_kwargs = decode_parsed(msg["args"], hook)
+        _update_in_place(list(args), new_args)
+        _update_in_place(dict(kwargs), new_kwargs)
+      for obj, new in pending:
+        _update_in_place(obj, new)
+    except Exception as e:   # OverflowError (complex(10**400)) too: a failed call, never raised
+      raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
+    return value
 
   def proxy(self, fn: str):
     def call(*args, **kwargs):
       return self.call(fn, args, kwargs)
     call.__name__ = call.__qualname__ = fn
     return call
+
+
+class UnsupportedTask(VerifierFault):
+  """The task's tests do what one process allows and this harness cannot (see the module
+  docstring's task format): no verdict, the group is dropped, and the message says why."""
+
+
+class _Remote:
+  """Something the candidate returned that is not data: used through calls into its process."""
+
+  def __init__(self, cand: _Candidate, n: int):
+    self.cand, self.n = cand, n
+
+
+class _RemoteFunction(_Remote):
+  def __call__(self, *args, **kwargs):
+    return self.cand.call(("call", self.n), args, kwargs)
+
+
+class _RemoteIterator(_Remote):
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return self.cand.call(("next", self.n), (), {})
+
+
+def _at_path(args: tuple, kwargs: dict, path: list):
+  """The caller's object at `path` (the driver's: an argument's position or keyword, then list
+  indices and {"key": k} dict keys) in the arguments as they were before the call."""
+  obj = args[path[0]] if type(path[0]) is int else kwargs[path[0]]
+  for step in path[1:]:
+    if type(obj) not in _CONTAINERS:
+      raise ValueError("bad reference")
+    obj = obj[decode_parsed(step["key"])] if type(step) is dict else obj[step]
+  if type(obj) not in _CONTAINERS:
+    raise ValueError("bad reference")
+  return obj
+
+
+_CONTAINERS = (list, tuple, dict, set, collections.Counter, collections.OrderedDict,
+               collections.defaultdict, collections.deque)
+_DICTS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)
 
 
 def _update_in_place(mine, theirs):
@@ -220,16 +348,16 @@ def _update_in_place(mine, theirs):
       mine[:] = theirs
       return
     for i, (a, b) in enumerate(zip(mine, theirs)):
-      if type(a) is type(b) and type(a) in (list, dict, set, tuple):
+      if type(a) is type(b) and type(a) in _CONTAINERS:
         _update_in_place(a, b)
       elif not (type(a) is type(b) and a == b):
         mine[i] = b
-  elif type(mine) is dict:
+  elif type(mine) in _DICTS:
     for k in [k for k in mine if k not in theirs]:
       del mine[k]
     for k, b in theirs.items():
       a = mine.get(k)
-      if k in mine and type(a) is type(b) and type(a) in (list, dict, set, tuple):
+      if k in mine and type(a) is type(b) and type(a) in _CONTAINERS:
         _update_in_place(a, b)
       else:
         mine[k] = b
@@ -237,11 +365,15 @@ def _update_in_place(mine, theirs):
     if mine != theirs:
       mine.clear()
       mine.update(theirs)
+  elif type(mine) is collections.deque:
+    if list(mine) != list(theirs):
+      mine.clear()
+      mine.extend(theirs)
   elif type(mine) is tuple:          # immutable itself; the containers in it may have changed
     if len(mine) != len(theirs):
       raise ValueError("the call changed a tuple")
     for a, b in zip(mine, theirs):
-      if type(a) is type(b) and type(a) in (list, dict, set, tuple):
+      if type(a) is type(b) and type(a) in _CONTAINERS:
         _update_in_place(a, b)
 
 
@@ -300,6 +432,8 @@ def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limi
       raise
     except Exception as e:   # outside any guarded statement: the setup, check's own definition
       failed.append(e)
+    if cand.unsupported:       # even where the tests' own handler caught it
+      raise UnsupportedTask(cand.unsupported)
     first = failed[0] if failed else None
     if isinstance(first, CandidateError):
       return CodeResult(False, f"call failed: {first}: "

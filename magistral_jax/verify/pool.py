@@ -18,9 +18,10 @@ serving. Should the dispatcher fail anyway, every running and queued task resolv
 that names the failure, and `submit` raises from then on ("verifier pool stopped: ...").
 
 Workers are started with the "spawn" method: the parent is usually a JAX process with threads,
-where fork is unsafe. The worker's side, and starting and stopping one: verify/worker.py. Each
-slot's sandboxes run as a uid of its own, and whatever still runs as it once its worker is gone
-is killed: verify/uids.py.
+where fork is unsafe. The worker's side, and starting and stopping one: verify/worker.py. The
+slots (who holds each, successors, recycling, cleaning a slot between holders): verify/slots.py.
+Each slot's sandboxes run as a uid of its own, and whatever still runs as it once its worker is
+gone is killed: verify/uids.py.
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ import queue
 import threading
 import time
 
-from magistral_jax.rewards import code_check, sandbox, sandbox_keys
+from magistral_jax.rewards import code_check, sandbox
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import RewardResult, failed_result
 from magistral_jax.verify.config import VerifierConfig
-from magistral_jax.verify.uids import (MAX_SLOTS, MIN_SWEEP_UID, kill_uid_processes,
-                                       release_uid_offsets, slot_uids)
-from magistral_jax.verify.worker import Worker, start_worker, stop_worker
+from magistral_jax.verify.slots import Slots
+from magistral_jax.verify.uids import MAX_SLOTS, MIN_SWEEP_UID, release_uid_offsets, slot_uids
+from magistral_jax.verify.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ class VerifierPool:
     # Only root runs sandboxes under other uids (see the module docstring); never a uid that may
     # be a real account's.
     self._sweeps = os.geteuid() == 0 and self.uid_base >= MIN_SWEEP_UID
-    self._ctx = mp.get_context("spawn")
     self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
     self._ids = itertools.count()
     self._closed = False
@@ -92,15 +92,10 @@ class VerifierPool:
     self._wake_r, self._wake_w = os.pipe()
     os.set_blocking(self._wake_w, False)
     os.set_blocking(self._wake_r, False)
-    self._successors: dict[int, Worker] = {}   # slot -> worker starting up to replace it
-    self._workers: list[Worker] = []
     try:
-      for s in range(num_workers):
-        self._sweep(s)   # a previous process with our pid may have left runs of these uids
-        self._workers.append(self._start_worker(s))
+      self._slots = Slots(mp.get_context("spawn"), num_workers, self.uid_base, self.reward_cfg,
+                          max_tasks_per_worker, self._sweeps, sweep_timeout_s, self._count)
     except BaseException:   # e.g. no process could be started: give back what we took
-      for w in self._workers:
-        stop_worker(w, self._cleanup, kill=True)
       self._closed = True
       release_uid_offsets(self._uid_offsets)
       raise
@@ -172,20 +167,20 @@ class VerifierPool:
         latency_p50_s=pct(0.5), latency_p95_s=pct(0.95), latency_max_s=lat[-1] if lat else 0.0)
 
   def worker_pids(self) -> list[int]:
-    return [w.proc.pid for w in self._all_workers() if w.proc.pid is not None]
+    return [w.proc.pid for w in self._slots.all() if w.proc.pid is not None]
 
   def close(self, timeout: float = 10.0):
     """Finishes queued work (up to `timeout`), then stops every worker. Idempotent."""
     if self._closed:
       return
-    self._closed = True
+    self._closed = self._slots.closed = True
     self._wake()
     self._thread.join(timeout)
     if self._thread.is_alive():   # still busy at the timeout: abandon the running tasks
       self._abort = True
       self._wake()
       self._thread.join(5.0)
-    self._shutdown_workers()
+    self._slots.shutdown()
     # Anything left (the dispatcher was still busy at the timeout) resolves as an error.
     self._fail_queued("pool closed before the task ran")
     for fd in (self._wake_r, self._wake_w):
@@ -209,82 +204,19 @@ class VerifierPool:
 
   # ------------------------------------------------------------------ internals
 
+  @property
+  def _workers(self) -> list[Worker]:
+    return self._slots.workers
+
+  def _count(self, name: str, n: int = 1):
+    with self._lock:
+      self._counts[name] += n
+
   def _wake(self):
     try:
       os.write(self._wake_w, b"x")
     except (BlockingIOError, OSError):
       pass   # pipe full: the dispatcher is already due to wake
-
-  def _all_workers(self) -> list[Worker]:
-    """The slot holders and the successors starting up to replace them."""
-    return [*self._workers, *self._successors.values()]
-
-  def _start_worker(self, slot: int) -> Worker:
-    return start_worker(self._ctx, slot, self.uid_base + slot, self.reward_cfg)
-
-  def _cleanup(self, what: str, fn, *args):
-    """Runs one cleanup step. Its failure is logged and counted, never raised: a cleanup that
-    raises in the dispatcher (rmtree's RecursionError on a 2,500-deep tree a program left, issue
-    #50) must not stop the pool, or no future of the batch ever resolves."""
-    try:
-      return fn(*args)
-    except Exception as e:
-      with self._lock:
-        self._counts["cleanup_errors"] += 1
-      log.error("verifier pool: %s failed (%s: %s); serving on", what, type(e).__name__, e,
-                exc_info=True)
-      return None
-
-  def _sweep(self, slot: int):
-    """Kills whatever still runs as the slot's uid (see the module docstring). Called only when
-    no live worker of the slot runs sandboxes: a successor still starting up runs its sandbox
-    probes as that uid, so `_replace` stops it first."""
-    if not self._sweeps:
-      return
-    uid = self.uid_base + slot
-    res = self._cleanup(f"killing the processes of slot {slot}'s uid {uid}", kill_uid_processes,
-                        uid, self.sweep_timeout_s)
-    # A worker killed mid-run never reached its own removal of the uid's kernel keys.
-    self._cleanup(f"removing the kernel keys of slot {slot}'s uid {uid}",
-                  sandbox_keys.remove_uid_keys, uid)
-    if not res or not res[0]:
-      return
-    found, left = res
-    with self._lock:
-      self._counts["orphans_killed"] += found - left
-      self._counts["orphans_left"] += left
-    log.warning("verifier slot %d: killed %d process(es) of its sandbox uid %d that outlived their "
-                "worker%s", slot, found - left, uid, f"; {left} still alive" if left else "")
-
-  def _replace(self, w: Worker, kill: bool):
-    """Retires w; its successor (if one is ready) or a new worker takes the slot, once nothing of
-    the slot's uid is left running."""
-    stop_worker(w, self._cleanup, kill)
-    nxt = self._successors.pop(w.slot, None)
-    if nxt is not None and not nxt.ready:
-      # Still starting: its sandbox probes run as the slot uid, and the sweep below would kill
-      # them (the worker would then settle for a weaker sandbox, or none). A fresh one follows.
-      stop_worker(nxt, self._cleanup, kill=True)
-      nxt = None
-    self._sweep(w.slot)
-    if self._closed:
-      if nxt is not None:
-        stop_worker(nxt, self._cleanup, kill=True)
-      return
-    self._workers[w.slot] = nxt if nxt is not None else self._start_worker(w.slot)
-
-  def _maybe_recycle(self, w: Worker):
-    """Called when w is idle: starts its successor once w has done its share of tasks, and hands
-    the slot over once the successor is ready."""
-    if w.tasks_done < self.max_tasks_per_worker or self._closed:
-      return
-    nxt = self._successors.get(w.slot)
-    if nxt is None:
-      self._successors[w.slot] = self._start_worker(w.slot)
-    elif nxt.ready:
-      with self._lock:
-        self._counts["recycled"] += 1
-      self._replace(w, kill=False)
 
   def _resolve(self, item: _Pending, res: RewardResult, counter: str | None = None):
     with self._lock:
@@ -328,7 +260,8 @@ class VerifierPool:
     running.clear()
     self._fail_queued(msg)
     # Their tasks have resolved already: kill them rather than wait for the tasks to end.
-    self._cleanup("stopping the workers of the stopped pool", self._shutdown_workers, False)
+    self._slots.closed = True
+    self._slots.cleanup("stopping the workers of the stopped pool", self._slots.shutdown, False)
 
   def _dispatch_loop(self, running: dict):
     while True:
@@ -356,7 +289,7 @@ class VerifierPool:
       deadlines = [w.deadline for w in self._workers if w.tid is not None]
       wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
       objs = {self._wake_r: None}
-      for w in self._all_workers():
+      for w in self._slots.all():
         if not w.retired:
           objs[w.conn] = w
           objs[w.proc.sentinel] = w
@@ -370,8 +303,8 @@ class VerifierPool:
             pass
           continue
         w = objs[obj]
-        if self._successors.get(w.slot) is w:
-          self._on_successor_event(w, obj)
+        if self._slots.successors.get(w.slot) is w:
+          self._slots.on_successor_event(w, obj)
           continue
         if self._workers[w.slot] is not w or w.retired:
           continue   # already replaced during this round
@@ -389,7 +322,7 @@ class VerifierPool:
             w.tid = None
             w.tasks_done += 1
             self._resolve(item, msg[2])
-            self._maybe_recycle(w)
+            self._slots.maybe_recycle(w)
         elif not w.proc.is_alive():
           self._on_crash(w, running)
       now = time.monotonic()
@@ -401,28 +334,7 @@ class VerifierPool:
           w.tid = None
           self._resolve(item, failed_result(f"verification timed out after {item.timeout_s:g}s"),
                         "timeouts")
-          self._replace(w, kill=True)
-
-  def _on_successor_event(self, nxt: Worker, obj):
-    """A message or exit of a successor that is still starting up (it sends only "ready")."""
-    if obj is nxt.conn:
-      try:
-        msg = nxt.conn.recv()
-      except (EOFError, OSError):
-        msg = None
-      if msg is not None and msg[0] == "ready":
-        nxt.ready = True
-        cur = self._workers[nxt.slot]
-        if cur.tid is None:   # the old worker is idle: hand over now (else after its task)
-          self._maybe_recycle(cur)
-        return
-    # Its pipe closed or its sentinel fired: the successor died while starting. Drop it; the old
-    # worker's next idle moment starts another. (No sweep: the slot's worker runs sandboxes as
-    # the same uid, and a starting successor ran only its probes.)
-    log.warning("verifier successor for slot %d died while starting (exit code %s)", nxt.slot,
-                nxt.proc.exitcode)
-    del self._successors[nxt.slot]
-    stop_worker(nxt, self._cleanup, kill=True)
+          self._slots.replace(w, kill=True)
 
   def _on_crash(self, w: Worker, running: dict):
     if self._workers[w.slot] is not w or w.retired:
@@ -433,38 +345,6 @@ class VerifierPool:
       self._resolve(item, failed_result(f"verifier worker died (exit code {code})"), "crashes")
       w.tid = None
     else:
-      with self._lock:
-        self._counts["crashes"] += 1
+      self._count("crashes")
     log.warning("verifier worker %d died (exit code %s); restarting", w.slot, code)
-    self._replace(w, kill=True)
-
-  def _shutdown_workers(self, graceful: bool = True):
-    """Stops every worker: asks them to exit (kills them after 5 s, or at once unless
-    `graceful`), removes their run dirs, then kills whatever still runs as a slot uid."""
-    for w in list(self._successors.values()):
-      stop_worker(w, self._cleanup, kill=True)
-    self._successors.clear()
-    for w in self._workers:
-      if w.retired or not graceful:
-        continue
-      try:
-        w.conn.send(None)
-      except Exception:
-        pass
-    deadline = time.monotonic() + (5.0 if graceful else 0.0)
-    for w in self._workers:
-      if w.retired:
-        continue
-      w.retired = True
-      self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join,
-                    max(0.1, deadline - time.monotonic()))
-      if w.proc.is_alive():
-        self._cleanup(f"killing worker {w.proc.pid}", w.proc.kill)
-        self._cleanup(f"waiting for worker {w.proc.pid}", w.proc.join, 2.0)
-      if not w.proc.is_alive():
-        self._cleanup(f"removing the run dirs of worker {w.proc.pid}", sandbox.remove_leftovers,
-                      w.proc.pid)
-      self._cleanup(f"closing the pipe of worker {w.proc.pid}", w.conn.close)
-    # Every worker is gone: whatever still runs as a slot uid is an orphaned sandbox.
-    for s in range(self.num_workers):
-      self._sweep(s)
+    self._slots.replace(w, kill=True)

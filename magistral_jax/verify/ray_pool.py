@@ -111,7 +111,8 @@ class RayVerifierPool:
           c = self.reward_cfg
           budget = code_check.worst_case_s(args[0], c.num_tests, c.test_timeout_s,
                                            c.compile_timeout_s)   # as in VerifierPool.submit
-          self._running[ref] = (slot, fut, time.monotonic() + self.task_timeout_s + budget, t)
+          timeout_s = self.task_timeout_s + budget
+          self._running[ref] = (slot, fut, time.monotonic() + timeout_s, t, timeout_s)
         if self._closed and not self._running and not self._waiting:
           return
         refs = list(self._running)
@@ -123,7 +124,7 @@ class RayVerifierPool:
       now = time.monotonic()
       with self._lock:
         for ref in refs:
-          slot, fut, deadline, t = self._running[ref]
+          slot, fut, deadline, t, timeout_s = self._running[ref]
           if ref in ready:
             del self._running[ref]
             try:
@@ -145,8 +146,11 @@ class RayVerifierPool:
             self._actors[slot] = self._new_actor(slot)
             self._done[slot] = 0
             self._idle.append(slot)
+            # The deadline it met: task_timeout_s plus the task's own worst case, as configured.
             self._finish(fut, failed_result(
-                f"verification timed out after {self.task_timeout_s}s"), t, "timeouts")
+                f"verification timed out after {timeout_s:g}s (task_timeout_s "
+                f"{self.task_timeout_s:g}s + {timeout_s - self.task_timeout_s:g}s for its "
+                "code's own limits)"), t, "timeouts")
 
   def metrics(self):
     lat = sorted(self._latencies)

@@ -328,7 +328,7 @@ def test_a_failed_dispatcher_fails_every_task_and_stops_the_pool(monkeypatch):
     def broken(w):
       raise ValueError("boom in the dispatcher")
 
-    monkeypatch.setattr(p, "_maybe_recycle", broken)   # runs after every finished task
+    monkeypatch.setattr(p._slots, "maybe_recycle", broken)   # runs after every finished task
     running = p.submit(STDIN, slow)
     deadline = time.monotonic() + 30
     while p.metrics()["busy"] == 0 and time.monotonic() < deadline:
