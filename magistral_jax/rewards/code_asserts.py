@@ -2,11 +2,12 @@
 MBPP style (`test_list` of assert lines, optional `test_setup_code`), against a sandboxed candidate.
 
 The test code runs in OUR process; the candidate's module is loaded in a sandboxed process by
-_DRIVER, and the test code calls its functions through proxies: each call sends the arguments
-(checked plain, as a Python literal) on the child's stdin, and the child answers with the return
-value as JSON (or the exception's name), never pickle. Only plain values cross (code_codec.py:
-None, bool, int, float, str, list, tuple, dict, set, frozenset, bytes, complex, of exactly those
-types); anything else, an object with its own __eq__ included, is a failed call. So the
+code_driver.py, and the test code calls its functions through proxies: each call sends the
+arguments (checked plain, as a Python literal) on the child's stdin, and the child answers with
+the return value as JSON (or the exception's name), never pickle. Only plain values cross
+(code_codec.py: exact builtin types, and collections' Counter, OrderedDict, defaultdict, deque);
+anything else, an object with its own __eq__ included, is a failed call, unless it is a
+function or an iterator (a handle, below). So the
 comparisons, the expected values and the verdict never exist in the candidate's process: exiting
 early, raising, patching builtins, print or sys.stdout, or writing forged answer lines can only
 make calls fail or return values it chose, which pass only if they are the right ones. The verdict
@@ -21,134 +22,48 @@ or change is put back by construction:
     to a helper. For `test_code` tasks the entry point is the only
     name that reaches the candidate; MBPP asserts name the function to write, so there any
     name the tests and their setup leave undefined is the candidate's;
-  - exceptions: a call that raises fails the candidate (CandidateError, recorded in
-    `_Candidate.failures`), never re-raised as itself: a StopIteration would silently end a
-    map() or zip() in the test, and a test's own handlers could swallow anything else;
-  - effects: a call's changes to its arguments are applied to the caller's objects in place,
-    and a result that is one of the arguments is returned as the caller's own object, so
-    tests that check "sorted in place", "input left alone" or `is not x` see what a shared
-    process would show;
-  - decoding is linear: sets and dict keys whose hashes collide are refused.
+  - exceptions: an Exception the candidate raises reaches the tests as its builtin class (the
+    first builtin in its MRO, with its name and message), so a test's `except ValueError`
+    works as in one process; StopIteration (which would silently end a map() or zip() in the
+    test) and BaseExceptions (SystemExit, KeyboardInterrupt, GeneratorExit) fail the candidate
+    (CandidateError, recorded in `_Candidate.failures`, whatever the tests do with it);
+  - effects and identity: a call's changes to its arguments are applied to the caller's objects
+    in place; a result that is, or holds, a container of the arguments is the caller's own
+    object (as the call left it); a mutable argument or result is shared (code_shared.Shared):
+    both sides keep their copy in step at every call, so an argument the candidate keeps and the
+    tests change later, or a cache it returns twice, is one object, as in one process;
+  - functions and iterators it returns are handles (code_shared.Remote): calling or iterating
+    one is a call into its process (an exhausted iterator's StopIteration ends the iteration);
+  - its solution is a real module ("solution"), so what pickles by reference (multiprocessing's
+    calls) finds its functions;
+  - decoding is linear and bounded: an answer line is at most MAX_ANSWER_BYTES, sets and dict
+    keys whose hashes collide are refused, big ints cross in hex.
+The task format, where one process's semantics cannot be kept safely: arguments the tests pass
+must be plain values (code_codec.py) or handles the candidate gave; a test passing a function of
+its own (or any other object) is refused (UnsupportedTask: no verdict, never a different one).
+A value nests at most 180 deep, and an answer is at most MAX_ANSWER_BYTES; past those a call
+fails, as it would past its memory limit.
 A stdlib module the solution imported (from a short allowed list, _TEST_MODULES) is imported for
 the tests under the same name.
 """
 from __future__ import annotations
 
 import builtins
-import collections
 import importlib
 import json
 import os
 import secrets
+import sys
 import time
 
 from magistral_jax.rewards import code_guard
-from magistral_jax.rewards.code_codec import WRITER, decode_parsed, literal
+from magistral_jax.rewards.code_codec import decode_parsed, encode_value, literal, update_in_place
+from magistral_jax.rewards.code_driver import DRIVER as _DRIVER
+from magistral_jax.rewards.code_shared import (MUTABLE, Remote, RemoteFunction, RemoteIterator,
+                                              Shared, at_path)
 from magistral_jax.rewards.code_result import CodeResult, VerifierFault, write_source
 from magistral_jax.rewards.sandbox_channel import Channel
 from magistral_jax.rewards.sandbox_root import interpreter_binds
-
-# The sandboxed side: loads solution.py, then answers calls read from stdin. Our pipes are moved to
-# private fds first, so the candidate's prints go to stderr (drained and mostly dropped) and its
-# input() sees EOF. A request is a Python literal (id, function, args, kwargs) that we wrote from
-# values CODEC accepted; an answer is one JSON line. Nothing here is secret: the candidate may
-# read, patch or replace all of it.
-_DRIVER = WRITER + r'''
-import os, sys, collections as _co
-_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set, "frozenset": frozenset,
-             "float": float, "complex": complex, "Counter": _co.Counter, "deque": _co.deque,
-             "OrderedDict": _co.OrderedDict, "defaultdict": _co.defaultdict,
-             "None": None, "int": int, "str": str, "bytes": bytes, "list": list, "dict": dict,
-             "tuple": tuple, "bool": bool}
-_handles = []
-_LITERALS["_H"] = _handles.__getitem__
-_MUTABLE = (list, dict, set, _co.Counter, _co.OrderedDict, _co.defaultdict, _co.deque)
-def _paths(x, path, out, depth=0):
-  # id -> JSON path of every mutable container in the arguments (before the call).
-  t = type(x)
-  if depth > 180 or not (t in _MUTABLE or t is tuple):
-    return
-  if t in _MUTABLE:
-    out[id(x)] = (x, path)
-  if t is list or t is tuple or t is _co.deque:
-    for i, v in enumerate(x):
-      _paths(v, path + "," + str(i), out, depth + 1)
-  elif t is not set:
-    for k, v in list(x.items()):
-      _paths(v, path + ',{"key":' + write(k) + "}", out, depth + 1)
-_known = {}
-def _handle(x):
-  kind = "fn" if callable(x) else "it" if hasattr(type(x), "__next__") else None
-  if kind is None:
-    return None
-  if id(x) not in _known:
-    _known[id(x)] = len(_handles)
-    _handles.append(x)          # kept alive, so no other object takes its id
-  return '{"%s":%d}' % (kind, _known[id(x)])
-def _state_hook(x):
-  return _handle(x) if id(x) in _known else None
-def _main():
-  rfd, wfd = os.dup(0), os.dup(1)
-  null = os.open("/dev/null", os.O_RDONLY)
-  os.dup2(null, 0)
-  os.dup2(2, 1)
-  rin, wout = os.fdopen(rfd, "rb"), os.fdopen(wfd, "wb")
-  # A real module, so that what pickles by reference (multiprocessing's calls) finds it.
-  mod = type(os)("solution")
-  sys.modules["solution"] = mod
-  ns = mod.__dict__
-  def reply(text):
-    wout.write(text.encode() + b"\n")
-    wout.flush()
-  try:
-    with open("solution.py", encoding="utf-8") as f:
-      exec(compile(f.read(), "solution.py", "exec"), ns)
-  except BaseException as e:
-    reply('{"load_error":' + _esc(type(e).__name__ + ": " + str(e)[:300]) + "}")
-    return
-  items = [(k, v) for k, v in list(ns.items()) if type(k) is str and not k.startswith("__")]
-  reply('{"names":' + write(sorted(k for k, v in items if callable(v))) + ',"modules":'
-        + write([[k, v.__name__] for k, v in items if type(v) is type(os) and type(v.__name__) is str])
-        + "}")
-  for line in rin:
-    rid, target, args, kwargs = eval(line, _LITERALS)
-    before = write([args, kwargs], 0, _state_hook)
-    refs = {}
-    for i, a in enumerate(args):
-      _paths(a, str(i), refs)
-    for k, a in kwargs.items():
-      _paths(a, _esc(k), refs)
-    try:
-      if type(target) is str:
-        fn = ns[target]
-      elif target[0] == "next":
-        fn = _handles[target[1]].__next__
-      else:
-        fn = _handles[target[1]]
-      result = fn(*args, **kwargs)
-    except BaseException as e:
-      base = next((c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"), "Exception")
-      reply('{"id":%d,"err":[%s,%s,%s]}' % (rid, _esc(type(e).__name__), _esc(str(e)[:300]),
-                                             _esc(base)))
-      continue
-    def hook(x):
-      # A container of the arguments: the caller's own object, as it is now; a function or an
-      # iterator: a handle the caller calls or iterates through us.
-      hit = refs.get(id(x))
-      if hit is not None and hit[0] is x:
-        return '{"r":[[' + hit[1] + "]," + write(x) + "]}"
-      return None if type(x) in _MUTABLE or type(x) in (tuple, frozenset, bytes, complex) else _handle(x)
-    try:
-      # What the caller could see besides the value: the arguments as the call left them (when
-      # it changed them), and which of its objects the result is or holds.
-      after = write([args, kwargs], 0, _state_hook)
-      reply('{"id":%d,"ok":%s,"args":%s}' % (rid, write(result, 0, hook),
-                                             "null" if after == before else after))
-    except BaseException as e:   # not a plain value: a failed call, not an exception to test for
-      reply('{"id":%d,"bad":%s}' % (rid, _esc(str(e)[:300])))
-_main()
-'''
-
 
 # The longest answer line a call may send (its value and the arguments it changed, encoded): the
 # size is bounded before anything is decoded, so decoding costs our process memory and CPU in
@@ -179,6 +94,14 @@ class _Candidate:
     self.calls = 0
     self.failures: list[str] = []
     self.unsupported: str | None = None   # why the tests cannot be judged here (UnsupportedTask)
+    # Containers both sides hold (a mutable argument, a mutable result): number -> our object,
+    # and the text of it the driver last saw. Each call first sends what the tests changed in
+    # them, and its answer brings what the candidate changed, so a kept argument or a returned
+    # cache is one object across calls, as in one process. Ours are even, the driver's odd.
+    self.mirror: dict[int, object] = {}
+    self.mirror_ids: dict[int, int] = {}
+    self.mirror_text: dict[int, str] = {}
+    self._next_even = 0
     try:   # the driver speaks first, once the solution is loaded
       hello = self._parse(channel.read_line())
     except Channel.Closed as e:
@@ -219,16 +142,70 @@ class _Candidate:
       raise
 
   def _literal_handle(self, x):
-    if isinstance(x, _Remote) and x.cand is self:
+    if isinstance(x, Remote) and x.cand is self:
       return f"_H({x.n})"
+    if type(x) is Shared:
+      return f"_S({x.n})" if x.value is None else f"_N({x.n}, {literal(x.value)})"
     return None
+
+  def _share(self, n: int, obj):
+    self.mirror[n], self.mirror_ids[id(obj)] = obj, n
+    self.mirror_text[n] = encode_value(obj)
+
+  def _forget(self, n: int):
+    obj = self.mirror.pop(n)
+    self.mirror_ids.pop(id(obj), None)
+    self.mirror_text.pop(n, None)
+
+  def _outgoing(self, args: tuple, kwargs: dict):
+    """(args, kwargs with shared containers as Shared, changed [(n, value)], dropped [n]):
+    containers no test holds any more are dropped (our table is then their only holder)."""
+    sync, drop = [], []
+    for n in list(self.mirror):
+      obj = self.mirror[n]
+      if sys.getrefcount(obj) <= 3:          # the table, `obj`, getrefcount's argument
+        self._forget(n)
+        drop.append(n)
+        continue
+      try:
+        text = encode_value(obj)
+      except (TypeError, ValueError):        # holds something not plain now: no longer shared
+        self._forget(n)
+        drop.append(n)
+        continue
+      if text != self.mirror_text[n]:
+        self.mirror_text[n] = text
+        sync.append((n, obj))
+
+    def mark(a):
+      if type(a) not in MUTABLE:
+        return a
+      n = self.mirror_ids.get(id(a))
+      if n is not None and self.mirror[n] is a:
+        return Shared(n, None)
+      n, self._next_even = self._next_even, self._next_even + 2
+      try:
+        self._share(n, a)
+      except (TypeError, ValueError):
+        return a                             # not plain: literal() refuses it below
+      return Shared(n, a)
+    return ([mark(a) for a in args], {k: mark(a) for k, a in kwargs.items()}, sync, drop)
+
+  def _incoming(self, msg: dict, hook):
+    """Applies what the call changed in the shared containers."""
+    for n, v in msg.get("sync") or []:
+      obj = self.mirror.get(n)
+      if obj is not None:
+        update_in_place(obj, decode_parsed(v, hook))
+        self.mirror_text[n] = encode_value(obj)
 
   def _call(self, target, args: tuple, kwargs: dict):
     self.calls += 1
     try:
       # Sent as a Python literal the driver evals without builtins, of plain values only (exact
       # types), or handles it gave us; the arguments are the tests' (ours), never the candidate's.
-      req = literal((self.calls, target, list(args), dict(kwargs)), self._literal_handle)
+      sent_args, sent_kwargs, sync, drop = self._outgoing(args, kwargs)
+      req = literal((self.calls, target, sent_args, sent_kwargs, sync, drop), self._literal_handle)
     except (TypeError, ValueError) as e:
       # The task's tests pass what the task format does not allow (a function of their own, an
       # object): no verdict can be one process's, so none is given.
@@ -243,6 +220,10 @@ class _Candidate:
       raise CandidateError("answer out of sequence")
     if "ok" in msg:
       return self._value(msg, args, kwargs)
+    try:
+      self._incoming(msg, self._decode_hook([]))
+    except Exception as e:
+      raise CandidateError(f"bad answer: {type(e).__name__}: {e}") from None
     if "bad" in msg:
       raise CandidateError(f"returned a value that is not plain data: {str(msg['bad'])[:200]}")
     err = msg.get("err")
@@ -267,26 +248,46 @@ class _Candidate:
     """The call's value: plain data, or the caller's own objects where the result is (or holds)
     a container of the arguments, or remote handles; the arguments updated in place."""
     pending = []
-
-    def hook(tag, v):
-      if tag == "r":
-        obj = _at_path(args, kwargs, v[0])
-        pending.append((obj, decode_parsed(v[1])))
-        return obj
-      if type(v) is not int:
-        raise ValueError("bad handle")
-      return (_RemoteFunction if tag == "fn" else _RemoteIterator)(self, v)
+    hook = self._decode_hook(pending, args, kwargs)
     try:
+      # References first (they name the arguments as they were before the call), then what the
+      # call changed: in shared containers, in the arguments, in what the value holds.
       value = decode_parsed(msg["ok"], hook)
+      self._incoming(msg, hook)
       if msg.get("args") is not None:
         new_args, new_kwargs = decode_parsed(msg["args"], hook)
-        _update_in_place(list(args), new_args)
-        _update_in_place(dict(kwargs), new_kwargs)
+        update_in_place(list(args), new_args)
+        update_in_place(dict(kwargs), new_kwargs)
       for obj, new in pending:
-        _update_in_place(obj, new)
+        update_in_place(obj, new)
     except Exception as e:   # OverflowError (complex(10**400)) too: a failed call, never raised
       raise CandidateError(f"bad return value: {type(e).__name__}: {e}") from None
     return value
+
+  def _decode_hook(self, pending: list, args: tuple = (), kwargs: dict | None = None):
+    """Decodes the driver's tags: references into the call's arguments ("r": the caller's
+    object), shared containers ("S": ours) and handles ("fn", "it"); the contents the driver
+    sent for the first two are put into `pending` (object, new contents) to apply last."""
+    def hook(tag, v):
+      if tag == "r":
+        obj = at_path(args, kwargs or {}, v[0])
+        pending.append((obj, decode_parsed(v[1])))
+        return obj
+      if tag == "S":
+        n, value = v
+        if type(n) is not int:
+          raise ValueError("bad shared number")
+        new = decode_parsed(value, hook)
+        obj = self.mirror.get(n)
+        if obj is None:
+          self._share(n, new)
+          return new
+        pending.append((obj, new))
+        return obj
+      if type(v) is not int:
+        raise ValueError("bad handle")
+      return (RemoteFunction if tag == "fn" else RemoteIterator)(self, v)
+    return hook
 
   def proxy(self, fn: str):
     def call(*args, **kwargs):
@@ -298,83 +299,6 @@ class _Candidate:
 class UnsupportedTask(VerifierFault):
   """The task's tests do what one process allows and this harness cannot (see the module
   docstring's task format): no verdict, the group is dropped, and the message says why."""
-
-
-class _Remote:
-  """Something the candidate returned that is not data: used through calls into its process."""
-
-  def __init__(self, cand: _Candidate, n: int):
-    self.cand, self.n = cand, n
-
-
-class _RemoteFunction(_Remote):
-  def __call__(self, *args, **kwargs):
-    return self.cand.call(("call", self.n), args, kwargs)
-
-
-class _RemoteIterator(_Remote):
-  def __iter__(self):
-    return self
-
-  def __next__(self):
-    return self.cand.call(("next", self.n), (), {})
-
-
-def _at_path(args: tuple, kwargs: dict, path: list):
-  """The caller's object at `path` (the driver's: an argument's position or keyword, then list
-  indices and {"key": k} dict keys) in the arguments as they were before the call."""
-  obj = args[path[0]] if type(path[0]) is int else kwargs[path[0]]
-  for step in path[1:]:
-    if type(obj) not in _CONTAINERS:
-      raise ValueError("bad reference")
-    obj = obj[decode_parsed(step["key"])] if type(step) is dict else obj[step]
-  if type(obj) not in _CONTAINERS:
-    raise ValueError("bad reference")
-  return obj
-
-
-_CONTAINERS = (list, tuple, dict, set, collections.Counter, collections.OrderedDict,
-               collections.defaultdict, collections.deque)
-_DICTS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)
-
-
-def _update_in_place(mine, theirs):
-  """Makes the caller's containers `mine` equal to `theirs` (what the candidate left its copies
-  as), in place, keeping the identity of nested containers where the shapes agree."""
-  if type(mine) is not type(theirs):
-    raise ValueError("the call changed an argument's type")
-  if type(mine) is list:
-    if len(mine) != len(theirs):
-      mine[:] = theirs
-      return
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-      if type(a) is type(b) and type(a) in _CONTAINERS:
-        _update_in_place(a, b)
-      elif not (type(a) is type(b) and a == b):
-        mine[i] = b
-  elif type(mine) in _DICTS:
-    for k in [k for k in mine if k not in theirs]:
-      del mine[k]
-    for k, b in theirs.items():
-      a = mine.get(k)
-      if k in mine and type(a) is type(b) and type(a) in _CONTAINERS:
-        _update_in_place(a, b)
-      else:
-        mine[k] = b
-  elif type(mine) is set:
-    if mine != theirs:
-      mine.clear()
-      mine.update(theirs)
-  elif type(mine) is collections.deque:
-    if list(mine) != list(theirs):
-      mine.clear()
-      mine.extend(theirs)
-  elif type(mine) is tuple:          # immutable itself; the containers in it may have changed
-    if len(mine) != len(theirs):
-      raise ValueError("the call changed a tuple")
-    for a, b in zip(mine, theirs):
-      if type(a) is type(b) and type(a) in _CONTAINERS:
-        _update_in_place(a, b)
 
 
 def run_assert_tests(sandbox, workdir, python, code, test_src, entry_point, limits,

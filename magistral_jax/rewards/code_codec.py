@@ -67,7 +67,7 @@ def _dec(x, hook=None):
   if t is not dict or len(x) != 1:
     raise ValueError("bad value")
   (tag, v), = x.items()
-  if hook is not None and tag in ("r", "fn", "it"):
+  if hook is not None and tag in ("r", "fn", "it", "S"):
     return hook(tag, v)
   if tag == "t":
     return tuple(_dec(e, hook) for e in v)
@@ -214,9 +214,58 @@ def literal(x, handle=None, depth: int = 0) -> str:
 
 _BUILTIN_FACTORIES = (int, float, str, bytes, list, dict, set, frozenset, tuple, bool)
 
+# Bringing one side's containers up to date with the other's, in place: shared (as source) by our
+# process and the sandboxed driver (code_driver.py), which both apply the other side's changes.
+UPDATE = r"""
+import collections as _co
+CONTAINERS = (list, tuple, dict, set, _co.Counter, _co.OrderedDict, _co.defaultdict, _co.deque)
+_DICTS = (dict, _co.Counter, _co.OrderedDict, _co.defaultdict)
+def update_in_place(mine, theirs):
+  # Makes the containers `mine` equal to `theirs` (what the other side left its copies as), in
+  # place, keeping the identity of nested containers where the shapes agree.
+  if type(mine) is not type(theirs):
+    raise ValueError("the call changed an argument's type")
+  if type(mine) is list:
+    if len(mine) != len(theirs):
+      mine[:] = theirs
+      return
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+      if type(a) is type(b) and type(a) in CONTAINERS:
+        update_in_place(a, b)
+      elif not (type(a) is type(b) and a == b):
+        mine[i] = b
+  elif type(mine) in _DICTS:
+    for k in [k for k in mine if k not in theirs]:
+      del mine[k]
+    for k, b in theirs.items():
+      a = mine.get(k)
+      if k in mine and type(a) is type(b) and type(a) in CONTAINERS:
+        update_in_place(a, b)
+      else:
+        mine[k] = b
+  elif type(mine) is set:
+    if mine != theirs:
+      mine.clear()
+      mine.update(theirs)
+  elif type(mine) is _co.deque:
+    if list(mine) != list(theirs):
+      mine.clear()
+      mine.extend(theirs)
+  elif type(mine) is tuple:          # immutable itself; the containers in it may have changed
+    if len(mine) != len(theirs):
+      raise ValueError("the call changed a tuple")
+    for a, b in zip(mine, theirs):
+      if type(a) is type(b) and type(a) in CONTAINERS:
+        update_in_place(a, b)
+"""
+
+
 _codec: dict = {}
 exec(CODEC, _codec)
 encode_value, decode_value, decode_parsed = _codec["dumps"], _codec["loads"], _codec["_dec"]
 _writer: dict = {}
 exec(WRITER, _writer)
-driver_write = _writer["write"]     # for the tests: the driver's writer agrees with CODEC
+driver_write = _writer["write"]
+_update: dict = {}
+exec(UPDATE, _update)
+update_in_place, CONTAINERS = _update["update_in_place"], _update["CONTAINERS"]     # for the tests: the driver's writer agrees with CODEC

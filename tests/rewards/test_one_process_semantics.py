@@ -114,6 +114,20 @@ CORPUS = [
     ("big_int_result_off_by_one", "def big():\n  return 3 ** 12000 + 1", BIG, False),
     ("big_int_argument", "def half(x):\n  return x // 2",
      ["assert half(2 * 7 ** 6800) == 7 ** 6800"], True),
+    ("same_object_from_two_calls", "_c = []\ndef get():\n  return _c",
+     ["a = get()", "a.append(1)", "assert get() == []"], False),
+    ("cache_returned_and_changed_by_the_tests", "_c = {}\ndef table():\n  return _c\n"
+     "def size():\n  return len(_c)", ["t = table()", "t['k'] = 1", "assert size() == 1",
+                                        "assert table() is t"], True),
+    ("argument_kept_and_changed_later", "_k = []\ndef keep(x):\n  _k.append(x)\n"
+     "def total():\n  return sum(map(len, _k))",
+     ["a = [1]", "keep(a)", "a.append(2)", "assert total() == 2"], True),
+    ("argument_kept_and_changed_by_a_later_call", "_k = []\ndef keep(x):\n  _k.append(x)\n"
+     "def grow():\n  _k[0].append(0)",
+     ["a = [1]", "keep(a)", "grow()", "assert a == [1, 0]"], True),
+    ("argument_kept_where_a_copy_is_due", "_k = []\ndef keep(x):\n  _k.append(x)\n"
+     "def total():\n  return sum(map(len, _k))",
+     ["a = [1]", "keep(a)", "a.append(2)", "assert total() == 1"], False),
     ("callable_result", "def adder(n):\n  return lambda x: x + n",
      ["assert adder(2)(3) == 5", "assert list(map(adder(1), [1, 2])) == [2, 3]"], True),
     ("callable_result_wrong", "def adder(n):\n  return lambda x: x - n",
