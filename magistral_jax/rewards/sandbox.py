@@ -93,7 +93,8 @@ writes. `isolation_level()` says which mode is in force.
 
 Verdicts are out of the candidate's reach by construction (rewards/code_check.py): the program
 only ever gets inputs, and what it sends back is plain values (stdout text, or JSON that decodes
-to None/bool/int/float/str/list/tuple/dict/set), compared to the expected values in our process.
+to exact builtin and collections types, or handles to call back), compared to the expected
+values in our process; an answer is bounded in size before it is decoded (code_asserts.py).
 Nothing in its process, environment, argv or filesystem means "passed", so there is nothing to
 find; the best a forger can do is produce the right values, i.e. solve the task.
 """

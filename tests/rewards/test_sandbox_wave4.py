@@ -248,7 +248,7 @@ def _spy_calls(monkeypatch):
   real = code_asserts.Channel.request
 
   def request(self, line):
-    _, fn, args, _ = ast.literal_eval(line.decode())
+    _, fn, args = ast.literal_eval(line.decode())[:3]   # (id, function, args, kwargs, ...)
     sent.append((fn, tuple(args)))
     return real(self, line)
   monkeypatch.setattr(code_asserts.Channel, "request", request)
