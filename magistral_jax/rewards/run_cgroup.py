@@ -150,28 +150,6 @@ class RunGroup:
       pass
     return None
 
-  def memory_hit(self) -> bool:
-    """Whether the run reached its memory limit (the kernel then killed inside it)."""
-    try:
-      if self.version == 1:
-        with open(os.path.join(self.dirs["memory"], "memory.failcnt")) as f:
-          return int(f.read()) > 0
-      with open(os.path.join(self.dirs["v2"], "memory.events")) as f:
-        return any(line.split()[0] in ("max", "oom_kill") and int(line.split()[1]) > 0
-                   for line in f)
-    except (OSError, ValueError, KeyError, IndexError):
-      return False
-
-  def pids(self) -> set[int]:
-    out = set()
-    for d in self.dirs.values():
-      try:
-        with open(os.path.join(d, "cgroup.procs")) as f:
-          out |= {int(x) for x in f.read().split()}
-      except (OSError, ValueError):
-        pass
-    return out
-
   def remove(self, patience_s: float = 2.0) -> bool:
     """Kills whatever is left in the cgroup and removes its directories. True when all went."""
     return all(_remove_dir(d, patience_s) for d in set(self.dirs.values()))

@@ -243,3 +243,21 @@ def test_without_any_cgroup_the_sandbox_says_so_loudly(monkeypatch, caplog):
     g = run_cgroup.RunCgroups()
   assert g.version is None and g.create(100, 8) is None
   assert "NO PER-RUN CGROUP" in caplog.text
+
+
+def test_a_run_cgroup_has_its_limits_and_weight_and_goes_when_removed():
+  g = run_cgroup.RunCgroups("v1")
+  if g.version is None or g.missing:
+    pytest.skip("no full v1 set of controllers here")
+  group = g.create(100, 8)
+  read = lambda c, f: open(os.path.join(group.dirs[c], f)).read().strip()
+  try:
+    assert read("memory", "memory.limit_in_bytes") == str(100 << 20)
+    assert read("pids", "pids.max") == "8"
+    assert read("cpu", "cpu.shares") == str(run_cgroup.CPU_WEIGHT_V1)   # one run's share
+    assert group.cpu_s() == 0.0
+    assert all(os.path.dirname(d) in {h.base for h in run_cgroup.own_hierarchies()}
+               for d in group.dirs.values())                          # children of ours only
+  finally:
+    assert group.remove()
+  assert not any(os.path.exists(d) for d in group.dirs.values())
