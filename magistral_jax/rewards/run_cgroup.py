@@ -29,8 +29,11 @@ child whose owner pid is dead is removed by `sweep` (a Sandbox sweeps when it st
 sweeps for a worker it lost). cgroup v1 (a hierarchy per controller, as CI mounts them) and v2
 (one hierarchy: the controllers our cgroup delegates, in its cgroup.subtree_control; CPU usage and
 cgroup.kill come with every v2 cgroup) are both supported. Where none can be made, `RunCgroups`
-says so once, loudly, and the sandbox falls back to the per-process accounting (sandbox.py says
-what its filter adds then, so that the tree's CPU still reaches a live process's counters).
+says so once, loudly, and the sandbox falls back to the best accounting without one: the filter
+refuses kernel reaping (so the tree's CPU still reaches a live process's counters, which the CPU
+watch sums) and memfd (pages no process holds), the IPC namespace's shm limits and the tmpfs
+sizes bound the rest, and the CPU watch checks the tree's memory as it checks its CPU
+(run_tree.CpuWatch); the same where a cgroup has no memory controller.
 
 MAGISTRAL_SANDBOX_CGROUP (or Sandbox(cgroup=...)) picks: "auto" (v1 where a v1 CPU accounting
 hierarchy takes children, else v2), "v1", "v2", or "off" (the fallback, for tests and hosts where

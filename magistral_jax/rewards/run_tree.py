@@ -72,6 +72,24 @@ def tree_cpu_s(pid: int) -> float:
   return total / _TICK
 
 
+def tree_memory_mb(pid: int) -> float:
+  """The memory of `pid` and its descendants in MB: each process's proportional set size (shared
+  pages split among their users, so a page shared by the tree counts once), or its RSS where the
+  kernel has no smaps_rollup. For runs without a memory cgroup (run_cgroup.py) only."""
+  total = 0
+  for p in descendants(pid):
+    for path, key in ((f"/proc/{p}/smaps_rollup", "Pss:"), (f"/proc/{p}/status", "VmRSS:")):
+      try:
+        with open(path) as f:
+          kb = next((int(line.split()[1]) for line in f if line.startswith(key)), None)
+      except (OSError, ValueError, IndexError):
+        kb = None
+      if kb is not None:
+        total += kb
+        break
+  return total / 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class Sample:
   """One look at a run's process tree (CpuWatch takes one every EVERY_S; rewards/run_judge.py
@@ -133,7 +151,8 @@ def sample_tree(pid: int, cpus: frozenset, group=None) -> Sample:
 
 class CpuWatch:
   """The CPU limit over a run's whole process tree: RLIMIT_CPU counts each process on its own,
-  so 32 forked busy loops would take 32 times the limit before the backstop stopped them. The
+  so 32 forked busy loops would take 32 times the limit before the backstop stopped them. Where
+  no cgroup bounds the run's memory, the tree's memory is checked here too (`memory_mb`). The
   measure is the run's cgroup (`group`, rewards/run_cgroup.py) where it has one; without, the
   tree's live processes and what they reaped (the filter then keeps every child's CPU on that
   path: sandbox.py). Checked every EVERY_S while we wait on the run (a walk of its /proc
@@ -142,10 +161,11 @@ class CpuWatch:
   EVERY_S = 0.5
   KEEP = 8
 
-  def __init__(self, pid: int, limit_s: float, group=None):
+  def __init__(self, pid: int, limit_s: float, group=None, memory_mb: float | None = None):
     self.pid, self.limit_s, self.group = pid, limit_s, group
+    self.memory_mb = memory_mb       # the tree's memory limit, where no cgroup bounds it
     self.next = time.monotonic() + self.EVERY_S
-    self.used, self.spent = 0.0, False
+    self.used, self.spent, self.over_memory = 0.0, False, False
     self.cpus = frozenset(os.sched_getaffinity(0))   # ours: the run's can only be narrower
     self.samples: collections.deque = collections.deque(maxlen=self.KEEP)
 
@@ -154,15 +174,17 @@ class CpuWatch:
     self.samples.append(s)
     self.used = s.cpu_s
     self.spent = self.used >= self.limit_s
+    if self.memory_mb is not None:
+      self.over_memory = tree_memory_mb(self.pid) > self.memory_mb
     return s
 
   def check(self) -> bool:
-    """True once the tree has used its CPU limit."""
+    """True once the tree has used its CPU limit, or holds more than its memory limit."""
     now = time.monotonic()
-    if not self.spent and now >= self.next:
+    if not (self.spent or self.over_memory) and now >= self.next:
       self.next = now + self.EVERY_S
       self.sample()
-    return self.spent
+    return self.spent or self.over_memory
 
 
 def read_output(proc, deadline: float, cap: int, watch: "CpuWatch | None" = None,

@@ -82,7 +82,7 @@ The fourth wave (issue #64), class by class:
     memfd, tmpfs pages, a tree of processes each under its own rlimit): each run has a cgroup of
     its own (run_cgroup.py), which counts and bounds everything its processes ever did and
     gives it one run's CPU weight; without one, the filter keeps every child's CPU on a counter
-    we read and refuses memfd. SysV shm is bounded per run by its IPC namespace's limits.
+    we read and refuses memfd, and the CPU watch checks the tree's memory (run_tree.py). SysV shm is bounded per run by its IPC namespace's limits.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
@@ -264,7 +264,7 @@ class Sandbox:
       if group is not None:
         group.remove()
       raise
-    proc.run_group = group
+    proc.run_group, proc.run_memory_mb = group, _tree_memory_mb(group, limits)
     os.set_blocking(proc.stdin.fileno(), False)
     return proc
 
@@ -297,11 +297,11 @@ class Sandbox:
       finally:
         if stdin_fd is not None:
           os.close(stdin_fd)
-      watch = CpuWatch(proc.pid, limits.cpu_s, group)
+      watch = CpuWatch(proc.pid, limits.cpu_s, group, _tree_memory_mb(group, limits))
       out, err, timed_out, truncated = run_tree.read_output(
           proc, start + wall_s, limits.max_output_bytes, watch)
       cpu = fault = None
-      if watch.spent:
+      if watch.spent or watch.over_memory:     # its own limit: the program's doing
         cpu = watch.used
       elif timed_out:
         cpu, fault = run_judge.judge_overrun(watch, time.monotonic() - start, limits.cpu_s)
@@ -326,6 +326,12 @@ class Sandbox:
     if self.isolation not in (ISOLATION_PRIVATE_FS, ISOLATION_NAMESPACES):
       return 0
     return sandbox_keys.remove_uid_keys(self.uid)
+
+
+def _tree_memory_mb(group, limits: Limits) -> int | None:
+  """The tree's memory limit for CpuWatch to check, where no cgroup bounds it (None where one
+  does)."""
+  return None if group is not None and group.bounds_memory else limits.memory_mb
 
 
 def remove_leftovers(pid: int, root_dir: str | None = None) -> int:

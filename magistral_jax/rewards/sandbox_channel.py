@@ -33,7 +33,8 @@ class Channel:
     self.line_cap = line_cap        # the longest answer line read (None: the output cap)
     self.deadline = start + limits.backstop_s
     self.group = getattr(proc, "run_group", None)     # its cgroup (Sandbox.start), or None
-    self.watch = CpuWatch(proc.pid, limits.cpu_s, self.group)
+    self.watch = CpuWatch(proc.pid, limits.cpu_s, self.group,
+                          getattr(proc, "run_memory_mb", None))
     self.cap = limits.max_output_bytes
     self.err = bytearray()
     self._buf = bytearray()
@@ -82,7 +83,8 @@ class Channel:
   def _select(self):
     left = self.deadline - time.monotonic()
     if self.watch.check():
-      self._fail("time limit (CPU)")
+      self._fail("memory limit (the process tree)" if self.watch.over_memory
+                 else "time limit (CPU)")
     if left <= 0:
       _, fault = run_judge.judge_overrun(self.watch, time.monotonic() - self.start,
                                          self.limits.cpu_s)
