@@ -265,7 +265,7 @@ exec(CODEC, _codec)
 encode_value, decode_value, decode_parsed = _codec["dumps"], _codec["loads"], _codec["_dec"]
 _writer: dict = {}
 exec(WRITER, _writer)
-driver_write = _writer["write"]
+driver_write = _writer["write"]     # for the tests: the driver's writer agrees with CODEC
 _update: dict = {}
 exec(UPDATE, _update)
-update_in_place, CONTAINERS = _update["update_in_place"], _update["CONTAINERS"]     # for the tests: the driver's writer agrees with CODEC
+update_in_place, CONTAINERS = _update["update_in_place"], _update["CONTAINERS"]

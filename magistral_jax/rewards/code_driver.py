@@ -12,9 +12,9 @@ from magistral_jax.rewards.code_codec import UPDATE, WRITER
 # read, patch or replace all of it.
 DRIVER = WRITER + UPDATE + r'''
 import os, sys, collections as _co
-_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set, "frozenset": frozenset,
-             "float": float, "complex": complex, "Counter": _co.Counter, "deque": _co.deque,
-             "OrderedDict": _co.OrderedDict, "defaultdict": _co.defaultdict,
+_LITERALS = {"__builtins__": {}, "nan": float("nan"), "inf": _INF, "set": set,
+             "frozenset": frozenset, "float": float, "complex": complex, "Counter": _co.Counter,
+             "deque": _co.deque, "OrderedDict": _co.OrderedDict, "defaultdict": _co.defaultdict,
              "None": None, "int": int, "str": str, "bytes": bytes, "list": list, "dict": dict,
              "tuple": tuple, "bool": bool}
 _handles = []
@@ -134,7 +134,9 @@ def _main():
           return '{"S":[%d,%s]}' % (n, write(x, 0, hook))
         finally:
           busy.discard(id(x))
-      return None if type(x) in _MUTABLE or type(x) in (tuple, frozenset, bytes, complex) else _handle(x)
+      if type(x) in _MUTABLE or type(x) in (tuple, frozenset, bytes, complex):
+        return None
+      return _handle(x)
     try:
       # What the caller could see besides the value: the arguments as the call left them (when
       # it changed them), and which of its objects the result is or holds.

@@ -82,7 +82,8 @@ The fourth wave (issue #64), class by class:
     memfd, tmpfs pages, a tree of processes each under its own rlimit): each run has a cgroup of
     its own (run_cgroup.py), which counts and bounds everything its processes ever did and
     gives it one run's CPU weight; without one, the filter keeps every child's CPU on a counter
-    we read and refuses memfd, and the CPU watch checks the tree's memory (run_tree.py). SysV shm is bounded per run by its IPC namespace's limits.
+    we read and refuses memfd, and the CPU watch checks the tree's memory (run_tree.py). SysV
+    shm is bounded per run by its IPC namespace's limits.
 
 Where no mount namespace can be made (no unshare, user namespaces disabled), the sandbox REFUSES
 to run code (SandboxUnavailable) unless built with allow_weak=True (RewardConfig
@@ -211,7 +212,8 @@ class Sandbox:
 
   def make_dir(self, isolation: str | None = None) -> str:
     """A fresh host dir for one task's files (the source, the binary). With a private
-    filesystem the program never sees it: its files are copied into the run's own tmpfs, and only the compiler writes here (see `run(writable=True)`). In the weak uid mode it
+    filesystem the program never sees it: its files are copied into the run's own tmpfs, and
+    only the compiler writes here (see `run(writable=True)`). In the weak uid mode it
     is the program's writable working directory, owned by the slot uid."""
     # The pid in the name: whoever sees this process die can remove what it left (leftovers()).
     d = tempfile.mkdtemp(prefix=f"mj_sbx_{os.getpid()}_", dir=self.root_dir)
