@@ -41,8 +41,8 @@ or change is put back by construction:
 The task format, where one process's semantics cannot be kept safely: arguments the tests pass
 must be plain values (code_codec.py) or handles the candidate gave; a test passing a function of
 its own (or any other object) is refused (UnsupportedTask: no verdict, never a different one).
-A value nests at most 180 deep, and an answer is at most MAX_ANSWER_BYTES; past those a call
-fails, as it would past its memory limit.
+A value nests at most 180 deep, an answer is at most MAX_ANSWER_BYTES and the shared containers
+at most MAX_SHARED_BYTES; past those a call fails, as it would past its memory limit.
 A stdlib module the solution imported (from a short allowed list, _TEST_MODULES) is imported for
 the tests under the same name.
 """
@@ -69,6 +69,9 @@ from magistral_jax.rewards.sandbox_root import interpreter_binds
 # size is bounded before anything is decoded, so decoding costs our process memory and CPU in
 # proportion to this, not to the program's output cap. A longer answer fails the call.
 MAX_ANSWER_BYTES = 1 << 20
+# The most the containers both sides hold (Shared) may weigh, encoded: each call compares them
+# all, so this bounds our work per call as MAX_ANSWER_BYTES bounds an answer's.
+MAX_SHARED_BYTES = 4 * MAX_ANSWER_BYTES
 
 _TEST_MODULES = frozenset({
     "math", "cmath", "re", "string", "collections", "itertools", "functools", "operator", "heapq",
@@ -176,6 +179,7 @@ class _Candidate:
       if text != self.mirror_text[n]:
         self.mirror_text[n] = text
         sync.append((n, obj))
+    self._check_shared()
 
     def mark(a):
       if type(a) not in MUTABLE:
@@ -198,6 +202,11 @@ class _Candidate:
       if obj is not None:
         update_in_place(obj, decode_parsed(v, hook))
         self.mirror_text[n] = encode_value(obj)
+    self._check_shared()
+
+  def _check_shared(self):
+    if sum(map(len, self.mirror_text.values())) > MAX_SHARED_BYTES:
+      raise CandidateError(f"shared containers over {MAX_SHARED_BYTES} bytes")
 
   def _call(self, target, args: tuple, kwargs: dict):
     self.calls += 1

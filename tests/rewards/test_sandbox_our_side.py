@@ -95,3 +95,26 @@ def test_a_huge_answer_is_refused_before_it_is_decoded(sbx):
     sbx.remove_dir(d)
   assert not res.passed and "answer line over" in res.detail, res
   assert peak < 4 * code_asserts.MAX_ANSWER_BYTES + (8 << 20), peak
+
+
+def test_shared_state_grown_call_by_call_is_bounded(sbx):
+  # A candidate that grows what both sides hold (eight kept arguments) a little on every call:
+  # each answer stays under its bound, but the shared state would grow without end.
+  src = ("_k = []\ndef keep(x):\n  _k.append(x)\n"
+         "def grow(i):\n  _k[i].append('x' * 60000)\n  return 0\n")
+  tests = ("a = [[] for _ in range(8)]\nfor x in a:\n  keep(x)\n"
+           "for _ in range(14):\n  for i in range(8):\n    grow(i)\n"
+           "assert sum(map(len, a)) == 112\n")
+  d = sbx.make_dir()
+  tracemalloc.start()
+  try:
+    res = code_asserts.run_assert_tests(sbx, d, default_python(), src, tests, None,
+                                        Limits(cpu_s=4.0, memory_mb=400))
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+    sbx.remove_dir(d)
+  # Whichever bound it meets first: the shared state's, or the conversation's output cap.
+  assert not res.passed, res
+  assert "shared containers over" in res.detail or "output limit" in res.detail, res
+  assert peak < 8 * code_asserts.MAX_SHARED_BYTES, peak
