@@ -246,7 +246,7 @@ class RunCgroups:
     if mode not in MODES:
       raise ValueError(f"{ENV} must be one of {MODES}, got {mode!r}")
     self.mode, self.version, self.bases, self.missing = mode, None, {}, ()
-    why = "switched off (" + ENV + "=off)"
+    why = "switched off (" + ENV + "=off, or a sandbox mode without a private filesystem)"
     if mode != "off":
       sweep()
       hs = own_hierarchies()
