@@ -4,9 +4,9 @@ run's CPU, memory and processes counted and bounded as a whole, whatever it does
 Why a cgroup: every other measure is per process or per live process. RLIMIT_CPU and RLIMIT_AS
 bound one process each; summing the CPU of a run's live processes plus what their parents reaped
 misses children the kernel reaps itself (SIGCHLD ignored): the fourth red-team wave (issue #64)
-passed 8-9 CPU-s under a 4 s limit that way, and ~21 CPU-s in short-lived setsid children that
-starved an honest run beside it. SysV shm, memfd and tmpfs pages belong to no process, so no
-rlimit sees them (5.1 GB of shm, 960 MB of unmapped memfd held by one run). A cgroup counts what
+passed twice its CPU limit that way, and starved an honest run beside it with short-lived setsid
+children. SysV shm, memfd and tmpfs pages belong to no process, so no rlimit sees them (one run
+held gigabytes of shm and of unmapped memfd pages). A cgroup counts what
 its tasks and all their descendants ever did, reaped or not, and the memory controller charges
 shm, memfd and tmpfs pages to the cgroup that touched them. So by construction:
   - CPU: the cgroup's usage (v1 cpuacct.usage, v2 cpu.stat usage_usec) is the run's CPU limit's
