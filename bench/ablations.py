@@ -32,6 +32,8 @@ import time
 import common
 import numpy as np
 
+from magistral_jax.analysis.report import load_run_metrics
+
 ROOT = common.ROOT
 
 ABLATIONS = {
@@ -80,13 +82,8 @@ def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
   return wd
 
 
-def rl_rows(workdir: str) -> list[dict]:
-  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if l.strip()]
-  return [r for r in rows if "reward" in r and "sft/nll_per_token" not in r]
-
-
 def variant_stats(workdir: str, wall_s: float) -> dict:
-  rows = rl_rows(workdir)
+  rows = [r for r in load_run_metrics(workdir)[1] if "reward" in r]
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   tail = rows[len(rows) * 2 // 3:] or rows   # the last third of the batches
   mean = lambda key, rs: float(np.mean([r[key] for r in rs if key in r])) if rs else float("nan")
@@ -113,33 +110,13 @@ def variant_stats(workdir: str, wall_s: float) -> dict:
   }
 
 
-def plot(name: str, results: dict, out_dir: str):
+def plot(name: str, results: dict, out_dir: str) -> str:
   import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-  for variant, per_seed in results.items():
-    curves = [s["curves"] for s in per_seed]
-    n = min(len(c["reward"]) for c in curves)
-    for ax, key in zip(axes[:2], ("reward", "entropy")):
-      y = np.mean([[v if v is not None else np.nan for v in c[key][:n]] for c in curves], 0)
-      ax.plot(np.arange(1, n + 1), y, label=variant)
-      ax.set_xlabel("batch")
-      ax.set_ylabel(f"{key} (mean over {len(curves)} seed(s))")
-    # reward against wall-clock seconds of RL: the async-vs-sync question
-    t = np.asarray([v or 0.0 for v in curves[0]["time"][:n]], float)
-    y = [v if v is not None else np.nan for v in curves[0]["reward"][:n]]
-    axes[2].plot(t - t[0] if len(t) else t, y, label=variant)
-    axes[2].set_xlabel("seconds since the first batch (seed 0)")
-    axes[2].set_ylabel("reward")
-  for ax in axes:
-    ax.legend()
-    ax.grid(alpha=0.3)
-  fig.suptitle(f"tiny-scale ablation: {name}")
-  fig.tight_layout()
+  from magistral_jax.analysis.plots import ablation_curves
   path = os.path.join(out_dir, f"{name}.png")
-  fig.savefig(path, dpi=80)
-  plt.close(fig)
+  ablation_curves(name, {v: [s["curves"] for s in per_seed] for v, per_seed in results.items()}
+                  ).savefig(path, dpi=80)
   return path
 
 

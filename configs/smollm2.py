@@ -24,7 +24,7 @@ is the prompt RL and evaluation use, and the format it describes is what the tra
 Arguments (comma-separated): `sft` (the SFT run), `ci` (CI-sized: a short SFT with `sft,ci`, one
 small RL batch with `ci`), `gpu` (an accelerator's sizes, with or without `sft`; on 2 devices
 as it stands), `colocated` (one device: the trainer and one generator share it and take turns;
-with `gpu`, the one-GPU recipe of the README, run on an H100: docs/perf_log.md "One GPU"),
+with `gpu`, the one-GPU recipe of the README, run on an H100),
 `init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model), `batches=N`,
 `sft_steps=N`, `heldout=N`; `learn` (the learning recipe of issue #51: GRPO on the synthetic
 arithmetic task `task=synthetic/OPERAND/STEPS`, default LEARN_TASK, picked from the headroom
@@ -118,7 +118,7 @@ def get_config(arg=None):
 
   if "gpu" in args:
     # Accelerator sizes: 2 devices (the trainer and the generator on their own), or one with
-    # `colocated` (run on one H100: docs/perf_log.md "One GPU"; the 2-device layout was not run).
+    # `colocated` (run on one H100; the 2-device layout was not run).
     c.devices.update(trainer=1, generators=(1,))
     # fp32 master weights, bf16 compute (and a bf16 generator), as the paper-scale recipes.
     c.model.update(remat="none", dtype="bfloat16")

@@ -71,11 +71,11 @@ SERIAL = {
 # XLA:CPU optimises its LLVM code fully by default. Most tests run their programs a few times on
 # tiny shapes, so compiling is most of their work: for them jax_disable_most_optimizations (LLVM
 # -O0, no expensive LLVM passes; the HLO passes, and so the programs' semantics, are unchanged) cut
-# CPU time by 5-53 % per file (docs/perf_log.md "Test suite time"). These keep the default, as a
+# their CPU time (docs/design_notes.md, "The test suite"). These keep the default, as a
 # user's run has it: the compute-bound end-to-end runs, and the real 135M model's parity tests
 # (slower or no faster without the optimisation), and the notebooks' tiny run: it compiles the
 # tiny default's programs, which test_tiny_learns then finds in the cache (the cache key holds the
-# optimisation level; compiled at -O0 they cost test_tiny_learns 62 s). The launch/*.py
+# optimisation level; compiled at -O0 they would slow test_tiny_learns down). The launch/*.py
 # subprocesses a test starts follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
 FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",

@@ -12,7 +12,7 @@ there into a directory of its own, never into the image's site-packages or ours.
         [--part_mb 55] [--extra NAME==VER ...]
     Downloads the pins of tunix-carry.txt (+ --extra) as binary wheels for cp<python_version>
     manylinux x86_64 (`pip download --no-deps`: exactly these, nothing they pull in), exports the
-    tokenizer with our venv (`bench/vs_tunix.py --export_tokenizer`), and packs them into
+    tokenizer with our venv (`tools/export_tokenizer.py`), and packs them into
     OUT/part00, OUT/part01, ... (whole files, largest first, first fit). OUT/MANIFEST lists every
     file as `sha256 size partNN/...`, sorted; each part holds a copy, so a part is checked on
     its own. The same pins give the same MANIFEST.
@@ -27,7 +27,7 @@ there into a directory of its own, never into the image's site-packages or ours.
     process only). Exit 0 when complete, 3 while parts are missing, 1 on a bad file.
 
 bench/gpu_suite.sh's `tunix` mode runs `stage`, then bench/vs_tunix.py on the issue's workload;
-bench/peers/tunix_rehearse.sh is the same sequence on this CPU host; bench/peers/README.md ("A GPU
+tools/tunix_rehearse.sh is the same sequence on this CPU host; bench/peers/README.md ("A GPU
 run") has the device calls.
 """
 from __future__ import annotations
@@ -161,8 +161,7 @@ def build(args) -> int:
   # Units that go into one part whole: each wheel, and the tokenizer directory.
   units = {f"whl/{w}": [f"whl/{w}"] for w in wheels}
   if args.tokenizer:
-    cmd = [args.our_python, os.path.join(ROOT, "bench", "vs_tunix.py"),
-           f"--export_tokenizer={os.path.join(dl, 'tokenizer')}"]
+    cmd = [args.our_python, os.path.join(HERE, "export_tokenizer.py"), os.path.join(dl, "tokenizer")]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     units["tokenizer"] = sorted(f"tokenizer/{f}" for f in os.listdir(os.path.join(dl, "tokenizer")))

@@ -4,6 +4,7 @@ bench/peers/tunix_side.py (the peer's venv), so it imports nothing of either fra
 standard library, and numpy / jax (both venvs have them) inside the functions that need them."""
 from __future__ import annotations
 
+import importlib.metadata as md
 import resource
 import statistics
 import zlib
@@ -58,3 +59,14 @@ def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
       "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
       "completions_per_iteration": [x["completions"] for x in iters],
   }
+
+
+def versions(names) -> dict:
+  """{distribution: its installed version, or None}."""
+  out = {}
+  for n in names:
+    try:
+      out[n] = md.version(n)
+    except md.PackageNotFoundError:
+      out[n] = None
+  return out

@@ -32,13 +32,12 @@ update_actor returns.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import json
 import os
 import sys
 import time
 
-from peer_common import jitter, peak_memory_bytes, side_summary, weights_checksum
+from peer_common import jitter, peak_memory_bytes, side_summary, versions, weights_checksum
 
 
 def boxed(text: str) -> str | None:
@@ -219,18 +218,11 @@ def run(spec: dict) -> dict:
              weights_checksum=checksum, optimizer_steps=int(cluster.actor_trainer.train_steps),
              epsilon_high=eps_high,
              device=f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
-             versions={n: _version(n) for n in ("google-tunix", "jax", "jaxlib", "flax",
-                                                "optax", "orbax-checkpoint", "safetensors")},
+             versions=versions(("google-tunix", "jax", "jaxlib", "flax", "optax",
+                                "orbax-checkpoint", "safetensors")),
              safetensors_from=os.path.dirname(sys.modules["safetensors"].__file__)
              if "safetensors" in sys.modules else None)
   return out
-
-
-def _version(name):
-  try:
-    return md.version(name)
-  except md.PackageNotFoundError:
-    return None
 
 
 def main():

@@ -139,3 +139,28 @@ def learning_curves(runs: dict, before: float | None = None):
     ax.legend(fontsize=8)
   fig.tight_layout()
   return fig
+
+
+def ablation_curves(name: str, variants: dict):
+  """bench/ablations.py's figure for one ablation: reward and entropy per RL batch (mean over
+  seeds) and reward against the RL seconds of the first seed (the async-vs-sync question), one
+  line per variant. `variants`: {variant: [per seed: {"reward", "entropy", "time": per batch}]}."""
+  plt = _plt()
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  nan = lambda vs: [v if v is not None else np.nan for v in vs]
+  for variant, curves in variants.items():
+    n = min(len(c["reward"]) for c in curves)
+    for ax, key in zip(axes[:2], ("reward", "entropy")):
+      ax.plot(np.arange(1, n + 1), np.mean([nan(c[key][:n]) for c in curves], 0), label=variant)
+      ax.set_xlabel("batch")
+      ax.set_ylabel(f"{key} (mean over {len(curves)} seed(s))")
+    t = np.asarray([v or 0.0 for v in curves[0]["time"][:n]], float)
+    axes[2].plot(t - t[0] if len(t) else t, nan(curves[0]["reward"][:n]), label=variant)
+  axes[2].set_xlabel("seconds since the first batch (seed 0)")
+  axes[2].set_ylabel("reward")
+  for ax in axes:
+    ax.legend()
+    ax.grid(alpha=0.3)
+  fig.suptitle(f"tiny-scale ablation: {name}")
+  fig.tight_layout()
+  return fig

@@ -3,7 +3,7 @@
 A step costs about the same however many slots are active (every slot computes), so when only a
 few sequences are left (the drain at the end of a batch), running them on fewer slots is
 cheaper (on CPU a step at half or a quarter of the slots takes clearly less time:
-docs/perf_log.md). `Compaction.compact` gathers the active slots into the decode state of a
+docs/design_notes.md). `Compaction.compact` gathers the active slots into the decode state of a
 smaller engine (`child(n)`: same config and mesh, n slots, its own compiled step); `expand`
 writes them back. Each sequence keeps its cache, tokens, PRNG stream and length, so the tokens
 are the ones the full-size step would have produced (to fp32 rounding of a different batch

@@ -58,7 +58,7 @@ class EngineConfig:
   # over the whole cache.
   attention_windows: int = 1
   # A worker thread prefills queued prompts while the loop decodes (GeneratorLoop); on CPU the
-  # two overlap (more work per second: docs/perf_log.md), on an accelerator they share the
+  # two overlap (more work per second: docs/design_notes.md), on an accelerator they share the
   # device queue. False prefills in the loop thread between steps.
   background_prefill: bool = True
   # With background_prefill, when fewer than this fraction of the slots would decode, the loop

@@ -5,7 +5,7 @@ The decode step's matmuls are [slots, D] x [D, F]: matrix-vector-like products t
 weights, plus small batched attention products over the KV cache. On XLA:CPU they run either
 through YNNPACK (XLA's default dot fusion) or through XLA's own emitter / Eigen (YNNPACK turned
 off), and which one is faster depends on the host CPU, not only on the shapes (interleaved A/B
-medians of the engine's step; the figures are in docs/perf_log.md, sessions 6, 9 and 11):
+medians of the engine's step; docs/design_notes.md):
 - on one host Eigen was faster below 32 slots and YNNPACK from 32 on;
 - on another, with AVX-512, YNNPACK was faster at every slot count.
 So the engine measures: with dot_library="auto" (the default) tune_engine (run by

@@ -1,13 +1,13 @@
 """Prefilling the generator loop's requests (prefill_requests), and background prefill: a worker
 thread that prefills queued requests while the loop decodes.
 
-On a CPU host a prefill and decode steps running at the same time get more work done than the
-two one after the other (the decode step alone leaves part of the cores idle; docs/perf_log.md,
-session 15). The worker takes requests from the loop's queue in order, one prefill batch at a
-time, under the weights current when it takes them, and hands them over prefilled (`ready`); it
-exits when the queue is empty (the loop starts a new one when work arrives, `after_refill`). It
-keeps about `ahead` prefilled samples waiting for the next free slots. The loop's own share of
-prefilling in this mode is `top_up`.
+On a CPU host a prefill and decode steps running at the same time get more work done than the two
+one after the other (the decode step alone leaves part of the cores idle; docs/design_notes.md).
+The worker takes requests from the loop's queue in order, one prefill batch at a time, under the
+weights current when it takes them, and hands them over prefilled (`ready`); it exits when the
+queue is empty (the loop starts a new one when work arrives, `after_refill`). It keeps about
+`ahead` prefilled samples waiting for the next free slots. The loop's own share of prefilling in
+this mode is `top_up`.
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ class PrefillWorker:
     batch while the worker catches up: on a prefill-bound workload (long prompts, short
     completions) the worker alone cannot keep the slots busy, and a step costs the same with few
     slots active as with all (with below > 0 the slots stay far busier and the run is faster;
-    no loss on a decode-bound workload; docs/perf_log.md, session 16)."""
+    no loss on a decode-bound workload; docs/design_notes.md)."""
     with self.cv:
       waiting = sum(g.waiting for g in groups)
       if active + waiting < below * n_slots:

@@ -78,7 +78,7 @@ def _smallest_value_where(lg: Array, below: Callable[[Array], Array]) -> Array:
 
 TRUNCATE_BLOCK_ROWS = 8
 # Up to this k the k-th largest logit comes from lax.top_k (a partial selection, faster than
-# bisection for a small k and slower for a large one on CPU: docs/perf_log.md); above it, by
+# bisection for a small k and slower for a large one on CPU: docs/design_notes.md); above it, by
 # bisection. Either way every token tied with the k-th value is kept.
 TOP_K_SELECT_MAX = 256
 
@@ -105,7 +105,7 @@ def _truncate(lg: Array, top_k: int, top_p: float) -> Array:
   rows = math.prod(lg.shape[:-1])
   if rows > 2 * TRUNCATE_BLOCK_ROWS and rows % TRUNCATE_BLOCK_ROWS == 0:
     # Blocks of rows, one after another, so each block's logits and probabilities stay in cache
-    # across the bisection's passes (several times faster on CPU: docs/perf_log.md).
+    # across the bisection's passes (faster on CPU: docs/design_notes.md).
     blocks = lg.reshape(rows // TRUNCATE_BLOCK_ROWS, TRUNCATE_BLOCK_ROWS, v)
     return jax.lax.map(lambda b: _truncate_rows(b, top_k, top_p), blocks).reshape(lg.shape)
   return _truncate_rows(lg, top_k, top_p)
@@ -144,7 +144,7 @@ def argmax(lg: Array) -> Array:
   reductions: the largest value of each block of ARGMAX_BLOCK logits, the first block holding
   the row's largest, then the argmax inside that block. XLA:CPU lowers a flat argmax over V to a
   (value, index) pair reduction, many times slower than these two plain reductions and a
-  noticeable share of a small model's greedy decode step (docs/perf_log.md, session 20). Blocks
+  noticeable share of a small model's greedy decode step (docs/design_notes.md). Blocks
   past V are padded with -inf, which the flat argmax of a row that is all -inf also never picks
   over index 0. A row holding a NaN gets some index in [0, V), not necessarily jnp.argmax's
   (XLA:CPU's block max may skip the NaN); its log-prob is NaN, which the decode step's and the
@@ -170,8 +170,8 @@ def draw(keys: Array, lg: Array) -> Array:
   from the cumulative block sums) and then on one token of that block (from the block's own
   cumulative sums). An exact categorical draw up to the fp32 rounding of those partial sums, and
   a token of probability 0 is never drawn. jax.random.categorical (Gumbel-max) draws V random
-  numbers per row instead, an order of magnitude slower on CPU at SmolLM2's V (docs/perf_log.md,
-  session 12). keys: [B] typed PRNG keys. Returns int32 [B]."""
+  numbers per row instead, an order of magnitude slower on CPU at SmolLM2's V
+  (docs/design_notes.md). keys: [B] typed PRNG keys. Returns int32 [B]."""
   b, v = lg.shape
   nb = -(-v // DRAW_BLOCK)
   p = jax.nn.softmax(lg, axis=-1)

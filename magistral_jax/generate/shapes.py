@@ -36,7 +36,7 @@ def default_windows(cache_length: int, n: int, multiple: int = 16) -> tuple[int,
   up to `multiple` positions). n = 1: dense attention over the whole cache every step. Halving,
   not even spacing: on XLA:CPU a window's slice of the cache is copied before the products, so a
   window near the cache length can cost more than the dense step, while halving windows pay
-  more and more (docs/perf_log.md, session 14)."""
+  more and more (docs/design_notes.md)."""
   if n < 1:
     raise ValueError(f"the number of attention windows must be >= 1, got {n}")
   ws = {min(cache_length, -(-cache_length // 2 ** i // multiple) * multiple) for i in range(n)}

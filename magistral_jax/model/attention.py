@@ -33,8 +33,7 @@ Implementations (ModelConfig.attention_impl):
              the queries fit one block (the score matrix is then block_q x S: already linear in
              S; decode is T = 1), and blockwise beyond.
              (GPU timings of gpu_flash, with and without its skipping, against blockwise:
-             pending the next GPU session, bench/gpu_suite.sh flash; the earlier figures of
-             jax's own Pallas GPU kernel are in docs/perf_log.md.)
+             pending the next GPU session, bench/gpu_suite.sh flash.)
 An implementation that does not apply to a call (the kernel of another platform, a mask it
 cannot express) falls back to blockwise, so one config serves the trainer and the generators
 wherever they run.
@@ -210,7 +209,7 @@ def dense_attention(q: Array, keys: Array, values: Array, mask: Array, keys_t: b
   Both products are plain batched matmuls over (b, k), with the G query heads that share a KV
   head folded into the rows: [B, K, G*T, Dh] x [B, K, S, Dh]. (On XLA:CPU this layout is faster
   than einsums over [B, T, K, G, Dh], which leave XLA to transpose around every product:
-  docs/perf_log.md, "Policy model forward".) Transposed keys [B, K, Dh, S] (the per-layer cache)
+  docs/design_notes.md, "XLA:CPU and the model's layouts".) Transposed keys [B, K, Dh, S] (the per-layer cache)
   make the score product a plain [G*T, Dh] x [Dh, S] matmul per (b, k), which XLA:CPU runs faster
   at T = 1 than the [S, Dh] form."""
   b, t, h, dh = q.shape
@@ -239,9 +238,8 @@ def cudnn_attention(q: Array, keys: Array, values: Array, implementation: str = 
 # row: T // CUDNN_TOKENS_PER_SEGMENT of them (at least 2), so rows whose sequences average at
 # least this many tokens fit; a row with more segments than slots takes the blockwise path.
 # The program's memory grows with slots x T^2 (bench/packed_attention.py, bench/train_mfu.py on a
-# GPU: one slot per token does not fit at 8K, and T // 128 slots not at 32K; docs/perf_log.md,
-# "First accelerator run"), so the packed layout is used up to CUDNN_PACKED_MAX_T and longer
-# packed rows take blockwise attention (linear memory).
+# GPU; docs/design_notes.md, "XLA:CPU and the model's layouts"), so the packed layout is used up
+# to CUDNN_PACKED_MAX_T and longer packed rows take blockwise attention (linear memory).
 CUDNN_TOKENS_PER_SEGMENT = 128
 CUDNN_PACKED_MAX_T = 8192
 

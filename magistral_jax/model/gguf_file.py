@@ -36,7 +36,7 @@ class GGUFFile:
 
   gguf.GGUFReader builds numpy views for every metadata element, which is slow for a large
   vocabulary (one element per token); this parses the same header with struct, far faster
-  (docs/perf_log.md, "Checkpoints and tokenizers"). Tensor bytes are handed to
+  (docs/design_notes.md, "Checkpoints"). Tensor bytes are handed to
   gguf.quants.dequantize exactly as GGUFReader would hand them.
   """
 

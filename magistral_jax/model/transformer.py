@@ -166,7 +166,7 @@ def vocab_pieces(cfg: ModelConfig) -> list[tuple[int, int]]:
   """The [lo, hi) vocab ranges the log-prob head works on (cfg.logits_vocab_pieces; 0 = auto:
   4 on the CPU backend, 1 elsewhere). On CPU, XLA runs the pieces' independent matmul and
   logsumexp ops on different cores, where one [T, V] logsumexp would run on a single core
-  (docs/perf_log.md). On accelerators one piece keeps a
+  (docs/design_notes.md). On accelerators one piece keeps a
   vocab-sharded head free of resharding."""
   n = cfg.logits_vocab_pieces or (4 if jax.default_backend() == "cpu" else 1)
   n = max(1, min(n, cfg.vocab_size))
@@ -286,7 +286,7 @@ def unstack_cache(cache: KVCache) -> KVCache:
 # the program, fast compiles. A decode step, though, is a matrix-vector product per weight, bound
 # by how fast the weights stream from memory; and on XLA:CPU the scan's per-layer dynamic slice of
 # a stacked weight is a copy, so every weight is read, written and read again each step
-# (most of a small model's step: docs/perf_log.md). In the decode layout
+# (most of a small model's step: docs/design_notes.md). In the decode layout
 # params['layers'] is a tuple of per-layer trees (the same arrays without the leading axis);
 # `decode` unrolls the layers over them and every weight is read once per step. The generation
 # engine holds its weights this way (converted once per load / weight push).

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-# Bytes per chunk on the transfer servers' sockets. Two local CPU processes, 16-256 MB: jax's
-# default (256 MiB) ~180 MB/s, 1-4 MiB chunks ~500-590 MB/s (docs/perf_log.md).
+# Bytes per chunk on the transfer servers' sockets: small chunks move bulk data between local
+# processes several times faster than jax's default chunk (docs/design_notes.md, "Many processes").
 TRANSFER_CHUNK_BYTES = 4 << 20
 CONNECTIONS = 4   # parallel sockets per server
 BETWEEN_S = 0.5   # how often a pull that can lose its sender checks on it (BulkChannel.open)

@@ -48,7 +48,7 @@ KILL_AFTER_S = 10.0  # after SIGTERM, SIGKILL what is still running
 _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # N processes on one machine share its cores, and each XLA:CPU client would otherwise start a
 # thread pool as wide as all of them: the pools oversubscribe the cores and every step slows down
-# (docs/perf_log.md, "Many hosts"). CPU-only flags: a GPU or TPU backend ignores them.
+# (docs/design_notes.md, "Many processes"). CPU-only flags: a GPU or TPU backend ignores them.
 ONE_CPU_THREAD = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 

@@ -389,8 +389,8 @@ class Rollouts(LostGenerators):
     if self.cfg.mode == "sync":
       # Barrier: the missing groups, under the current version, stay in flight until enough are
       # kept. A dropped group is replaced as soon as it is scored, not once the whole round is:
-      # rounds would wait on each one's longest completion while the slots empty (docs/perf_log.md
-      # "One GPU: the README's colocated recipes": most decode slots idle, most groups dropped).
+      # rounds would wait on each one's longest completion while the slots empty
+      # (docs/design_notes.md, "The RL pipeline").
       self.schedule.begin()
       while len(ready) < need:
         while len(ready) + len(pending) < need and self._submit_group():

