@@ -2,8 +2,9 @@
 
 Runs --tasks code tasks through a VerifierPool(--workers): about --hostile_share (20%) hostile
 programs (every attack of tests/rewards/hostile_programs.py: escapes, forged verdicts, fork bombs,
-daemons, memory hogs, IPC objects and listeners left or read; the IPC attacks and the ones that
-hold on are in every mix once) and the rest split evenly between correct and wrong programs, each
+daemons, memory hogs, IPC objects and listeners left or read, CPU and memory spread over a
+process tree or owned by no process, keys, floods; the IPC, holding and whole-run attacks are in
+every mix once) and the rest split evenly between correct and wrong programs, each
 with a verdict known from a bare run (tests/rewards/known_verdicts.py: HumanEval, MBPP, Python
 stdin/stdout and --cpp_share C++ stdin/stdout tasks). Correct programs must get the pass reward;
 wrong and hostile ones must not. The secret the reading attacks look for is planted in files and
@@ -21,7 +22,8 @@ Reported (last line, one JSON object): verdict_accuracy over the tasks that got 
 1.0), wrong_verdicts, tasks_lost (goal 0), faulted (by kind), chaos_kills,
 worker_deaths_beyond_chaos (goal 0), and after the pool closed what it left on the host
 (tests/rewards/host_leaks.py: processes of the sandbox uids or children of ours, files, run dirs,
-SysV and POSIX IPC objects, listening sockets; goal 0 each), worker RSS at the start and the end,
+SysV and POSIX IPC objects, listening sockets, run cgroups, keys; goal 0 each), the verifier
+faults on correct and wrong programs beside the hostile ones (goal 0), worker RSS at the start and the end,
 throughput_per_s, throughput_ratio, isolation_level().
 
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
@@ -142,6 +144,7 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
   seen_pids.update(k["pid"] for k in kills)   # their run dirs are the pool's to remove
   wrong, errors, faulted, by_cat = [], [], [], {}
   fault_counts: dict[str, int] = {}
+  honest_faults = 0   # a verifier fault on a correct or wrong program: our limits, not its doing
   for it, f in zip(items, futs):
     c = by_cat.setdefault(it.category, {"tasks": 0, "right": 0, "faulted": 0})
     c["tasks"] += 1
@@ -152,6 +155,8 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
     if kind:   # no verdict: dropped, neither right nor wrong
       c["faulted"] += 1
       fault_counts[kind] = fault_counts.get(kind, 0) + 1
+      if kind == "verifier_fault" and it.category != "hostile":
+        honest_faults += 1
       faulted.append(f"{it.category}/{it.name}: {res.error[:120]}")
       continue
     if res.error:
@@ -169,6 +174,7 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
               verdict_accuracy=(verdicts - len(wrong)) / verdicts if verdicts else 0.0,
               wrong_verdicts_count=len(wrong), wrong_verdicts=wrong[:8],
               faulted=len(faulted), faulted_by_kind=fault_counts, faulted_first=faulted[:5],
+              honest_verifier_faults=honest_faults,
               chaos_every_s=chaos_every_s, chaos_kills=len(kills), chaos_kills_first=kills[:5],
               errors_count=len(errors), errors_first=errors[:5], by_category=by_cat,
               soak_wall_s=wall, throughput_per_s=len(items) / wall)
@@ -208,7 +214,9 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
   planted = host_leaks.plant_files(SECRET)
   planted_ipc = host_leaks.plant_ipc(SECRET)
   try:
-    before = host_leaks.snapshot()
+    # The keys of this process's sandbox uids (the pool's slots are among them) before any run.
+    block = sandbox.process_uid_base()
+    before = host_leaks.snapshot(range(block, block + sandbox.UIDS_PER_PROCESS))
     t = time.perf_counter()
     catalog = Catalog(bare_dir)
     items = build_mix(tasks, seed, hostile_share, cpp_share, catalog, include=ALWAYS)
@@ -232,7 +240,6 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
     pool = VerifierPool(workers, cfg, task_timeout_s=task_timeout_s, max_queue=4 * workers,
                         max_tasks_per_worker=max_tasks_per_worker)
     # Every sandbox uid of this process (its pools' slots and a stand-alone Sandbox's).
-    block = sandbox.process_uid_base()
     uids = range(min(block, pool.uid_base), max(block + sandbox.UIDS_PER_PROCESS,
                                                 pool.uid_base + workers))
     try:

@@ -1,6 +1,6 @@
 """What a sandboxed run can leave on the host, found by scanning it: files in the write targets,
 processes of the sandbox uids (or children of ours), SysV and POSIX IPC objects, listening
-sockets; and the secrets the reading attacks look for, planted outside any run (files and IPC
+sockets, run cgroups, keys of the sandbox uids; and the secrets the reading attacks look for, planted outside any run (files and IPC
 objects). Used by bench/sandbox_soak.py (after a pool closes) and by
 tests/rewards/test_sandbox_soak.py (the negative controls: a planted leak of each kind is seen).
 
@@ -16,6 +16,8 @@ import re
 import time
 
 import psutil
+
+from magistral_jax.rewards import run_cgroup, sandbox_keys
 
 from hostile_programs import (IPC_KEY_LEFT, IPC_KEY_PLANTED, MARK, MQ_LEFT, MQ_PLANTED,
                               PLANTED, WRITE_TARGETS)
@@ -337,11 +339,39 @@ def unplant_files(paths: list[str]):
       pass
 
 
-def snapshot() -> dict:
-  """One scan of everything `report` compares: files, SysV objects, POSIX message queues and
-  listening sockets."""
+def run_cgroups() -> set[str]:
+  """Every run cgroup (rewards/run_cgroup.py) under our own cgroups, in every hierarchy."""
+  out = set()
+  for h in run_cgroup.own_hierarchies():
+    try:
+      out.update(os.path.join(h.base, n) for n in os.listdir(h.base)
+                 if n.startswith(run_cgroup.PREFIX))
+    except OSError:
+      continue
+  return out
+
+
+def uid_keys(uids) -> dict[int, int]:
+  """{uid: keys it owns} for the uids that own any (none where the kernel has no keys)."""
+  return {u: n for u in uids if (n := sandbox_keys.key_count(u))}
+
+
+def new_keys(before: dict[int, int], uids, wait_s: float = 10.0) -> dict[int, int]:
+  """{uid: keys it owns beyond `before`}, once the kernel's key collector has caught up with the
+  keys a sweep invalidated (it frees them a few moments later): `wait_s` at most."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    new = {u: n - before.get(u, 0) for u, n in uid_keys(uids).items() if n > before.get(u, 0)}
+    if not new or time.monotonic() > deadline:
+      return new
+    time.sleep(0.1)
+
+
+def snapshot(uids=()) -> dict:
+  """One scan of everything `report` compares: files, SysV objects, POSIX message queues,
+  listening sockets, run cgroups and the keys of `uids`."""
   return dict(files=listing(), sysv=sysv_objects(), mqueues=posix_mqueues(),
-              listeners=listeners())
+              listeners=listeners(), cgroups=run_cgroups(), keys=uid_keys(uids))
 
 
 def report(before: dict, uids: range, worker_pids: set[int]) -> dict:
@@ -365,6 +395,8 @@ def report(before: dict, uids: range, worker_pids: set[int]) -> dict:
   mqs, mq_other = leaked_mqueues(before["mqueues"], after["mqueues"])
   shm, shm_other = leaked_posix_shm(before["files"], after["files"], uids)
   socks, socks_other = leaked_listeners(before["listeners"], after["listeners"], uids)
+  cgroups = sorted(after["cgroups"] - before["cgroups"])
+  keys = new_keys(before["keys"], uids)
   return dict(
       zombies_unreaped=len(zombies),   # dead, holding only a pid entry (host init's to reap)
       leaked_processes=len(procs), leaked_processes_first=procs[:5],
@@ -377,4 +409,6 @@ def report(before: dict, uids: range, worker_pids: set[int]) -> dict:
       new_ipc_unattributed=sysv_other + mq_other + shm_other,
       leaked_listeners=len(socks), leaked_listeners_first=socks[:5],
       new_listeners_unattributed=socks_other, mqueue_listing=mqueue_listing(),
+      leaked_cgroups=len(cgroups), leaked_cgroups_first=cgroups[:5],
+      leaked_keys=sum(keys.values()), leaked_keys_by_uid=keys,
       leaked_ipc_removed=remove_ipc(sysv, mqs, shm))

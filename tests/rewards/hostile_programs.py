@@ -32,7 +32,7 @@ HOLD_S = 1.0   # how long the holding programs stay: alive when a worker is kill
 
 @dataclasses.dataclass(frozen=True)
 class Attack:
-  """One hostile program. kind: write / read / forgery / process / ipc. shape: "stdin" (a whole
+  """One hostile program. kind: write / read / forgery / process / ipc / whole_run. shape: "stdin" (a whole
   program, judged on stdin/stdout tests) or "func" (a module defining f(x), judged by functional
   tests). reads_secret: its output is the planted secret (the task then expects that output)."""
   kind: str
@@ -216,6 +216,106 @@ PROCESS_CPP = {
                    "if (fork() == 0) { sleep(1000); } } return 0; }\n"),
 }
 
+# ---- a run as a whole: CPU, memory and keys no one process holds (issue #64) -------------------
+# Each prints the tests' right answer ("2") only when it got what it tried, so a pass is a
+# wrong verdict. The CPU ones run 4 CPU-s in children, the memory ones hold ~600 MB: both past
+# the limits the soak and the tests give (a 2 s CPU limit; RewardConfig.memory_mb).
+
+# Children whose CPU no live process holds: reaped by the kernel (SIGCHLD ignored), each in a
+# session of its own, one after another (so at most one is ever alive to be seen).
+KERNEL_REAPED_BURN = r"""
+import os, signal, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+for i in range(16):
+  pid = os.fork()
+  if pid == 0:
+    os.setsid()
+    t = time.process_time()
+    while time.process_time() - t < 0.25: pass
+    os._exit(0)
+  while True:
+    try:
+      os.kill(pid, 0)
+      time.sleep(0.02)
+    except ProcessLookupError:
+      break
+print(2)
+"""
+# Orphans (double fork, setsid), reparented to the run's first process.
+ORPHAN_BURN = r"""
+import os, time
+for i in range(16):
+  if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+      t = time.process_time()
+      while time.process_time() - t < 0.25: pass
+    os._exit(0)
+  os.wait()
+  try:
+    os.wait()
+  except ChildProcessError:
+    pass
+print(2)
+"""
+# Unmapped memfd pages, each file under the file-size limit.
+MEMFD_HOG = r"""
+import os
+fds = []
+for i in range(40):
+  fd = os.memfd_create("x")
+  for _ in range(15):
+    os.write(fd, b"x" * (1 << 20))
+  fds.append(fd)
+print(2)
+"""
+# A tree of children, each under its own address-space limit, together past the budget.
+TREE_HOG = r"""
+import os, time
+kids = []
+for i in range(4):
+  pid = os.fork()
+  if pid == 0:
+    b = bytearray(150 << 20)
+    for j in range(0, len(b), 4096): b[j] = 1
+    time.sleep(0.5)
+    os._exit(0)
+  kids.append(pid)
+print(2 if all(os.waitpid(k, 0)[1] == 0 for k in kids) else 0)
+"""
+# SysV shared memory (owned by no process once detached) in the run's IPC namespace.
+SHM_HOG = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+for i in range(40):
+  m = libc.shmget(0, ctypes.c_size_t(16 << 20), 0o1600)
+  if m < 0: break
+  a = libc.shmat(m, None, 0)
+  if a in (None, ctypes.c_void_p(-1).value): break
+  ctypes.memset(a, 1, 16 << 20)
+  libc.shmdt(ctypes.c_void_p(a))
+  held += 16
+print(2 if held >= 600 else held)
+"""
+# A verdict carried to later runs in the kernel keyring: a world-readable user key.
+KEYRING = r"""
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+KEY_SPEC_USER_KEYRING = -4
+k = libc.syscall(ADD_KEY, b"user", b"mj_hostile_key", b"2", 1, KEY_SPEC_USER_KEYRING)
+if k >= 0:
+  libc.syscall(KEYCTL, 5, k, 0x3f3f3f3f)   # KEYCTL_SETPERM: everyone may read
+print(2 if k >= 0 else 0)
+"""
+# A stderr flood far past the output cap, then the right answer.
+STDERR_FLOOD = "import sys\nfor _ in range(4096):\n  sys.stderr.write('x' * (1 << 16))\nprint(2)\n"
+WHOLE_RUN_PY = {"kernel_reaped_burn": KERNEL_REAPED_BURN, "orphan_burn": ORPHAN_BURN,
+                "memfd_hog": MEMFD_HOG, "tree_hog": TREE_HOG, "shm_hog": SHM_HOG,
+                "keyring": KEYRING, "stderr_flood": STDERR_FLOOD}
+
 # ---- IPC objects and listening sockets (issue #50) -------------------------------------------
 
 # Shared by the IPC programs (ctypes: libc's shmget & co. need no module the sandbox lacks).
@@ -333,6 +433,7 @@ def _table() -> dict[str, Attack]:
   a.update((n, Attack("forgery", "cpp", "stdin", s)) for n, s in CPP_FORGERIES.items())
   a.update((n, Attack("process", "python", "stdin", s)) for n, s in PROCESS_PY.items())
   a.update((n, Attack("process", "cpp", "stdin", s)) for n, s in PROCESS_CPP.items())
+  a.update((n, Attack("whole_run", "python", "stdin", s)) for n, s in WHOLE_RUN_PY.items())
   return a
 
 
@@ -342,4 +443,5 @@ ATTACKS = _table()
 # contains them.
 IPC_ATTACKS = tuple(n for n, a in ATTACKS.items() if a.kind == "ipc")
 # In every soak mix once, whatever the draw: the IPC attacks and the ones that hold on.
-ALWAYS = IPC_ATTACKS + ("daemon_hold", "daemon_hold_in_f")
+# The whole-run attacks starve, flood and fork beside the honest programs in every mix too.
+ALWAYS = IPC_ATTACKS + ("daemon_hold", "daemon_hold_in_f") + tuple(WHOLE_RUN_PY)

@@ -14,6 +14,7 @@ from magistral_jax.rewards import run_cgroup, sandbox, sandbox_root
 from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.rewards.sandbox_root import SECCOMP, seccomp_program
 
+import hostile_programs as hp
 from test_sandbox_wave4 import _run_filter
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the cgroup checks need root")
@@ -84,53 +85,13 @@ def test_without_a_cgroup_the_filter_keeps_children_cpu_visible_and_refuses_memf
 
 # ----------------------------------------------------------------------------- CPU of the tree
 
-# Children whose CPU no live process holds: reaped by the kernel (SIGCHLD ignored), each in a
-# session of its own, short-lived, one after another (so at most one is ever alive to be seen).
-# Unaccounted, this runs 2 CPU-s under a 1 s limit.
-_KERNEL_REAPED = r"""
-import os, signal, time
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-for i in range(8):
-  pid = os.fork()
-  if pid == 0:
-    os.setsid()
-    t = time.process_time()
-    while time.process_time() - t < 0.25: pass
-    os._exit(0)
-  while True:
-    try:
-      os.kill(pid, 0)
-      time.sleep(0.02)
-    except ProcessLookupError:
-      break
-print(2)
-"""
-
-# Orphans (double fork, setsid), reparented to the run's first process.
-_ORPHANS = r"""
-import os, time
-for i in range(8):
-  if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-      t = time.process_time()
-      while time.process_time() - t < 0.25: pass
-    os._exit(0)
-  os.wait()
-  try:
-    os.wait()
-  except ChildProcessError:
-    pass
-print(2)
-"""
-
-
-@pytest.mark.parametrize("src", [_KERNEL_REAPED, _ORPHANS], ids=["kernel_reaped", "orphans"])
+@pytest.mark.parametrize("src", [hp.KERNEL_REAPED_BURN, hp.ORPHAN_BURN],
+                         ids=["kernel_reaped", "orphans"])
 def test_the_cpu_limit_counts_every_descendant(sbx, src):
   r = _run(sbx, src, Limits(cpu_s=1.0))
   assert r.stdout.strip() != b"2", (sbx.cgroups.version, r)
   assert r.fault is None
-  if sbx.cgroups.version is None and src is _KERNEL_REAPED:
+  if sbx.cgroups.version is None and src is hp.KERNEL_REAPED_BURN:
     assert b"PermissionError" in r.stderr         # the filter: no kernel reaping to hide in
   else:
     assert r.timed_out and r.cpu_s >= 1.0, r      # stopped at its CPU limit
@@ -156,18 +117,6 @@ def test_the_run_sees_its_cgroup_as_its_root_and_no_cgroupfs():
 
 # ----------------------------------------------------------------------------- memory of the tree
 
-# Unmapped memfd pages: 12 x 15 MB (each under the file-size limit), 180 MB past a 100 MB budget.
-_MEMFD = r"""
-import os
-fds = []
-for i in range(12):
-  fd = os.memfd_create("x")
-  for _ in range(15):
-    os.write(fd, b"x" * (1 << 20))
-  fds.append(fd)
-print(2)
-"""
-
 # A tree of children, each under its own address-space limit, together past the budget: passes
 # only if every child held its share at once and exited cleanly.
 _TREE = r"""
@@ -185,7 +134,7 @@ print(2 if all(os.waitpid(k, 0)[1] == 0 for k in kids) else 0)
 """
 
 
-@pytest.mark.parametrize("src", [_MEMFD, _TREE], ids=["memfd", "tree"])
+@pytest.mark.parametrize("src", [hp.MEMFD_HOG, _TREE], ids=["memfd", "tree"])
 def test_memory_is_bounded_for_the_whole_tree(sbx, src):
   r = _run(sbx, src, Limits(cpu_s=3.0, memory_mb=100))
   # Bounded by the cgroup's memory controller, or (none: v2 here, the fallback) by the CPU

@@ -2,7 +2,8 @@
 and wrong programs through a 2-worker VerifierPool whose busy workers are SIGKILLed every so often
 (chaos). Every verdict must be the known one (a killed worker's task gets none: faulted, dropped),
 no task lost, and nothing left behind: no process of the sandbox uids or child of ours, no file
-outside the run dirs, no run dir, no IPC object, no listening socket. No timing assertions (the
+outside the run dirs, no run dir, no IPC object, no listening socket, no run cgroup, no key of a
+sandbox uid; and no verifier fault on an honest program beside the hostile ones. No timing assertions (the
 throughput ratio is the bench's, on a quiet host). The bench runs as a script, as it does on its
 own (its JSON last line is the result). The negative controls below check that each leak detector
 (host_leaks.py) sees a planted leak of its kind and that the verdict rule holds."""
@@ -13,11 +14,12 @@ import subprocess
 import sys
 
 import host_leaks
+import hostile_programs
 import known_verdicts
 import pytest
 from hostile_programs import ALWAYS, ATTACKS, IPC_ATTACKS, IPC_KEY_LEFT, MARK, MQ_LEFT
 
-from magistral_jax.rewards import sandbox
+from magistral_jax.rewards import run_cgroup, sandbox, sandbox_keys
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rewards.reward import RewardResult
 
@@ -84,6 +86,14 @@ def test_nothing_is_left_behind(result):
   assert result["leaked_uids"] == []
   assert result["leaked_files"] == 0, result["leaked_files_first"]
   assert result["leaked_run_dirs"] == 0
+  assert result["leaked_cgroups"] == 0, result["leaked_cgroups_first"]
+  assert result["leaked_keys"] == 0, result["leaked_keys_by_uid"]
+
+
+def test_honest_programs_beside_hostile_ones_get_no_verifier_fault(result):
+  # Starving, flooding and forking neighbours (the whole-run attacks, in every mix) must not make
+  # our limits stop an honest program: that would be a dropped group, not a verdict.
+  assert result["honest_verifier_faults"] == 0, result["faulted_first"]
 
 
 def test_no_ipc_object_or_listener_is_left_behind(result):
@@ -99,7 +109,7 @@ def test_the_reading_attacks_would_pass_without_the_sandbox(result):
   assert all(result["read_attacks_pass_bare"].values()), result["read_attacks_pass_bare"]
 
 
-def test_every_mix_has_the_ipc_attacks_and_the_holders(result):
+def test_every_mix_has_the_ipc_attacks_the_holders_and_the_whole_run_attacks(result):
   assert result["always_in_mix"] == sorted(ALWAYS)
   assert set(IPC_ATTACKS) <= set(ATTACKS) and result["ipc_attacks"] == list(IPC_ATTACKS)
 
@@ -123,6 +133,34 @@ def test_the_leak_checks_see_a_leak():
       child.kill()
       child.wait()
     host_leaks.unplant_files(made)
+
+
+def test_the_cgroup_and_key_checks_see_a_leak():
+  # A run cgroup left under ours, and a key a sandbox uid made (run bare, as that uid).
+  bases = [h.base for h in run_cgroup.own_hierarchies()]
+  uid = sandbox.process_uid_base() + 230
+  before = host_leaks.snapshot(range(uid, uid + 1))
+  made = []
+  try:
+    for b in bases[:1]:
+      made.append(os.path.join(b, run_cgroup.PREFIX + "control"))
+      os.mkdir(made[-1])
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                   if os.access(p, os.X_OK)), None)
+    if python is None:
+      pytest.skip("no system python for the sandbox uid")
+    r = subprocess.run([python, "-I", "-S", "-c", hostile_programs.KEYRING], capture_output=True,
+                       preexec_fn=lambda: (os.setgid(uid), os.setuid(uid)), timeout=30, cwd="/")
+    assert r.stdout.strip() == b"2", r   # the kernel has keys here, and this one was made
+    assert host_leaks.new_keys(before["keys"], [uid], wait_s=0)
+    rep = host_leaks.report(before, range(uid, uid + 1), set())
+    assert rep["leaked_cgroups"] == len(made), rep["leaked_cgroups_first"]
+    assert rep["leaked_keys"] >= 1, rep["leaked_keys_by_uid"]   # waited 10 s: not a sweep's lag
+  finally:
+    for d in made:
+      os.rmdir(d)
+    sandbox_keys.remove_uid_keys(uid)
+  assert not host_leaks.new_keys(before["keys"], [uid])
 
 
 def test_a_hostile_pass_is_a_wrong_verdict():
