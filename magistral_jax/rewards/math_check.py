@@ -2,7 +2,11 @@ r"""Math correctness: the LAST boxed answer after </think> against the reference
 
 math-verify (latex2sympy2 + SymPy) is configured for RL: the prediction is parsed only from the
 box we extracted (no fallback to the last bare number in the text), with unit, percent and
-thousands-separator normalisation on. Its timeouts use SIGALRM, so they only fire in a process's
+thousands-separator normalisation on. A percent sign matches either reading, `\boxed{25\%}` the
+reference 25 and the reference 0.25, on purpose: the datasets write a "what percent" answer
+without its sign (GSM8K's "#### 25", MATH's "25"), so refusing `25\%` for 25 would teach the
+policy that a correct answer with its unit is wrong, and a bare number is never read as a percent
+(`\boxed{284}` fails for 2.84). Its timeouts use SIGALRM, so they only fire in a process's
 main thread: the verifier pool runs this in worker main threads and adds a hard kill on top.
 
 Relations in the box. math-verify grades an equation by its right-hand side, so `\boxed{1000 =

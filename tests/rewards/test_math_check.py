@@ -19,6 +19,7 @@ from magistral_jax.rewards.math_check import (has_variable, last_boxed_answer, m
     (r"\begin{pmatrix}1\\2\end{pmatrix}", r"\begin{pmatrix}1\\2\end{pmatrix}"),
     (r"10\text{ cm}", "10"),
     (r"10\%", "0.1"),
+    (r"284\%", "284"),    # the datasets write a percent answer without its sign
     ("1,000,000", "1000000"),
     ("1{,}000", "1000"),
     (r"\$32,348", "32348"),
@@ -39,6 +40,8 @@ def test_equivalent_answers_are_accepted(pred, ref):
     ("q-p", "p - q"),
     (r"\text{two}", "2"),
     ("", "5"),
+    ("284", "2.84"),      # a bare number is never read as a percent
+    (r"28\%", "284"),
 ])
 def test_wrong_answers_are_rejected(pred, ref):
   assert not math_equal(pred, ref)
