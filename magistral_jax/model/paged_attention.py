@@ -1,0 +1,212 @@
+"""Decode attention over a paged KV cache: one query token per slot, reading only live positions.
+
+The cache of a layer is a pool of pages, `[kv_heads, pages, page_size, head_dim]` for keys and for
+values (the layout jax's Pallas paged kernels take), and each slot owns a row of a page table
+(`[slots, max_pages]` int32: which pool page holds its positions `i * page_size ...`). Slot `b`
+has `lengths[b]` live positions; table entries past them point at page 0, the null page that the
+allocator (generate/pages.py) never hands out, so every gather reads a valid page.
+
+Three ways to attend, one result (tests/model/test_paged_attention.py holds them to `dense`):
+  - `dense`: every slot gathers all of its `max_pages` pages and masks past its length. It reads
+    what a dense cache reads: the reference, and the ablation switch.
+  - `ragged`: the live pages of all slots, flattened into one list of `n_pages` entries (a static
+    bucket of the total, chosen on the host: `live_pages_bucket`), each attended by its slot's
+    query, then a softmax per slot across its pages (segment max and sums). What it reads follows
+    the sum of the live lengths, not slots x the longest: the CPU path, and a portable fallback.
+  - `pallas_gpu` / `pallas_tpu`: jax's own paged kernels (split-K over the sequence on GPU,
+    `k_splits`), run in Pallas's interpreter on CPU by the tests.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+IMPLS = ("dense", "ragged", "pallas_gpu", "pallas_tpu")
+NULL_PAGE = 0   # never allocated: table entries past a slot's pages point here
+# Softmax masking value: finite, so a slot with no live position gives 0, not NaN.
+_MASK = -1e30
+
+
+def pages_for(length, page_size: int):
+  """Pages that `length` positions fill (ceil); host ints or arrays alike."""
+  return (length + page_size - 1) // page_size
+
+
+def live_pages_bucket(total_pages: int, max_total: int) -> int:
+  """The static size of the ragged path's page list for `total_pages` live pages: the next power
+  of two, or the next multiple of an eighth of it past 64 (so at most ~12 % is padding and the
+  number of compiled shapes grows with the log of the cache), capped at `max_total`."""
+  n = max(1, int(total_pages))
+  if n <= 64:
+    b = 1 << (n - 1).bit_length()
+  else:
+    step = 1 << max(0, n.bit_length() - 4)
+    b = -(-n // step) * step
+  return int(min(b, max_total))
+
+
+def _grouped(q: Array, kv_heads: int) -> Array:
+  b, hq, dh = q.shape
+  return q.reshape(b, kv_heads, hq // kv_heads, dh)
+
+
+def dense(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array) -> Array:
+  """q [B, Hq, Dh]; pages [Hkv, P, ps, Dh]; page_table [B, max_pages]; lengths [B] -> [B, Hq, Dh]."""
+  hkv, _, ps, dh = k_pages.shape
+  b, max_pages = page_table.shape
+  k = k_pages[:, page_table].reshape(hkv, b, max_pages * ps, dh)
+  v = v_pages[:, page_table].reshape(hkv, b, max_pages * ps, dh)
+  qg = _grouped(q, hkv).astype(jnp.float32)
+  s = jnp.einsum("bkgd,kbsd->bkgs", qg, k.astype(jnp.float32)) / math.sqrt(dh)
+  live = jnp.arange(max_pages * ps)[None, :] < lengths[:, None]                # [B, S]
+  s = jnp.where(live[:, None, None, :], s, _MASK)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.where(live[:, None, None, :], jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  o = jnp.einsum("bkgs,kbsd->bkgd", p, v.astype(jnp.float32)) / jnp.maximum(l, 1e-30)
+  return o.reshape(q.shape).astype(q.dtype)
+
+
+def flat_pages(page_table: Array, lengths: Array, n_pages: int, page_size: int):
+  """The live pages of all slots as one list of `n_pages` entries (padding past the total):
+  (pool page, its slot, its first position, is it real) per entry."""
+  b, max_pages = page_table.shape
+  per_slot = pages_for(lengths, page_size)
+  ends = jnp.cumsum(per_slot)
+  starts = ends - per_slot
+  j = jnp.arange(n_pages)
+  slot = jnp.minimum(jnp.searchsorted(ends, j, side="right"), b - 1)
+  local = jnp.clip(j - starts[slot], 0, max_pages - 1)
+  real = j < ends[-1]
+  page = jnp.where(real, page_table[slot, local], NULL_PAGE)
+  return page, slot, local * page_size, real
+
+
+def ragged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, *,
+           n_pages: int) -> Array:
+  """`dense`'s result reading only the live pages (n_pages: `live_pages_bucket` of their total)."""
+  hkv, _, ps, dh = k_pages.shape
+  b = q.shape[0]
+  page, slot, first, real = flat_pages(page_table, lengths, n_pages, ps)
+  k = k_pages[:, page].astype(jnp.float32)                                  # [Hkv, n, ps, Dh]
+  v = v_pages[:, page].astype(jnp.float32)
+  qg = _grouped(q, hkv).astype(jnp.float32)[slot]                           # [n, Hkv, G, Dh]
+  s = jnp.einsum("nkgd,knsd->nkgs", qg, k) / math.sqrt(dh)
+  live = (first[:, None] + jnp.arange(ps)[None, :] < lengths[slot][:, None]) & real[:, None]
+  s = jnp.where(live[:, None, None, :], s, _MASK)
+  m_page = jnp.max(s, axis=-1)                                              # [n, Hkv, G]
+  m = jax.ops.segment_max(m_page, slot, num_segments=b)                     # [B, Hkv, G]
+  p = jnp.where(live[:, None, None, :], jnp.exp(s - m[slot][..., None]), 0.0)
+  l = jax.ops.segment_sum(jnp.sum(p, axis=-1), slot, num_segments=b)
+  o = jax.ops.segment_sum(jnp.einsum("nkgs,knsd->nkgd", p, v), slot, num_segments=b)
+  o = o / jnp.maximum(l, 1e-30)[..., None]
+  return o.reshape(q.shape).astype(q.dtype)
+
+
+def pallas_gpu(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, *,
+               interpret: bool = False, k_splits: int = 16, pages_per_compute_block: int = 8
+               ) -> Array:
+  """jax's GPU paged kernel: split-K over each slot's pages (k_splits partitions). The kernel
+  takes the query already scaled (it computes q.k raw)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+  q = (q.astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
+  max_pages = page_table.shape[1]
+  ppcb = min(pages_per_compute_block, max_pages)
+  splits = max(1, min(k_splits, max_pages // ppcb))
+  while max_pages % (ppcb * splits):
+    splits -= 1
+  return gpu_paged.paged_attention(q, k_pages, v_pages, page_table, lengths,
+                                   pages_per_compute_block=ppcb, k_splits=splits,
+                                   interpret=interpret)
+
+
+def pallas_tpu(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, *,
+               pages_per_compute_block: int = 8) -> Array:
+  """jax's TPU paged kernel (the query scaled first, as for the GPU one)."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+  q = (q.astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
+  ppcb = math.gcd(pages_per_compute_block, page_table.shape[1])
+  return tpu_paged(q, k_pages, v_pages, lengths, page_table, pages_per_compute_block=ppcb)
+
+
+def attend(impl: str, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
+           lengths: Array, *, n_pages: int | None = None, interpret: bool = False) -> Array:
+  """Decode attention by `impl` (one of IMPLS); `ragged` needs its static `n_pages`."""
+  if impl == "dense":
+    return dense(q, k_pages, v_pages, page_table, lengths)
+  if impl == "ragged":
+    if n_pages is None:
+      raise ValueError("paged attention 'ragged' needs n_pages (live_pages_bucket)")
+    return ragged(q, k_pages, v_pages, page_table, lengths, n_pages=n_pages)
+  if impl == "pallas_gpu":
+    return pallas_gpu(q, k_pages, v_pages, page_table, lengths, interpret=interpret)
+  if impl == "pallas_tpu":
+    return pallas_tpu(q, k_pages, v_pages, page_table, lengths)
+  raise ValueError(f"paged attention impl must be one of {IMPLS}, got {impl!r}")
+
+
+def default_impl(platform: str) -> str:
+  """What reads only live positions on each platform."""
+  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "ragged")
+
+
+# ----------------------------------------------------------------------------- writes
+
+def write_tokens(k_pages: Array, v_pages: Array, page_table: Array, positions: Array,
+                 k_new: Array, v_new: Array) -> tuple[Array, Array]:
+  """Each slot's new token into its page: positions [B] (where the token goes, < its reserved
+  pages' span), k_new/v_new [B, Hkv, Dh]. A slot without a token this step writes to the null
+  page (position -1)."""
+  ps = k_pages.shape[2]
+  b = positions.shape[0]
+  pos = jnp.maximum(positions, 0)
+  page = jnp.where(positions >= 0, page_table[jnp.arange(b), pos // ps], NULL_PAGE)
+  off = pos % ps
+  k_pages = k_pages.at[:, page, off].set(jnp.swapaxes(k_new, 0, 1).astype(k_pages.dtype))
+  v_pages = v_pages.at[:, page, off].set(jnp.swapaxes(v_new, 0, 1).astype(v_pages.dtype))
+  return k_pages, v_pages
+
+
+def write_prompt(k_pages: Array, v_pages: Array, pages: Array, k: Array, v: Array
+                 ) -> tuple[Array, Array]:
+  """A prefilled prompt's keys and values into its pages: pages [n] (pool pages, in order), k/v
+  [T, Hkv, Dh] with T <= n * page_size (the tail of the last page is left as it was)."""
+  hkv, _, ps, dh = k_pages.shape
+  n = pages.shape[0]
+  t = k.shape[0]
+  pad = n * ps - t
+  kk = jnp.pad(k, ((0, pad), (0, 0), (0, 0))).reshape(n, ps, hkv, dh).transpose(2, 0, 1, 3)
+  vv = jnp.pad(v, ((0, pad), (0, 0), (0, 0))).reshape(n, ps, hkv, dh).transpose(2, 0, 1, 3)
+  if pad:   # keep what the last page held past the prompt (a shared page's other tokens: none)
+    keep = (jnp.arange(n * ps) >= t).reshape(n, ps)[None, :, :, None]
+    kk = jnp.where(keep, k_pages[:, pages], kk.astype(k_pages.dtype))
+    vv = jnp.where(keep, v_pages[:, pages], vv.astype(v_pages.dtype))
+  return (k_pages.at[:, pages].set(kk.astype(k_pages.dtype)),
+          v_pages.at[:, pages].set(vv.astype(v_pages.dtype)))
+
+
+def copy_pages(k_pages: Array, v_pages: Array, src: Array, dst: Array) -> tuple[Array, Array]:
+  """Copies whole pages src[i] -> dst[i] (a group's last partial prompt page, one per member)."""
+  return (k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src]))
+
+
+def bytes_read(impl: str, lengths, page_size: int, max_pages: int, bytes_per_position: int,
+               n_pages: int | None = None) -> int:
+  """KV bytes one decode step's attention reads per layer by `impl` (host-side accounting for the
+  benchmark: dense reads every slot's whole table, ragged its bucket, the kernels the live
+  pages)."""
+  lengths = np.asarray(lengths)
+  if impl == "dense":
+    pages = len(lengths) * max_pages
+  elif impl == "ragged":
+    pages = n_pages if n_pages is not None else live_pages_bucket(
+        int(pages_for(lengths, page_size).sum()), len(lengths) * max_pages)
+  else:
+    pages = int(pages_for(lengths, page_size).sum())
+  return int(pages) * page_size * bytes_per_position

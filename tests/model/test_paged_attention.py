@@ -1,0 +1,117 @@
+"""Decode attention over pages (model/paged_attention.py): every implementation gives dense's
+result, on long-tailed lengths, GQA, empty slots and shared pages; the writes land where the
+table says; the ragged path's list holds exactly the live pages."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from magistral_jax.model import paged_attention as pa
+
+PS, MAX_PAGES, POOL = 8, 16, 96
+
+
+def _case(seed=0, lengths=(1, 7, 8, 9, 40, 128, 0, 77), hq=8, hkv=2, dh=16, dtype=jnp.float32):
+  r = np.random.default_rng(seed)
+  b = len(lengths)
+  k = jnp.asarray(r.normal(size=(hkv, POOL, PS, dh)), dtype)
+  v = jnp.asarray(r.normal(size=(hkv, POOL, PS, dh)), dtype)
+  q = jnp.asarray(r.normal(size=(b, hq, dh)), dtype)
+  table = np.zeros((b, MAX_PAGES), np.int32)
+  free = list(r.permutation(np.arange(1, POOL)))
+  for i, n in enumerate(lengths):
+    for j in range(pa.pages_for(n, PS)):
+      table[i, j] = free.pop()
+  return q, k, v, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
+
+
+def _numpy_reference(q, k, v, table, lengths):
+  q, k, v, table, lengths = map(np.asarray, (q, k, v, table, lengths))
+  b, hq, dh = q.shape
+  hkv = k.shape[0]
+  out = np.zeros_like(q, dtype=np.float64)
+  for i in range(b):
+    n = lengths[i]
+    if n == 0:
+      continue
+    keys = np.concatenate([k[:, p] for p in table[i]], axis=1)[:, :n]     # [Hkv, n, Dh]
+    vals = np.concatenate([v[:, p] for p in table[i]], axis=1)[:, :n]
+    for h in range(hq):
+      s = keys[h // (hq // hkv)] @ q[i, h] / np.sqrt(dh)
+      w = np.exp(s - s.max())
+      out[i, h] = (w / w.sum()) @ vals[h // (hq // hkv)]
+  return out
+
+
+def test_dense_is_attention_over_each_slot_s_live_positions():
+  args = _case()
+  np.testing.assert_allclose(pa.dense(*args), _numpy_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [(1, 7, 8, 9, 40, 128, 0, 77), (128,) * 4, (0, 0, 3),
+                                     (5,)])
+def test_ragged_reads_only_live_pages_and_gives_dense_s_result(lengths):
+  args = _case(lengths=lengths)
+  total = int(pa.pages_for(np.asarray(lengths), PS).sum())
+  n = pa.live_pages_bucket(total, len(lengths) * MAX_PAGES)
+  got = jax.jit(pa.ragged, static_argnames="n_pages")(*args, n_pages=n)
+  np.testing.assert_allclose(got, pa.dense(*args), rtol=1e-5, atol=1e-5)
+  page, slot, first, real = pa.flat_pages(args[3], args[4], n, PS)
+  assert int(real.sum()) == total
+  want = {(i, j) for i, L in enumerate(lengths) for j in range(pa.pages_for(L, PS))}
+  assert {(int(s), int(f) // PS) for s, f, r in zip(slot, first, real) if r} == want
+
+
+def test_the_bucket_bounds_padding_and_compiled_shapes():
+  for total in range(1, 5000):
+    b = pa.live_pages_bucket(total, 10**6)
+    assert total <= b and (b <= 64 or b <= total * 1.125 + 1), (total, b)
+  assert len({pa.live_pages_bucket(t, 10**6) for t in range(1, 5000)}) < 60
+  assert pa.live_pages_bucket(900, 512) == 512
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu"])
+def test_jax_s_paged_kernel_in_the_interpreter_gives_dense_s_result(impl):
+  # jax's GPU kernel wants a head_dim and head blocks its Triton lowering takes; the interpreter
+  # runs the same program on CPU.
+  args = _case(lengths=(1, 7, 8, 9, 40, 128, 3, 77), hq=16, hkv=2, dh=32)
+  got = pa.attend(impl, *args, interpret=True)
+  np.testing.assert_allclose(got, pa.dense(*args), rtol=2e-4, atol=2e-4)
+
+
+def test_bf16_pages_are_attended_in_fp32():
+  args = _case(dtype=jnp.bfloat16)
+  total = int(pa.pages_for(np.asarray(args[4]), PS).sum())
+  got = pa.ragged(*args, n_pages=pa.live_pages_bucket(total, 10**6))
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32),
+                             _numpy_reference(*(np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args)),
+                             rtol=3e-2, atol=3e-2)
+
+
+def test_token_and_prompt_writes_land_where_the_table_says():
+  q, k, v, table, lengths = _case(lengths=(3, 8, 0))
+  kn = jnp.ones((3, 2, 16)) * jnp.arange(1, 4)[:, None, None]
+  k2, v2 = pa.write_tokens(k, v, table, jnp.asarray([3, 8, -1]), kn, -kn)
+  # slot 0: page table[0, 0] offset 3; slot 1: its second page (allocated as pages_for(8) = 1:
+  # the test's table has it as page 0 = null, so the caller reserves ahead; here position 8 ->
+  # table[1, 1] = NULL_PAGE); slot 2: nothing (-1 -> null page).
+  assert np.all(np.asarray(k2[:, table[0, 0], 3]) == 1)
+  assert np.all(np.asarray(v2[:, table[0, 0], 3]) == -1)
+  untouched = np.ones(k.shape[1], bool)
+  untouched[[int(table[0, 0]), pa.NULL_PAGE]] = False
+  np.testing.assert_array_equal(np.asarray(k2)[:, untouched], np.asarray(k)[:, untouched])
+  pages = jnp.asarray([5, 9])
+  kp = jnp.arange(11 * 2 * 16, dtype=jnp.float32).reshape(11, 2, 16)
+  k3, _ = pa.write_prompt(k, v, pages, kp, kp)
+  got = np.concatenate([np.asarray(k3[:, 5]), np.asarray(k3[:, 9])], axis=1)   # [Hkv, 16, Dh]
+  np.testing.assert_array_equal(got[:, :11], np.asarray(kp).transpose(1, 0, 2))
+  np.testing.assert_array_equal(got[:, 11:], np.asarray(k[:, 9, 3:]))        # tail kept
+
+
+def test_bytes_read_follow_the_live_lengths_for_the_kernels_and_ragged():
+  lengths = [8, 8, 8, 120]
+  dense = pa.bytes_read("dense", lengths, PS, MAX_PAGES, 1)
+  live = pa.bytes_read("pallas_gpu", lengths, PS, MAX_PAGES, 1)
+  assert dense == 4 * MAX_PAGES * PS and live == (3 + 15) * PS
+  assert live <= pa.bytes_read("ragged", lengths, PS, MAX_PAGES, 1) <= 1.125 * live + PS * 64
