@@ -1,0 +1,154 @@
+"""Benchmark: one layer's decode attention over live positions (paged) against the dense cache.
+
+Workload: `--slots` decode slots (a comma list runs each) with long-tailed live lengths (a
+lognormal draw with mean `--mean_frac` of the cache, clipped to it; `--tail` slots at full length
+stand for the long tail; a run of <= 4 slots is all tail), one query token each, GQA `--q_heads`/`--kv_heads`, `--head_dim`.
+Baseline: `dense`, attention over a contiguous `[slots, cache, kv_heads, head_dim]` cache masked
+by length (what the engine's dense decode reads: every position of every slot). Against it, the
+paged implementations of model/paged_attention.py over a pool holding the same tokens: `ragged`
+(the CPU path: the live pages of all slots as one bucketed list) and, on a GPU, `pallas_gpu`
+(jax's split-K paged kernel). Per implementation: the median step time, the KV bytes it reads
+(accounted from the shapes it touches) over the bytes the live lengths need, and the live bytes
+per second; on a GPU also that rate over a measured device copy's bandwidth. `in_flight_ratio`:
+sequences of this length mix that a paged pool of the dense cache's memory holds, over the
+dense cache's slots (pages rounded up per sequence).
+
+  python bench/paged_attention.py [--slots 16] [--cache 8192]          (CPU: SmolLM2-135M's heads)
+  python bench/paged_attention.py --gpu                                (Small's per-chip shapes)
+
+Last line: {"bench": "paged_attention", "runs": [{slots, impl: {step_ms, kv_read_over_live,
+live_gb_per_s[, of_copy_bandwidth]}, paged_over_dense_step, in_flight_ratio}], ...}.
+"""
+from __future__ import annotations
+
+import math
+
+import common
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magistral_jax.model import paged_attention as pa
+
+
+def lengths_for(slots: int, cache: int, mean_frac: float, tail: int, seed: int) -> np.ndarray:
+  r = np.random.default_rng(seed)
+  sigma = 1.0
+  mu = math.log(mean_frac * cache) - sigma ** 2 / 2
+  n = np.clip(r.lognormal(mu, sigma, size=slots), 1, cache).astype(np.int32)
+  n[:min(tail, slots)] = cache
+  if slots <= 4:   # the long tail of a batch: the few slots left are the long ones
+    n[:] = cache
+  return n
+
+
+def dense_contiguous(q, k, v, lengths):
+  """The baseline: q [B, Hq, Dh] against a contiguous cache k/v [B, S, Hkv, Dh], masked."""
+  b, hq, dh = q.shape
+  hkv = k.shape[2]
+  qg = q.reshape(b, hkv, hq // hkv, dh)
+  s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(dh)
+  live = jnp.arange(k.shape[1])[None] < lengths[:, None]
+  s = jnp.where(live[:, None, None], s, -1e30)
+  w = jax.nn.softmax(s, axis=-1)
+  o = jnp.einsum("bkgs,bskd->bkgd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o.reshape(q.shape).astype(q.dtype)
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+  """Bytes per second of a device copy of `nbytes` (read + write counted once each)."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  return 2 * x.nbytes / common.time_fn(lambda: f(x), repeats).median
+
+
+def one_run(slots: int, args, rng_seed: int) -> dict:
+  dtype = jnp.dtype(args.dtype)
+  ps, s = args.page_size, args.cache
+  max_pages = s // ps
+  lengths = lengths_for(slots, s, args.mean_frac, args.tail if slots > args.tail else 0, rng_seed)
+  live_pages = pa.pages_for(lengths, ps)
+  r = np.random.default_rng(rng_seed)
+  shape = (slots, s, args.kv_heads, args.head_dim)
+  k_np = r.standard_normal(shape, np.float32)
+  v_np = r.standard_normal(shape, np.float32)
+  k, v = jnp.asarray(k_np, dtype), jnp.asarray(v_np, dtype)
+  q = jnp.asarray(r.standard_normal((slots, args.q_heads, args.head_dim), np.float32), dtype)
+  n = jnp.asarray(lengths)
+  # The pool: only the live pages, laid out as the allocator would (page 0 null).
+  table = np.zeros((slots, max_pages), np.int32)
+  table[np.arange(max_pages)[None] < live_pages[:, None]] = 1 + np.arange(int(live_pages.sum()))
+
+  def pool_of(x):   # the same tokens as the dense cache, page by page, after the null page
+    live = [x[b, :live_pages[b] * ps].reshape(live_pages[b], ps, *x.shape[2:])
+            for b in range(slots)]
+    pages = np.concatenate([np.zeros((1, ps, *x.shape[2:]), x.dtype)] + live)
+    return jnp.asarray(pages.transpose(2, 0, 1, 3), dtype)
+  kp, vp = pool_of(k_np), pool_of(v_np)
+  t = jnp.asarray(table)
+  n_pages = pa.live_pages_bucket(int(live_pages.sum()), slots * max_pages)
+  fns = {"dense": (jax.jit(dense_contiguous), (q, k, v, n)),
+         "ragged": (jax.jit(pa.ragged, static_argnames="n_pages"), (q, kp, vp, t, n))}
+  if args.gpu:
+    fns["pallas_gpu"] = (jax.jit(pa.pallas_gpu), (q, kp, vp, t, n))
+  want = np.asarray(fns["dense"][0](*fns["dense"][1]), np.float32)
+  bpp = 2 * args.kv_heads * args.head_dim * dtype.itemsize        # K and V, per position
+  live_bytes = int(lengths.sum()) * bpp
+  out = dict(slots=slots, mean_live=float(lengths.mean()), cache=s,
+             live_fraction=float(lengths.mean() / s))
+  bw = copy_bandwidth(256 << 20, args.repeats) if args.gpu else None
+  calls = {name: ((lambda f=f, a=a: f(*a, n_pages=n_pages)) if name == "ragged" else
+                  (lambda f=f, a=a: f(*a))) for name, (f, a) in fns.items()}
+  timings = common.time_rounds(calls, args.repeats, alternate=True)   # dense and paged in turn
+  for name, t in timings.items():
+    err = float(np.abs(np.asarray(t.result, np.float32) - want).max())
+    if err > (1e-3 if dtype == jnp.float32 else 5e-2):
+      raise AssertionError(f"{name} differs from dense by {err} at {slots} slots")
+    sec = t.median
+    read = (slots * s * bpp if name == "dense" else
+            pa.bytes_read(name, lengths, ps, max_pages, bpp, n_pages=n_pages))
+    row = dict(step_ms=sec * 1e3, kv_read_over_live=read / live_bytes,
+               live_gb_per_s=live_bytes / sec / 1e9, max_abs_err=err)
+    if bw:
+      row["of_copy_bandwidth"] = live_bytes / sec / bw
+    out[name] = row
+  best = min((k for k in fns if k != "dense"), key=lambda k: out[k]["step_ms"])
+  out["paged_over_dense_step"] = out["dense"]["step_ms"] / out[best]["step_ms"]
+  out["best_paged"] = best
+  out["in_flight_ratio"] = (slots * max_pages // max(1, int(np.ceil(live_pages.mean())))) / slots
+  return out
+
+
+def main():
+  ap = common.argument_parser(__doc__)
+  ap.add_argument("--gpu", action="store_true", help="Small's per-chip shapes, + pallas_gpu")
+  ap.add_argument("--slots", default=None, help="comma list of slot counts")
+  ap.add_argument("--cache", type=int, default=None, help="positions per slot")
+  ap.add_argument("--page_size", type=int, default=None)
+  ap.add_argument("--mean_frac", type=float, default=0.2, help="mean live length / cache")
+  ap.add_argument("--tail", type=int, default=1, help="slots at full length (the long tail)")
+  ap.add_argument("--q_heads", type=int, default=None)
+  ap.add_argument("--kv_heads", type=int, default=None)
+  ap.add_argument("--head_dim", type=int, default=None)
+  ap.add_argument("--dtype", default=None)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args()
+  # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's
+  # per-chip shapes (8 query / 2 KV heads of 128, bf16, 45,056 positions) and a 4-slot tail.
+  cpu = dict(slots="16", cache=8192, page_size=64, q_heads=9, kv_heads=3, head_dim=64,
+             dtype="float32")
+  gpu = dict(slots="31,64,128,4", cache=45056, page_size=64, q_heads=8, kv_heads=2,
+             head_dim=128, dtype="bfloat16")
+  for key, value in (gpu if a.gpu else cpu).items():
+    if getattr(a, key) is None:
+      setattr(a, key, value)
+  runs = [one_run(int(b), a, a.seed + i) for i, b in enumerate(a.slots.split(","))]
+  common.emit(dict(bench="paged_attention", backend=jax.default_backend(), page_size=a.page_size,
+                   q_heads=a.q_heads, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
+                   mean_frac=a.mean_frac, runs=runs, host=common.host_info()), ndigits=4)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,25 @@
+"""bench/paged_attention.py runs as a script on tiny shapes (the GPU mode's code path too, its
+kernel left out on CPU) and its last line holds what BENCHMARKS.md reads: the paged path checked
+against dense inside the bench, its bytes read close to the live lengths, dense's far above."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_last_line_has_both_paths_and_the_read_ratios():
+  r = subprocess.run([sys.executable, "bench/paged_attention.py", "--slots=8,3", "--cache=512",
+                      "--page_size=16", "--q_heads=4", "--kv_heads=2", "--head_dim=16",
+                      "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["bench"] == "paged_attention" and len(out["runs"]) == 2
+  many, tail = out["runs"]
+  assert many["ragged"]["kv_read_over_live"] < 1.5 < many["dense"]["kv_read_over_live"]
+  assert many["ragged"]["max_abs_err"] < 1e-3 and many["in_flight_ratio"] > 1
+  assert tail["live_fraction"] == 1.0          # a run of <= 4 slots is the long tail
+  assert tail["dense"]["kv_read_over_live"] == 1.0
+  for run in out["runs"]:
+    assert run["paged_over_dense_step"] > 0 and run["best_paged"] == "ragged"
