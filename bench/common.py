@@ -1,23 +1,10 @@
-"""What the benchmarks share: timing, model loading, host facts, flags and the JSON last line.
+"""What the benchmarks share: timing, host facts, flags and the JSON last line.
 
-Timing. Every repeated measurement goes through `time_rounds` (or `time_fn` for one callable,
-`time_once` for a single call). The reported statistic is always the same: the median, over
-`repeats` timed rounds that follow `warmup` untimed calls of each callable, of the seconds per
-call within a round (a round makes `calls` back-to-back calls, waits for the last result, and
-divides by `calls`). With several callables each round runs all of them in turn, so that a
-shared host whose speed drifts over minutes slows every side alike; `alternate=True` reverses
-the order every other round. A `Timing` keeps every round's figure (wall and process-CPU
-seconds) and the warm-up calls' times, so a bench can list them next to the median.
-
-Models. `load_model` picks SmolLM2-135M-Instruct's shipped GGUF or a random init of the same
-(or the Llama-3.2-1B) shapes; `random_params` makes that init, optionally straight onto
-shardings.
-
-Output. `emit` prints the bench's result as one JSON object, the last line of its output, which
-is what BENCHMARKS.md and bench/gpu_suite.sh read.
-
-Import this module before jax where the process's devices matter (`use_cpu_devices`); it does
-not import jax itself.
+`time_rounds` (`time_fn`, `time_once`) report the median over `repeats` rounds after `warmup`
+calls of the seconds per call; several callables run in turn within a round (`alternate`
+reverses the order every other round) so a drifting host slows every side alike. `emit` prints
+the one JSON object that ends each bench's output. Import this module before jax where the
+process's devices matter (`use_cpu_devices`); it does not import jax itself.
 """
 from __future__ import annotations
 

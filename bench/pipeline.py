@@ -1,72 +1,22 @@
-"""Benchmark: the async RL pipeline vs its synchronous twin, generator utilisation, weight push.
+"""Benchmark: the async RL pipeline against its synchronous twin; generator utilisation; the
+reshard of a weight push against a plain copy.
 
-Setup (the same for every figure): 8 simulated CPU devices, trainer on 4 (FSDP), two generators
-on 2 each (tensor parallel), the real VerifierPool (1 worker) with the real math verifier. Policy:
-the tiny char-tokenizer model of tests/test_pipeline.py, SFT-warm-started on synthetic arithmetic
-with 1..8 steps per problem (traces of 14..94 tokens), so that its sampled responses (temperature
-1) spread ~4x between p10 and p90 and ~25x between min and max (measured over every generated
-completion and reported as `response_length_{min,p10,p50,p90,max}`). GRPO: n_batch 16, n_mini 8 (2 optimizer steps and 2
-weight pushes per batch), group size 4; 8 decode slots per generator (16 slots = one batch).
+Setup: 8 simulated CPU devices (`--layout`, default 4,2,2: trainer FSDP on 4, two tensor-parallel
+generators on 2 each), the real VerifierPool and math verifier, the tiny model of
+tests/test_pipeline.py SFT-warm-started on synthetic arithmetic so response lengths spread as RL
+completions do. Both modes run train.rl_loop.train from the same params, programs, prompts and
+seeds, after a 1-batch warm-up; `--repeats` rounds alternate the order; medians are reported.
+Sync generates one batch per policy version; async keeps 2 * n_batch completions generating.
+`--colocated`: one generator on the trainer's devices, turn-taking against one batch of lookahead.
+The push figures (skipped colocated) time Rollouts.push's device_put from the trainer's layout
+onto a generator's against a same-layout copy between generators, on the tiny and a
+SmolLM2-135M-shaped model (`--skip_big_push`).
 
-1. Throughput, async vs sync. One Rollouts + Trainer per mode (run by train.rl_loop.train),
-   built from the same SFT params, the same compiled train step and engines (fresh
-   GeneratorLoops), the same prompt stream and seeds. A 1-batch warm-up pipeline runs first so
-   every program is compiled before measuring (one prefill bucket; one microbatch per
-   minibatch, so one train-step shape). Figure: completions generated and scored per second in
-   steady state = G * (groups scored by the end of batch B - groups scored by the end of batch 1)
-   / (time between those two ends), read from an on_batch callback. Every scored completion is
-   either trained on or dropped with its zero-advantage group; which of the two is a property of
-   the policy, not of the pipeline. Reported next to it: trained-on completions per second =
-   n_batch * (B - 1) / the same time, i.e. the figure above times (1 - drop rate). In sync mode
-   the drop rate is the same in every repeat (same seeds, same samples); in async mode it is not
-   (thread timing decides which samples each version draws, and the policy's updates follow),
-   and it moved between 0.51 and 0.75 across the repeats of one run, which alone swings
-   trained-on completions/s by 2x.
-   Sync generates exactly one batch per policy version and waits for the longest completion (and
-   for top-ups when groups with zero advantage are dropped); async keeps n_async = 2 * n_batch
-   completions generating (the queue of generated, untrained ones is bounded by max_queue =
-   n_async). Each mode runs `--repeats` times, the order alternating (sync, async, async, sync,
-   ...); figures are medians and the per-repeat ratios are reported too. Diagnostics per mode:
-   decode steps, mean decode step time and tokens per decode step (slots actually used), drop
-   rate, trainer idle fraction, and the share of the host's CPU capacity that was busy (all
-   processes, from /proc/stat).
-2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
-   slots over slots, across decode steps) x share of wall time the generator loop was not waiting
-   for work, averaged over generators; mean over the measured async batches (batch 1 excluded, as
-   it includes the pipeline fill). Reported next to it, for both modes: the slot occupancy, the
-   share of wall time inside decode steps (`decode_frac`; the rest is prefill/insert and host
-   work), and the stricter occupancy x decode share (`decode_utilization`).
-3. Weight push: what Rollouts.push does per generator, `jax.device_put(trainer params,
-   engine.param_shardings, may_alias=False)` + block_until_ready, i.e. a reshard from the
-   trainer's 4-device FSDP layout to a generator's 2-device tensor-parallel layout. Baseline:
-   a plain device-to-device copy of the same bytes with the same layout on both sides: the same
-   params already laid out on generator 0 (its param_shardings), `device_put` (may_alias=False)
-   onto generator 1's param_shardings (same mesh shape and partition specs, other 2 devices),
-   so every shard is a straight copy with no resharding. Push and copy alternate, median of
-   `--push_reps`. Measured on the tiny model (overhead-dominated: ~0.1 MB) and on a
-   SmolLM2-135M-shaped model with random weights (`--skip_big_push` to skip).
-   Also reported, not part of the headline: `load_s`, what the generator's update_params does
-   with the pushed weights before they can be swapped in (Engine.load_params: the finiteness
-   check and the split into the per-layer decode layout, one program on the generator's
-   devices, in the pushing thread; the loop keeps decoding meanwhile), and
-   `push_plus_load_over_copy_time`.
+  python bench/pipeline.py [--batches 10 --repeats 5] [--colocated]
 
-Colocated (`--colocated`): one generator on the trainer's own devices (`--layout N`, default 1),
-as `--config.devices.colocated=True` runs. Then "sync" is the schedule in which generation and
-training take turns (the generator frees its weights copy and KV cache for each train phase) and
-"async" is one batch of lookahead (the generator keeps generating with the previous weights while
-a batch trains, n_async = 2 n_batch); async_over_sync_throughput says whether the lookahead pays on
-this host. The push figures are skipped (a colocated run pushes nothing).
-
-Options: `--layout` (default 4,2,2: trainer devices, then each generator's), `--trainer_axis`
-(fsdp, the default, or data) and `--gen_axis` (tensor, the default, or data: slots split over the
-generator's devices, weights replicated) change the throughput runs' placement; the push figures
-always use 4 -> 2 + 2.
-
-Last line: one JSON object. Keys include async_over_sync_throughput (generated-and-scored
-completions/s), async_over_sync_trained_throughput (trained-on completions/s),
-generator_utilization and push_over_copy_time (the 135M figure; the tiny one when
---skip_big_push).
+Last line, one JSON object: async_over_sync_throughput (scored completions/s),
+async_over_sync_trained_throughput, generator_utilization, decode_utilization,
+response_length_{min,p10,p50,p90,max}, push_over_copy_time, load_s, per-mode diagnostics.
 """
 import common
 

@@ -1,36 +1,18 @@
 """Benchmark: tokens/s and MFU of the GRPO train step at a 1B shape, against a plain
 cross-entropy step of the same shapes, on an accelerator.
 
-Model: the Llama-3.2-1B shapes (random init: a step's time does not depend on the values), with
-the trainer's dtype policy: `--param_dtype` master weights and AdamW moments (float32), matmuls
-in `--dtype` (bfloat16), `--attention_impl` (auto: cuDNN flash on NVIDIA GPUs, and for packed rows
-past cuDNN's packed layout our block-sparse Pallas kernel, gpu_flash; the JSON's `<shape>_attention`
-says which one a shape's training rows take). For each shape in `--shapes`
-(ROWSxROW_LEN:REMAT[:SEQS], e.g. 4x2048:none = microbatches of 4 rows of 2,048 tokens, no
-rematerialisation; 1x32768:full:16 = one 32K row packed with 16 sequences of 2,048 tokens),
-`--micro` microbatches per optimizer step, each row SEQS sequences (default 1) of ROW_LEN / SEQS
-tokens (a 128-token prompt and its completion), the steps of `--steps` go through
-train.step.make_train_step (gradient accumulation scan, AdamW, NaN guard, donated state):
-  grpo  train.step.make_grpo_step: policy forward, chunked log-probs and entropy, the clipped
-        token-level loss.
-  ce    train.sft.make_sft_step: the next-token cross-entropy of the same tokens (the baseline).
-The two alternate over `--repeats` rounds after a warm-up; the median is reported.
+Llama-3.2-1B shapes (random init), `--param_dtype` master weights, `--dtype` matmuls,
+`--attention_impl`. Each shape in `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]) runs `--micro`
+microbatches per step through train.step.make_train_step: `grpo` (make_grpo_step) and `ce`
+(train.sft.make_sft_step, the baseline), alternating over `--repeats`; medians. MFU = model FLOPs
+(6 x matmul weights + causal attention, per token) / step time / peak: the vendor's dense bf16
+rate where known, and a large bf16 matmul measured in the same run (`--matmul_n`).
 
-MFU = model FLOPs / step time / peak. Model FLOPs per token are the usual count for a dense
-decoder (forward + backward = 3 x forward): 6 x the matmul weights (the tied head's V x d
-included, the input embedding gather not) + 6 x layers x heads x head_dim x T for causal
-attention (scores and values: 2 x 2 x T x d per query per layer forward, half of the keys
-masked; T is the sequence's length, ROW_LEN / SEQS, in a packed row). Rematerialisation's
-recomputed forward is not model work, so it lowers MFU. Peak: the vendor's dense bf16 rate
-where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same) and, measured in the same
-run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also given against
-(`mfu_vs_matmul`).
-
-Last line: one JSON object; per shape (keyed ROWSxROW_LEN, with _<SEQS>seqs for packed rows)
-`tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`, `mfu_ce`, `grpo_over_ce_time`, the compiled
-peak memory, the attention implementation, and the device.
-Usage (GPU): python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
+  python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
+
+Last line, one JSON object, per shape: tokens_per_s_grpo, mfu_grpo, tokens_per_s_ce, mfu_ce,
+grpo_over_ce_time, mfu_vs_matmul, peak memory, attention implementation, device.
 """
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Benchmark: the GRPO train step against a plain cross-entropy step, greedy collation against
 naive fixed-count microbatches, and peak memory with and without rematerialisation.
 
-Model: SmolLM2-135M shapes (vocab 49152, hidden 576, MLP 1536, 30 layers, 9 heads, 3 KV heads,
-head_dim 64, tied embeddings), random init. Measured in one run:
-  * step time (process CPU seconds; wall also reported): GRPO step (policy forward + chunked log-probs/entropy + clipped loss) vs the SFT
-    next-token cross-entropy step, both through train.step.make_train_step (same batch shapes,
-    same jit settings: fp32 accumulation scan, AdamW, NaN guard, donated state). Interleaved
-    repeats; the median of each is compared.
-  * padding: greedy collation (longest first, first fit into rows) vs naive fixed-count
-    microbatches (one sequence per row, the same fixed [rows, row_len] microbatch shape), on
-    lengths drawn uniformly with a 5x spread. Also vs padding each naive microbatch only to its
-    longest sequence (dynamic shapes, a recompile per shape).
-  * memory: the compiled GRPO step's memory analysis with ModelConfig.remat = none vs full.
+SmolLM2-135M shapes, random init: both steps through train.step.make_train_step, interleaved
+repeats, medians; padding of greedy collation vs one sequence per row on lengths with a 5x
+spread; the compiled GRPO step's memory analysis with remat none vs full.
 
-Usage: .venv/bin/python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
-The last line printed is one JSON object.
+  python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
+
+Last line: one JSON object with every figure.
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""Benchmark: the trainer -> generator weight push on one device, against a plain copy of the same
-bytes.
+"""Benchmark: the trainer -> generator weight push on one device against a plain copy of the
+same bytes.
 
-For SmolLM2-135M and the Llama-3.2-1B shapes (random init), the trainer holds `--param_dtype`
-master weights (float32) in its layout; a generator Engine with `--gen_dtype` weights (bfloat16)
-shares the device (its own mesh and param shardings). Timed, alternating, median of `--reps`
-rounds after a warm-up:
-  push  what the RL pipeline does after each optimizer step (Rollouts.push): cast to the
-        generator's dtype on the trainer's devices and move onto its param shardings
-        (generate.weights.transfer_params), then check finiteness and split into the engine's
-        per-layer decode layout (Engine.load_params), until ready.
-  copy  the baseline: a device-to-device copy (`jax.device_put(..., may_alias=False)`) of the
-        bytes the generator receives (the params already in `--gen_dtype`), nothing else.
-`push_over_copy_time` = push / copy; `push_GBps` counts the generator's bytes.
+SmolLM2-135M and Llama-3.2-1B shapes (random init), `--param_dtype` trainer weights, a generator
+Engine with `--gen_dtype` weights on the same device. push = Rollouts.push (transfer_params, then
+Engine.load_params); copy = device_put(may_alias=False) of the bytes received. Alternating,
+median of `--reps` after a warm-up.
 
-Last line: one JSON object. Usage (GPU): python bench/weight_push.py [--models smollm2,llama1b]
+  python bench/weight_push.py [--models smollm2,llama1b]
+
+Last line, one JSON object: push_over_copy_time, push_GBps, both times per model.
 """
 from __future__ import annotations
 

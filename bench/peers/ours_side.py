@@ -1,13 +1,10 @@
-"""Our side of bench/vs_tunix.py: train.rl_loop.train over Rollouts in sync mode, colocated, on the
-shared workload, timed from hooks on the loop's parts; the counterpart of tunix_side.py.
+"""Our side of bench/vs_tunix.py: train.rl_loop.train over Rollouts in sync mode, colocated, on
+the shared workload, timed from hooks on the loop's parts; the counterpart of tunix_side.py.
 
-Runs in our venv, in a process of its own (so its peak memory is its own):
-`python bench/peers/ours_side.py --spec=SPEC.json` reads the workload bench/vs_tunix.py wrote and
-prints one JSON object as its last line (the same per-iteration figures as the tunix side), plus
-our generator's loop counters per timed iteration (`generator_per_iteration`), the CPU dot library
-its decode step used and `generator_compiles_in_timed_iterations` (0: every program was compiled
-before timing). `--score=FILE` prints our rewards of a file's completions (tests compare them with
-tunix_side.py --score).
+  python bench/peers/ours_side.py --spec=SPEC.json [--score=FILE]
+
+Last line: one JSON object, the same per-iteration figures as the tunix side plus
+generator_per_iteration and generator_compiles_in_timed_iterations.
 """
 from __future__ import annotations
 
