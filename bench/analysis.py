@@ -53,6 +53,7 @@ def bench_pca(t: int, w: int, repeats: int) -> dict:
 
 
 def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> dict:
+  from magistral_jax.model import named
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
@@ -62,7 +63,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax.run.recipes import load_recipe
   config = load_recipe("configs/tiny.py", ROOT)
   model_cfg, tok = R.model_and_tokenizer(config)
-  params = jax.tree.map(np.asarray, common.random_params(model_cfg))
+  params = jax.tree.map(np.asarray, named.random_params(model_cfg))
   flat = P.flatten_params(params)
   direction = np.random.default_rng(1).standard_normal(flat.size)
   direction /= np.linalg.norm(direction)

@@ -90,6 +90,7 @@ def measure_plain_loop(path, tok, seconds):
 
 
 def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
+  from magistral_jax.model import named
   import jax
   import jax.numpy as jnp
   from magistral_jax.model import transformer
@@ -97,7 +98,7 @@ def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
 
   shape = {**shape, "max_position_embeddings": max(seq_len, shape.get("max_position_embeddings", 0))}
   cfg = ModelConfig(**shape)
-  params = common.random_params(cfg)
+  params = named.random_params(cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
   # Packed rows of 4 sequences each, as the loader emits.

@@ -81,13 +81,14 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
+  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.requests import Request
   from magistral_jax.generate.loop import DIRECT
   dtype = args.dtype
-  cfg, params, source, _ = common.load_model(name, dtype)
+  cfg, params, source, _ = named.load_model(name, dtype)
   cfg = dataclasses.replace(cfg, decode_attention=args.decode_attention)
   timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
   new = max(timed, args.max_new or 0)
@@ -97,7 +98,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
                max_decode_length=new, prefill_buckets=(args.prompt,), sampling=sampling,
                compact_sizes=(), attention_windows=args.attention_windows)
   if params is None:  # random init straight onto the engine's mesh (no host copy of 1B params)
-    params = common.random_params(cfg, eng.param_shardings)
+    params = named.random_params(cfg, eng.param_shardings)
   t = time.perf_counter()
   dev_params = eng.load_params(params)
   del params

@@ -192,11 +192,12 @@ def _batch_cache(prefix_cache, n):
 
 
 def load_weights(model: str, weights: str, dtype: str):
-  """(cfg, params, GGUF path or None, description): common.load_model's choice of weights, with a
+  """(cfg, params, GGUF path or None, description): named.load_model's choice of weights, with a
   random init made on the default device (transformers gets the same values)."""
-  cfg, params, what, path = common.load_model(model, dtype, weights)
+  from magistral_jax.model import named
+  cfg, params, what, path = named.load_model(model, dtype, weights)
   if params is None:
-    params = common.random_params(cfg)
+    params = named.random_params(cfg)
   return cfg, params, path, what
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 
 def main():
+  from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--lengths", default="136,288,528", help="cache lengths S to measure")
@@ -24,7 +25,7 @@ def main():
 
   from magistral_jax.generate import cpu_options as E
   from magistral_jax.model import transformer as T
-  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, _ = named.load_model("smollm2", "float32", "gguf")
   p = jax.jit(T.to_decode_layout)(params)
   b = args.batch
 

@@ -21,6 +21,7 @@ import numpy as np
 
 
 def main():
+  from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--prompt", type=int, default=128)
@@ -38,7 +39,7 @@ def main():
   threads = os.cpu_count()
   torch.set_num_threads(threads)
   # Device arrays: numpy leaves would be copied on every call of the jitted functions.
-  cfg, params, _, path = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, path = named.load_model("smollm2", "float32", "gguf")
   params = jax.block_until_ready(params)
   b, s, n = args.batch, args.prompt, args.new_tokens
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s)).astype(np.int32)

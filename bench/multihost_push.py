@@ -25,6 +25,7 @@ def child(args) -> None:
   import jax
   from jax.sharding import Mesh, NamedSharding
   import numpy as np
+  from magistral_jax.model import named
   from magistral_jax.model import transformer as T
   from magistral_jax.parallel.sharding import make_mesh, param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
@@ -38,7 +39,7 @@ def child(args) -> None:
     cfg = tiny.model.replace(param_dtype=args.param_dtype)
     source = "random init (configs/tiny.py shapes)"
   else:
-    cfg, _, source, _ = common.load_model(args.model, args.param_dtype, weights="random")
+    cfg, _, source, _ = named.load_model(args.model, args.param_dtype, weights="random")
   cfg = cfg.replace(dtype=args.gen_dtype)   # serving dtype: the narrower of the two
   layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
   gdevs = layout.generator_devices()[0]
@@ -50,7 +51,7 @@ def child(args) -> None:
     tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
     shardings = param_shardings(T.param_logical_axes(cfg), tmesh, TRAINER_RULES,
                                 T.param_shapes(cfg))
-    params = common.random_params(cfg, shardings)
+    params = named.random_params(cfg, shardings)
     jax.block_until_ready(params)
     push_s = []
     for r in range(rounds):

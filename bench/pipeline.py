@@ -285,6 +285,7 @@ def main():
   push_tdev, push_gdevs = split_devices(4, [2, 2])
   push_tmesh = make_mesh({"fsdp": 4}, push_tdev)
   def push_for(model_cfg, trainer_params):
+    from magistral_jax.model import named
     shs = [param_shardings(T.param_logical_axes(model_cfg), make_mesh({"tensor": len(d)}, d),
                            GENERATOR_RULES, T.param_shapes(model_cfg)) for d in push_gdevs]
     eng = Engine(model_cfg, make_mesh({"tensor": len(push_gdevs[0])}, push_gdevs[0]),
@@ -302,7 +303,7 @@ def main():
   if not args.skip_big_push:
     big = SMOLLM2_135M
     tsh = param_shardings(T.param_logical_axes(big), push_tmesh, TRAINER_RULES, T.param_shapes(big))
-    big_params = jax.block_until_ready(common.random_params(big, tsh))
+    big_params = jax.block_until_ready(named.random_params(big, tsh))
     b = push_for(big, big_params)
     print("push 135M: " + json.dumps({k: v for k, v in b.items() if not k.endswith("_all")}),
           flush=True)

@@ -47,10 +47,11 @@ def gumbel_draw(keys, lg):
 
 
 def engine_steps(batch: int, rounds: int):
+  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
   from magistral_jax.parallel.sharding import make_mesh
-  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, _ = named.load_model("smollm2", "float32", "gguf")
   steps = {}
   for name, samp in (("greedy", SamplingConfig(greedy=True)),
                      ("top_p_1.0", SamplingConfig(temperature=1.0)),

@@ -41,6 +41,7 @@ JITTER = "crc32(utf-8 completion text) % 1000 / 1e5, added to every reward on bo
 
 def build_workload(args, workdir: str) -> dict:
   """Writes the weights and the tokenizer to `workdir` and returns the spec both sides read."""
+  from magistral_jax.model import named
   import jax
   import numpy as np
   from magistral_jax.data import synthetic
@@ -54,7 +55,7 @@ def build_workload(args, workdir: str) -> dict:
     raise SystemExit(f"tokenizer {tok_name}: {tok.vocab_size} ids > model vocab {cfg.vocab_size}")
   random_init = params is None
   if random_init:
-    params = common.random_params(cfg, seed=args.seed)
+    params = named.random_params(cfg, seed=args.seed)
   params = jax.tree.map(lambda x: np.array(x, np.float32), jax.device_get(params))
   if random_init:
     # Our init draws the embedding from N(0, 1) (flax's default); tied to the head, such logits
@@ -113,15 +114,16 @@ def workload_model(model: str, weights: str):
   """(float32 model config, params or None (random init), source) of --model / --weights:
   smollm2 (SmolLM2-135M), llama1b (the Llama-3.2-1B shapes, always random: 16 layers, width
   2048, vocabulary 128256) or tiny (the tests' 2 narrow layers, random)."""
+  from magistral_jax.model import named
   if model == "tiny":
-    cfg, params, source, _ = common.load_model("smollm2", "float32", "random")
+    cfg, params, source, _ = named.load_model("smollm2", "float32", "random")
     return cfg.replace(**TINY_MODEL), params, "random init (tiny test shapes)"
   if model == "llama1b":
     if weights != "random":
       raise SystemExit("--model=llama1b has random weights only (--weights=random)")
-    cfg, params, source, _ = common.load_model("llama1b", "float32", "random")
+    cfg, params, source, _ = named.load_model("llama1b", "float32", "random")
     return cfg, params, source
-  cfg, params, source, _ = common.load_model("smollm2", "float32", weights)
+  cfg, params, source, _ = named.load_model("smollm2", "float32", weights)
   return cfg, params, source
 
 

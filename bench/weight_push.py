@@ -29,11 +29,12 @@ def tree_bytes(tree) -> int:
 
 
 def bench_model(name: str, args) -> dict:
-  cfg, _, source, _ = common.load_model(name, args.param_dtype, weights="random")
+  from magistral_jax.model import named
+  cfg, _, source, _ = named.load_model(name, args.param_dtype, weights="random")
   dev = jax.devices()[0]
   trainer_sh = param_shardings(T.param_logical_axes(cfg), make_mesh({"fsdp": 1}, [dev]),
                                TRAINER_RULES, T.param_shapes(cfg))
-  master = common.random_params(cfg, trainer_sh)
+  master = named.random_params(cfg, trainer_sh)
   gen_cfg = cfg.replace(param_dtype=args.gen_dtype, dtype=args.gen_dtype)
   eng = Engine(gen_cfg, make_mesh({"tensor": 1}, [dev]), max_concurrent_decodes=8,
                max_prefill_length=64, max_decode_length=64, prefill_buckets=(64,),
