@@ -139,6 +139,17 @@ def cluster_json(script: str, num_processes: int, devices_per_process: int, proc
   return json.loads(lines[-1])
 
 
+def compiled_memory(compiled) -> tuple[int, int]:
+  """(peak bytes, temp bytes) of a compiled program from XLA's memory analysis ((-1, -1) where
+  the backend gives none). Peak = arguments + outputs - donated aliases + temporaries: all the
+  program holds at once (the CPU backend's own peak_memory_in_bytes counts only the arguments)."""
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return -1, -1
+  return (int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+              + ma.temp_size_in_bytes), int(ma.temp_size_in_bytes))
+
+
 def host_info() -> dict:
   """The host facts the CPU benches report: core count and the load average at the end."""
   try:

@@ -317,8 +317,7 @@ def main():
           if args.shared_prefix and hf is not None else None)
     if hf is not None:
       # transformers warmed up at this batch shape before its clock, as ours is (run_ours
-      # precompiles and runs a request first): on a GPU its first generate of a shape ran at
-      # about half the rate of the next.
+      # precompiles and runs a request first): a first generate of a shape runs slow on a GPU.
       first = prompts[:max(1, b // args.group_size)]
       run_hf(hf, first, [2] * len(first), b, args.group_size, args.temperature, args.top_p)
     for rep in range(args.repeats):

@@ -54,16 +54,10 @@ def prefill(cfg: ModelConfig, params, t: int, segments: int):
 PROGRAMS = {"train_step": train_step, "prefill": prefill}
 
 
-def peak_bytes(compiled) -> int:
-  m = compiled.memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
-
-
 def measure(program, cfg, params, t, segments, repeats, run_budget):
   fn, args = PROGRAMS[program](cfg, params, t, segments)
   compiled = fn.lower(*args).compile()
-  peak = peak_bytes(compiled)
+  peak = common.compiled_memory(compiled)[0]
   seconds = None
   if repeats and peak <= run_budget:
     seconds = common.time_fn(lambda: compiled(*args), repeats).median

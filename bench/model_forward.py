@@ -89,8 +89,7 @@ def main():
                                     eos_token_id=None, pad_token_id=0, use_cache=True)
     fns.update(hf_logits=lambda: hf(tt).logits, hf_fwd=hf_score, hf_dec=gen,
                hf_pre=lambda: gen(1))
-  # Every round runs each program once, ours and transformers' in turn, so both see the same
-  # host conditions (a shared host's speed drifts by 1.5x over minutes).
+  # Every round runs each program once, ours and transformers' in turn: a drifting host hits both.
   with torch.inference_mode():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]

@@ -81,14 +81,6 @@ def make_batch(rows: int, row_len: int, micro: int, vocab: int, seed: int = 0, s
   return gcfg, mb.arrays
 
 
-def peak_bytes(compiled) -> int:
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return -1
-  return int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-             + ma.temp_size_in_bytes)
-
-
 def attention_impl(cfg, row_len: int) -> str:
   """The implementation model/attention.py takes for this shape's packed training rows here."""
   where = A.platform()
@@ -123,7 +115,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
     t0 = time.perf_counter()
     compiled[k] = fn.lower(state, batch).compile()
     out[f"compile_s_{k}"] = time.perf_counter() - t0
-    out[f"peak_gib_{k}"] = peak_bytes(compiled[k]) / 2 ** 30
+    out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
   box = [state]
