@@ -1,7 +1,7 @@
 """Benchmark: decode throughput at a full batch against the memory-bandwidth roofline.
 
 Baseline: the device's streaming bandwidth measured in the same run (the faster of a jitted sum
-and an in-place scale over an array larger than the caches; SPEC_GBPS gives the vendor's peak
+and an in-place scale over an array larger than the caches; common.VENDOR_PEAKS gives the vendor's peak
 where the device is known). Ours: an Engine with `--batch` busy slots (`--tensor N` devices),
 timed as `engine` (Engine.generate back to back) and `loop` (GeneratorLoop.step, what the
 pipeline gets; `--no_overlap` for the synchronous loop), alternating over `--rounds`. The
@@ -24,21 +24,6 @@ import common
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-# Vendor peak memory bandwidth (GB/s) by a substring of jax's device_kind.
-SPEC_GBPS = (
-    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0),
-    ("A100", 1555.0), ("TPU v5p", 2765.0), ("TPU v5 lite", 819.0), ("TPU v5e", 819.0),
-    ("TPU v4", 1228.0),
-)
-
-
-def spec_gbps(device_kind: str) -> float | None:
-  for name, gbps in SPEC_GBPS:
-    if name.lower() in device_kind.lower():
-      return gbps
-  return None
-
 
 def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
   """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
@@ -223,7 +208,7 @@ def main():
   kind = devices[0].device_kind
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
   bw = measure_bandwidth(devices[0], mib << 20)
-  spec = spec_gbps(kind)
+  spec = common.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}
   for name in [m for m in args.models.split(",") if m]:

@@ -33,24 +33,7 @@ from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
 
-# Vendor dense bf16 matmul peak (TFLOP/s) by a substring of jax's device_kind.
-SPEC_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-                    ("A100", 312.0), ("TPU v5p", 459.0), ("TPU v5 lite", 197.0),
-                    ("TPU v5e", 197.0), ("TPU v4", 275.0))
 PROMPT = 128
-
-
-def spec_tflops(kind: str) -> float | None:
-  for name, tf in SPEC_BF16_TFLOPS:
-    if name.lower() in kind.lower():
-      return tf
-  return None
-
-
-def model_flops_per_token(cfg, seq_len: int) -> float:
-  """Forward + backward model FLOPs of one token in a causal sequence of `seq_len` tokens (the
-  count the module docstring gives; analysis/scale_model.py projects step times with it)."""
-  return train_flops_per_token(cfg, seq_len)
 
 
 def matmul_tflops(n: int, dtype, reps: int = 10) -> float:
@@ -126,7 +109,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
       return metrics
     return step
   times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
-  flops = model_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
+  flops = train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
@@ -172,7 +155,7 @@ def main(argv=None):
                       num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
                       vocab_size=8192)
   dev = jax.devices()[0]
-  peak_tf = spec_tflops(dev.device_kind) if dev.platform != "cpu" else None
+  peak_tf = common.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
   mm_tf = matmul_tflops(args.matmul_n, jnp.dtype(args.dtype))
   result = {"model": "Llama-3.2-1B shapes (random init)" if not (args.layers or args.hidden)
             else f"Llama-3.2-1B shrunk (layers {cfg.num_layers}, hidden {cfg.hidden_size})",
