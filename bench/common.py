@@ -140,14 +140,13 @@ def cluster_json(script: str, num_processes: int, devices_per_process: int, proc
 
 
 def compiled_memory(compiled) -> tuple[int, int]:
-  """(peak bytes, temp bytes) of a compiled program from XLA's memory analysis ((-1, -1) where
-  the backend gives none). Peak = arguments + outputs - donated aliases + temporaries: all the
-  program holds at once (the CPU backend's own peak_memory_in_bytes counts only the arguments)."""
+  """(peak bytes, temp bytes) of a compiled program, the peak as run/footprint.py counts it;
+  (-1, -1) where the backend gives no memory analysis."""
+  from magistral_jax.run.footprint import compiled_peak_bytes
   ma = compiled.memory_analysis()
   if ma is None:
     return -1, -1
-  return (int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-              + ma.temp_size_in_bytes), int(ma.temp_size_in_bytes))
+  return compiled_peak_bytes(ma), int(ma.temp_size_in_bytes)
 
 
 # Vendor peaks by a substring of jax's device_kind, first match: dense bf16 matmul TFLOP/s and
