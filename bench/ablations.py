@@ -1,25 +1,14 @@
-r"""The paper's RL ablations (paper §6) at tiny scale, on the CPU default task.
+"""The paper's RL ablations (paper §6) at tiny scale, on the CPU default task.
 
-  python bench/ablations.py                       # all four, ~30-40 min on 2 quiet cores
-  python bench/ablations.py --which=clip --batches=20 --seeds=0
+Each variant runs launch/train.py from the same cold-start SFT checkpoint for the same batches;
+its baseline is the paper's default in the same ablation: clip (ε_high 0.28 vs 0.20), adv_norm
+(minibatch vs group vs none), async (async vs sync), minibatch (1 vs 2 vs 8 optimizer steps per
+batch).
 
-Every variant starts from the same cold-start SFT checkpoint (made once with launch/sft.py under
-ROOT/sft, reused afterwards) and runs the real `launch/train.py` (async pipeline, real verifier
-pool, held-out evaluation before/after) for the same number of batches; each row below is one
-variant, its baseline being the paper's default in the same ablation:
+  python bench/ablations.py [--which=clip --batches=20 --seeds=0]
 
-  clip       ε_high 0.28 (clip-higher, Magistral)    vs  0.20 (symmetric PPO clip)
-             paper: entropy stays higher with clip-higher
-  adv_norm   minibatch (Magistral)  vs  group  vs  none
-             paper: little difference
-  async      async (Magistral)  vs  sync (barrier per batch)
-             paper: same reward per sample, more samples per second
-  minibatch  n_batch/n_mini = 1 (Magistral)  vs  2  vs  8 optimizer steps per batch
-             paper: more than 2 minibatches per batch hurts
-
-Outputs: ROOT/<ablation>/<variant>-s<seed>/ (a train.py workdir each), docs/ablations/<ablation>.png
-(reward and entropy curves), docs/ablations/results.json, and as the last line one JSON object
-with the headline figure of each ablation.
+Outputs: ROOT/<ablation>/<variant>-s<seed>/, docs/ablations/<ablation>.png,
+docs/ablations/results.json; last line, one JSON object with each ablation's headline figure.
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Benchmark: the checkpoint PCA and the perturbation-grid scoring of analysis/ (paper §6).
 
-Side by side in one run:
+pca: top-2 components of T checkpoints of W weights, ours through the T x T Gram matrix
+(analysis/pca.py gram) and Lanczos, against a thin SVD of the centred matrix (numpy); the three
+must agree. grid: scoring grid points on the tiny model with one Engine whose weights are swapped
+by update_params, against a fresh Engine per point. Medians of --repeats (bench/common.py).
 
-  pca     T checkpoints of W weights (float32, as stacked from a run). Ours: top-2 eigenvectors
-          of X_cᵀX_c through the T × T Gram matrix (analysis/pca.py, method="gram"), and the
-          Lanczos route (method="lanczos": scipy eigsh on a LinearOperator). Baseline: the
-          naive route, a thin SVD of the centred T × W matrix (numpy.linalg.svd on a float64
-          centred copy). All three must agree (eigenvalues, |cos| of the components).
-          The W × W route is not run: at the tiny model's W = 0.81M it would be a 2.6 TB matrix.
-  grid    scoring a row of grid points on the tiny model (random init). Ours: one Engine +
-          GeneratorLoop, weights swapped in with update_params (no recompilation). Baseline: a
-          fresh Engine per grid point (what a script that builds the engine around each weight
-          set does: it recompiles prefill/insert/generate every time).
+  python bench/analysis.py [--repeats 3]
 
-PCA times are medians of --repeats rounds after a warm-up, the three routes interleaved
-(bench/common.py); the grid's two sides run once each, after one untimed run of the baseline.
 Last line: one JSON object with every number.
 """
 from __future__ import annotations
@@ -61,6 +53,7 @@ def bench_pca(t: int, w: int, repeats: int) -> dict:
 
 
 def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> dict:
+  from magistral_jax.model import named
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
@@ -70,7 +63,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   from magistral_jax.run.recipes import load_recipe
   config = load_recipe("configs/tiny.py", ROOT)
   model_cfg, tok = R.model_and_tokenizer(config)
-  params = jax.tree.map(np.asarray, common.random_params(model_cfg))
+  params = jax.tree.map(np.asarray, named.random_params(model_cfg))
   flat = P.flatten_params(params)
   direction = np.random.default_rng(1).standard_normal(flat.size)
   direction /= np.linalg.norm(direction)

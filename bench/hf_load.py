@@ -1,29 +1,14 @@
-"""Benchmark: loading a HF safetensors checkpoint onto the trainer's mesh, today's way against
-load_hf_sharded (model/hf_sharded.py).
+"""Benchmark: loading a HF safetensors checkpoint onto the trainer's mesh, load + device_put
+against load_hf_sharded (model/hf_sharded.py).
 
-The checkpoint: random bf16 weights of the Llama-3.2-1B shapes (model.config.LLAMA_3_2_1B,
-about 2.5 GB; `--shape smollm2` for SmolLM2-135M's, about 270 MB), written once by
-save_hf_safetensors into --dir (a temporary directory unless given). Then each loader runs in a
-fresh process of its own, on the trainer's mesh, {"fsdp": -1} over 8 simulated CPU devices with
-TRAINER_RULES, as a run's trainer lays its params out:
+Random bf16 weights (`--shape llama1b|smollm2`) are written once to --dir; each loader then runs
+in a fresh process on the trainer's FSDP mesh of 8 CPU devices, measuring its load time and its
+peak resident memory above the params themselves (VmHWM - VmRSS, /proc/self/status). `--repeats`
+alternates the processes; medians.
 
-  baseline  load_hf_safetensors (every tensor into host memory, the layers stacked), then
-            jax.device_put onto param_shardings: what run/train.py does today (load_policy,
-            then init_state's device_put)
-  sharded   load_hf_sharded(path, mesh, TRAINER_RULES): each leaf built on its devices, layer
-            by layer, from the memory-mapped file
+  python bench/hf_load.py [--shape llama1b|smollm2] [--repeats 1] [--dir DIR]
 
-Each process measures its load's wall time (from the call to the params being ready) and its
-peak resident memory above its resident memory just before the load (VmHWM - VmRSS, from
-/proc/self/status; getrusage's ru_maxrss would also count this parent's high-water mark, which
-Linux carries into a child through fork and exec). Under XLA:CPU device memory is host memory, so
-both peaks include the placed params themselves (`params_mb`); the goal is about what each loader
-holds beyond them, `*_overhead_mb` = peak - params: load_hf_sharded's at most 1/4 of today's,
-and its load no slower (speed_ratio = baseline_load_s / sharded_load_s >= 1). With --repeats N
-the two processes alternate N times and each figure is the median over its N processes.
-
-Usage: .venv/bin/python bench/hf_load.py [--shape llama1b|smollm2] [--repeats 1] [--dir DIR]
-The last line printed is one JSON object.
+Last line, one JSON object: params_mb, baseline/sharded load_s and *_overhead_mb, speed_ratio.
 """
 from __future__ import annotations
 

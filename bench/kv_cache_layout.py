@@ -1,19 +1,13 @@
-"""Benchmark: one decode step with a per-layer KV cache (what the generation engine holds) vs the
-stacked [L, B, K, S, Dh] cache, on SmolLM2-135M (fp32, decode-layout weights).
+"""Benchmark: one decode step with the engine's per-layer KV cache against the stacked
+[L, B, K, S, Dh] cache, on SmolLM2-135M (fp32, decode-layout weights).
 
-Both sides run the same jitted program text, `transformer.decode` + `logits` + argmax for one new
-token per slot, compiled with the engine's generate options for B slots, the cache donated; only
-the cache's form differs (`init_cache(..., per_layer=False/True)`; the per-layer form also stores
-each layer's keys transposed, [B, K, Dh, S], for the T = 1 score product). Every slot sits at position
-S // 2 (the step attends over the whole cache buffer either way; the mask hides the rest). For
-each cache length S, the two programs run in alternating rounds in one process (a shared host
-drifts in speed over minutes) and the median round is reported.
+Both sides run the same jitted decode + logits + argmax with the engine's generate options, only
+the cache's form differs (init_cache per_layer). For each cache length S the two alternate over
+rounds; medians. Why: XLA:CPU copies a layer's slice of the stacked cache every step.
 
-Why it matters: with the stacked cache, each layer's attention reads a slice of the stack, and
-XLA:CPU materialises that slice (a copy of the layer's whole cache) every step, so the step grows
-with S at more than the cost of attention itself.
+  python bench/kv_cache_layout.py
 
-Last line: one JSON object; `per_layer_speedup` is at the largest S.
+Last line, one JSON object: per-S step times and per_layer_speedup at the largest S.
 """
 import common
 import jax
@@ -21,6 +15,7 @@ import jax.numpy as jnp
 
 
 def main():
+  from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--lengths", default="136,288,528", help="cache lengths S to measure")
@@ -30,7 +25,7 @@ def main():
 
   from magistral_jax.generate import cpu_options as E
   from magistral_jax.model import transformer as T
-  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, _ = named.load_model("smollm2", "float32", "gguf")
   p = jax.jit(T.to_decode_layout)(params)
   b = args.batch
 

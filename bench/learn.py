@@ -1,25 +1,15 @@
 """A real model learns (issue #51): SmolLM2-135M-Instruct, cold-start SFT -> headroom table ->
-GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, beside a random-reward
-control from the same weights. One command, the launchers as subprocesses (each phase resumable:
-a rerun on the same --workdir skips what is done), so what it runs is what a user runs:
+GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, against a random-reward
+control from the same weights (the verdict replaced by a coin of the same mean).
 
-  1. sft       launch/sft.py   configs/smollm2.py:sft[,gpu,colocated]   (GSM8K train traces)
-  2. headroom  launch/eval.py  --checkpoint=init on the SFT weights, k=--headroom_k samples of
-               --headroom_problems problems of each --headroom_sets set: pass@1, pass@k, headroom
-  3. task      the synthetic set with pass@1 in [0.1, 0.6] and the most headroom (--task names one)
-  4. rl        launch/train.py configs/smollm2.py:learn,...,task=T (before / every 5 / after evals)
-  5. control   the same with `control`: reward.control=random at the rl run's mean training
-               accuracy, no "before" evaluation (the rl run's is the same weights')
-  6. report    the gain of rl and of control over the rl run's "before", paired bootstrap over the
-               held-out problems (eval/paired.py), and the learning curves in learn.png
+The launchers run as subprocesses, each phase resumable on the same --workdir: sft, headroom
+(launch/eval.py pass@1 / pass@k), task choice, rl, control, report (eval/paired.py, learn.png).
 
-  python bench/learn.py --workdir=runs/learn            # this host's sizes (configs/smollm2.py)
-  bash bench/gpu_suite.sh learn                         # one H100: --gpu (the `gpu,colocated` sizes)
-  python bench/learn.py --gpu --shrink --workdir=/tmp/l # the GPU command on CPU, sizes divided down
-                                                        # to seconds (the rehearsal; tests use it)
+  python bench/learn.py --workdir=runs/learn
+  bash bench/gpu_suite.sh learn                          # one H100 (--gpu)
+  python bench/learn.py --gpu --shrink --workdir=/tmp/l  # the GPU command shrunk, on CPU
 
-Baseline: the control run (same weights, same sizes, same held-out problems, the verdict replaced
-by a coin of the same mean). Last line: one JSON object.
+Last line: one JSON object.
 """
 from __future__ import annotations
 

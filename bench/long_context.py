@@ -1,26 +1,15 @@
 """Benchmark: peak memory and time of a train step and of prefill at long T, blockwise attention
 against the dense O(T^2) baseline (model/attention.py).
 
-A tiny model (--hidden etc.; the attention's share of memory is what grows with T) runs, for
-each T in --lengths and each attention_impl in --impls (dense and blockwise, and e.g. auto on
-an accelerator):
-  train step  the gradient of the masked log-prob sum over one packed row of T tokens (batch 1,
-              --segments sequences in the row), params fp32: what the trainer differentiates.
-  prefill     a prompt of T tokens into an empty per-layer cache of T positions with
-              decode-layout params (the engine's prefill), returning the cache and the last
-              position's logits.
-Peak memory is the compiled program's own account (memory_analysis: arguments + outputs +
-temporaries - aliased), so it is exact for the program and needs no run: dense is measured
-where it could not run. Times (the median of --repeats timed rounds after a warm-up call,
-bench/common.py's statistic) are taken only where the peak fits --run_budget_gib; --no_time
-skips them.
+A tiny model runs, for each T in --lengths and each --impls, the gradient of the log-prob sum
+over one packed row of T tokens and a T-token prefill. Peak memory is the compiled program's
+memory_analysis (so dense is measured where it could not run); times are taken where the peak
+fits --run_budget_gib (--no_time skips them).
 
-Last line, JSON: peak_mem_ratio_32k = blockwise / dense peak of the train step at the largest
-T (dense's figure there is its compiled program's: the quadratic estimate); the same for
-prefill; and max_tokens_in_budget: the longest packed row whose train step fits --budget_gib
-with blockwise attention (max_tokens_in_budget_dense: with dense), found by fitting peak(T)
-(linear for blockwise, quadratic for dense) and checking the compiled program at the answer;
-and the host (common.host_info).
+  python bench/long_context.py [--lengths ...] [--impls dense,blockwise]
+
+Last line, one JSON object: peak_mem_ratio_32k (train step and prefill), max_tokens_in_budget,
+max_tokens_in_budget_dense, the host.
 """
 import common
 import jax
@@ -65,16 +54,10 @@ def prefill(cfg: ModelConfig, params, t: int, segments: int):
 PROGRAMS = {"train_step": train_step, "prefill": prefill}
 
 
-def peak_bytes(compiled) -> int:
-  m = compiled.memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
-
-
 def measure(program, cfg, params, t, segments, repeats, run_budget):
   fn, args = PROGRAMS[program](cfg, params, t, segments)
   compiled = fn.lower(*args).compile()
-  peak = peak_bytes(compiled)
+  peak = common.compiled_memory(compiled)[0]
   seconds = None
   if repeats and peak <= run_budget:
     seconds = common.time_fn(lambda: compiled(*args), repeats).median

@@ -1,32 +1,16 @@
-"""Benchmark: our jitted SmolLM2-135M scoring forward and KV-cache greedy decode vs transformers.
+"""Benchmark: our jitted SmolLM2-135M scoring forward and KV-cache greedy decode against
+transformers (torch, CPU) on the same weights, dtype and threads (batch 8, prompt 128).
 
-Baseline: transformers (torch, CPU) on the same dequantized GGUF weights, same dtype (fp32), same
-thread count, batch 8, prompt 128. Both sides hold their weights in their own device memory
-before timing (torch tensors; for us jax arrays, as the trainer and the engine hold them).
+Forward: per-token log-probs of a batch (ours: hidden_states + token_logprobs; theirs: forward,
+log_softmax and gather; their logits-only forward is reported too). Decode: greedy generation
+after the prefill, ours in the engine's decode layout and programs; each side timed with 64 new
+tokens and with 1, so the decode phase is separable from the prefill. Medians of `--repeats`
+rounds (bench/common.py).
 
-Forward = one scoring pass over the batch: the log-prob of every next token (tokens/s counts
-prompt tokens). Ours is `hidden_states` + `token_logprobs`. The transformers equivalent, and the
-baseline of `forward_speedup`, is its forward followed by log_softmax and a gather of the same
-targets (how torch RL code turns logits into per-token log-probs). HF's logits-only forward is
-reported too (`hf_logits_tokens_per_s`, `forward_speedup_vs_hf_logits`), since it does less work.
+  python bench/model_forward.py [--repeats 5]
 
-Decode = greedy generation with a KV cache after a 128-token prefill, on both sides. Ours holds its
-weights in the decode layout the generation engine uses (transformer.to_decode_layout: one array
-per layer, converted once before timing, as HF holds its own layout) and runs two jitted programs,
-as the engine does: a prefill that projects only the last position onto the vocab (as HF generate
-does), then a scan of single-token steps, compiled with the engine's generate options for that
-batch.
-Each side is timed twice: with 64 new tokens (T64) and with 1 (T1: the prefill, whose
-last-position logits give the first token).
-- `decode_tokens_per_s` (and `decode_speedup`, the issue's figure) is end to end, prefill
-  included: b * 64 / T64. The prefill is the same 8 x 128-token matmul work as the forward above,
-  at kernel parity with torch on CPU, so this ratio is pulled towards the forward's.
-- `decode_only_tokens_per_s` (and `decode_only_speedup`) is the decode phase by itself: the 63
-  tokens that come from KV-cache steps, b * 63 / (T64 - T1); `decode_step_ms` per step.
-
-Every time is the median of --repeats rounds after a warm-up (bench/common.py); each round runs
-every program once, ours and transformers' in turn.
-Last line: one JSON object.
+Last line, one JSON object: forward_speedup, forward_speedup_vs_hf_logits, decode_speedup,
+decode_only_speedup, decode_step_ms and each side's tokens/s.
 """
 import os
 
@@ -37,6 +21,7 @@ import numpy as np
 
 
 def main():
+  from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--prompt", type=int, default=128)
@@ -54,7 +39,7 @@ def main():
   threads = os.cpu_count()
   torch.set_num_threads(threads)
   # Device arrays: numpy leaves would be copied on every call of the jitted functions.
-  cfg, params, _, path = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, path = named.load_model("smollm2", "float32", "gguf")
   params = jax.block_until_ready(params)
   b, s, n = args.batch, args.prompt, args.new_tokens
   tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, s)).astype(np.int32)
@@ -104,8 +89,7 @@ def main():
                                     eos_token_id=None, pad_token_id=0, use_cache=True)
     fns.update(hf_logits=lambda: hf(tt).logits, hf_fwd=hf_score, hf_dec=gen,
                hf_pre=lambda: gen(1))
-  # Every round runs each program once, ours and transformers' in turn, so both see the same
-  # host conditions (a shared host's speed drifts by 1.5x over minutes).
+  # Every round runs each program once, ours and transformers' in turn: a drifting host hits both.
   with torch.inference_mode():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]

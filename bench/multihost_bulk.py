@@ -1,21 +1,13 @@
 """Benchmark: bulk data between processes, parallel.bulk.BulkChannel against the coordination
-service's key-value store.
+service's key-value store (what parallel.multihost.Mailbox uses).
 
-Two JAX processes of one CPU device each on this machine (launch/local_cluster.py). Process 1
-sends process 0 one array of each size (`--sizes`, MB; default 1 MB to 1 GB), both ways, in
-alternating order, `--reps` times; each figure is the median.
-  bulk  BulkChannel.send on process 1 (pack, put on its device, offer it to its transfer
-        server, the description as a Mailbox message); BulkChannel.receive on process 0 (the
-        pull onto its device, back to numpy). What a many-host run moves its batches with.
-  kv    the baseline, what parallel.multihost.Mailbox does today: key_value_set_bytes of the
-        array's pickle on process 1, one blocking_key_value_get_bytes and the unpickle on
-        process 0 (a single long wait: Mailbox.receive's half-second polls make large values
-        take many times their size in memory, see parallel/bulk.py).
-Each time runs from the send's start until process 0 holds the numpy array and process 1 has its
-one-line acknowledgement (the same for both). MB/s counts the array's bytes.
-`bulk_over_kv_throughput` is the median over sizes of bulk MB/s / kv MB/s (goal: >= 10).
+Two JAX processes (launch/local_cluster.py); process 1 sends process 0 one array of each size,
+both ways alternating, `--reps` times; each time runs to the receiver's numpy array and the
+sender's acknowledgement.
 
-Last line: one JSON object. Usage: python bench/multihost_bulk.py [--sizes 1,16,64,256,1024]
+  python bench/multihost_bulk.py [--sizes 1,16,64,256,1024]
+
+Last line, one JSON object: MB/s per size and way, bulk_over_kv_throughput (median over sizes).
 """
 from __future__ import annotations
 

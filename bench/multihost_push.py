@@ -1,21 +1,13 @@
-"""Benchmark: the weight push across processes (many hosts), against a local copy of the same bytes.
+"""Benchmark: the weight push across processes (many hosts) against a local copy of the same bytes.
 
-Three JAX processes of 2 CPU devices on this machine (launch/local_cluster.py), the layout of
-configs/tiny.py:multihost: the trainer on processes 0-1 (FSDP over 4 devices, `--param_dtype`
-master weights), one generator on process 2 (2-way tensor parallel, `--gen_dtype` weights).
-Model: the SmolLM2-135M shapes (`--model`: smollm2, llama1b or tiny; random init: timing does not
-depend on the values).
-Timed, alternating, median of `--reps` rounds after a warm-up round:
-  cross_process_push  what a multihost run does after each optimizer step for one generator
-        (pipeline.trainer_rollouts.LeaderRollouts.push): the cast and layout program on the
-        trainer's mesh (both trainer processes), the leader's offer of the copy and its push
-        message, the generator's pull (parallel.weight_transfer.WeightTransfer: device to device over
-        jax.experimental.transfer), and its acknowledgement back to the leader.
-  local_copy  the baseline: in the generator process, a device-to-device copy of the same bytes
-        (the received params, each shard moved to the other local device), until ready.
-`cross_process_over_local_copy` = the ratio; `cross_process_GBps` counts the generator's bytes.
+Three JAX processes of 2 CPU devices (configs/tiny.py:multihost's layout): trainer on processes
+0-1, one generator on process 2. cross_process_push is LeaderRollouts.push end to end (cast and
+layout, offer, the generator's pull, the acknowledgement); local_copy is a device-to-device copy
+of the received params in the generator. Alternating, median of `--reps` after a warm-up.
 
-Last line: one JSON object. Usage: python bench/multihost_push.py [--model smollm2|llama1b|tiny]
+  python bench/multihost_push.py [--model smollm2|llama1b|tiny]
+
+Last line, one JSON object: cross_process_over_local_copy, cross_process_GBps, both times.
 """
 from __future__ import annotations
 
@@ -33,6 +25,7 @@ def child(args) -> None:
   import jax
   from jax.sharding import Mesh, NamedSharding
   import numpy as np
+  from magistral_jax.model import named
   from magistral_jax.model import transformer as T
   from magistral_jax.parallel.sharding import make_mesh, param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
@@ -46,7 +39,7 @@ def child(args) -> None:
     cfg = tiny.model.replace(param_dtype=args.param_dtype)
     source = "random init (configs/tiny.py shapes)"
   else:
-    cfg, _, source, _ = common.load_model(args.model, args.param_dtype, weights="random")
+    cfg, _, source, _ = named.load_model(args.model, args.param_dtype, weights="random")
   cfg = cfg.replace(dtype=args.gen_dtype)   # serving dtype: the narrower of the two
   layout = multihost.ProcessLayout(jax.process_index(), jax.process_count(), (0, 1), (2,))
   gdevs = layout.generator_devices()[0]
@@ -58,7 +51,7 @@ def child(args) -> None:
     tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
     shardings = param_shardings(T.param_logical_axes(cfg), tmesh, TRAINER_RULES,
                                 T.param_shapes(cfg))
-    params = common.random_params(cfg, shardings)
+    params = named.random_params(cfg, shardings)
     jax.block_until_ready(params)
     push_s = []
     for r in range(rounds):

@@ -1,26 +1,14 @@
-"""Benchmark: packed-row attention (several sequences per row, causal within each), forward +
-backward: our Pallas GPU flash kernel with its block-sparse skipping (model/flash_sparse.py), the
-same kernel over the row's whole causal triangle, and cuDNN's packed layout (up to
-attention.CUDNN_PACKED_MAX_T tokens, sm90+), against the blockwise baseline.
+"""Benchmark: packed-row attention forward + backward, our Pallas flash kernel with block-sparse
+skipping (model/flash_sparse.py), without skipping, and cuDNN's packed layout, against blockwise.
 
-For each T in --lengths, one row of T tokens holding sequences of random lengths (mean
---mean_len, at most T / 8) and a padding tail, the Llama-3.2-1B attention shape (32 query heads,
-8 KV heads, head_dim 64), bf16:
-  check  each kernel's output and its gradients (q, k, v) against blockwise's, as
-         ||got - want|| / ||want|| on the real (non-padding) tokens (bf16 operands: expect
-         1e-3 to 1e-2; NaN fails).
-  time   forward + backward of each (the median of --repeats after a warm-up).
-  tiles  the fraction of the causal triangle's forward tiles the skipping kernel visits.
-Kernels (--impls): flash (skipping), flash_noskip (the whole causal triangle, masked), cudnn,
-and jax_mha (jax's own Pallas GPU kernel, jax.experimental.pallas.ops.gpu.attention.mha, which
-visits every tile under the diagonal: the reference the kernel replaced; not run by default).
-On a CPU the Pallas kernels run in Pallas's interpreter and cuDNN is skipped: the run checks the
-numbers, and its times measure the interpreter, not the kernels (the JSON says so under `note`);
---lengths defaults to 512 there.
-Last line: one JSON object with `<T>_rel_err_<kernel>_*`, `<T>_fwd_bwd_ms_<kernel>`,
-`<T>_blockwise_over_<kernel>_time`, `<T>_flash_noskip_over_flash_time` (what skipping saves)
-and `<T>_visited_tile_fraction` per T (a kernel that fails: `<T>_error_<kernel>`).
-Usage: python bench/packed_attention.py [--lengths 8192,32768,65536] [--impls flash,...]
+For each T in --lengths: one row of random-length sequences, Llama-3.2-1B attention shape, bf16;
+each kernel's output and gradients are checked against blockwise's, then timed. On CPU the Pallas
+kernels run interpreted (numbers checked, times not meaningful; the JSON says so).
+
+  python bench/packed_attention.py [--lengths 8192,32768,65536] [--impls flash,...]
+
+Last line, one JSON object per T: <T>_rel_err_<kernel>_*, <T>_fwd_bwd_ms_<kernel>,
+<T>_blockwise_over_<kernel>_time, <T>_flash_noskip_over_flash_time, <T>_visited_tile_fraction.
 """
 from __future__ import annotations
 

@@ -1,72 +1,19 @@
-"""Benchmark: the async RL pipeline vs its synchronous twin, generator utilisation, weight push.
+"""Benchmark: the async RL pipeline against its synchronous twin; generator utilisation.
 
-Setup (the same for every figure): 8 simulated CPU devices, trainer on 4 (FSDP), two generators
-on 2 each (tensor parallel), the real VerifierPool (1 worker) with the real math verifier. Policy:
-the tiny char-tokenizer model of tests/test_pipeline.py, SFT-warm-started on synthetic arithmetic
-with 1..8 steps per problem (traces of 14..94 tokens), so that its sampled responses (temperature
-1) spread ~4x between p10 and p90 and ~25x between min and max (measured over every generated
-completion and reported as `response_length_{min,p10,p50,p90,max}`). GRPO: n_batch 16, n_mini 8 (2 optimizer steps and 2
-weight pushes per batch), group size 4; 8 decode slots per generator (16 slots = one batch).
+Setup: 8 simulated CPU devices (`--layout`, default 4,2,2: trainer FSDP on 4, two tensor-parallel
+generators on 2 each), the real VerifierPool and math verifier, the tiny model of
+tests/test_pipeline.py SFT-warm-started on synthetic arithmetic so response lengths spread as RL
+completions do. Both modes run train.rl_loop.train from the same params, programs, prompts and
+seeds, after a 1-batch warm-up; `--repeats` rounds alternate the order; medians are reported.
+Sync generates one batch per policy version; async keeps 2 * n_batch completions generating.
+`--colocated`: one generator on the trainer's devices, turn-taking against one batch of lookahead.
+The weight push between these layouts is bench/weight_push.py --reshard.
 
-1. Throughput, async vs sync. One Rollouts + Trainer per mode (run by train.rl_loop.train),
-   built from the same SFT params, the same compiled train step and engines (fresh
-   GeneratorLoops), the same prompt stream and seeds. A 1-batch warm-up pipeline runs first so
-   every program is compiled before measuring (one prefill bucket; one microbatch per
-   minibatch, so one train-step shape). Figure: completions generated and scored per second in
-   steady state = G * (groups scored by the end of batch B - groups scored by the end of batch 1)
-   / (time between those two ends), read from an on_batch callback. Every scored completion is
-   either trained on or dropped with its zero-advantage group; which of the two is a property of
-   the policy, not of the pipeline. Reported next to it: trained-on completions per second =
-   n_batch * (B - 1) / the same time, i.e. the figure above times (1 - drop rate). In sync mode
-   the drop rate is the same in every repeat (same seeds, same samples); in async mode it is not
-   (thread timing decides which samples each version draws, and the policy's updates follow),
-   and it moved between 0.51 and 0.75 across the repeats of one run, which alone swings
-   trained-on completions/s by 2x.
-   Sync generates exactly one batch per policy version and waits for the longest completion (and
-   for top-ups when groups with zero advantage are dropped); async keeps n_async = 2 * n_batch
-   completions generating (the queue of generated, untrained ones is bounded by max_queue =
-   n_async). Each mode runs `--repeats` times, the order alternating (sync, async, async, sync,
-   ...); figures are medians and the per-repeat ratios are reported too. Diagnostics per mode:
-   decode steps, mean decode step time and tokens per decode step (slots actually used), drop
-   rate, trainer idle fraction, and the share of the host's CPU capacity that was busy (all
-   processes, from /proc/stat).
-2. Utilisation: the pipeline's own per-batch `generator_utilization` = slot occupancy (active
-   slots over slots, across decode steps) x share of wall time the generator loop was not waiting
-   for work, averaged over generators; mean over the measured async batches (batch 1 excluded, as
-   it includes the pipeline fill). Reported next to it, for both modes: the slot occupancy, the
-   share of wall time inside decode steps (`decode_frac`; the rest is prefill/insert and host
-   work), and the stricter occupancy x decode share (`decode_utilization`).
-3. Weight push: what Rollouts.push does per generator, `jax.device_put(trainer params,
-   engine.param_shardings, may_alias=False)` + block_until_ready, i.e. a reshard from the
-   trainer's 4-device FSDP layout to a generator's 2-device tensor-parallel layout. Baseline:
-   a plain device-to-device copy of the same bytes with the same layout on both sides: the same
-   params already laid out on generator 0 (its param_shardings), `device_put` (may_alias=False)
-   onto generator 1's param_shardings (same mesh shape and partition specs, other 2 devices),
-   so every shard is a straight copy with no resharding. Push and copy alternate, median of
-   `--push_reps`. Measured on the tiny model (overhead-dominated: ~0.1 MB) and on a
-   SmolLM2-135M-shaped model with random weights (`--skip_big_push` to skip).
-   Also reported, not part of the headline: `load_s`, what the generator's update_params does
-   with the pushed weights before they can be swapped in (Engine.load_params: the finiteness
-   check and the split into the per-layer decode layout, one program on the generator's
-   devices, in the pushing thread; the loop keeps decoding meanwhile), and
-   `push_plus_load_over_copy_time`.
+  python bench/pipeline.py [--batches 10 --repeats 5] [--colocated]
 
-Colocated (`--colocated`): one generator on the trainer's own devices (`--layout N`, default 1),
-as `--config.devices.colocated=True` runs. Then "sync" is the schedule in which generation and
-training take turns (the generator frees its weights copy and KV cache for each train phase) and
-"async" is one batch of lookahead (the generator keeps generating with the previous weights while
-a batch trains, n_async = 2 n_batch); async_over_sync_throughput says whether the lookahead pays on
-this host. The push figures are skipped (a colocated run pushes nothing).
-
-Options: `--layout` (default 4,2,2: trainer devices, then each generator's), `--trainer_axis`
-(fsdp, the default, or data) and `--gen_axis` (tensor, the default, or data: slots split over the
-generator's devices, weights replicated) change the throughput runs' placement; the push figures
-always use 4 -> 2 + 2.
-
-Last line: one JSON object. Keys include async_over_sync_throughput (generated-and-scored
-completions/s), async_over_sync_trained_throughput (trained-on completions/s),
-generator_utilization and push_over_copy_time (the 135M figure; the tiny one when
---skip_big_push).
+Last line, one JSON object: async_over_sync_throughput (scored completions/s),
+async_over_sync_trained_throughput, generator_utilization, decode_utilization,
+response_length_{min,p10,p50,p90,max}, per-mode diagnostics.
 """
 import common
 
@@ -95,55 +42,15 @@ def _host_cpu_jiffies() -> tuple[int, int]:
   return sum(vals) - idle, sum(vals)
 
 
-def _tree_bytes(tree) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
-
-
-def _put(src, shardings) -> None:
-  """A copy of `src` onto `shardings`, waited for and dropped (no copy lives on)."""
-  jax.block_until_ready(jax.device_put(src, shardings, may_alias=False))
-
-
-def bench_push(params_trainer, gen_shardings, reps: int, load=None) -> dict:
-  """Median push time (trainer layout -> generator 0) vs a same-layout copy (generator 0 ->
-  generator 1) of the same bytes; with `load` (Engine.load_params of generator 0), also the
-  median time it takes on the pushed params. See the module docstring."""
-  sh0, sh1 = gen_shardings
-  for a, b in zip(jax.tree.leaves(sh0), jax.tree.leaves(sh1)):
-    if a.spec != b.spec or a.mesh.shape != b.mesh.shape:
-      raise ValueError(f"generator layouts differ ({a} vs {b}): the copy baseline needs equal ones")
-  on_gen0 = jax.device_put(params_trainer, sh0, may_alias=False)
-  jax.block_until_ready(on_gen0)
-  fns = {"push": lambda: _put(params_trainer, sh0), "copy": lambda: _put(on_gen0, sh1)}
-  if load is not None:   # its warm-up call compiles the layout split
-    fns["load"] = lambda: load(on_gen0)
-  t = common.time_rounds(fns, reps)   # warm-up calls set up the transfers
-  p, c = t["push"].median, t["copy"].median
-  out = {"bytes": _tree_bytes(params_trainer), "push_s": p, "copy_s": c,
-         "push_over_copy_time": p / c, "push_s_all": t["push"].rounds,
-         "copy_s_all": t["copy"].rounds}
-  if load is not None:
-    out.update(load_s=t["load"].median,
-               push_plus_load_over_copy_time=(p + t["load"].median) / c)
-  return out
-
-
 def main():
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
   ap.add_argument("--repeats", type=int, default=5,
                   help="sync/async runs per mode, order alternating; figures are medians")
   ap.add_argument("--sft_steps", type=int, default=250)
-  ap.add_argument("--push_reps", type=int, default=8)
-  ap.add_argument("--skip_big_push", action="store_true")
   ap.add_argument("--seed", type=int, default=1)
   ap.add_argument("--layout", default="4,2,2",
                   help="devices of the trainer, then of each generator, for the throughput runs")
-  ap.add_argument("--trainer_axis", choices=("fsdp", "data"), default="fsdp",
-                  help="mesh axis of the trainer's slice: FSDP, or data parallel (replicated)")
-  ap.add_argument("--gen_axis", choices=("tensor", "data"), default="tensor",
-                  help="mesh axis of each generator's slice: tensor parallel, or data parallel "
-                       "over decode slots with replicated weights")
   ap.add_argument("--colocated", action="store_true",
                   help="one generator on the trainer's devices: sync = taking turns, async = "
                        "one batch of lookahead (--layout N: the trainer's device count)")
@@ -160,10 +67,9 @@ def main():
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.model import transformer as T
   from magistral_jax.model.char_tokenizer import char_tokenizer
-  from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
+  from magistral_jax.model.config import ModelConfig
   from magistral_jax.parallel.config import TRAINER_RULES
   from magistral_jax.parallel.sharding import make_mesh
-  from magistral_jax.parallel.sharding import param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES
   from magistral_jax.pipeline.config import PipelineConfig
   from magistral_jax.pipeline.rollouts import Rollouts
@@ -191,7 +97,7 @@ def main():
     tdev, gdevs = split_devices(layout[0], layout[1:], colocated=args.colocated)
   except ValueError as e:
     ap.error(f"--layout {args.layout!r}: comma-separated device counts, trainer first: {e}")
-  tmesh = make_mesh({args.trainer_axis: len(tdev)}, tdev)
+  tmesh = make_mesh({"fsdp": len(tdev)}, tdev)
   problems = lambda seed: synthetic.problems(seed, min_steps=1, max_steps=MAX_STEPS)
 
   # ---- SFT warm start on 1..MAX_STEPS-step traces ------------------------------------------
@@ -211,7 +117,7 @@ def main():
         f"{sft_m.get('nll_per_token', float('nan')):.3f}", flush=True)
 
   sampling = SamplingConfig(temperature=1.0, max_new_tokens=MAX_NEW, eos_id=tok.eos_id)
-  engines = [Engine(cfg, make_mesh({args.gen_axis: len(d)}, d), GENERATOR_RULES,
+  engines = [Engine(cfg, make_mesh({"tensor": len(d)}, d), GENERATOR_RULES,
                     max_concurrent_decodes=8, max_prefill_length=MAX_PREFILL,
                     max_decode_length=MAX_NEW, prefill_buckets=(MAX_PREFILL,), sampling=sampling)
              for d in gdevs]
@@ -325,43 +231,9 @@ def main():
       for k in runs[m][0]:
         if "peak" in k:
           out[f"{m}_{k.replace('/', '_')}"] = float(np.median([x[k] for x in runs[m]]))
-    out["total_wall_s"] = time.time() - t_start
-    out["devices"] = f"{len(tdev)} of {jax.device_count()} x {jax.default_backend()}, colocated"
-    common.emit(out, ndigits=4)
-    return
-
-  # ---- weight push vs same-layout copy ------------------------------------------------------
-  # Always trainer FSDP-4 -> generator TP-2, whatever --layout the throughput runs used.
-  push_tdev, push_gdevs = split_devices(4, [2, 2])
-  push_tmesh = make_mesh({"fsdp": 4}, push_tdev)
-  def push_for(model_cfg, trainer_params):
-    shs = [param_shardings(T.param_logical_axes(model_cfg), make_mesh({"tensor": len(d)}, d),
-                           GENERATOR_RULES, T.param_shapes(model_cfg)) for d in push_gdevs]
-    eng = Engine(model_cfg, make_mesh({"tensor": len(push_gdevs[0])}, push_gdevs[0]),
-                 max_concurrent_decodes=1, max_prefill_length=8, max_decode_length=8)
-    return bench_push(trainer_params, shs, args.push_reps, load=eng.load_params)
-
-  tiny_params = jax.device_put(params, param_shardings(T.param_logical_axes(cfg), push_tmesh,
-                                                       TRAINER_RULES, T.param_shapes(cfg)))
-  tiny = push_for(cfg, tiny_params)
-  print("push tiny: " + json.dumps({k: v for k, v in tiny.items() if not k.endswith("_all")}),
-        flush=True)
-  out.update(push_over_copy_time_tiny=tiny["push_over_copy_time"], push_s_tiny=tiny["push_s"],
-             copy_s_tiny=tiny["copy_s"], push_bytes_tiny=tiny["bytes"], load_s_tiny=tiny["load_s"],
-             push_over_copy_time=tiny["push_over_copy_time"])
-  if not args.skip_big_push:
-    big = SMOLLM2_135M
-    tsh = param_shardings(T.param_logical_axes(big), push_tmesh, TRAINER_RULES, T.param_shapes(big))
-    big_params = jax.block_until_ready(common.random_params(big, tsh))
-    b = push_for(big, big_params)
-    print("push 135M: " + json.dumps({k: v for k, v in b.items() if not k.endswith("_all")}),
-          flush=True)
-    out.update(push_over_copy_time_135m=b["push_over_copy_time"], push_s_135m=b["push_s"],
-               copy_s_135m=b["copy_s"], push_bytes_135m=b["bytes"], load_s_135m=b["load_s"],
-               push_plus_load_over_copy_time_135m=b["push_plus_load_over_copy_time"],
-               push_over_copy_time=b["push_over_copy_time"])
   out["total_wall_s"] = time.time() - t_start
-  out["devices"] = f"{jax.device_count()} x {jax.default_backend()}"
+  out["devices"] = (f"{len(tdev)} of {jax.device_count()} x {jax.default_backend()}"
+                    + (", colocated" if args.colocated else ""))
   common.emit(out, ndigits=4)
 
 

@@ -1,22 +1,13 @@
-"""Benchmark: the sampler's truncation and draw (sampling._truncate + sampling.draw) vs the
-previous sampler (a sort for top-k / top-p, Gumbel-max for the draw).
+"""Benchmark: the sampler's truncation and draw (sampling._truncate + sampling.draw) against the
+previous sampler (a full sort for top-k / top-p, Gumbel-max for the draw).
 
-The previous sampler found the nucleus by sorting the vocabulary (`lax.top_k` with k = V, kept
-here as `sort_truncate`) and drew with jax.random.categorical (Gumbel-max: V random numbers per
-row, `gumbel_draw`). The engine finds the nucleus edge by bisection over the logits'
-float32 order (at most 32 masked passes over [B, V], in blocks of rows), the k-th largest logit
-by XLA's partial top-k for k <= 256 (by bisection above), and draws by inverse CDF from one
-uniform per row.
+On [B, V] fp32 logits with SmolLM2's vocabulary, for each B in --batches and (top_k, top_p)
+setting, interleaved rounds, medians; the masks must agree. Unless --skip_engine, the SmolLM2-135M
+engine's whole decode step greedy and sampled, so sampling's share of a step shows.
 
-Measured in one run, interleaved rounds, medians:
-  1. truncation + draw alone on [B, V] fp32 logits (Gaussian, std 2.5) with SmolLM2's
-     V = 49152, for B in --batches and each (top_k, top_p) setting, ours (`ours_ms`) vs the
-     previous sampler (`sort_ms`); (0, 1.0) is the draw alone. The truncation masks are checked
-     to agree (`masks_equal`); `kept_mean` is the tokens left per row;
-  2. unless --skip_engine: the SmolLM2-135M engine's whole decode step (first batch size's
-     slots, cache 288): greedy, temperature 1, and temperature 1 with top_p = 0.95
-     (`engine_step_ms`), so sampling's share of a step shows.
-Last line: one JSON object.
+  python bench/sampling.py [--batches 8,64]
+
+Last line, one JSON object: ours_ms, sort_ms, masks_equal, kept_mean, engine_step_ms.
 """
 import os
 
@@ -56,10 +47,11 @@ def gumbel_draw(keys, lg):
 
 
 def engine_steps(batch: int, rounds: int):
+  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
   from magistral_jax.parallel.sharding import make_mesh
-  cfg, params, _, _ = common.load_model("smollm2", "float32", "gguf")
+  cfg, params, _, _ = named.load_model("smollm2", "float32", "gguf")
   steps = {}
   for name, samp in (("greedy", SamplingConfig(greedy=True)),
                      ("top_p_1.0", SamplingConfig(temperature=1.0)),
@@ -95,7 +87,7 @@ def main():
   runs = []
   for b in [int(x) for x in args.batches.split(",")]:
     rs = np.random.RandomState(b)
-    # Gaussian logits, std 2.5: the 0.95 nucleus holds ~9.6k of the 49152 tokens.
+    # Gaussian logits, std 2.5: a wide nucleus, as an RL policy's at temperature 1.
     lg = jnp.asarray((rs.randn(b, args.vocab) * 2.5).astype(np.float32))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
     for top_k, top_p in settings:

@@ -1,33 +1,19 @@
 """Soak benchmark: the verifier pool under sustained hostile load (issues #33 and #50).
 
-Runs --tasks code tasks through a VerifierPool(--workers): about --hostile_share (20%) hostile
-programs (every attack of tests/rewards/hostile_programs.py: escapes, forged verdicts, fork bombs,
-daemons, memory hogs, IPC objects and listeners left or read, CPU and memory spread over a
-process tree or owned by no process, keys, floods; the IPC, holding and whole-run attacks are in
-every mix once) and the rest split evenly between correct and wrong programs, each
-with a verdict known from a bare run (tests/rewards/known_verdicts.py: HumanEval, MBPP, Python
-stdin/stdout and --cpp_share C++ stdin/stdout tasks). Correct programs must get the pass reward;
-wrong and hostile ones must not. The secret the reading attacks look for is planted in files and
-IPC objects outside any run, and is each reading task's expected output: a read would pass.
-
-Chaos (--chaos_every_s, on in the CI test): about that often a busy worker, drawn with weights
-= its sandboxed processes, is SIGKILLed while programs keep coming. Its task resolves with an
-error: a verifier fault, dropped (faulted), neither right nor wrong.
-
-Baseline: the same correct/wrong programs run bare (plain subprocesses, --workers threads), in a
-separate phase of --ratio_tasks tasks interleaved with the pool in chunks: throughput_ratio =
-pool rate / bare rate (goal >= 0.5).
-
-Reported (last line, one JSON object): verdict_accuracy over the tasks that got a verdict (goal
-1.0), wrong_verdicts, tasks_lost (goal 0), faulted (by kind), chaos_kills,
-worker_deaths_beyond_chaos (goal 0), and after the pool closed what it left on the host
-(tests/rewards/host_leaks.py: processes of the sandbox uids or children of ours, files, run dirs,
-SysV and POSIX IPC objects, listening sockets, run cgroups, keys; goal 0 each), the verifier
-faults on correct and wrong programs beside the hostile ones (goal 0), worker RSS at the start and the end,
-throughput_per_s, throughput_ratio, isolation_level().
+--tasks code tasks through VerifierPool(--workers): a --hostile_share of hostile programs
+(tests/rewards/hostile_programs.py; the IPC, holding and whole-run attacks
+in every mix), the rest correct and wrong programs of known verdict
+(tests/rewards/known_verdicts.py), --cpp_share of them C++. --chaos_every_s SIGKILLs a busy worker
+that often. Baseline: the same correct/wrong programs run bare (plain subprocesses), interleaved
+in chunks (--ratio_tasks). After the pool closes, tests/rewards/host_leaks.py scans what it left
+(processes, files, IPC objects, sockets, run cgroups, keys of the sandbox uids).
 
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
                                [--chaos_every_s=0] [--no_progress]
+
+Last line, one JSON object: verdict_accuracy, wrong_verdicts, tasks_lost, faulted, chaos_kills,
+worker_deaths_beyond_chaos, leaks per kind, worker RSS, throughput_per_s, throughput_ratio,
+isolation_level.
 """
 from __future__ import annotations
 

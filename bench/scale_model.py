@@ -1,30 +1,17 @@
-"""Benchmark: a model of one RL step (magistral_jax/analysis/scale_model.py), checked against the
-3-process CPU run: the model's per-batch time from rates measured alone, against the run's own.
+"""Benchmark: the model of one RL step (magistral_jax/analysis/scale_model.py) against the
+3-process CPU run it predicts.
 
-1. Measured: the 3-process CPU run (configs/tiny.py:multihost, launch/local_cluster.py, 3
-   processes of 2 CPU devices) in `--cpu_run_workdir` (run there first, `--sft_steps`,
-   `--batches`, unless it has batches): per batch, the median interval between consecutive
-   batch rows of metrics.jsonl after the first `--skip`. Its workload, from the same rows: mean
-   response length, share of groups kept, microbatches per optimizer step, padding; the mean
-   prompt length from its tokenizer and prompts.
-2. Rates, each measured alone, nothing else of ours running:
-   - generation and train tokens/s: a 3-process cluster of the run's layout (this script's
-     --distributed children). The generator process runs the run's GeneratorLoop on its one
-     device (engine settings as the run's, random weights, EOS off) on groups of the run's prompt
-     length, every completion the run's mean response length; then the two trainer processes
-     take the run's GRPO step (train.rl_loop.Trainer.step, FSDP over their 4 devices) on a
-     minibatch of the run's shape. Each says how many cores it kept busy (CPU s / wall s).
-   - data: bench/multihost_bulk.py at the size of a follower's rows of one minibatch (less a
-     message each way) and at 1 KB (a key-value set, get and ack: twice a message's latency).
-   - push: bench/multihost_push.py --model tiny (stage, offer, pull, ack).
-   - scoring: the run's VerifierPool on the run's math tasks, tasks/s.
-   `predicted_over_measured`: the model's per-batch time over the measured (goal 0.75-1.25).
-   The run and the rates are measured back to back: give an empty workdir (a run read back later
-   on a host whose load has changed compares two different machines).
-The projection of configs/medium.py and configs/small.py onto named clusters with the same
-model is tools/project_recipes.py (pass it this run's rates.message_s).
+Measured: the 3-process CPU run (configs/tiny.py:multihost via launch/local_cluster.py) in
+`--cpu_run_workdir`, its per-batch interval and workload read from metrics.jsonl. Rates, each
+measured alone: generation and train tokens/s on a 3-process cluster of the run's layout (this
+script's --distributed children), data (bench/multihost_bulk.py), push (bench/multihost_push.py)
+and scoring (the run's VerifierPool). Give an empty workdir, so run and rates are back to back.
+tools/project_recipes.py projects the recipes onto named clusters from these rates.
 
-Last line: one JSON object. Usage: python bench/scale_model.py [--cpu_run_workdir W]
+  python bench/scale_model.py [--cpu_run_workdir W]
+
+Last line, one JSON object: predicted and measured per-batch time, predicted_over_measured,
+the rates (with rates.message_s) and the run's workload.
 """
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
 """Benchmark: tokens/s and MFU of the GRPO train step at a 1B shape, against a plain
 cross-entropy step of the same shapes, on an accelerator.
 
-Model: the Llama-3.2-1B shapes (random init: a step's time does not depend on the values), with
-the trainer's dtype policy: `--param_dtype` master weights and AdamW moments (float32), matmuls
-in `--dtype` (bfloat16), `--attention_impl` (auto: cuDNN flash on NVIDIA GPUs, and for packed rows
-past cuDNN's packed layout our block-sparse Pallas kernel, gpu_flash; the JSON's `<shape>_attention`
-says which one a shape's training rows take). For each shape in `--shapes`
-(ROWSxROW_LEN:REMAT[:SEQS], e.g. 4x2048:none = microbatches of 4 rows of 2,048 tokens, no
-rematerialisation; 1x32768:full:16 = one 32K row packed with 16 sequences of 2,048 tokens),
-`--micro` microbatches per optimizer step, each row SEQS sequences (default 1) of ROW_LEN / SEQS
-tokens (a 128-token prompt and its completion), the steps of `--steps` go through
-train.step.make_train_step (gradient accumulation scan, AdamW, NaN guard, donated state):
-  grpo  train.step.make_grpo_step: policy forward, chunked log-probs and entropy, the clipped
-        token-level loss.
-  ce    train.sft.make_sft_step: the next-token cross-entropy of the same tokens (the baseline).
-The two alternate over `--repeats` rounds after a warm-up; the median is reported.
+Llama-3.2-1B shapes (random init), `--param_dtype` master weights, `--dtype` matmuls,
+`--attention_impl`. Each shape in `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]) runs `--micro`
+microbatches per step through train.step.make_train_step: `grpo` (make_grpo_step) and `ce`
+(train.sft.make_sft_step, the baseline), alternating over `--repeats`; medians. MFU = model FLOPs
+(6 x matmul weights + causal attention, per token) / step time / peak: the vendor's dense bf16
+rate where known, and a large bf16 matmul measured in the same run (`--matmul_n`).
 
-MFU = model FLOPs / step time / peak. Model FLOPs per token are the usual count for a dense
-decoder (forward + backward = 3 x forward): 6 x the matmul weights (the tied head's V x d
-included, the input embedding gather not) + 6 x layers x heads x head_dim x T for causal
-attention (scores and values: 2 x 2 x T x d per query per layer forward, half of the keys
-masked; T is the sequence's length, ROW_LEN / SEQS, in a packed row). Rematerialisation's
-recomputed forward is not model work, so it lowers MFU. Peak: the vendor's dense bf16 rate
-where the device kind is known (H100 SXM 989 TFLOP/s, H200 the same) and, measured in the same
-run, the rate of a large bf16 matmul (`--matmul_n`), which MFU is also given against
-(`mfu_vs_matmul`).
-
-Last line: one JSON object; per shape (keyed ROWSxROW_LEN, with _<SEQS>seqs for packed rows)
-`tokens_per_s_grpo`, `mfu_grpo`, `tokens_per_s_ce`, `mfu_ce`, `grpo_over_ce_time`, the compiled
-peak memory, the attention implementation, and the device.
-Usage (GPU): python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
+  python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
+
+Last line, one JSON object, per shape: tokens_per_s_grpo, mfu_grpo, tokens_per_s_ce, mfu_ce,
+grpo_over_ce_time, mfu_vs_matmul, peak memory, attention implementation, device.
 """
 from __future__ import annotations
 
@@ -51,24 +33,7 @@ from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
 
-# Vendor dense bf16 matmul peak (TFLOP/s) by a substring of jax's device_kind.
-SPEC_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-                    ("A100", 312.0), ("TPU v5p", 459.0), ("TPU v5 lite", 197.0),
-                    ("TPU v5e", 197.0), ("TPU v4", 275.0))
 PROMPT = 128
-
-
-def spec_tflops(kind: str) -> float | None:
-  for name, tf in SPEC_BF16_TFLOPS:
-    if name.lower() in kind.lower():
-      return tf
-  return None
-
-
-def model_flops_per_token(cfg, seq_len: int) -> float:
-  """Forward + backward model FLOPs of one token in a causal sequence of `seq_len` tokens (the
-  count the module docstring gives; analysis/scale_model.py projects step times with it)."""
-  return train_flops_per_token(cfg, seq_len)
 
 
 def matmul_tflops(n: int, dtype, reps: int = 10) -> float:
@@ -97,14 +62,6 @@ def make_batch(rows: int, row_len: int, micro: int, vocab: int, seed: int = 0, s
   mb = collate_minibatch(comps, gcfg)
   assert mb.arrays["tokens"].shape == (micro, rows, row_len), mb.arrays["tokens"].shape
   return gcfg, mb.arrays
-
-
-def peak_bytes(compiled) -> int:
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return -1
-  return int(ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-             + ma.temp_size_in_bytes)
 
 
 def attention_impl(cfg, row_len: int) -> str:
@@ -141,7 +98,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
     t0 = time.perf_counter()
     compiled[k] = fn.lower(state, batch).compile()
     out[f"compile_s_{k}"] = time.perf_counter() - t0
-    out[f"peak_gib_{k}"] = peak_bytes(compiled[k]) / 2 ** 30
+    out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
   box = [state]
@@ -152,7 +109,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
       return metrics
     return step
   times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
-  flops = model_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
+  flops = train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
@@ -198,7 +155,7 @@ def main(argv=None):
                       num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
                       vocab_size=8192)
   dev = jax.devices()[0]
-  peak_tf = spec_tflops(dev.device_kind) if dev.platform != "cpu" else None
+  peak_tf = common.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
   mm_tf = matmul_tflops(args.matmul_n, jnp.dtype(args.dtype))
   result = {"model": "Llama-3.2-1B shapes (random init)" if not (args.layers or args.hidden)
             else f"Llama-3.2-1B shrunk (layers {cfg.num_layers}, hidden {cfg.hidden_size})",

@@ -1,20 +1,13 @@
 """Benchmark: the GRPO train step against a plain cross-entropy step, greedy collation against
 naive fixed-count microbatches, and peak memory with and without rematerialisation.
 
-Model: SmolLM2-135M shapes (vocab 49152, hidden 576, MLP 1536, 30 layers, 9 heads, 3 KV heads,
-head_dim 64, tied embeddings), random init. Measured in one run:
-  * step time (process CPU seconds; wall also reported): GRPO step (policy forward + chunked log-probs/entropy + clipped loss) vs the SFT
-    next-token cross-entropy step, both through train.step.make_train_step (same batch shapes,
-    same jit settings: fp32 accumulation scan, AdamW, NaN guard, donated state). Interleaved
-    repeats; the median of each is compared.
-  * padding: greedy collation (longest first, first fit into rows) vs naive fixed-count
-    microbatches (one sequence per row, the same fixed [rows, row_len] microbatch shape), on
-    lengths drawn uniformly with a 5x spread. Also vs padding each naive microbatch only to its
-    longest sequence (dynamic shapes, a recompile per shape).
-  * memory: the compiled GRPO step's memory analysis with ModelConfig.remat = none vs full.
+SmolLM2-135M shapes, random init: both steps through train.step.make_train_step, interleaved
+repeats, medians; padding of greedy collation vs one sequence per row on lengths with a 5x
+spread; the compiled GRPO step's memory analysis with remat none vs full.
 
-Usage: .venv/bin/python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
-The last line printed is one JSON object.
+  python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
+
+Last line: one JSON object with every figure.
 """
 from __future__ import annotations
 
@@ -33,16 +26,6 @@ from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
 
 SMOLLM2_135M = model_config.SMOLLM2_135M.replace(logits_chunk=256)
-
-
-def memory(compiled) -> tuple[int, int]:
-  """(peak bytes, temp bytes) from the compiled memory analysis. Peak = arguments + outputs −
-  donated aliases + temporaries: everything the step can hold at once. (The CPU backend's own
-  `peak_memory_in_bytes` counts only the arguments here, so it would hide the activations.)"""
-  ma = compiled.memory_analysis()
-  peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-          + ma.temp_size_in_bytes)
-  return int(peak), int(ma.temp_size_in_bytes)
 
 
 def padding_study(rng, n_seq=2048, l_max=1000, spread=5, rows=4):
@@ -118,8 +101,9 @@ def main(argv=None):
     compiled[name] = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
     result[f"compile_s_{name}"] = time.perf_counter() - t0
     print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
-  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = memory(compiled["grpo"])
-  result["peak_bytes_ce"], result["temp_bytes_ce"] = memory(compiled["ce"])
+  mem = common.compiled_memory
+  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = mem(compiled["grpo"])
+  result["peak_bytes_ce"], result["temp_bytes_ce"] = mem(compiled["ce"])
 
   # Wall time and process CPU time per step. On a shared host the wall clock mostly measures the
   # other jobs; CPU seconds measure the work of the step, so the ratio is taken from those.
@@ -145,7 +129,7 @@ def main(argv=None):
   remat_cfg = model_cfg.replace(remat="full")
   grpo_remat = S.make_grpo_step(remat_cfg, gcfg, tx)
   t0 = time.perf_counter()
-  result["peak_bytes_remat"], result["temp_bytes_remat"] = memory(
+  result["peak_bytes_remat"], result["temp_bytes_remat"] = common.compiled_memory(
       jax.jit(grpo_remat, donate_argnums=0).lower(state, batch).compile())
   print(f"[compile] grpo remat: {time.perf_counter() - t0:.1f}s", flush=True)
   result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]

@@ -1,15 +1,12 @@
 """Benchmark: the verifier pool and the sandbox against their bare baselines, in one run.
 
-  (a) math: verifications/s through VerifierPool(N) vs direct in-process math-verify calls on the
-      same answers (MATH-500 gold answers in several equivalent formats);
-      math_pool_overhead = 1 - (pool rate / N) / direct rate          (goal <= 0.25)
-  (b) python code: sandboxed HumanEval test programs/s vs bare `subprocess.run` of the same
-      program files, one process each;  python_sandbox_over_bare = sandbox rate / bare rate
-      (goal >= 0.7)
-  (c) C++: compile time of one program with and without the precompiled bits/stdc++.h.
-The last line printed is one JSON object.
+(a) math: VerifierPool(N) against direct math-verify calls, math_pool_overhead (goal <= 0.25);
+(b) python: sandboxed HumanEval programs against bare subprocess.run, python_sandbox_over_bare
+(goal >= 0.7); (c) C++: compile time with and without the precompiled bits/stdc++.h.
 
   python bench/verifiers.py [--workers=2] [--math_items=400] [--code_items=100]
+
+Last line: one JSON object.
 """
 import json
 import os

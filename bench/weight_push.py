@@ -1,32 +1,35 @@
-"""Benchmark: the trainer -> generator weight push on one device, against a plain copy of the same
-bytes.
+"""Benchmark: the trainer -> generator weight push against a plain copy of the same bytes.
 
-For SmolLM2-135M and the Llama-3.2-1B shapes (random init), the trainer holds `--param_dtype`
-master weights (float32) in its layout; a generator Engine with `--gen_dtype` weights (bfloat16)
-shares the device (its own mesh and param shardings). Timed, alternating, median of `--reps`
-rounds after a warm-up:
-  push  what the RL pipeline does after each optimizer step (Rollouts.push): cast to the
-        generator's dtype on the trainer's devices and move onto its param shardings
-        (generate.weights.transfer_params), then check finiteness and split into the engine's
-        per-layer decode layout (Engine.load_params), until ready.
-  copy  the baseline: a device-to-device copy (`jax.device_put(..., may_alias=False)`) of the
-        bytes the generator receives (the params already in `--gen_dtype`), nothing else.
-`push_over_copy_time` = push / copy; `push_GBps` counts the generator's bytes.
+SmolLM2-135M and Llama-3.2-1B shapes (random init), `--param_dtype` trainer weights, a generator
+Engine with `--gen_dtype` weights. push = Rollouts.push for one generator (transfer_params, then
+Engine.load_params); copy = device_put(may_alias=False) of the bytes received, same layout.
+Default: trainer and generator share one device. `--reshard`: the pipeline's layout on 8 devices
+(simulated on CPU), trainer FSDP over 4, two generators tensor-parallel over 2 each; the push
+reshards onto generator 0 and the copy moves generator 0's params onto generator 1. Alternating,
+median of `--reps` after a warm-up.
 
-Last line: one JSON object. Usage (GPU): python bench/weight_push.py [--models smollm2,llama1b]
+  python bench/weight_push.py [--models smollm2,llama1b] [--reshard]
+
+Last line, one JSON object, per model: push_over_copy_time, push_GBps, push_s, copy_s.
 """
 from __future__ import annotations
 
-import common
-import jax
-import jax.numpy as jnp
+import sys
 
-from magistral_jax.generate.config import SamplingConfig
-from magistral_jax.generate.engine import Engine
-from magistral_jax.model import transformer as T
-from magistral_jax.parallel.sharding import make_mesh, param_shardings
-from magistral_jax.parallel.config import TRAINER_RULES
-from magistral_jax.generate.weights import transfer_params
+import common
+
+if "--reshard" in sys.argv:
+  common.use_cpu_devices(8)   # no-op where XLA_FLAGS already sets a count
+
+import jax  # noqa: E402
+
+from magistral_jax.generate.config import SamplingConfig  # noqa: E402
+from magistral_jax.generate.engine import Engine  # noqa: E402
+from magistral_jax.model import named  # noqa: E402
+from magistral_jax.model import transformer as T  # noqa: E402
+from magistral_jax.parallel.sharding import make_mesh, param_shardings  # noqa: E402
+from magistral_jax.parallel.config import TRAINER_RULES  # noqa: E402
+from magistral_jax.generate.weights import transfer_params  # noqa: E402
 
 
 def tree_bytes(tree) -> int:
@@ -34,23 +37,26 @@ def tree_bytes(tree) -> int:
 
 
 def bench_model(name: str, args) -> dict:
-  cfg, _, source, _ = common.load_model(name, args.param_dtype, weights="random")
-  dev = jax.devices()[0]
-  trainer_sh = param_shardings(T.param_logical_axes(cfg), make_mesh({"fsdp": 1}, [dev]),
+  cfg, _, source, _ = named.load_model(name, args.param_dtype, weights="random")
+  devs = jax.devices()
+  if args.reshard and len(devs) < 8:
+    raise SystemExit(f"--reshard needs 8 devices (trainer 4, two generators 2 each), "
+                     f"{len(devs)} here")
+  tdev, gdevs = (devs[:4], [devs[4:6], devs[6:8]]) if args.reshard else (devs[:1], [devs[:1]])
+  trainer_sh = param_shardings(T.param_logical_axes(cfg), make_mesh({"fsdp": len(tdev)}, tdev),
                                TRAINER_RULES, T.param_shapes(cfg))
-  master = common.random_params(cfg, trainer_sh)
+  master = named.random_params(cfg, trainer_sh)
   gen_cfg = cfg.replace(param_dtype=args.gen_dtype, dtype=args.gen_dtype)
-  eng = Engine(gen_cfg, make_mesh({"tensor": 1}, [dev]), max_concurrent_decodes=8,
-               max_prefill_length=64, max_decode_length=64, prefill_buckets=(64,),
-               sampling=SamplingConfig(greedy=True, max_new_tokens=64, eos_id=None),
-               compact_sizes=())
-  received = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(gen_cfg.jnp_param_dtype), p),
-                     out_shardings=eng.param_shardings)(master)
-  jax.block_until_ready(received)
+  engs = [Engine(gen_cfg, make_mesh({"tensor": len(d)}, d), max_concurrent_decodes=8,
+                 max_prefill_length=64, max_decode_length=64, prefill_buckets=(64,),
+                 sampling=SamplingConfig(greedy=True, max_new_tokens=64, eos_id=None),
+                 compact_sizes=()) for d in gdevs]
+  eng, other = engs[0], engs[-1]
+  received = jax.block_until_ready(transfer_params(master, eng))   # what the generator gets
   # A push as Rollouts.push does it for one generator: transfer_params, then update_params's
   # Engine.load_params (finiteness check, per-layer decode layout) on the generator's devices.
   t = common.time_rounds({"push": lambda: eng.load_params(transfer_params(master, eng)),
-                          "copy": lambda: jax.device_put(received, eng.param_shardings,
+                          "copy": lambda: jax.device_put(received, other.param_shardings,
                                                          may_alias=False)},
                          args.reps, warmup=2)
   p, c = t["push"].median, t["copy"].median
@@ -66,10 +72,13 @@ def main(argv=None):
   ap.add_argument("--param_dtype", default="float32", help="the trainer's master weights")
   ap.add_argument("--gen_dtype", default="bfloat16", help="the generator's weights")
   ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--reshard", action="store_true",
+                  help="trainer FSDP-4 -> generator TP-2, copy baseline between two generators")
   args = ap.parse_args(argv)
   dev = jax.devices()[0]
   result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-            "param_dtype": args.param_dtype, "gen_dtype": args.gen_dtype}
+            "param_dtype": args.param_dtype, "gen_dtype": args.gen_dtype,
+            "reshard": args.reshard}
   for name in args.models.split(","):
     r = bench_model(name, args)
     print(f"[{name}] push {r['push_s'] * 1e3:.2f} ms vs copy {r['copy_s'] * 1e3:.2f} ms "

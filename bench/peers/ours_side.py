@@ -1,13 +1,10 @@
-"""Our side of bench/vs_tunix.py: train.rl_loop.train over Rollouts in sync mode, colocated, on the
-shared workload, timed from hooks on the loop's parts; the counterpart of tunix_side.py.
+"""Our side of bench/vs_tunix.py: train.rl_loop.train over Rollouts in sync mode, colocated, on
+the shared workload, timed from hooks on the loop's parts; the counterpart of tunix_side.py.
 
-Runs in our venv, in a process of its own (so its peak memory is its own):
-`python bench/peers/ours_side.py --spec=SPEC.json` reads the workload bench/vs_tunix.py wrote and
-prints one JSON object as its last line (the same per-iteration figures as the tunix side), plus
-our generator's loop counters per timed iteration (`generator_per_iteration`), the CPU dot library
-its decode step used and `generator_compiles_in_timed_iterations` (0: every program was compiled
-before timing). `--score=FILE` prints our rewards of a file's completions (tests compare them with
-tunix_side.py --score).
+  python bench/peers/ours_side.py --spec=SPEC.json [--score=FILE]
+
+Last line: one JSON object, the same per-iteration figures as the tunix side plus
+generator_per_iteration and generator_compiles_in_timed_iterations.
 """
 from __future__ import annotations
 
@@ -33,15 +30,10 @@ GEN_COUNTERS = ("steps", "compact_steps", "decode_time_s", "idle_time_s", "prefi
 
 def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, tasks,
                   grpo, system_prompt, seed):
-  """Our colocated layout (Rollouts colocated=True, the run config's devices.colocated): ONE
-  generator on the trainer's own devices, taking turns with the trainer (sync: it generates the
-  batch in the trainer's thread, then frees its weights copy and KV cache for the train step, and
-  the next iteration reloads the newest params where they are). The generator is
-  built as launch/train.py builds it (pipeline.generators.make_generators with the run config's
-  engine defaults, slots for the whole batch, max_prefill_length = the workload's prompt
-  length), then every program it can run is compiled (Engine.precompile), so no timed
-  iteration compiles: which prefill batch sizes and drain programs a run meets depends on
-  thread timing."""
+  """Our colocated layout (Rollouts colocated=True): one generator on the trainer's devices,
+  taking turns with it, built as launch/train.py builds it (make_generators, the config's engine
+  defaults, slots for the whole batch); every program it can run is compiled beforehand, since
+  which prefill and drain programs a run meets depends on thread timing."""
   from magistral_jax.generate.config import EngineConfig
   from magistral_jax.pipeline.config import PipelineConfig
   from magistral_jax.pipeline.rollouts import Rollouts

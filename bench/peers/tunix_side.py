@@ -1,33 +1,12 @@
-"""The tunix side of bench/vs_tunix.py: google-tunix 0.1.7's GRPO on the shared workload.
+"""The tunix side of bench/vs_tunix.py: google-tunix's GRPOLearner.train on the shared workload.
 
-Runs under the peer's own interpreter (bench/peers/.venv-tunix/bin/python), never ours: it imports
-nothing of magistral_jax. `python tunix_side.py --spec=SPEC.json` reads the workload written by
-bench/vs_tunix.py, runs tunix's own loop, GRPOLearner.train over an RLCluster (vanilla rollout,
-actor and rollout on one mesh of one device, so they share one model), and prints one JSON
-object as its last line: the same per-iteration figures as our side.
+Runs under the peer's own interpreter (bench/peers/.venv-tunix) and imports nothing of
+magistral_jax. bench/peers/README.md says what it builds from the spec (policy, tokenizer,
+rollout and GRPO configs, reward) and where its timing hooks sit.
 
-What it builds from the spec:
-- the policy: tunix.models.llama3 (Llama3, weight_tying for tied embeddings), loaded from the
-  shared HF safetensors directory with tunix's loader (models.llama3.params);
-- the tokenizer: the shared tokenizer.json (HF `tokenizers`), behind the encode / decode /
-  bos_id / eos_id / pad_id interface tunix's TokenizerAdapter accepts; the sampler tokenizes the
-  rendered prompt text itself, and this script checks the ids equal the spec's;
-- RolloutConfig: max_tokens_to_generate = max_new_tokens, max_prompt_length, the temperature,
-  top_p 1.0 (plain categorical sampling), eos_tokens = [an id the model cannot produce] (so no
-  completion ends early), kv_cache_size = prompt + new tokens;
-- GRPOConfig: num_generations = G, num_iterations 1, beta 0 (no KL, no reference model),
-  epsilon 0.2 (epsilon_high 0.28 where the config takes it), loss_agg_mode token-mean;
-  RLTrainingConfig: one mini-batch = the whole batch of prompts, AdamW as ours
-  (clip_by_global_norm 1.0, b1 0.9, b2 0.95, eps 1e-8, no weight decay), no checkpoints;
-- the reward: the rule our side's verifier pool runs with (vs_tunix.reward_config): the format
-  gate, then 0.1 + 0.9 if the boxed answer equals the reference (here compared as strings; ours
-  with math-verify), plus the shared tie-breaker (see vs_tunix.py).
+  python tunix_side.py --spec=SPEC.json [--score=FILE]
 
-Timing hooks (wrappers on the instances; they change nothing but waiting where noted):
-RLCluster.generate (rollout), GRPOLearner._compute_rewards (scoring), RLCluster.update_actor
-(train step; the wrapper waits for the updated weights, so the figure is the step's own and
-not the next rollout's), RLCluster.sync_weights (weight sync). An iteration ends when its
-update_actor returns.
+Last line: one JSON object with the same per-iteration figures as ours_side.py.
 """
 from __future__ import annotations
 
