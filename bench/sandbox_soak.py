@@ -12,8 +12,8 @@ in chunks (--ratio_tasks). After the pool closes, tests/rewards/host_leaks.py sc
                                [--chaos_every_s=0] [--no_progress]
 
 Last line, one JSON object: verdict_accuracy, wrong_verdicts, tasks_lost, faulted, chaos_kills,
-worker_deaths_beyond_chaos, leaks per kind, worker RSS, throughput_per_s, throughput_ratio,
-isolation_level.
+worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, worker RSS, throughput_per_s,
+throughput_ratio, isolation_level.
 """
 from __future__ import annotations
 
