@@ -5,7 +5,7 @@
 # at the end: issue #55). Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
 #   bash bench/gpu_suite.sh [stage] \
-#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live]
+#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
@@ -47,8 +47,8 @@ if [ "$what" = stage ]; then   # the device bundle's files that have arrived (to
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -122,6 +122,13 @@ if [ "$what" = live ]; then
       ${LIVE_ARGS:---models smollm2,llama1b --max_new 4096} --decode_attention "${v%:*}" \
       --attention_windows "${v#*:}"
   done
+fi
+# `paged` (issue #66): one layer's decode attention at Small's per-chip shapes (8 query / 2 KV heads
+# of 128, bf16, 45,056 positions; 31, 64 and 128 slots of long-tailed lengths and a 4-slot tail):
+# the dense cache, the ragged paged path and jax's split-K paged kernel, each one's live bytes/s
+# over a measured copy's bandwidth (bench/paged_attention.py --gpu; PAGED_ARGS adds to it).
+if [ "$what" = paged ]; then
+  run paged_attention "${PAGED_TIMEOUT:-300}" bench/paged_attention.py --gpu ${PAGED_ARGS:-}
 fi
 # `flash` (issue #55): our block-sparse Pallas kernel (model/flash_sparse.py). Packed-row attention
 # at 8K, 32K and 64K tokens, forward + backward: blockwise, the kernel over the whole causal

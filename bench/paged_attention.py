@@ -90,14 +90,16 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
   n_pages = pa.live_pages_bucket(int(live_pages.sum()), slots * max_pages)
   fns = {"dense": (jax.jit(dense_contiguous), (q, k, v, n)),
          "ragged": (jax.jit(pa.ragged, static_argnames="n_pages"), (q, kp, vp, t, n))}
-  if args.gpu:
-    fns["pallas_gpu"] = (jax.jit(pa.pallas_gpu), (q, kp, vp, t, n))
+  if args.gpu:   # on CPU (the mode's rehearsal) the kernel runs in Pallas's interpreter
+    gpu = jax.jit(pa.pallas_gpu, static_argnames="interpret")
+    fns["pallas_gpu"] = (lambda *a: gpu(*a, interpret=jax.default_backend() == "cpu"),
+                         (q, kp, vp, t, n))
   want = np.asarray(fns["dense"][0](*fns["dense"][1]), np.float32)
   bpp = 2 * args.kv_heads * args.head_dim * dtype.itemsize        # K and V, per position
   live_bytes = int(lengths.sum()) * bpp
   out = dict(slots=slots, mean_live=float(lengths.mean()), cache=s,
              live_fraction=float(lengths.mean() / s))
-  bw = copy_bandwidth(256 << 20, args.repeats) if args.gpu else None
+  bw = copy_bandwidth(args.copy_mb << 20, args.repeats) if args.gpu else None
   calls = {name: ((lambda f=f, a=a: f(*a, n_pages=n_pages)) if name == "ragged" else
                   (lambda f=f, a=a: f(*a))) for name, (f, a) in fns.items()}
   timings = common.time_rounds(calls, args.repeats, alternate=True)   # dense and paged in turn
@@ -134,6 +136,7 @@ def main():
   ap.add_argument("--dtype", default=None)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--copy_mb", type=int, default=1024, help="--gpu: the bandwidth probe's size")
   a = ap.parse_args()
   # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's
   # per-chip shapes (8 query / 2 KV heads of 128, bf16, 45,056 positions) and a 4-slot tail.

@@ -23,3 +23,14 @@ def test_the_last_line_has_both_paths_and_the_read_ratios():
   assert tail["dense"]["kv_read_over_live"] == 1.0
   for run in out["runs"]:
     assert run["paged_over_dense_step"] > 0 and run["best_paged"] == "ragged"
+
+
+def test_the_gpu_mode_rehearses_on_cpu_with_jax_s_kernel_interpreted():
+  r = subprocess.run([sys.executable, "bench/paged_attention.py", "--gpu", "--slots=4",
+                      "--cache=64", "--page_size=16", "--copy_mb=8", "--repeats=1",
+                      "--q_heads=4", "--kv_heads=2", "--head_dim=16", "--dtype=float32"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (run,) = json.loads(r.stdout.strip().splitlines()[-1])["runs"]
+  assert run["pallas_gpu"]["max_abs_err"] < 1e-3 and "of_copy_bandwidth" in run["pallas_gpu"]
+  assert run["pallas_gpu"]["kv_read_over_live"] == 1.0
