@@ -33,7 +33,9 @@ import time
 
 from magistral_jax.analysis.report import load_heldout_curve as curve
 from magistral_jax.eval.paired import compare_evals
-from magistral_jax.run.learn import choose_task, gain_line, mean_accuracy, pack, plot, read_json
+
+# bench/learn_report.py, beside the script (`python bench/learn.py` puts bench/ on sys.path).
+from learn_report import choose_task, gain_line, mean_accuracy, pack, plot, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

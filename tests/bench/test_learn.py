@@ -1,4 +1,4 @@
-"""bench/learn.py's own logic (issue #51; magistral_jax/run/learn.py), without launching a
+"""bench/learn.py's own logic (issue #51; bench/learn_report.py), without launching a
 model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
 the archive that comes back from a device machine, and the report of two runs written by
 run/evaluation.py's write_eval. The whole command ran on CPU with --shrink and on an H100
@@ -6,6 +6,7 @@ run/evaluation.py's write_eval. The whole command ran on CPU with --shrink and o
 import json
 import os
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -15,8 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def learn():
-  from magistral_jax.run import learn
-  return learn
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import learn_report
+  finally:
+    sys.path.pop(0)
+  return learn_report
 
 
 def _set(p1, head):
