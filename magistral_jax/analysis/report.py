@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from magistral_jax.analysis import run as run_lib
+from magistral_jax.analysis import workdir as run_lib
 
 PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("reward", "reward_max"),
