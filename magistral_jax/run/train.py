@@ -33,7 +33,7 @@ from magistral_jax.parallel.layout import run_devices
 from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.pipeline.generators import make_generators, shared_prefix_for
 from magistral_jax.pipeline.rollouts import Rollouts
-from magistral_jax.run.evaluation import eval_loop_factory, run_eval, write_eval
+from magistral_jax.eval.in_run import eval_loop_factory, run_eval, write_eval
 from magistral_jax.run.generator_process import run_generator_process
 from magistral_jax.run.stages import Stage, stages as stage_list, training_sampling
 from magistral_jax.train.checkpointing import RunCheckpointer, abstract_like
@@ -185,7 +185,7 @@ class RLRun:
 
   def evaluate(self, params, tag: str, batch: int):
     """Held-out pass@1 etc. of `params` (None on trainer processes other than the leader),
-    written by the leader (run/evaluation.py write_eval)."""
+    written by the leader (eval/in_run.py write_eval)."""
     if self.layout is None:
       res = run_eval(self.eval_loop, self.pool, self.tok, self.heldout, self.run,
                      self.system_prompt, jax.device_get(params), tag)

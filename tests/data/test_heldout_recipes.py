@@ -13,7 +13,7 @@ from magistral_jax.data import gsm8k_traces, jsonl, synthetic
 from magistral_jax.data import tfds_builders as tb
 from magistral_jax.data.prompts import heldout_problems, train_prompts
 from magistral_jax.data.splits import normalise_text, overlap, problem_key, sft_key
-from magistral_jax.run.eval_checkpoint import eval_problems
+from magistral_jax.eval.checkpoint import eval_problems
 from magistral_jax.run.recipes import load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

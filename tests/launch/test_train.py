@@ -101,7 +101,7 @@ def test_the_evaluation_and_every_stage_share_the_generators_engine():
   from magistral_jax.model import transformer as T
   from magistral_jax.model.loading import load_policy
   from magistral_jax.pipeline.generators import make_generators
-  from magistral_jax.run.evaluation import eval_loop_factory
+  from magistral_jax.eval.in_run import eval_loop_factory
   from magistral_jax.run.stages import training_sampling
   run = config_lib.validate(_load())
   tok, model_cfg, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)
