@@ -3,17 +3,18 @@ GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, beside a ra
 control from the same weights. One command, the launchers as subprocesses (each phase resumable:
 a rerun on the same --workdir skips what is done), so what it runs is what a user runs:
 
-  1. sft       launch/sft.py   configs/smollm2.py:sft[,gpu,colocated]   (GSM8K train traces)
+  1. sft       launch/sft.py   configs/smollm2.py:sft,gpu,colocated (GSM8K train traces; CPU:
+               configs/smollm2_learn.py:sft,colocated, the task's own traces)
   2. headroom  launch/eval.py  --checkpoint=init on the SFT weights, k=--headroom_k samples of
                --headroom_problems problems of each --headroom_sets set: pass@1, pass@k, headroom
   3. task      the synthetic set with pass@1 in [0.1, 0.6] and the most headroom (--task names one)
-  4. rl        launch/train.py configs/smollm2.py:learn,...,task=T (before / every 5 / after evals)
+  4. rl        launch/train.py configs/smollm2_learn.py:...,task=T (before / during / after evals)
   5. control   the same with `control`: reward.control=random at the rl run's mean training
                accuracy, no "before" evaluation (the rl run's is the same weights')
   6. report    the gain of rl and of control over the rl run's "before", paired bootstrap over the
                held-out problems (eval/paired.py), and the learning curves in learn.png
 
-  python bench/learn.py --workdir=runs/learn            # this host's sizes (configs/smollm2.py)
+  python bench/learn.py --workdir=runs/learn            # this host's sizes (the recipes')
   bash bench/gpu_suite.sh learn                         # one H100: --gpu (the `gpu,colocated` sizes)
   python bench/learn.py --gpu --shrink --workdir=/tmp/l # the GPU command on CPU, sizes divided down
                                                         # to seconds (the rehearsal; tests use it)
@@ -145,9 +146,10 @@ def run_all(a, wd, out, logs) -> dict:
   params = os.path.join(sft_dir, "params")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
-  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2.py `sft,learn`).
-  sft_cfg = f"sft{sizes}" if a.gpu else f"sft,learn{',task=' + a.task if a.task else ''}{sizes}"
-  walls["sft"] = phase("sft", ["launch/sft.py", f"--config=configs/smollm2.py:{sft_cfg}",
+  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2_learn.py `sft`).
+  sft_cfg = (f"configs/smollm2.py:sft{sizes}" if a.gpu else
+             f"configs/smollm2_learn.py:sft{',task=' + a.task if a.task else ''}{sizes}")
+  walls["sft"] = phase("sft", ["launch/sft.py", f"--config={sft_cfg}",
                                f"--workdir={sft_dir}"] + sft_args, logs, a.timeout_s,
                        os.path.join(sft_dir, "sft_summary.json"))
   report(sft=read_json(os.path.join(sft_dir, "sft_summary.json")))
@@ -157,7 +159,7 @@ def run_all(a, wd, out, logs) -> dict:
     hd = os.path.join(wd, "headroom")
     walls["headroom"] = phase(
         "headroom", ["launch/eval.py",
-                     f"--config=configs/smollm2.py:{init}{sizes}{'' if a.gpu else ',learn'}",
+                     f"--config=configs/{'smollm2' if a.gpu else 'smollm2_learn'}.py:{init}{sizes}",
                      "--checkpoint=init", f"--sets={a.headroom_sets}",
                      f"--num_problems={a.headroom_problems}", f"--workdir={hd}",
                      f"--config.eval.k={a.headroom_k}",
@@ -171,7 +173,7 @@ def run_all(a, wd, out, logs) -> dict:
                      for name, r in headroom["sets"].items()})
   task = a.task or (choose_task(headroom) if headroom else None) or ""
   print(f"== task: {task or 'the recipe default'}", flush=True)
-  learn = f"--config=configs/smollm2.py:learn,{init}{',task=' + task if task else ''}{sizes}"
+  learn = f"--config=configs/smollm2_learn.py:{init}{',task=' + task if task else ''}{sizes}"
   more = (shrink.get("rl", []) + ([f"--config.num_batches={a.batches}"] if a.batches else [])
           + a.rl_flag)
   rl_dir, ctl_dir = os.path.join(wd, "rl"), os.path.join(wd, "control")
@@ -187,7 +189,7 @@ def run_all(a, wd, out, logs) -> dict:
          length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
   print(gain_line("gain", gain), flush=True)
   walls["control"] = phase(
-      "control", ["launch/train.py", learn.replace(":learn,", ":learn,control,"),
+      "control", ["launch/train.py", learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
                   f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
       logs, a.timeout_s, os.path.join(ctl_dir, "eval_after.json"))
   ctl = read_json(os.path.join(ctl_dir, "eval_after.json"))
