@@ -189,7 +189,8 @@ def run_all(a, wd, out, logs) -> dict:
          length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
   print(gain_line("gain", gain), flush=True)
   walls["control"] = phase(
-      "control", ["launch/train.py", learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
+      "control", ["launch/train.py",
+                  learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
                   f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
       logs, a.timeout_s, os.path.join(ctl_dir, "eval_after.json"))
   ctl = read_json(os.path.join(ctl_dir, "eval_after.json"))

@@ -92,7 +92,8 @@ def get_config(arg=None):
   elif "ci" in args:
     # One batch of 1 prompt x G=4 after the short SFT (the train step, compute-bound on CPU,
     # costs in proportion to its rows). 128 new tokens let short answers close the format while
-    # long ones are cut off (fewer close at 96), so groups have non-zero advantages (a group without is dropped and the next prompt taken).
+    # long ones are cut off (fewer close at 96), so groups have non-zero advantages (a group
+    # without is dropped and the next prompt taken).
     # Rows of 640 tokens: the 512-token prompt limit + 128 new tokens.
     c.rl.update(n_batch=4, n_mini=4, group_size=4, microbatch_tokens=4 * 640, microbatch_rows=4)
     # One generator: a second one compiles its own engine and shares the same 2 cores.

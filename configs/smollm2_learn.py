@@ -3,10 +3,11 @@ on a task where it has headroom, and a control run with the verdict replaced by 
 
 configs/smollm2.py's model, reward and system prompt; its sizes (`gpu`, `colocated`) and its
 cold start (`sft`) too, then this recipe's task: the synthetic arithmetic task at difficulty
-`task=synthetic/OPERAND/STEPS` (default LEARN_TASK, picked from the headroom table, BENCHMARKS.md
-"Headroom"), "Compute 52-17+8." with the real math verifier on the exact answer. Held out: the
-task's evaluation bucket (data/synthetic.py: never trained on), pass@1 averaged over k samples,
-before, during and after (WORKDIR/eval_*.json, heldout_curve.jsonl; bench/learn.py pairs them).
+`task=synthetic/OPERAND/STEPS` (default LEARN_TASK, picked from the headroom table:
+BENCHMARKS.md "Headroom"), "Compute 52-17+8." with the real math verifier on the exact answer.
+Held out: the task's evaluation bucket (data/synthetic.py: never trained on), pass@1 averaged
+over k samples, before, during and after (WORKDIR/eval_*.json, heldout_curve.jsonl;
+bench/learn.py pairs them).
 
 Arguments (comma-separated): `gpu` and `colocated` (configs/smollm2.py's sizes), `sft` (the CPU
 cold start on the task's own worked traces; on a GPU the GSM8K one, configs/smollm2.py:sft),
@@ -14,8 +15,8 @@ cold start on the task's own worked traces; on a GPU the GSM8K one, configs/smol
 evaluation: the controlled run's is the same weights'), `task=`, `init=PATH|gguf`, `batches=N`,
 `sft_steps=N`, `heldout=N`. bench/learn.py runs them all in order:
 
-  python bench/learn.py --workdir=runs/learn_cpu        (2 CPU cores)
-  bash bench/gpu_suite.sh learn                         (one GPU; BENCHMARKS.md "A real model learns")
+  python bench/learn.py --workdir=runs/learn_cpu      (2 CPU cores)
+  bash bench/gpu_suite.sh learn       (one GPU; BENCHMARKS.md "A real model learns")
 """
 import os
 
@@ -29,7 +30,8 @@ LEARN_TASK = "synthetic/20/1-3"   # picked from the headroom table (BENCHMARKS.m
 
 
 def get_config(arg=None):
-  args = recipe_args(arg, "configs/smollm2_learn.py", switches=("sft", "gpu", "colocated", "control"),
+  args = recipe_args(arg, "configs/smollm2_learn.py",
+                     switches=("sft", "gpu", "colocated", "control"),
                      values=("task", "init", "batches", "sft_steps", "heldout"))
   c = smollm2.get_config(",".join(k for k in ("sft", "gpu", "colocated") if k in args))
   c.data.update(source="synthetic", heldout_source="", heldout=256,
