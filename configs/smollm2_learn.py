@@ -9,8 +9,9 @@ Held out: the task's evaluation bucket (data/synthetic.py: never trained on), pa
 over k samples, before, during and after (WORKDIR/eval_*.json, heldout_curve.jsonl;
 bench/learn.py pairs them).
 
-Arguments (comma-separated): `gpu` and `colocated` (configs/smollm2.py's sizes), `sft` (the CPU
-cold start on the task's own worked traces; on a GPU the GSM8K one, configs/smollm2.py:sft),
+Arguments (comma-separated): `gpu` and `colocated` (configs/smollm2.py's sizes), `sft` (the cold
+start on the task's own worked traces; bench/learn.py's GPU run starts from configs/smollm2.py's
+GSM8K one instead),
 `control` (the control run: reward.control=random at --config.reward.control_rate, no "before"
 evaluation: the controlled run's is the same weights'), `task=`, `init=PATH|gguf`, `batches=N`,
 `sft_steps=N`, `heldout=N`. bench/learn.py runs them all in order:
