@@ -57,7 +57,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
-  from magistral_jax.analysis import run as R
+  from magistral_jax.analysis import workdir as R
   from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.run.recipes import load_recipe

@@ -23,7 +23,9 @@ import time
 
 from magistral_jax.analysis.report import load_heldout_curve as curve
 from magistral_jax.eval.paired import compare_evals
-from magistral_jax.run.learn import choose_task, gain_line, mean_accuracy, pack, plot, read_json
+
+# bench/learn_report.py, beside the script (`python bench/learn.py` puts bench/ on sys.path).
+from learn_report import choose_task, gain_line, mean_accuracy, pack, plot, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,9 +135,10 @@ def run_all(a, wd, out, logs) -> dict:
   params = os.path.join(sft_dir, "params")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
-  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2.py `sft,learn`).
-  sft_cfg = f"sft{sizes}" if a.gpu else f"sft,learn{',task=' + a.task if a.task else ''}{sizes}"
-  walls["sft"] = phase("sft", ["launch/sft.py", f"--config=configs/smollm2.py:{sft_cfg}",
+  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2_learn.py `sft`).
+  sft_cfg = (f"configs/smollm2.py:sft{sizes}" if a.gpu else
+             f"configs/smollm2_learn.py:sft{',task=' + a.task if a.task else ''}{sizes}")
+  walls["sft"] = phase("sft", ["launch/sft.py", f"--config={sft_cfg}",
                                f"--workdir={sft_dir}"] + sft_args, logs, a.timeout_s,
                        os.path.join(sft_dir, "sft_summary.json"))
   report(sft=read_json(os.path.join(sft_dir, "sft_summary.json")))
@@ -145,7 +148,7 @@ def run_all(a, wd, out, logs) -> dict:
     hd = os.path.join(wd, "headroom")
     walls["headroom"] = phase(
         "headroom", ["launch/eval.py",
-                     f"--config=configs/smollm2.py:{init}{sizes}{'' if a.gpu else ',learn'}",
+                     f"--config=configs/{'smollm2' if a.gpu else 'smollm2_learn'}.py:{init}{sizes}",
                      "--checkpoint=init", f"--sets={a.headroom_sets}",
                      f"--num_problems={a.headroom_problems}", f"--workdir={hd}",
                      f"--config.eval.k={a.headroom_k}",
@@ -159,7 +162,7 @@ def run_all(a, wd, out, logs) -> dict:
                      for name, r in headroom["sets"].items()})
   task = a.task or (choose_task(headroom) if headroom else None) or ""
   print(f"== task: {task or 'the recipe default'}", flush=True)
-  learn = f"--config=configs/smollm2.py:learn,{init}{',task=' + task if task else ''}{sizes}"
+  learn = f"--config=configs/smollm2_learn.py:{init}{',task=' + task if task else ''}{sizes}"
   more = (shrink.get("rl", []) + ([f"--config.num_batches={a.batches}"] if a.batches else [])
           + a.rl_flag)
   rl_dir, ctl_dir = os.path.join(wd, "rl"), os.path.join(wd, "control")
@@ -175,7 +178,8 @@ def run_all(a, wd, out, logs) -> dict:
          length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
   print(gain_line("gain", gain), flush=True)
   walls["control"] = phase(
-      "control", ["launch/train.py", learn.replace(":learn,", ":learn,control,"),
+      "control", ["launch/train.py",
+                  learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
                   f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
       logs, a.timeout_s, os.path.join(ctl_dir, "eval_after.json"))
   ctl = read_json(os.path.join(ctl_dir, "eval_after.json"))

@@ -27,13 +27,15 @@ start, tests/launch/test_qwen_recipe.py).
 import os
 
 from magistral_jax.config import default_config
+from magistral_jax.run.recipes import recipe_args
 
 TRAIN, TEST = "gsm8k_train", "gsm8k_test"   # shipped GSM8K splits (data/sources/SOURCES.md)
 PATH = "/path/to/your/checkpoint"
 
 
 def get_config(arg=None):
-  args = _parse(arg)
+  args = recipe_args(arg, "configs/qwen.py", switches=("tiny",),
+                     values=("path", "sft", "batches", "heldout"))
   path = args.get("path", PATH)
   c = default_config()
   c.seed = 0
@@ -91,11 +93,3 @@ def get_config(arg=None):
     c.data.heldout = int(args["heldout"])
   return c
 
-
-def _parse(arg) -> dict:
-  out = {}
-  for part in (arg or "").split(","):
-    if part:
-      key, _, value = part.partition("=")
-      out[key.strip()] = value.strip()
-  return out

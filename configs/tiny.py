@@ -1,6 +1,6 @@
 """The CPU default: synthetic multi-step arithmetic with a character-level tokenizer.
 
-A 4-layer, 128-wide decoder (~0.8M parameters) is warm-started by SFT on worked traces in the
+A 4-layer, 128-wide decoder is warm-started by SFT on worked traces in the
 Magistral format, then trained with the full async pipeline (trainer on 4 simulated devices, two
 generators on 2 each) and the full Magistral reward through the real math verifier.
 
@@ -18,6 +18,9 @@ generating one batch ahead with the previous weights while a batch trains.
 --config=configs/tiny.py:multihost --workdir=W` (parallel/multihost.py).
 """
 from magistral_jax.config import default_config
+from magistral_jax.run.recipes import recipe_args
+
+RL_KEYS = ("adv_norm", "eps_high", "eps_low", "n_mini", "n_batch", "loss_agg", "group_size")
 
 
 def get_config(arg=None):
@@ -40,16 +43,16 @@ def get_config(arg=None):
   # practised as a step of longer ones, so the training distribution keeps every fact.
   c.sft.update(num_steps=800, batch_size=32, learning_rate=3e-3, row_len=256, rows_per_micro=4)
   # 8 prompts x G=8 per batch, two optimizer steps per batch (n_mini = n_batch / 2: the paper
-  # finds n_batch = n_mini best and more than 2 minibatches harmful; here 2 learned faster at the
-  # same generation cost, docs/ablations.md (d)).
+  # finds n_batch = n_mini best and more than 2 minibatches harmful; why 2 here: docs/ablations.md
+  # (d)).
   c.rl.update(eps_low=0.2, eps_high=0.28, n_batch=64, n_mini=32, group_size=8,
               microbatch_tokens=2048, microbatch_rows=4)
-  # RL lr: 1e-3 undid the cold start (noisy gradient, 8 prompts a batch), 3e-4 barely moved,
-  # 2e-4 learned fastest of the three.
+  # RL lr: the fastest learner of the three tried, neither undoing the cold start (a noisy
+  # gradient at 8 prompts a batch) nor barely moving (BENCHMARKS.md "Tiny default run").
   c.optimizer.update(learning_rate=2e-4, warmup_steps=0, grad_clip_norm=1.0)
   c.sampling.update(temperature=1.0, max_new_tokens=64)
   c.engine.update(max_concurrent_decodes=16, max_prefill_length=64)
-  # A 3-step trace is ~52 tokens: l_max - l_cache = 48 tokens free, penalty up to 64.
+  # l_max - l_cache tokens free: a 3-step trace fits them; penalty up to l_max.
   c.reward.update(l_max=64, l_cache=16)
   c.verifier.update(num_workers=1, task_timeout_s=30.0)
   # n_async = 0: 2 x n_batch (the paper's n_async / n_batch = 2) whatever n_batch a variant sets.
@@ -66,12 +69,13 @@ def get_config(arg=None):
 
 def _apply_arg(c, arg):
   """`configs/tiny.py:adv_norm=group,mode=sync,eps_high=0.2,n_mini=8,batches=4`."""
-  if not arg:
-    return
-  items = arg.split(",")   # colocated/multihost first: a mode=... given with them wins
-  for item in sorted(items, key=lambda i: i not in ("colocated", "multihost")):
-    key, _, value = item.partition("=")
-    if key in ("adv_norm", "eps_high", "eps_low", "n_mini", "n_batch", "loss_agg", "group_size"):
+  args = recipe_args(arg, "configs/tiny.py", switches=("colocated", "multihost"),
+                     values=RL_KEYS + ("n_mini_per_batch", "mode", "batches", "slip",
+                                       "sft_steps"))
+  # colocated/multihost first: a mode=... given with them wins
+  for key in sorted(args, key=lambda k: k not in ("colocated", "multihost")):
+    value = args[key]
+    if key in RL_KEYS:
       c.rl[key] = type(c.rl[key])(value)
     elif key == "n_mini_per_batch":   # optimizer steps per batch: n_mini = n_batch / this
       if c.rl.n_batch % int(value):
@@ -84,22 +88,20 @@ def _apply_arg(c, arg):
       c.devices.update(trainer=1, colocated=True)
       c.pipeline.mode = "sync"
       # One CPU device runs each step on about one core (the disaggregated layout's 8 simulated
-      # devices keep both busy), so the cold start and the RL run are shortened to fit 15
-      # minutes on 2 cores: 500 SFT steps and 140 batches (BENCHMARKS.md "One device,
-      # colocated" has what they reach). Later arguments
-      # (sft_steps=, batches=) still override these.
+      # devices keep both busy), so the cold start and the RL run are shortened to fit the
+      # make-run budget on 2 cores (BENCHMARKS.md "One device, colocated" has what they reach).
+      # Later arguments (sft_steps=, batches=) still override these.
       c.sft.num_steps, c.num_batches = 500, 140
     elif key == "multihost":   # 3 processes x 2 devices: launch/local_cluster.py
       # Trainer = processes 0 and 1 (FSDP over their 4 devices); generator = process 2, on one of
       # its devices. Once jax.distributed is up, XLA:CPU runs every collective over gloo, even
-      # between two devices of one process (TCP to itself): a 2-way tensor-parallel generator
-      # spent 70% of a core in the kernel, and a short run took 1.7x as long (BENCHMARKS.md
-      # "Many hosts"). The cross-process push to a tensor-parallel generator is tested on its own
-      # (tests/parallel/test_multihost.py). Fewer, longer microbatches mean fewer FSDP
-      # gathers: 16 of the cold start's 32 rows, 8 RL rows of 256 tokens (the sequences are
-      # < 128). Three processes on 2 cores still train at about half the speed of one process,
-      # so the cold start and the RL run are shortened, as for `colocated`. Later arguments
-      # (sft_steps=, batches=) still override these.
+      # between two devices of one process (TCP to itself), so a tensor-parallel generator here
+      # spends its time in the kernel (BENCHMARKS.md "Many hosts"). The cross-process push to a
+      # tensor-parallel generator is tested on its own (tests/parallel/test_multihost.py).
+      # Fewer, longer microbatches mean fewer FSDP gathers: half the cold start's rows, 8 RL
+      # rows (the sequences are short). Three processes on 2 cores train slower than one
+      # process, so the cold start and the RL run are shortened, as for `colocated`. Later
+      # arguments (sft_steps=, batches=) still override these.
       c.devices.update(trainer_processes=2, generator_process_devices=1)
       c.sft.rows_per_micro = 16
       c.rl.update(microbatch_tokens=2048, microbatch_rows=8)
@@ -110,5 +112,4 @@ def _apply_arg(c, arg):
       c.data.sft_slip_rate = float(value)
     elif key == "sft_steps":
       c.sft.num_steps = int(value)
-    else:
-      raise ValueError(f"configs/tiny.py: unknown config argument {key!r}")
+

@@ -20,7 +20,7 @@ split. A set that shares a problem (id or question text) with the config's RL st
 (data.source, less its held-out head) is refused. Prints a table (and the pass@j curves) and
 writes WORKDIR/eval_<step>.json (eval_init.json for --checkpoint=init): per set the metrics,
 `pass_at` {j: value}, `headroom` and per-problem rows with each problem's sample count `n` and
-`correct` count. The evaluation is magistral_jax/run/eval_checkpoint.py.
+`correct` count. The evaluation is magistral_jax/eval/checkpoint.py.
 """
 from magistral_jax import cli  # noqa: F401  (the shared flags; before jax: the CPU device count)
 
@@ -35,7 +35,7 @@ _NUM_PROBLEMS = flags.DEFINE_integer("num_problems", 0, "Problems per set (0: da
 def main(argv):
   del argv
   config = cli.start_run()
-  from magistral_jax.run.eval_checkpoint import evaluate_checkpoint
+  from magistral_jax.eval.checkpoint import evaluate_checkpoint
   evaluate_checkpoint(config, cli.workdir(), _CHECKPOINT.value, _SETS.value, _NUM_PROBLEMS.value)
 
 

@@ -19,7 +19,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from magistral_jax.curate import filters
-from magistral_jax.curate import run
+from magistral_jax.curate import filter_data as curation
 from magistral_jax.curate.code_filter import CodeFilterConfig
 from magistral_jax.curate.translate import TranslationConfig
 from magistral_jax.data import records
@@ -75,7 +75,7 @@ flags.register_multi_flags_validator(
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-  print(json.dumps(run.filter_data(
+  print(json.dumps(curation.filter_data(
       inputs=list(_INPUT.value), shipped=_SHIPPED.value, kind=_KIND.value,
       source_format=_FORMAT.value, name=_NAME.value, data_dir=_DATA_DIR.value,
       out_dir=_OUT_DIR.value, filter_names=_FILTERS.value, split=_SPLIT.value,

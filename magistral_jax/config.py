@@ -1,12 +1,13 @@
 """The run configuration (ml_collections), shared by every recipe in configs/.
 
 Each section is a typed, frozen dataclass defined in the package that uses it (model/config.py,
-rl/config.py, generate/config.py, ...), where each default and the comment that cites the paper
-(paper §.., NOT STATED; docs/paper.md) is written once. `default_config()` assembles them into a
-ConfigDict (`config_section`: a dataclass's defaults as its section; `checked_fields`: a section
-back to the dataclass's keyword arguments): a recipe (configs/tiny.py, medium.py, ...) overrides what it needs, and absl flags
-override anything (`--config.rl.eps_high=0.3`, `--config.devices.generators=(1,)`: every
-sequence field is a tuple, the only sequence absl overrides).
+rl/config.py, generate/config.py, ...; the evaluation's here, below), where each default and
+the comment that cites the paper (paper §.., NOT STATED; docs/paper.md) is written once.
+`default_config()` assembles them into a ConfigDict (`config_section`: a dataclass's defaults as
+its section; `checked_fields`: a section back to the dataclass's keyword arguments): a recipe
+(configs/tiny.py, medium.py, ...) overrides what it needs, and absl flags override anything
+(`--config.rl.eps_high=0.3`, `--config.devices.generators=(1,)`: every sequence field is a tuple,
+the only sequence absl overrides).
 
 `validate(config)` turns the ConfigDict into a `RunConfig` of those dataclasses and raises a
 clear error before any work starts: unknown fields, wrong types, each section's own checks
@@ -28,7 +29,6 @@ from typing import Any, Mapping
 import ml_collections as mlc
 
 from magistral_jax.data.config import DataConfig
-from magistral_jax.eval.config import EvalConfig
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.model.config import InitConfig, ModelConfig
 from magistral_jax.parallel.config import DevicesConfig, ShardingConfig
@@ -40,6 +40,36 @@ from magistral_jax.train.config import (CheckpointConfig, OptimizerConfig, SFTCo
 from magistral_jax.verify.config import VerifierConfig
 
 log = logging.getLogger(__name__)
+
+
+# The `eval` section: the held-out evaluation (paper §4: temperature 0.7, top-p 1.0 for math,
+# 0.95 for code; pass@1 averaged over k samples and maj@k). It lives here, not in eval/ as the
+# other sections live in their rooms: evaluation runs a whole run config (eval/checkpoint.py
+# validates one, eval/in_run.py evaluates inside a run), so its room sits above this module.
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """k samples per problem at `temperature`/`top_p` (or greedy), each up to max_new_tokens.
+  before: a run evaluates its initial weights (False: a control run from the same weights as
+  the run it controls); every: also every that many RL batches (the learning curve; 0 = only
+  before and after)."""
+  k: int = 1
+  temperature: float = 0.7
+  top_p: float = 1.0
+  greedy: bool = True
+  max_new_tokens: int = 256
+  before: bool = True
+  every: int = 0
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"eval.k={self.k}: at least one sample per problem")
+    if self.every < 0:
+      raise ValueError(f"eval.every={self.every} must be >= 0 (0: before and after only)")
+
+  def sampling(self, eos_id: int | None = None) -> SamplingConfig:
+    """The evaluation's sampler."""
+    return SamplingConfig(temperature=self.temperature, top_p=self.top_p, greedy=self.greedy,
+                          max_new_tokens=self.max_new_tokens, eos_id=eos_id)
 
 # The fields of SamplingConfig the `sampling` section holds (the rest: eos_id comes from the
 # tokenizer, greedy and stop_strings are evaluation-only).
@@ -132,7 +162,7 @@ def default_config() -> mlc.ConfigDict:
   c.devices = config_section(DevicesConfig)
   c.sharding = config_section(ShardingConfig)
   # ---- data (data/config.py), cold-start SFT and checkpoints (train/config.py), evaluation
-  # (eval/config.py) ----
+  # (EvalConfig, above) ----
   c.data = config_section(DataConfig)
   c.sft = config_section(SFTConfig)
   c.eval = config_section(EvalConfig)

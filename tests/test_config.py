@@ -20,7 +20,7 @@ from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.train.config import OptimizerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = ("tiny", "smollm2", "small", "medium", "sft_small", "qwen")
+RECIPES = ("tiny", "smollm2", "smollm2_learn", "small", "medium", "sft_small", "qwen")
 SECTIONS = {"model": ModelConfig, "rl": GRPOConfig, "optimizer": OptimizerConfig,
             "reward": RewardConfig, "engine": config_lib.EngineConfig,
             "sharding": parallel_config.ShardingConfig, "pipeline": PipelineConfig,

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from magistral_jax.analysis import pca as pca_lib
-from magistral_jax.analysis import run as run_lib
+from magistral_jax.analysis import workdir as run_lib
 from magistral_jax.data import prompts
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from magistral_jax.analysis import run as run_lib
+from magistral_jax.analysis import workdir as run_lib
 
 PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("reward", "reward_max"),
@@ -46,7 +46,7 @@ def load_run_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
 
 
 def load_heldout_curve(workdir: str) -> list[dict]:
-  """The held-out evaluations of a run in the order written (run/evaluation.py write_eval: tag,
+  """The held-out evaluations of a run in the order written (eval/in_run.py write_eval: tag,
   batch, pass@1, format rate, length, ...); [] when the run evaluated none."""
   path = os.path.join(workdir, "heldout_curve.jsonl")
   if not os.path.exists(path):

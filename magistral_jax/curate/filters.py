@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Each filter and the record kind it applies to, in the order they run. "difficulty" needs
 # samplers (a generator per checkpoint) and a grader; "translate" a translator: both are passed in
-# (curate/run.py builds them from model files).
+# (curate/filter_data.py builds them from model files).
 FILTERS = {"format": "math", "code": "code", "difficulty": "math", "translate": "math"}
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 
 from magistral_jax.config import RunConfig
+from magistral_jax.eval.in_run import eval_loop_factory, run_eval
 from magistral_jax.parallel import multihost
 from magistral_jax.parallel.multihost import Mailbox, ProcessLayout
 from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.pipeline.generator_service import serve_generator
 from magistral_jax.pipeline.generators import make_generators
 from magistral_jax.pipeline.remote import weight_transfer
-from magistral_jax.run.evaluation import eval_loop_factory, run_eval
 from magistral_jax.run.stages import Stage, training_sampling
 from magistral_jax.verify.pool import VerifierPool
 

@@ -10,7 +10,7 @@ import pytest
 from magistral_jax.analysis import length_dimension as ld
 from magistral_jax.analysis import pca as P
 from magistral_jax.analysis import report
-from magistral_jax.analysis import run as R
+from magistral_jax.analysis import workdir as R
 
 STEPS = (0, 1, 2, 3, 4)
 DRIFT, WOBBLE, NOISE = 4.0, 1.5, 1e-3   # norms (whole weight vector) of the planted motions

@@ -1,11 +1,12 @@
-"""bench/learn.py's own logic (issue #51; magistral_jax/run/learn.py), without launching a
+"""bench/learn.py's own logic (issue #51; bench/learn_report.py), without launching a
 model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
 the archive that comes back from a device machine, and the report of two runs written by
-run/evaluation.py's write_eval. The whole command ran on CPU with --shrink and on an H100
+eval/in_run.py's write_eval. The whole command ran on CPU with --shrink and on an H100
 (BENCHMARKS.md "A real model learns")."""
 import json
 import os
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -15,8 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def learn():
-  from magistral_jax.run import learn
-  return learn
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  try:
+    import learn_report
+  finally:
+    sys.path.pop(0)
+  return learn_report
 
 
 def _set(p1, head):
@@ -48,7 +53,7 @@ def test_control_rate_is_the_rl_runs_mean_verdict_rate(learn, tmp_path):
 
 
 def _write_run(wd, tag_batches, correct):
-  from magistral_jax.run.evaluation import write_eval
+  from magistral_jax.eval.in_run import write_eval
   os.makedirs(wd, exist_ok=True)
   for tag, batch in tag_batches:
     rows = [{"id": f"heldout-0-{i}", "n": 4, "correct": c} for i, c in enumerate(correct[tag])]
@@ -63,7 +68,7 @@ def _write_run(wd, tag_batches, correct):
 
 
 def test_report_of_two_runs_and_the_archive(learn, tmp_path):
-  """write_eval's files (run/evaluation.py) are what the report pairs and plots; the archive
+  """write_eval's files (eval/in_run.py) are what the report pairs and plots; the archive
   keeps the evaluations, curves, metrics and logs, and leaves the weights behind."""
   from magistral_jax.eval.paired import compare_evals
   correct = {"before": [0, 1, 2, 0, 1, 0, 0, 1], "batch2": [1, 1, 2, 1, 1, 0, 1, 1],

@@ -13,7 +13,7 @@ from magistral_jax.data import gsm8k_traces, jsonl, synthetic
 from magistral_jax.data import tfds_builders as tb
 from magistral_jax.data.prompts import heldout_problems, train_prompts
 from magistral_jax.data.splits import normalise_text, overlap, problem_key, sft_key
-from magistral_jax.run.eval_checkpoint import eval_problems
+from magistral_jax.eval.checkpoint import eval_problems
 from magistral_jax.run.recipes import load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,10 +24,10 @@ RECIPES = [
     ("configs/tiny.py", "colocated,mode=async"), ("configs/tiny.py", "slip=0.0"),
     ("configs/smollm2.py", ""), ("configs/smollm2.py", "sft"), ("configs/smollm2.py", "ci"),
     ("configs/smollm2.py", "sft,ci"), ("configs/smollm2.py", "gpu,colocated"),
-    ("configs/smollm2.py", "sft,learn,colocated"), ("configs/smollm2.py", "learn,colocated"),
-    ("configs/smollm2.py", "learn,control,colocated"),
-    ("configs/smollm2.py", "sft,gpu,colocated"), ("configs/smollm2.py", "learn,gpu,colocated"),
-    ("configs/smollm2.py", "learn,control,gpu,colocated"),
+    ("configs/smollm2_learn.py", "sft,colocated"), ("configs/smollm2_learn.py", "colocated"),
+    ("configs/smollm2_learn.py", "control,colocated"),
+    ("configs/smollm2.py", "sft,gpu,colocated"), ("configs/smollm2_learn.py", "gpu,colocated"),
+    ("configs/smollm2_learn.py", "control,gpu,colocated"),
     ("configs/qwen.py", ""), ("configs/qwen.py", "tiny"),
     ("configs/medium.py", ""), ("configs/medium.py", "rehearsal"),
     ("configs/small.py", ""), ("configs/small.py", "rehearsal"),

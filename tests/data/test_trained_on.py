@@ -12,7 +12,7 @@ from magistral_jax.data.prompts import (SyntheticPrompts, check_heldout_unseen, 
                                         train_prompts)
 from magistral_jax.data.splits import HeldOutOverlapError, normalise_text, problem_key
 from magistral_jax.data.trained_on import TrainedOn, trained_on_for
-from magistral_jax.run.eval_checkpoint import evaluate_checkpoint
+from magistral_jax.eval.checkpoint import evaluate_checkpoint
 
 TINY = dict(min_steps=1, max_steps=3, max_operand=9, allow_negative=False)
 

@@ -96,7 +96,7 @@ def _changed_fraction(workdir, step_a, step_b):
   but the input embedding (rows of the symbols a short run never reads get no gradient at any
   precision)."""
   import jax
-  from magistral_jax.analysis.run import load_params
+  from magistral_jax.analysis.workdir import load_params
   a, b = load_params(str(workdir), step_a), load_params(str(workdir), step_b)
   per_leaf, changed, total = {}, 0, 0
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):

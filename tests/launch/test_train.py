@@ -51,7 +51,7 @@ def test_config_errors_are_clear_before_any_work():
   bad.engine.loop_prefill_below = 1.5
   with pytest.raises(ValueError, match="loop_prefill_below=1.5"):
     config_lib.validate(bad)
-  with pytest.raises(ValueError, match="unknown config argument"):
+  with pytest.raises(ValueError, match="bad config argument"):
     _load("adv_nrom=group")
   assert _load("adv_norm=group,mode=sync").rl.adv_norm == "group"
 
@@ -66,9 +66,9 @@ def test_unknown_flag_override_fails_before_work(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny:mode=sync,n_mini_per_batch=1", "smollm2",
                                   "smollm2:ci", "smollm2:gpu", "smollm2:sft", "smollm2:sft,ci",
-                                  "smollm2:learn", "smollm2:learn,control,colocated",
-                                  "smollm2:sft,learn,colocated", "smollm2:learn,gpu,colocated",
-                                  "smollm2:learn,task=synthetic/999/2-4",
+                                  "smollm2_learn", "smollm2_learn:control,colocated",
+                                  "smollm2_learn:sft,colocated", "smollm2_learn:gpu,colocated",
+                                  "smollm2_learn:task=synthetic/999/2-4",
                                   "small", "medium", "sft_small"])
 def test_every_recipe_validates(name):
   import importlib
@@ -80,7 +80,7 @@ def test_every_recipe_validates(name):
     assert [s["overrides"]["reward.l_max"] - c.reward.l_cache for s in c.stages] == [
         16384, 24576, 32768]
     assert run.rl.eps_high == 0.28 and run.rl.n_batch == run.rl.n_mini
-  if name == "smollm2" and "learn" in arg:
+  if name == "smollm2_learn":
     assert c.data.source == "synthetic" and c.data.heldout >= 256 and c.eval.k >= 4
     assert c.reward.control == ("random" if "control" in arg else "none")
     assert c.eval.before == ("control" not in arg)
@@ -101,7 +101,7 @@ def test_the_evaluation_and_every_stage_share_the_generators_engine():
   from magistral_jax.model import transformer as T
   from magistral_jax.model.loading import load_policy
   from magistral_jax.pipeline.generators import make_generators
-  from magistral_jax.run.evaluation import eval_loop_factory
+  from magistral_jax.eval.in_run import eval_loop_factory
   from magistral_jax.run.stages import training_sampling
   run = config_lib.validate(_load())
   tok, model_cfg, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)

@@ -1,5 +1,5 @@
 """A policy evaluated on held-out sets: what launch/eval.py runs (its docstring: the sets, the
-flags and what is written). The evaluation inside an RL run is run/evaluation.py's.
+flags and what is written). The evaluation inside an RL run is eval/in_run.py's.
 
 Math: pass@1 averaged over k samples and maj@k; code: pass@1 through the verifier pool (paper §4:
 temperature eval.temperature, top-p eval.top_p for math and at most 0.95 for code). The policy
