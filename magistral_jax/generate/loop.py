@@ -115,7 +115,8 @@ class GeneratorLoop:
     self.weights = LoopWeights(engine, params, version, self._lock, self.counters,
                                options.recompute_kv_on_update)
     self._shared = None if shared_prefix is None else SharedPrefixCache(
-        engine, shared_prefix, self._lock, lambda: self.version, self.counters)
+        engine, shared_prefix, self._lock, lambda: self.version, self.counters,
+        self.sampling.temperature)
     self.shared_prefix: list[int] | None = self._shared.tokens if self._shared else None
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Sample] = queue.Queue()

@@ -325,7 +325,8 @@ def test_top_k_and_top_p_truncation():
   assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.75))).tolist() == [[True, True, False, False]]
   assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.4))).tolist() == [[True, False, False, False]]
   keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(64))
-  sample = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(64, jnp.int32), SamplingConfig(top_k=2)))
+  sample = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(64, jnp.int32),
+                                          SamplingConfig(top_k=2), jnp.ones(64, jnp.float32)))
   tok, lp = sample(jnp.repeat(lg, 64, 0), keys)
   assert set(np.asarray(tok).tolist()) == {0, 1}
   # The log-prob is under the untruncated tempered policy, not renormalised over the top-k.
@@ -470,7 +471,7 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     tokens16[:n] = pad[:n]
     # Prompt 3 as sample index 1 of its request (a group's second sample): its stream is
     # fold_in(request_key, 1).
-    prefix = eng.prefill(eng.load_params(params), tokens16, n,
+    prefix = eng.prefill(eng.load_params(params), tokens16, n, temperature=SAMPLED.temperature,
                          rng=jax.random.fold_in(keys[i], 1 if i == 3 else 0))
     firsts_one[3 - i] = (int(prefix.token), float(prefix.logprob))
     one = eng.insert(prefix, one, 3 - i)
@@ -481,7 +482,8 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     tokens[i, :n] = pad[:n]
   pre = eng.prefill_many(p, tokens, [n for _, n, _ in padded])
   many, tok, lp = eng.insert_many(pre, eng.init_decode_state(), [3, 2, 1, 0], [0, 1, 2, 3],
-                                  np.stack(keys), [0, 0, 0, 1], np.ones(4, bool))
+                                  np.stack(keys), [0, 0, 0, 1], np.ones(4, bool),
+                                  temperature=SAMPLED.temperature)
   for j, slot in enumerate([3, 2, 1, 0]):
     assert int(tok[j]) == firsts_one[slot][0]
     np.testing.assert_allclose(float(lp[j]), firsts_one[slot][1], atol=1e-5)
@@ -494,7 +496,8 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
   with pytest.raises(ValueError, match="not one of"):
     eng.prefill_many(p, tokens[:3], [3, 3, 3])
   with pytest.raises(ValueError, match="distinct"):
-    eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool))
+    eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool),
+                    temperature=SAMPLED.temperature)
 
 
 def test_loop_prefills_waiting_requests_together(params, mesh):
@@ -586,7 +589,8 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
   for lib in ("ynnpack", "eigen"):
     pre = eng.prefill_many(p, padded[None], [n])
     st, _, _ = eng.insert_many(pre, eng.init_decode_state(), [0], [0],
-                               np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
+                               np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3),
+                               temperature=GREEDY.temperature)
     toks, lps = [], []
     for _ in range(5):
       st, r = eng.generate_step.jit(lib)(p, st, eng.cache_length)
@@ -740,7 +744,7 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
   lp = eng.load_params(params)
   padded, n, _ = eng.pad_prompt((ps[0] + ps[1])[:15])
   assert n > 10
-  pre = eng.prefill(lp, padded, n)
+  pre = eng.prefill(lp, padded, n, temperature=sampling.temperature)
   out = {w: eng.generate(lp, eng.insert(pre, eng.init_decode_state(), 0), w)[1]
          for w in (10, eng.window_for(n + 1), 32)}
   lps = {w: float(r.logprobs[0]) for w, r in out.items()}
@@ -915,16 +919,17 @@ def test_prefill_continuing_an_existing_prefix_equals_the_whole_prompt(params, m
   eng = engine(mesh, sampling=SAMPLED)
   p = eng.load_params(params)
   pad_shared, n_shared, _ = eng.pad_prompt(SHARED)
-  prefix = eng.prefill(p, pad_shared, n_shared)
+  prefix = eng.prefill(p, pad_shared, n_shared, temperature=SAMPLED.temperature)
   ps = shared_prompts(3, seed=20)
   whole = eng.init_decode_state()
   cont = eng.init_decode_state()
   for i, prompt in enumerate(ps):
     key = jax.random.PRNGKey(30 + i)
     pad, n, _ = eng.pad_prompt(prompt)
-    a = eng.prefill(p, pad, n, rng=key)
+    a = eng.prefill(p, pad, n, temperature=SAMPLED.temperature, rng=key)
     rest, m, _ = eng.pad_prompt(prompt[n_shared:])
-    b = eng.prefill(p, rest, m, rng=key, existing_prefix=prefix)
+    b = eng.prefill(p, rest, m, temperature=SAMPLED.temperature, rng=key,
+                    existing_prefix=prefix)
     assert int(b.true_length) == int(a.true_length) == len(prompt)
     assert int(b.token) == int(a.token)
     np.testing.assert_allclose(float(b.logprob), float(a.logprob), atol=1e-5)
@@ -953,11 +958,11 @@ def test_prefill_continuing_an_existing_prefix_equals_the_whole_prompt(params, m
   np.testing.assert_allclose(np.asarray(many.logits), np.asarray(ref.logits), atol=1e-4)
   # Bad input: too long together, a batch of prefixes, not a prefix at all.
   with pytest.raises(ValueError, match="exceeds max_prefill_length"):
-    eng.prefill(p, np.ones(16, np.int32), 12, existing_prefix=prefix)
+    eng.prefill(p, np.ones(16, np.int32), 12, temperature=1.0, existing_prefix=prefix)
   with pytest.raises(ValueError, match="one prompt"):
     eng.prefill_many(p, rests, [2, 2], existing_prefix=many)
   with pytest.raises(TypeError, match="Prefix"):
-    eng.prefill(p, rest, 1, existing_prefix=prefix.cache)
+    eng.prefill(p, rest, 1, temperature=1.0, existing_prefix=prefix.cache)
 
 
 @pytest.mark.parametrize("sampling,background", [(GREEDY, False), (SAMPLED, True)])
@@ -1234,6 +1239,35 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
     pre = shared.prefill_many(params, np.ones((1, 8), np.int32), np.ones((1,), np.int32))
     shared.insert_many(pre, st, [0], [0], np.zeros((1, 2), np.uint32), [0], np.ones(4, bool),
                        temperature=0.0)
+
+
+def test_the_engine_contract_samples_at_the_requests_temperature(params, mesh):
+  """prefill / insert / generate (the JetStream contract) sample at the temperature the request
+  gives prefill, whatever temperature the engine's SamplingConfig was built with: an engine
+  built for training (T = 1.0) serving an evaluation request (T = 0.7) draws exactly what an
+  engine built at 0.7 draws, log-probs included, and every log-prob is log pi_0.7."""
+  built = {t: engine(mesh, sampling=dataclasses.replace(SAMPLED, temperature=t))
+           for t in (1.0, 0.7)}
+  prompt = prompts(1, seed=31)[0]
+  runs = {}
+  for t, eng in built.items():
+    p = eng.load_params(params)
+    padded, n, _ = eng.pad_prompt(prompt)
+    pre = eng.prefill(p, padded, n, temperature=0.7, rng=jax.random.PRNGKey(5))
+    np.testing.assert_allclose(float(pre.logprob),
+                               float(S.token_logprob(pre.logits, pre.token, 0.7)), atol=1e-6)
+    state = eng.insert(pre, eng.init_decode_state(), 2)
+    assert float(state.temperature[2]) == pytest.approx(0.7)
+    toks, lps = [int(pre.token)], [float(pre.logprob)]
+    for _ in range(4):
+      state, r = eng.generate(p, state)
+      toks.append(int(r.tokens[2]))
+      lps.append(float(r.logprobs[2]))
+    runs[t] = toks, lps
+  assert runs[1.0][0] == runs[0.7][0]
+  np.testing.assert_allclose(runs[1.0][1], runs[0.7][1], rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match="prefill temperature must be > 0"):
+    built[1.0].prefill(built[1.0].load_params(params), padded, n, temperature=0.0)
 
 
 def test_insert_entries_are_checked_and_padded_to_one_program_shape():
