@@ -63,8 +63,8 @@ DIRECT = EngineConfig(background_prefill=False)
 
 
 class GeneratorLoop:
-  """Continuous-batching generator over one Engine; see the module docstring. The counters
-  (counters.LoopCounters) read as attributes too: loop.steps, loop.decode_time_s, ..."""
+  """Continuous-batching generator over one Engine; see the module docstring. Its counters are
+  `loop.counters` (counters.LoopCounters)."""
 
   def __init__(self, engine: Engine, params, version: int = 0, *,
                options: EngineConfig = DIRECT, sampling: SamplingConfig | None = None,
@@ -141,12 +141,6 @@ class GeneratorLoop:
     self._rng = np.random.default_rng(seed)
     if self._shared:   # the first weights' prefix, before any request needs it
       self._shared.get(self.params, self.version)
-
-  def __getattr__(self, name: str):   # only called for names not found: the counters
-    counters = self.__dict__.get("counters")
-    if counters is not None and name in LoopCounters.__dataclass_fields__:
-      return getattr(counters, name)
-    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   # ---- public API ----------------------------------------------------------------------------
   def submit(self, request: Request) -> None:

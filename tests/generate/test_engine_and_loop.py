@@ -162,7 +162,7 @@ def test_weight_update_mid_generation_tags_versions_without_recompiling(params, 
   assert c.versions.tolist() == [3] * 5 + [4] * 7
   assert eng.compile_counts() == before
   assert eng.compile_counts()["generate"] == 1
-  assert loop.update_pause_steps == [0]
+  assert loop.counters.update_pause_steps == [0]
   # After the switch, tokens follow the new weights on top of the old (kept) KV cache, so they
   # are not what the old weights would have produced.
   old_only = run(GeneratorLoop(eng, params), [Request("y", p, max_new_tokens=12)])["y", 0]
@@ -286,7 +286,8 @@ def test_stop_waits_for_a_step_and_never_drops_a_running_thread(params, mesh):
   loop.submit(Request("x", prompts(1)[0], max_new_tokens=2))
   loop.start()
   deadline = time.monotonic() + 60
-  while loop.generated_tokens < 1 and time.monotonic() < deadline:  # inside the callback soon
+  # Until inside the callback.
+  while loop.counters.generated_tokens < 1 and time.monotonic() < deadline:
     time.sleep(0.01)
   time.sleep(0.2)
   with pytest.raises(TimeoutError, match="still running"):
@@ -614,7 +615,7 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     full = run(full_loop, reqs())
     loop = GeneratorLoop(eng, params)
     got = run(loop, reqs()[:7])
-    assert loop.compact_steps > 0 and full_loop.compact_steps == 0
+    assert loop.counters.compact_steps > 0 and full_loop.counters.compact_steps == 0
     # Mid-drain (compacted), new requests arrive: the loop expands and refills.
     rs = reqs()
     loop.submit(rs[7])
@@ -629,12 +630,13 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     # Utilisation: over all 8 slots every step, and over the slots each step computed (the
     # compacted steps compute 4 or 2). Without compaction the two are the same.
     m, fm = loop.metrics(), full_loop.metrics()
-    assert m["compact_steps"] == loop.compact_steps and fm["compact_steps"] == 0
-    assert full_loop.computed_slot_steps == 8 * full_loop.steps
+    assert m["compact_steps"] == loop.counters.compact_steps and fm["compact_steps"] == 0
+    assert full_loop.counters.computed_slot_steps == 8 * full_loop.counters.steps
     assert fm["computed_slot_utilization"] == pytest.approx(fm["slot_utilization"])
-    assert 8 * (loop.steps - loop.compact_steps) < loop.computed_slot_steps < 8 * loop.steps
+    c = loop.counters
+    assert 8 * (c.steps - c.compact_steps) < c.computed_slot_steps < 8 * c.steps
     assert m["computed_slot_utilization"] == pytest.approx(
-        loop.active_slot_steps / loop.computed_slot_steps)
+        loop.counters.active_slot_steps / loop.counters.computed_slot_steps)
     assert m["slot_utilization"] < m["computed_slot_utilization"] <= 1.0
 
 
@@ -737,7 +739,7 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
       assert got[k].tokens == dense[k].tokens, (sampling, k)
       np.testing.assert_allclose(got[k].logprobs, dense[k].logprobs, atol=1e-5)
     m = loop.metrics()
-    assert loop.compact_steps > 0 and 0.3 < m["attention_window_fraction"] < 1.0
+    assert loop.counters.compact_steps > 0 and 0.3 < m["attention_window_fraction"] < 1.0
   assert eng.window_for(1) == 10 and eng.window_for(21) == 26 and eng.window_for(32) == 32
   # The window does cut attention: a slot holding 13 prompt tokens, stepped with window 10
   # (too small for it), gets other logits than with the whole cache or a window that fits.
@@ -1084,14 +1086,14 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   # insert); the overlapped loop runs a few more steps (refills a step later).
   decoded = sum(len(c.tokens) - 1 for c in sync.values())
   for overlap, loop in loops.items():
-    assert loop.generated_tokens == loop.active_slot_steps == decoded, overlap
-    assert loop.update_pause_steps == [0] and loop.version == 1
+    assert loop.counters.generated_tokens == loop.counters.active_slot_steps == decoded, overlap
+    assert loop.counters.update_pause_steps == [0] and loop.version == 1
     assert loop._ahead.step is None and loop.idle()
     if not compact:
-      assert loop.computed_slot_steps == slots * loop.steps
-      assert loop.attended_positions == eng.cache_length * loop.steps
+      assert loop.counters.computed_slot_steps == slots * loop.counters.steps
+      assert loop.counters.attended_positions == eng.cache_length * loop.counters.steps
     else:
-      assert loop.compact_steps > 0
+      assert loop.counters.compact_steps > 0
   assert loops[True].steps >= loops[False].steps
 
 
@@ -1103,11 +1105,12 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   loop = GeneratorLoop(eng, params, compact_drain=False)
   loop.submit(Request("x", p, max_new_tokens=10))
   loop.step()   # prefill + first token; decode step 1 dispatched, not recorded
-  assert loop._ahead.step is not None and loop.generated_tokens == 0 and loop.steps == 1
+  assert (loop._ahead.step is not None and loop.counters.generated_tokens == 0
+          and loop.counters.steps == 1)
   loop.step()   # step 2 dispatched, step 1 recorded
-  assert loop.generated_tokens == 1 and loop.steps == 2
+  assert loop.counters.generated_tokens == 1 and loop.counters.steps == 2
   loop.run_until_idle(max_steps=2)   # steps 3, 4; all four recorded on return
-  assert loop._ahead.step is None and loop.generated_tokens == 4
+  assert loop._ahead.step is None and loop.counters.generated_tokens == 4
   slot = next(i for i, s in enumerate(loop._slots.samples) if s is not None)
   assert loop._slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
@@ -1139,14 +1142,15 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   t.submit(Request("t", p, max_new_tokens=16))
   t.start()
   deadline = time.monotonic() + 60
-  while t.generated_tokens < 3 and time.monotonic() < deadline:
+  while t.counters.generated_tokens < 3 and time.monotonic() < deadline:
     time.sleep(0.001)
   t.stop()
   assert t._ahead.step is None
-  assert t.generated_tokens == t.active_slot_steps
+  assert t.counters.generated_tokens == t.counters.active_slot_steps
   # Every dispatched step is recorded: one token each while the sample runs (a step dispatched
   # after its last token, before that was known, is dropped).
-  assert t.generated_tokens == t.steps if t.num_active else t.steps - 1 <= t.generated_tokens
+  c = t.counters
+  assert c.generated_tokens == c.steps if t.num_active else c.steps - 1 <= c.generated_tokens
   # NaN logits: raised by the step() that records the step showing them (the next one).
   bad = jax.device_put(T.to_decode_layout(jax.tree.map(lambda x: x * jnp.nan, params)),
                        eng.decode_param_shardings)
