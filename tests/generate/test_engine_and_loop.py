@@ -1094,7 +1094,7 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
       assert loop.counters.attended_positions == eng.cache_length * loop.counters.steps
     else:
       assert loop.counters.compact_steps > 0
-  assert loops[True].steps >= loops[False].steps
+  assert loops[True].counters.steps >= loops[False].counters.steps
 
 
 def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params, mesh):
