@@ -619,7 +619,7 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     # Mid-drain (compacted), new requests arrive: the loop expands and refills.
     rs = reqs()
     loop.submit(rs[7])
-    while loop._drain.compacted is None:
+    while loop.parts.drain.compacted is None:
       loop.step()
     loop.submit(rs[8])
     got.update(run(loop, []))
@@ -829,7 +829,7 @@ def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
     seen = []
     orig = eng.generate
     def counted(*a):
-      seen.append((int(loop._slots.active.sum()), loop._requests.qsize()))
+      seen.append((int(loop.parts.slots.active.sum()), loop.parts.requests.qsize()))
       return orig(*a)
     eng.generate = counted
     try:
@@ -858,13 +858,13 @@ def test_background_prefill_under_weight_updates(params, mesh):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
       loop.step()
-    started = {s.group.request.id for s in loop._slots.samples if s is not None}
+    started = {s.group.request.id for s in loop.parts.slots.samples if s is not None}
     def waiting():  # prefilled under v0 (by the loop or the worker), not yet in a slot
       with loop._lock:
-        gs = list(loop._prefiller.ready) + list(loop._groups)
+        gs = list(loop.parts.prefiller.ready) + list(loop.parts.groups)
       return {g.request.id for g in gs if g.prefix is not None} - started
     deadline = time.monotonic() + 30
-    while (loop._prefiller.in_flight or not waiting()) and time.monotonic() < deadline:
+    while (loop.parts.prefiller.in_flight or not waiting()) and time.monotonic() < deadline:
       time.sleep(0.01)
     waiting = waiting()
     assert len(started) == 4 and waiting
@@ -899,10 +899,11 @@ def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
   finally:
     del eng.prefill_many
   # Nothing is lost: the requests the worker held are kept, unprefilled, with the queued ones.
-  assert loop._prefiller.ready and all(g.prefix is None for g in loop._prefiller.ready)
-  ids = ({g.request.id for g in loop._prefiller.ready} | {g.request.id for g in loop._groups}
-         | {g.request.id for g in loop._requests.queue}
-         | {s.group.request.id for s in loop._slots.samples if s is not None}
+  assert loop.parts.prefiller.ready and all(g.prefix is None for g in loop.parts.prefiller.ready)
+  ids = ({g.request.id for g in loop.parts.prefiller.ready}
+         | {g.request.id for g in loop.parts.groups}
+         | {g.request.id for g in loop.parts.requests.queue}
+         | {s.group.request.id for s in loop.parts.slots.samples if s is not None}
          | {c.request_id for c in loop.completions.queue})
   assert ids == set(range(12))
 
@@ -1088,7 +1089,7 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   for overlap, loop in loops.items():
     assert loop.counters.generated_tokens == loop.counters.active_slot_steps == decoded, overlap
     assert loop.counters.update_pause_steps == [0] and loop.version == 1
-    assert loop._ahead.step is None and loop.idle()
+    assert loop.parts.ahead.step is None and loop.idle()
     if not compact:
       assert loop.counters.computed_slot_steps == slots * loop.counters.steps
       assert loop.counters.attended_positions == eng.cache_length * loop.counters.steps
@@ -1105,14 +1106,14 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   loop = GeneratorLoop(eng, params, compact_drain=False)
   loop.submit(Request("x", p, max_new_tokens=10))
   loop.step()   # prefill + first token; decode step 1 dispatched, not recorded
-  assert (loop._ahead.step is not None and loop.counters.generated_tokens == 0
+  assert (loop.parts.ahead.step is not None and loop.counters.generated_tokens == 0
           and loop.counters.steps == 1)
   loop.step()   # step 2 dispatched, step 1 recorded
   assert loop.counters.generated_tokens == 1 and loop.counters.steps == 2
   loop.run_until_idle(max_steps=2)   # steps 3, 4; all four recorded on return
-  assert loop._ahead.step is None and loop.counters.generated_tokens == 4
-  slot = next(i for i, s in enumerate(loop._slots.samples) if s is not None)
-  assert loop._slots._count[slot] == 5   # the first token and four decode steps
+  assert loop.parts.ahead.step is None and loop.counters.generated_tokens == 4
+  slot = next(i for i, s in enumerate(loop.parts.slots.samples) if s is not None)
+  assert loop.parts.slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
   alone = run(GeneratorLoop(eng, params, options=opts(overlap_host=False)),
               [Request("y", p, max_new_tokens=10)])["y", 0]
@@ -1145,7 +1146,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   while t.counters.generated_tokens < 3 and time.monotonic() < deadline:
     time.sleep(0.001)
   t.stop()
-  assert t._ahead.step is None
+  assert t.parts.ahead.step is None
   assert t.counters.generated_tokens == t.counters.active_slot_steps
   # Every dispatched step is recorded: one token each while the sample runs (a step dispatched
   # after its last token, before that was known, is dropped).
@@ -1208,7 +1209,7 @@ def test_a_loop_is_idle_once_its_last_sample_is_out(params, mesh):
     steps += 1
     assert steps < 50
   assert loop.idle()
-  prefix = {id(x) for x in jax.tree.leaves(loop._groups[0].prefix) if isinstance(x, jax.Array)}
+  prefix = {id(x) for x in jax.tree.leaves(loop.parts.groups[0].prefix) if isinstance(x, jax.Array)}
   assert prefix
   loop.release()
   assert loop.released and not [a for a in jax.live_arrays() if id(a) in prefix]
