@@ -274,9 +274,9 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   with pytest.raises(GeneratorError, match="non-finite"):
     bg.get(timeout=60)
   deadline = time.monotonic() + 30
-  while bg._prefiller.thread is not None and time.monotonic() < deadline:
+  while bg.parts.prefiller.thread is not None and time.monotonic() < deadline:
     time.sleep(0.01)
-  assert bg._prefiller.thread is None, "the prefill worker outlived the loop thread"
+  assert bg.parts.prefiller.thread is None, "the prefill worker outlived the loop thread"
   bg.stop(timeout=30)
 
 
@@ -807,10 +807,10 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
     assert 0 < m["background_prefilled"] < 30
     assert m["slot_utilization"] > 0.8
     for lp in (loop, threaded):  # the worker exits once the queue is empty
-      w = lp._prefiller.thread
+      w = lp.parts.prefiller.thread
       if w is not None:
         w.join(10)
-      assert lp._prefiller.thread is None
+      assert lp.parts.prefiller.thread is None
 
 
 def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
@@ -1127,10 +1127,11 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
     r.submit(q)
   r.step()   # 4 slots filled (nothing in flight: first tokens fetched at once), step 1 dispatched
   r.step()   # step 2 dispatched; step 1 recorded: request 0 (2 tokens) finished
-  assert r.completions.qsize() == 1 and not r._ahead.step.firsts
+  assert r.completions.qsize() == 1 and not r.parts.ahead.step.firsts
   r.step()   # request 4 inserted into its slot, step 3 dispatched with its first token pending
-  slot = next(i for i, s in enumerate(r._slots.samples) if s and s.group.request.id == 4)
-  assert [f[0].tolist() for f in r._ahead.step.firsts] == [[slot]] and r._slots._count[slot] == 0
+  slot = next(i for i, s in enumerate(r.parts.slots.samples) if s and s.group.request.id == 4)
+  assert [f[0].tolist() for f in r.parts.ahead.step.firsts] == [[slot]]
+  assert r.parts.slots._count[slot] == 0
   got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
   want = run(GeneratorLoop(eng, params, compact_drain=False, options=opts(overlap_host=False)),
              reqs())
