@@ -73,7 +73,7 @@ def test_progress_is_logged_while_generating(caplog, monkeypatch):
   # Checked every 2 samples, logged at each check before the last.
   done = [line.split()[2] for line in lines[1:]]
   assert done == ["2/9", "4/9", "6/9", "8/9"] and all("ETA" in line for line in lines[1:])
-  assert loop.counters.steps == 9 and res["pass@1"] == pytest.approx(5 / 9)
+  assert loop.steps == 9 and res["pass@1"] == pytest.approx(5 / 9)
 
 
 def test_pass_at_k_curve_headroom_and_correct_counts():
