@@ -78,7 +78,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
 
   def pusher():  # push weights a few times while the loop runs, from another thread
     for v in range(1, n_updates + 1):
-      while loop.generated_tokens < total * v / (n_updates + 1):
+      while loop.counters.generated_tokens < total * v / (n_updates + 1):
         time.sleep(0.01)
       t = time.perf_counter()
       loop.update_params(pushes[v - 1], v)
@@ -90,7 +90,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   while not loop.idle():
     loop.step()
     if loop._pending_work():
-      queued_util.append((loop.steps, loop.active_slot_steps))
+      queued_util.append((loop.counters.steps, loop.counters.active_slot_steps))
   while not loop.completions.empty():
     c = loop.completions.get()
     done += len(c.tokens)
@@ -100,25 +100,25 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   # largest prefill batch (what the loop does when it has enough queued).
   prefill_s = (time_prefill_ours(eng, loop.params, prompts, loop.shared_prefix_cache())
                if time_prefill else None)
-  step_s = loop.decode_time_s / loop.steps
+  step_s = loop.counters.decode_time_s / loop.counters.steps
   metrics = loop.metrics()
   s_q, a_q = queued_util[-1] if queued_util else (1, 0)
   return {
-      "tokens_per_s": done / wall, "wall_s": wall, "generated_tokens": done, "steps": loop.steps,
+      "tokens_per_s": done / wall, "wall_s": wall, "generated_tokens": done, "steps": loop.counters.steps,
       "slot_utilization": metrics["slot_utilization"],
       "computed_slot_utilization": metrics["computed_slot_utilization"],
       "slot_utilization_while_queued": a_q / (s_q * slots),
-      "decode_step_s": step_s, "decode_s": loop.decode_time_s,
-      "prefill_insert_host_s": wall - loop.decode_time_s, "versions_seen": loop.version,
-      "update_pause_s": max(loop.update_pauses_s, default=0.0),
-      "update_pause_in_steps": max(loop.update_pauses_s, default=0.0) / step_s,
+      "decode_step_s": step_s, "decode_s": loop.counters.decode_time_s,
+      "prefill_insert_host_s": wall - loop.counters.decode_time_s, "versions_seen": loop.version,
+      "update_pause_s": max(loop.counters.update_pauses_s, default=0.0),
+      "update_pause_in_steps": max(loop.counters.update_pauses_s, default=0.0) / step_s,
       "update_call_s": max(call_s, default=0.0),
       "recompiled": eng.compile_counts() != compiled,
       "dot_library": eng.generate_library, "generate_tuning": eng.generate_tuning,
-      "compact_steps": loop.compact_steps,
+      "compact_steps": loop.counters.compact_steps,
       "background_prefill": background_prefill, "loop_prefill_below": loop_prefill_below,
-      "prefill_wait_s": loop.prefill_wait_s,
-      "background_prefilled": loop.background_prefilled,
+      "prefill_wait_s": loop.counters.prefill_wait_s,
+      "background_prefilled": loop.counters.background_prefilled,
       "attention_windows": list(eng.attention_windows),
       "attention_window_fraction": metrics["attention_window_fraction"],
       "shared_prefix_hits": metrics["shared_prefix_hits"],

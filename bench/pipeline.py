@@ -169,9 +169,9 @@ def main():
         # Share of the host's CPU capacity (all cores, all processes) busy during this run.
         "host_cpu_busy_frac": (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]),
         # Whole run (fill included): decode steps and their mean time, tokens per decode step.
-        "decode_steps": int(sum(g.steps for g in gens)),
-        "decode_step_ms": 1e3 * sum(g.decode_time_s for g in gens) / max(1, sum(g.steps for g in gens)),
-        "tokens_per_decode_step": sum(g.generated_tokens for g in gens) / max(1, sum(g.steps for g in gens)),
+        "decode_steps": int(sum(g.counters.steps for g in gens)),
+        "decode_step_ms": 1e3 * sum(g.counters.decode_time_s for g in gens) / max(1, sum(g.counters.steps for g in gens)),
+        "tokens_per_decode_step": sum(g.counters.generated_tokens for g in gens) / max(1, sum(g.counters.steps for g in gens)),
         "verifier_latency_s": float(np.mean([h["verifier_latency_s"] for h in history[1:]])),
         **{k: float(np.max([h[k] for h in history])) for k in history[0] if "peak" in k},
     }

@@ -50,6 +50,15 @@ from magistral_jax.parallel.config import GENERATOR_RULES
 
 Array = jax.Array
 
+
+def _checked_temperature(temperature, where: str) -> np.float32:
+  """The caller's sampling temperature as the fp32 input of a program; > 0 or ValueError."""
+  t = np.float32(temperature)
+  if not t > 0:
+    raise ValueError(f"{where} temperature must be > 0, got {temperature}")
+  return t
+
+
 class Engine:
   """Slots, a KV cache and three jitted programs (prefill / insert / generate) on one mesh.
   `cpu` (CpuOptions; None = its defaults) holds the XLA:CPU settings; the keywords
@@ -196,7 +205,8 @@ class Engine:
     return DecodeState(cache, jnp.zeros((self._slots,), jnp.int32),
                        jnp.zeros((self._slots, 2), jnp.uint32),
                        jnp.zeros((self._slots,), bool),
-                       jnp.full((self._slots,), self.sampling.temperature, jnp.float32))
+                       # A free slot's draws are discarded; each insert sets its request's.
+                       jnp.ones((self._slots,), jnp.float32))
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
@@ -228,8 +238,8 @@ class Engine:
                              self.truncate_prompts if truncate is None else truncate)
 
   # ---- prefill / insert / generate -----------------------------------------------------------
-  def _prefill_impl(self, params, padded_tokens, true_length, key, prefix_cache=None,
-                    prefix_length=None):
+  def _prefill_impl(self, params, padded_tokens, true_length, key, temperature,
+                    prefix_cache=None, prefix_length=None):
     b = padded_tokens.shape[0]
     cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, 1, b, prefix_cache,
                         prefix_length)
@@ -240,13 +250,14 @@ class Engine:
     # The whole prompt's length (prefix included) is the position folded into the slot stream,
     # so a prompt continued from a cached prefix draws what its full prefill would.
     full = cache.lengths[0]
-    tok, lp = S.sample(lg[None], key[None], full[None], self.sampling)
-    return Prefix(cache, lg, tok[0], lp[0], key, full)
+    tok, lp = S.sample(lg[None], key[None], full[None], self.sampling, temperature[None])
+    return Prefix(cache, lg, tok[0], lp[0], key, full, temperature)
 
-  def prefill(self, params, padded_tokens, true_length, *, rng=None, existing_prefix=None
-              ) -> Prefix:
-    """KV cache of one prompt (padded to a bucket) and its first sampled token. `rng` (a
-    uint32[2] PRNG key) seeds the slot stream this prefix will carry into `insert`.
+  def prefill(self, params, padded_tokens, true_length, *, temperature: float, rng=None,
+              existing_prefix=None) -> Prefix:
+    """KV cache of one prompt (padded to a bucket) and its first token, sampled at the
+    request's `temperature` (carried by the Prefix into its slot). `rng` (a uint32[2] PRNG key)
+    seeds the slot stream this prefix will carry into `insert`.
     `existing_prefix` (a Prefix from an earlier prefill: JetStream's prefix caching) makes the
     tokens a continuation of that prompt: they are written after its cache, attend to it, and
     the returned Prefix holds the whole prompt (its true_length counts both parts)."""
@@ -257,7 +268,7 @@ class Engine:
     prefix = () if existing_prefix is None else existing_prefix_cache(
         existing_prefix, int(true_length), self.cfg, self._max_prefill)
     return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key,
-                         *prefix)
+                         _checked_temperature(temperature, "prefill"), *prefix)
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
     put = lambda big, row: put_slot(big, row, slot)
@@ -266,10 +277,10 @@ class Engine:
                       state.cache.lengths.at[slot].set(prefix.true_length))
     if cache_only:
       return state._replace(cache=cache)
-    # The prefix's first token was drawn at the engine's temperature: the slot goes on at it.
+    # The prefix's first token was drawn at its request's temperature: the slot goes on at it.
     return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
                        state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True),
-                       state.temperature.at[slot].set(self.sampling.temperature))
+                       state.temperature.at[slot].set(prefix.temperature))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Copies a prefix into `slot` (donating decode_state) and activates it."""
@@ -283,8 +294,10 @@ class Engine:
     the pending input token) under `params`; tokens, keys and activity are kept. Only used by
     the recompute-on-update ablation: the paper keeps the stale cache."""
     padded, n, _ = self.pad_prompt(sequence, self.recompute_buckets)
+    # Only the cache is kept: the slot keeps its token, stream and temperature (passed here so
+    # the recompute draws at the slot's own).
     prefix = self._prefill(params, jnp.asarray(padded), jnp.asarray(n, jnp.int32),
-                           jnp.zeros((2,), jnp.uint32))
+                           jnp.zeros((2,), jnp.uint32), decode_state.temperature[slot])
     return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
 
   # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
@@ -356,25 +369,23 @@ class Engine:
     return new, tok, lp
 
   def insert_many(self, prefixes: Prefixes, decode_state: DecodeState, slots, rows, keys,
-                  sample_index, active, temperature: float | None = None
+                  sample_index, active, *, temperature: float
                   ) -> tuple[DecodeState, Array, Array]:
     """Copies prefix rows `rows[j]` into slots `slots[j]` (several slots may share a row) in one
     call, donating decode_state. Entry j's slot stream is fold_in(keys[j], sample_index[j]) and
     its first token is drawn from the row's logits at position true_length with that stream.
     `active` [slots] bool becomes the new activity mask (so frees and inserts are one call).
-    `temperature` (default: the engine's sampling temperature) is the entries' sampling
-    temperature, for their first token and, kept in their slots, for every later one: an input of
-    the program, so loops sampling at different temperatures share this engine's programs.
+    `temperature` (the requests', given by the caller) is the entries' sampling temperature,
+    for their first token and, kept in their slots, for every later one: an input of the
+    program, so loops sampling at different temperatures share this engine's programs.
     Returns (decode_state, first tokens [max_concurrent_decodes], their log-probs): entry j's
     are at index j; entries past len(slots) are padding."""
     m = len(slots)
     slots, rows, keys, sample_index = shapes.pad_inserts(
         slots, rows, keys, sample_index, self._slots, prefixes.logits.shape[0])
-    t = self.sampling.temperature if temperature is None else float(temperature)
-    if not t > 0:
-      raise ValueError(f"insert_many temperature must be > 0, got {t}")
     return self._insert_many(prefixes, decode_state, slots, rows, keys, sample_index,
-                             np.int32(m), np.asarray(active, bool), np.float32(t))
+                             np.int32(m), np.asarray(active, bool),
+                             _checked_temperature(temperature, "insert_many"))
 
   def _generate_impl(self, params, state: DecodeState, window: int):
     active = state.active

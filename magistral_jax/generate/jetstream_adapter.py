@@ -44,9 +44,10 @@ def import_engine_api():
 
 
 def make_jetstream_engine(engine: Engine, params: Any, tokenizer_params: Any = None,
-                          tokenizer: Any = None):
+                          tokenizer: Any = None, *, temperature: float):
   """A `jetstream.engine.engine_api.Engine` backed by `engine`; `params` are returned by
-  load_params (already placed with engine.load_params)."""
+  load_params (already placed with engine.load_params). JetStream's requests carry no sampling
+  temperature, so every request this adapter serves samples at `temperature`."""
   api = import_engine_api()
   has_logprob = "log_prob" in {f.name for f in dataclasses.fields(api.ResultTokens)}
 
@@ -70,8 +71,8 @@ def make_jetstream_engine(engine: Engine, params: Any, tokenizer_params: Any = N
         raise NotImplementedError("custom samplers: sampling is configured on the Engine")
       key = None if rng is None else jax.random.key_data(rng) if jnp.issubdtype(
           getattr(rng, "dtype", jnp.uint32), jax.dtypes.prng_key) else rng
-      prefix = engine.prefill(params, padded_tokens, true_length, rng=key,
-                              existing_prefix=existing_prefix)
+      prefix = engine.prefill(params, padded_tokens, true_length, temperature=temperature,
+                              rng=key, existing_prefix=existing_prefix)
       one = jnp.ones((1,), bool)
       return prefix, pack(prefix.token[None], one, prefix.true_length[None],
                           prefix.logprob[None])

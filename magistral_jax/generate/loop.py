@@ -45,6 +45,7 @@ from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.counters import LoopCounters
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.inflight import DeviceLead
+from magistral_jax.generate.loop_parts import LoopParts
 from magistral_jax.generate.loop_weights import LoopWeights, recompute_caches
 from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_requests
 from magistral_jax.generate.prefix_cache import SharedPrefixCache
@@ -63,8 +64,8 @@ DIRECT = EngineConfig(background_prefill=False)
 
 
 class GeneratorLoop:
-  """Continuous-batching generator over one Engine; see the module docstring. The counters
-  (counters.LoopCounters) read as attributes too: loop.steps, loop.decode_time_s, ..."""
+  """Continuous-batching generator over one Engine; see the module docstring. Its counters are
+  `loop.counters` (counters.LoopCounters)."""
 
   def __init__(self, engine: Engine, params, version: int = 0, *,
                options: EngineConfig = DIRECT, sampling: SamplingConfig | None = None,
@@ -94,7 +95,7 @@ class GeneratorLoop:
     # With compact_drain, once no request is waiting and the active slots fit in one of the
     # engine's compact_sizes, they are decoded on that smaller engine (compaction.Drain).
     self.compact_drain = compact_drain
-    self._drain = Drain(engine)
+    drain = Drain(engine)
     # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side and the temperature an
     # input of the engine's programs (each slot carries its own), so a loop may set its own; what
     # the programs compile in (top-p, top-k, greedy) must match the engine.
@@ -115,37 +116,28 @@ class GeneratorLoop:
     self.weights = LoopWeights(engine, params, version, self._lock, self.counters,
                                options.recompute_kv_on_update)
     self._shared = None if shared_prefix is None else SharedPrefixCache(
-        engine, shared_prefix, self._lock, lambda: self.version, self.counters)
+        engine, shared_prefix, self._lock, lambda: self.version, self.counters,
+        self.sampling.temperature)
     self.shared_prefix: list[int] | None = self._shared.tokens if self._shared else None
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Sample] = queue.Queue()
-    self._requests: queue.Queue[RequestSamples] = queue.Queue()
-    # The requests whose samples wait for slots, in queue order: the loop thread's own.
-    self._groups: collections.deque[RequestSamples] = collections.deque()
-    self._slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length,
-                            self.sampling, detokenize, self._emit)
-    # The step in flight and the first tokens of inserts not yet fetched (inflight.py).
-    self._ahead = DeviceLead(self._slots, self._drain, self.counters)
+    requests: queue.Queue[RequestSamples] = queue.Queue()
+    slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length, self.sampling,
+                      detokenize, self._emit)
     self._stop = threading.Event()
-    self._prefiller = PrefillWorker(self._requests, self._lock, self._stop, self._prefill,
-                                    self.weights.current,
-                                    engine.prefill_batch_sizes[-1], self.prefill_ahead,
-                                    self.counters)
-    self._refill = Refill(engine, options, self.sampling.temperature, self._requests, self._groups,
-                          self._slots, self._drain, self._ahead, self._prefiller, self._prefill,
-                          self.weights.stale, self.prefill_ahead)
+    # What the loop's parts share (loop_parts.py names each field's owner).
+    self.parts = LoopParts(
+        engine, options, self.sampling, requests, collections.deque(), slots, drain,
+        DeviceLead(slots, drain, self.counters),
+        PrefillWorker(requests, self._lock, self._stop, self._prefill, self.weights.current,
+                      engine.prefill_batch_sizes[-1], self.prefill_ahead, self.counters))
+    self._refill = Refill(self.parts, self._prefill, self.weights.stale, self.prefill_ahead)
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self._error_tb = ""
     self._rng = np.random.default_rng(seed)
     if self._shared:   # the first weights' prefix, before any request needs it
       self._shared.get(self.params, self.version)
-
-  def __getattr__(self, name: str):   # only called for names not found: the counters
-    counters = self.__dict__.get("counters")
-    if counters is not None and name in LoopCounters.__dataclass_fields__:
-      return getattr(counters, name)
-    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   # ---- public API ----------------------------------------------------------------------------
   def submit(self, request: Request) -> None:
@@ -170,7 +162,8 @@ class GeneratorLoop:
     rest = self._shared.rest_length(prompt) if self._shared else 0
     if rest:
       padded, _, _ = self.engine.pad_prompt(prompt[-rest:])
-    self._requests.put(RequestSamples(request, prompt, padded, n, truncated, key, mx, rest=rest))
+    self.parts.requests.put(RequestSamples(request, prompt, padded, n, truncated, key, mx,
+                                           rest=rest))
 
   # ---- weights (loop_weights.py) ---------------------------------------------------------------
   @property
@@ -205,9 +198,10 @@ class GeneratorLoop:
     flight (old weights, its own version) is recorded first: the host then has every token the
     device state holds."""
     self._flush()
-    if self._drain.compacted is not None:
-      self.state = self._drain.expand(self.state, self._slots.active)
-    self.state = recompute_caches(self.engine, self.params, self.state, self._slots, self._groups)
+    if self.parts.drain.compacted is not None:
+      self.state = self.parts.drain.expand(self.state, self.parts.slots.active)
+    self.state = recompute_caches(self.engine, self.params, self.state, self.parts.slots,
+                                  self.parts.groups)
 
   # ---- running it ------------------------------------------------------------------------------
 
@@ -224,7 +218,7 @@ class GeneratorLoop:
     TimeoutError, keeping the thread, when it is still running after `timeout` seconds (e.g.
     inside a long step): the loop must not be started again over state it still uses."""
     self._signal_stop()
-    for thread in (self._thread, self._prefiller.thread):
+    for thread in (self._thread, self.parts.prefiller.thread):
       if thread is not None:
         thread.join(timeout)
         if thread.is_alive():
@@ -235,7 +229,7 @@ class GeneratorLoop:
   def _signal_stop(self) -> None:
     """Tells the loop thread and the prefill worker to stop (the worker may be waiting)."""
     self._stop.set()
-    self._prefiller.wake()
+    self.parts.prefiller.wake()
 
   def check(self) -> None:
     """Re-raises an exception from the loop thread."""
@@ -260,8 +254,8 @@ class GeneratorLoop:
     """No request queued, no sample waiting for a slot or a prefill, no slot decoding. A request
     whose samples all went into slots stays queued until a free slot pops it: not work."""
     with self._lock:  # the worker takes requests and counts them in flight under this lock
-      return (self._requests.empty() and not any(g.waiting > 0 for g in self._groups)
-              and not self._prefiller.holds_work() and self._slots.empty())
+      return (self.parts.requests.empty() and not any(g.waiting > 0 for g in self.parts.groups)
+              and not self.parts.prefiller.holds_work() and self.parts.slots.empty())
 
   def run_until_idle(self, max_steps: int | None = None) -> list[Sample]:
     """Steps in the calling thread until all submitted work is done; returns the samples."""
@@ -279,7 +273,7 @@ class GeneratorLoop:
 
   @property
   def num_active(self) -> int:
-    return int(self._slots.active.sum())
+    return int(self.parts.slots.active.sum())
 
   def metrics(self) -> dict[str, float]:
     return self.counters.metrics(self.engine.max_concurrent_decodes, self.engine.cache_length,
@@ -303,15 +297,15 @@ class GeneratorLoop:
     self._flush()
     if not self.idle():
       raise RuntimeError(f"release: the loop still has work ({self.num_active} active slots, "
-                         f"{self._requests.qsize()} queued requests); finish it first")
+                         f"{self.parts.requests.qsize()} queued requests); finish it first")
     with self._lock:
       self.weights.drop()
-      self._groups.clear()   # requests whose samples are all out: their prompts' KV goes too
+      self.parts.groups.clear()   # requests whose samples are all out: their prompts' KV goes too
       if self._shared:
         self._shared.clear()
     self.state = None
-    self._drain.compacted = None
-    self._ahead.firsts.clear()
+    self.parts.drain.compacted = None
+    self.parts.ahead.firsts.clear()
 
   @property
   def released(self) -> bool:
@@ -324,7 +318,7 @@ class GeneratorLoop:
       raise RuntimeError("reload: the loop holds its weights and cache; use update_params")
     self.weights.reload(params, version)
     self.state = self.engine.init_decode_state()
-    self._slots.device_active = np.zeros_like(self._slots.device_active)
+    self.parts.slots.device_active = np.zeros_like(self.parts.slots.device_active)
 
   # ---- the loop ------------------------------------------------------------------------------
   def _run(self):
@@ -341,60 +335,61 @@ class GeneratorLoop:
   def _wait_for_work(self):
     t0 = time.perf_counter()
     try:
-      group = self._requests.get(timeout=self.idle_wait_s)
+      group = self.parts.requests.get(timeout=self.idle_wait_s)
     except queue.Empty:
       return
     finally:
       self.counters.idle_time_s += time.perf_counter() - t0
-    self._groups.append(group)
+    self.parts.groups.append(group)
 
   def step(self) -> bool:
     """One loop iteration; returns False when there was nothing to decode. With overlap_host it
     dispatches a decode step and then records the one dispatched by the previous call."""
     self._apply_pending_update()
     self.state = self._refill.fill(self.state)
-    active = self._slots.active
+    active = self.parts.slots.active
     if not active.any():
       # A step in flight only advanced samples that have finished since (nothing is active):
       # its results are dropped.
       self._flush()
-      self._drain.compacted = None  # every compacted sequence has finished: nothing to write back
+      # Every compacted sequence has finished: nothing to write back.
+      self.parts.drain.compacted = None
       return False
     if self.compact_drain and not self._pending_work():
-      self.state = self._drain.maybe_compact(self.state, active)
+      self.state = self.parts.drain.maybe_compact(self.state, active)
     c = self.counters
     # The device is ahead of what the host has recorded (the step in flight, first tokens not
     # yet fetched): the window must hold the positions this step writes on the device.
-    ahead = self._ahead.positions()
-    window = self.engine.window_for(self._slots.positions(ahead))
-    c.attended_positions += (self._slots.mean_positions(ahead)
+    ahead = self.parts.ahead.positions()
+    window = self.engine.window_for(self.parts.slots.positions(ahead))
+    c.attended_positions += (self.parts.slots.mean_positions(ahead)
                              if self.engine.decode_attention == "live" else window)
     t0 = time.perf_counter()
     slots = np.flatnonzero(active)
-    owners = [self._slots.samples[i] for i in slots]
-    if self._drain.compacted is None:
+    owners = [self.parts.slots.samples[i] for i in slots]
+    if self.parts.drain.compacted is None:
       eng, rows = self.engine, None
       self.state, res = eng.generate(self.params, self.state, window)
     else:
-      eng, res, rows = self._drain.dispatch(self.params, window)
+      eng, res, rows = self.parts.drain.dispatch(self.params, window)
       c.compact_steps += 1
     c.computed_slot_steps += eng.max_concurrent_decodes
     c.steps += 1
     c.decode_time_s += time.perf_counter() - t0
     # overlap_host: the previous step is recorded while this one runs.
-    self._ahead.dispatched(res, rows, slots, owners, self.version)
+    self.parts.ahead.dispatched(res, rows, slots, owners, self.version)
     if not self.options.overlap_host:
       self._flush()
     return True
 
   def _flush(self) -> None:
     """Records the step in flight, if any (and first tokens left unfetched)."""
-    self._ahead.flush()
+    self.parts.ahead.flush()
 
   def _pending_work(self) -> bool:
     """Whether a request or a group sample is waiting for a slot."""
-    return (not self._requests.empty() or self._prefiller.holds_work()
-            or any(g.waiting > 0 for g in self._groups))
+    return (not self.parts.requests.empty() or self.parts.prefiller.holds_work()
+            or any(g.waiting > 0 for g in self.parts.groups))
 
   def _emit(self, sample: Sample) -> None:
     self.completions.put(sample)

@@ -41,17 +41,18 @@ def useful_shared_prefix(prefix: Sequence[int], max_prefill_length: int) -> list
 
 class SharedPrefixCache:
   """One loop's shared prefix (`tokens`) and its Prefix under the current weights. `lock` is the
-  loop's (it guards the loop's version, read through current_version, and the counters)."""
+  loop's (it guards the loop's version, read through current_version, and the counters);
+  `temperature` the loop's (only the prefix's cache is continued, but a prefill draws a token)."""
 
   def __init__(self, engine, tokens: Sequence[int], lock: threading.Lock,
-               current_version: Callable[[], int], counters: LoopCounters):
+               current_version: Callable[[], int], counters: LoopCounters, temperature: float):
     padded, n, _ = engine.pad_prompt(tokens, truncate=False)
     if n >= engine.max_prefill_length:
       raise ValueError(f"shared_prefix of {n} tokens leaves no room for a prompt's own tokens "
                        f"under max_prefill_length={engine.max_prefill_length}")
     self.engine = engine
     self.tokens = np.asarray(tokens).reshape(-1).tolist()
-    self._padded = padded
+    self._padded, self._temperature = padded, temperature
     self._lock, self._current_version, self._counters = lock, current_version, counters
     self._cached: tuple[int, Prefix] | None = None   # (version, Prefix under its weights)
 
@@ -72,7 +73,8 @@ class SharedPrefixCache:
     with self._lock:
       if self._cached is not None and self._cached[0] == version:
         return self._cached[1]
-    prefix = jax.block_until_ready(self.engine.prefill(params, self._padded, len(self.tokens)))
+    prefix = jax.block_until_ready(self.engine.prefill(params, self._padded, len(self.tokens),
+                                                      temperature=self._temperature))
     with self._lock:
       self._counters.shared_prefix_prefills += 1
       if version == self._current_version():

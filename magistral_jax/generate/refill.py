@@ -11,49 +11,38 @@ the inserts' first tokens are recorded with the next step's results (inflight.py
 """
 from __future__ import annotations
 
-import collections
 import queue
 from typing import Callable
 
 import numpy as np
 
-from magistral_jax.generate.compaction import Drain
-from magistral_jax.generate.config import EngineConfig
-from magistral_jax.generate.inflight import DeviceLead
-from magistral_jax.generate.prefill_worker import PrefillWorker
+from magistral_jax.generate.loop_parts import LoopParts
 from magistral_jax.generate.requests import RequestSamples
-from magistral_jax.generate.slots import SlotTable
 
 
 class Refill:
-  """The loop's refill: its request queue (`requests`), the requests whose samples wait for slots
-  (`groups`, in queue order: the loop thread's own) and the slot table are the loop's;
-  `prefill(groups)` prefills under its current weights and `stale(group)` says whether a group
-  needs a (new) prefill (loop_weights.LoopWeights.stale)."""
+  """The loop's refill over the parts it shares with the loop (loop_parts.LoopParts):
+  `prefill(groups)` prefills under the loop's current weights and `stale(group)` says whether a
+  group needs a (new) prefill (loop_weights.LoopWeights.stale)."""
 
-  def __init__(self, engine, options: EngineConfig, temperature: float,
-               requests: queue.Queue, groups: collections.deque, slots: SlotTable, drain: Drain,
-               ahead: DeviceLead, prefiller: PrefillWorker,
-               prefill: Callable[[list[RequestSamples]], None],
+  def __init__(self, parts: LoopParts, prefill: Callable[[list[RequestSamples]], None],
                stale: Callable[[RequestSamples], bool], prefill_ahead: int):
-    self.engine, self._options, self._temperature = engine, options, temperature
-    self._requests, self._groups, self._slots = requests, groups, slots
-    self._drain, self._ahead, self._prefiller = drain, ahead, prefiller
+    self.parts, self.engine = parts, parts.engine
     self._prefill, self._stale, self.prefill_ahead = prefill, stale, prefill_ahead
 
   def next_sample(self, take_request: bool = True):
     """(group, sample index) for the next free slot, taking a new request when needed (and
     `take_request`)."""
-    while self._groups and self._groups[0].waiting <= 0:
-      self._groups.popleft()
-    if not self._groups:
+    while self.parts.groups and self.parts.groups[0].waiting <= 0:
+      self.parts.groups.popleft()
+    if not self.parts.groups:
       if not take_request:
         return None
       try:
-        self._groups.append(self._requests.get_nowait())
+        self.parts.groups.append(self.parts.requests.get_nowait())
       except queue.Empty:
         return None
-    g = self._groups[0]
+    g = self.parts.groups[0]
     i = g.next_index
     g.next_index += 1
     return g, i
@@ -61,14 +50,14 @@ class Refill:
   def fill(self, state):
     """Fills the free slots (module docstring); `state` is the loop's decode state, donated:
     returns the new one."""
-    bg, slots = self._options.background_prefill, self._slots
+    bg, slots = self.parts.options.background_prefill, self.parts.slots
     if bg:
-      self._prefiller.collect(self._groups, decoding=bool(slots.active.any()))
+      self.parts.prefiller.collect(self.parts.groups, decoding=bool(slots.active.any()))
     while True:
       if bg:  # (again after a sample that finished on its first token)
-        self._prefiller.top_up(self._groups, int(slots.active.sum()),
+        self.parts.prefiller.top_up(self.parts.groups, int(slots.active.sum()),
                                self.engine.max_concurrent_decodes,
-                               self._options.loop_prefill_below)
+                               self.parts.options.loop_prefill_below)
       plan = []  # (slot, group, sample index)
       for slot in np.flatnonzero(~slots.active):
         nxt = self.next_sample(take_request=not bg)
@@ -77,15 +66,15 @@ class Refill:
         plan.append((int(slot), *nxt))
       if not plan:
         break
-      if self._drain.compacted is not None:  # new work: the compacted slots go back first
-        state = self._drain.expand(state, slots.active)
+      if self.parts.drain.compacted is not None:  # new work: the compacted slots go back first
+        state = self.parts.drain.expand(state, slots.active)
       need, seen = [], set()
       for _, g, _ in plan:
         if self._stale(g) and id(g) not in seen:
           seen.add(id(g))
           need.append(g)
       if need:  # prefill ahead: queued requests join this call (FIFO order is kept)
-        for g in self._groups:
+        for g in self.parts.groups:
           if len(need) >= self.prefill_ahead:
             break
           if self._stale(g) and id(g) not in seen:
@@ -93,10 +82,10 @@ class Refill:
             need.append(g)
         while not bg and len(need) < self.prefill_ahead:
           try:
-            g = self._requests.get_nowait()
+            g = self.parts.requests.get_nowait()
           except queue.Empty:
             break
-          self._groups.append(g)
+          self.parts.groups.append(g)
           need.append(g)
       self._prefill(need)
       # One insert per prefill batch the plan draws from (usually one).
@@ -110,22 +99,22 @@ class Refill:
         state, tok, lp = self.engine.insert_many(
             entries[0][1].prefix[0], state, [e[0] for e in entries],
             [e[1].prefix[1] for e in entries], np.stack([e[1].key for e in entries]),
-            [e[2] for e in entries], slots.active, temperature=self._temperature)
+            [e[2] for e in entries], slots.active, temperature=self.parts.sampling.temperature)
         slots.device_active = slots.active.copy()
         firsts.append((np.array([e[0] for e in entries]), [e[1].request.id for e in entries],
                        np.array([e[1].prefix_version for e in entries]), tok, lp))
-      if self._options.overlap_host and self._ahead.step is not None:
+      if self.parts.options.overlap_host and self.parts.ahead.step is not None:
         # The inserts queue after the step in flight: their first tokens are fetched and
         # recorded with the next step's results instead of waited for here, so refills overlap
         # with the device too. A sample that finishes on its first token is then known a step
         # later (that step's token for it is dropped), like a finish at any other step.
-        self._ahead.firsts.extend(firsts)
+        self.parts.ahead.firsts.extend(firsts)
         break
-      finished = self._ahead.record_firsts(firsts)   # one transfer for all first tokens
+      finished = self.parts.ahead.record_firsts(firsts)   # one transfer for all first tokens
       if not finished:  # a sample can finish on its first token: refill its slot right away
         break
     if bg:
-      self._prefiller.after_refill(self._groups)
+      self.parts.prefiller.after_refill(self.parts.groups)
     if not np.array_equal(slots.device_active, slots.active):
       state = self.engine.set_active(state, slots.active)
       slots.device_active = slots.active.copy()

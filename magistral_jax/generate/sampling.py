@@ -190,14 +190,13 @@ def draw(keys: Array, lg: Array) -> Array:
   return (blk * DRAW_BLOCK + jnp.minimum(idx, last)).astype(jnp.int32)
 
 
-def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig,
-           temperature=None):
+def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig, temperature):
   """Draws one token per row. logits [B, V] (any float dtype), keys [B] typed PRNG keys,
-  positions [B] (folded into the key). `temperature`: cfg.temperature (None), or fp32 [B], one
-  per row (each decode slot's, an input of the engine's programs, so one engine serves loops
-  that sample at different temperatures: training and evaluation). Returns (tokens [B] int32,
-  logprobs [B] fp32)."""
-  t = cfg.temperature if temperature is None else temperature
+  positions [B] (folded into the key). `temperature`: fp32 [B], one per row (each decode slot's,
+  set by the request that started it); cfg gives only what is compiled in (top-p, top-k,
+  greedy), never the temperature, so one engine serves loops that sample at different
+  temperatures (training and evaluation). Returns (tokens [B] int32, logprobs [B] fp32)."""
+  t = temperature
   lg = _tempered(logits, t)
   if cfg.greedy:
     tokens = argmax(lg)

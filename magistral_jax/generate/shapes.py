@@ -157,8 +157,9 @@ def precompile(engine, params, buckets: Sequence[int], tune: bool, existing_pref
     for n in engine.prefill_batch_sizes:
       pre = engine.prefill_many(params, np.ones((n, b), np.int32), np.ones((n,), np.int32),
                                 prefix)
+      # The temperature is an input of the program: any value compiles the one every loop runs.
       state, _, _ = engine.insert_many(pre, state, [0], [0], np.zeros((1, 2), np.uint32), [0],
-                                       np.zeros((slots,), bool))
+                                       np.zeros((slots,), bool), temperature=1.0)
   for w in engine.attention_windows:
     state, _ = engine.generate(params, state, w)
   state = engine.set_active(state, np.zeros((slots,), bool))

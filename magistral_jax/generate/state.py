@@ -26,13 +26,15 @@ class Prefix(NamedTuple):
   """One prefilled prompt. cache: per-layer KVCache with batch 1 and the bucket's length;
   logits: [V] fp32 at the last prompt position (kept so group members can draw their own first
   token); token/logprob: the first sampled token; key: the slot's PRNG stream; true_length: prompt
-  tokens in the cache."""
+  tokens in the cache; temperature: fp32 scalar, the one its request asked for (the first token
+  was drawn at it, and `insert` gives it to the slot, which samples every later token at it)."""
   cache: T.KVCache
   logits: Array
   token: Array
   logprob: Array
   key: Array
   true_length: Array
+  temperature: Array
 
 
 class Prefixes(NamedTuple):

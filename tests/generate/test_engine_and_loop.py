@@ -162,7 +162,7 @@ def test_weight_update_mid_generation_tags_versions_without_recompiling(params, 
   assert c.versions.tolist() == [3] * 5 + [4] * 7
   assert eng.compile_counts() == before
   assert eng.compile_counts()["generate"] == 1
-  assert loop.update_pause_steps == [0]
+  assert loop.counters.update_pause_steps == [0]
   # After the switch, tokens follow the new weights on top of the old (kept) KV cache, so they
   # are not what the old weights would have produced.
   old_only = run(GeneratorLoop(eng, params), [Request("y", p, max_new_tokens=12)])["y", 0]
@@ -274,9 +274,9 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   with pytest.raises(GeneratorError, match="non-finite"):
     bg.get(timeout=60)
   deadline = time.monotonic() + 30
-  while bg._prefiller.thread is not None and time.monotonic() < deadline:
+  while bg.parts.prefiller.thread is not None and time.monotonic() < deadline:
     time.sleep(0.01)
-  assert bg._prefiller.thread is None, "the prefill worker outlived the loop thread"
+  assert bg.parts.prefiller.thread is None, "the prefill worker outlived the loop thread"
   bg.stop(timeout=30)
 
 
@@ -286,7 +286,8 @@ def test_stop_waits_for_a_step_and_never_drops_a_running_thread(params, mesh):
   loop.submit(Request("x", prompts(1)[0], max_new_tokens=2))
   loop.start()
   deadline = time.monotonic() + 60
-  while loop.generated_tokens < 1 and time.monotonic() < deadline:  # inside the callback soon
+  # Until inside the callback.
+  while loop.counters.generated_tokens < 1 and time.monotonic() < deadline:
     time.sleep(0.01)
   time.sleep(0.2)
   with pytest.raises(TimeoutError, match="still running"):
@@ -325,7 +326,8 @@ def test_top_k_and_top_p_truncation():
   assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.75))).tolist() == [[True, True, False, False]]
   assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.4))).tolist() == [[True, False, False, False]]
   keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(64))
-  sample = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(64, jnp.int32), SamplingConfig(top_k=2)))
+  sample = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(64, jnp.int32),
+                                          SamplingConfig(top_k=2), jnp.ones(64, jnp.float32)))
   tok, lp = sample(jnp.repeat(lg, 64, 0), keys)
   assert set(np.asarray(tok).tolist()) == {0, 1}
   # The log-prob is under the untruncated tempered policy, not renormalised over the top-k.
@@ -470,7 +472,7 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     tokens16[:n] = pad[:n]
     # Prompt 3 as sample index 1 of its request (a group's second sample): its stream is
     # fold_in(request_key, 1).
-    prefix = eng.prefill(eng.load_params(params), tokens16, n,
+    prefix = eng.prefill(eng.load_params(params), tokens16, n, temperature=SAMPLED.temperature,
                          rng=jax.random.fold_in(keys[i], 1 if i == 3 else 0))
     firsts_one[3 - i] = (int(prefix.token), float(prefix.logprob))
     one = eng.insert(prefix, one, 3 - i)
@@ -481,7 +483,8 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     tokens[i, :n] = pad[:n]
   pre = eng.prefill_many(p, tokens, [n for _, n, _ in padded])
   many, tok, lp = eng.insert_many(pre, eng.init_decode_state(), [3, 2, 1, 0], [0, 1, 2, 3],
-                                  np.stack(keys), [0, 0, 0, 1], np.ones(4, bool))
+                                  np.stack(keys), [0, 0, 0, 1], np.ones(4, bool),
+                                  temperature=SAMPLED.temperature)
   for j, slot in enumerate([3, 2, 1, 0]):
     assert int(tok[j]) == firsts_one[slot][0]
     np.testing.assert_allclose(float(lp[j]), firsts_one[slot][1], atol=1e-5)
@@ -494,7 +497,8 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
   with pytest.raises(ValueError, match="not one of"):
     eng.prefill_many(p, tokens[:3], [3, 3, 3])
   with pytest.raises(ValueError, match="distinct"):
-    eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool))
+    eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool),
+                    temperature=SAMPLED.temperature)
 
 
 def test_loop_prefills_waiting_requests_together(params, mesh):
@@ -586,7 +590,8 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
   for lib in ("ynnpack", "eigen"):
     pre = eng.prefill_many(p, padded[None], [n])
     st, _, _ = eng.insert_many(pre, eng.init_decode_state(), [0], [0],
-                               np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3))
+                               np.zeros((1, 2), np.uint32), [0], np.array([True] + [False] * 3),
+                               temperature=GREEDY.temperature)
     toks, lps = [], []
     for _ in range(5):
       st, r = eng.generate_step.jit(lib)(p, st, eng.cache_length)
@@ -610,11 +615,11 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     full = run(full_loop, reqs())
     loop = GeneratorLoop(eng, params)
     got = run(loop, reqs()[:7])
-    assert loop.compact_steps > 0 and full_loop.compact_steps == 0
+    assert loop.counters.compact_steps > 0 and full_loop.counters.compact_steps == 0
     # Mid-drain (compacted), new requests arrive: the loop expands and refills.
     rs = reqs()
     loop.submit(rs[7])
-    while loop._drain.compacted is None:
+    while loop.parts.drain.compacted is None:
       loop.step()
     loop.submit(rs[8])
     got.update(run(loop, []))
@@ -625,12 +630,13 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
     # Utilisation: over all 8 slots every step, and over the slots each step computed (the
     # compacted steps compute 4 or 2). Without compaction the two are the same.
     m, fm = loop.metrics(), full_loop.metrics()
-    assert m["compact_steps"] == loop.compact_steps and fm["compact_steps"] == 0
-    assert full_loop.computed_slot_steps == 8 * full_loop.steps
+    assert m["compact_steps"] == loop.counters.compact_steps and fm["compact_steps"] == 0
+    assert full_loop.counters.computed_slot_steps == 8 * full_loop.counters.steps
     assert fm["computed_slot_utilization"] == pytest.approx(fm["slot_utilization"])
-    assert 8 * (loop.steps - loop.compact_steps) < loop.computed_slot_steps < 8 * loop.steps
+    c = loop.counters
+    assert 8 * (c.steps - c.compact_steps) < c.computed_slot_steps < 8 * c.steps
     assert m["computed_slot_utilization"] == pytest.approx(
-        loop.active_slot_steps / loop.computed_slot_steps)
+        loop.counters.active_slot_steps / loop.counters.computed_slot_steps)
     assert m["slot_utilization"] < m["computed_slot_utilization"] <= 1.0
 
 
@@ -733,14 +739,14 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
       assert got[k].tokens == dense[k].tokens, (sampling, k)
       np.testing.assert_allclose(got[k].logprobs, dense[k].logprobs, atol=1e-5)
     m = loop.metrics()
-    assert loop.compact_steps > 0 and 0.3 < m["attention_window_fraction"] < 1.0
+    assert loop.counters.compact_steps > 0 and 0.3 < m["attention_window_fraction"] < 1.0
   assert eng.window_for(1) == 10 and eng.window_for(21) == 26 and eng.window_for(32) == 32
   # The window does cut attention: a slot holding 13 prompt tokens, stepped with window 10
   # (too small for it), gets other logits than with the whole cache or a window that fits.
   lp = eng.load_params(params)
   padded, n, _ = eng.pad_prompt((ps[0] + ps[1])[:15])
   assert n > 10
-  pre = eng.prefill(lp, padded, n)
+  pre = eng.prefill(lp, padded, n, temperature=sampling.temperature)
   out = {w: eng.generate(lp, eng.insert(pre, eng.init_decode_state(), 0), w)[1]
          for w in (10, eng.window_for(n + 1), 32)}
   lps = {w: float(r.logprobs[0]) for w, r in out.items()}
@@ -801,10 +807,10 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
     assert 0 < m["background_prefilled"] < 30
     assert m["slot_utilization"] > 0.8
     for lp in (loop, threaded):  # the worker exits once the queue is empty
-      w = lp._prefiller.thread
+      w = lp.parts.prefiller.thread
       if w is not None:
         w.join(10)
-      assert lp._prefiller.thread is None
+      assert lp.parts.prefiller.thread is None
 
 
 def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
@@ -823,7 +829,7 @@ def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
     seen = []
     orig = eng.generate
     def counted(*a):
-      seen.append((int(loop._slots.active.sum()), loop._requests.qsize()))
+      seen.append((int(loop.parts.slots.active.sum()), loop.parts.requests.qsize()))
       return orig(*a)
     eng.generate = counted
     try:
@@ -852,13 +858,13 @@ def test_background_prefill_under_weight_updates(params, mesh):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
       loop.step()
-    started = {s.group.request.id for s in loop._slots.samples if s is not None}
+    started = {s.group.request.id for s in loop.parts.slots.samples if s is not None}
     def waiting():  # prefilled under v0 (by the loop or the worker), not yet in a slot
       with loop._lock:
-        gs = list(loop._prefiller.ready) + list(loop._groups)
+        gs = list(loop.parts.prefiller.ready) + list(loop.parts.groups)
       return {g.request.id for g in gs if g.prefix is not None} - started
     deadline = time.monotonic() + 30
-    while (loop._prefiller.in_flight or not waiting()) and time.monotonic() < deadline:
+    while (loop.parts.prefiller.in_flight or not waiting()) and time.monotonic() < deadline:
       time.sleep(0.01)
     waiting = waiting()
     assert len(started) == 4 and waiting
@@ -893,10 +899,11 @@ def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
   finally:
     del eng.prefill_many
   # Nothing is lost: the requests the worker held are kept, unprefilled, with the queued ones.
-  assert loop._prefiller.ready and all(g.prefix is None for g in loop._prefiller.ready)
-  ids = ({g.request.id for g in loop._prefiller.ready} | {g.request.id for g in loop._groups}
-         | {g.request.id for g in loop._requests.queue}
-         | {s.group.request.id for s in loop._slots.samples if s is not None}
+  assert loop.parts.prefiller.ready and all(g.prefix is None for g in loop.parts.prefiller.ready)
+  ids = ({g.request.id for g in loop.parts.prefiller.ready}
+         | {g.request.id for g in loop.parts.groups}
+         | {g.request.id for g in loop.parts.requests.queue}
+         | {s.group.request.id for s in loop.parts.slots.samples if s is not None}
          | {c.request_id for c in loop.completions.queue})
   assert ids == set(range(12))
 
@@ -915,16 +922,17 @@ def test_prefill_continuing_an_existing_prefix_equals_the_whole_prompt(params, m
   eng = engine(mesh, sampling=SAMPLED)
   p = eng.load_params(params)
   pad_shared, n_shared, _ = eng.pad_prompt(SHARED)
-  prefix = eng.prefill(p, pad_shared, n_shared)
+  prefix = eng.prefill(p, pad_shared, n_shared, temperature=SAMPLED.temperature)
   ps = shared_prompts(3, seed=20)
   whole = eng.init_decode_state()
   cont = eng.init_decode_state()
   for i, prompt in enumerate(ps):
     key = jax.random.PRNGKey(30 + i)
     pad, n, _ = eng.pad_prompt(prompt)
-    a = eng.prefill(p, pad, n, rng=key)
+    a = eng.prefill(p, pad, n, temperature=SAMPLED.temperature, rng=key)
     rest, m, _ = eng.pad_prompt(prompt[n_shared:])
-    b = eng.prefill(p, rest, m, rng=key, existing_prefix=prefix)
+    b = eng.prefill(p, rest, m, temperature=SAMPLED.temperature, rng=key,
+                    existing_prefix=prefix)
     assert int(b.true_length) == int(a.true_length) == len(prompt)
     assert int(b.token) == int(a.token)
     np.testing.assert_allclose(float(b.logprob), float(a.logprob), atol=1e-5)
@@ -953,11 +961,11 @@ def test_prefill_continuing_an_existing_prefix_equals_the_whole_prompt(params, m
   np.testing.assert_allclose(np.asarray(many.logits), np.asarray(ref.logits), atol=1e-4)
   # Bad input: too long together, a batch of prefixes, not a prefix at all.
   with pytest.raises(ValueError, match="exceeds max_prefill_length"):
-    eng.prefill(p, np.ones(16, np.int32), 12, existing_prefix=prefix)
+    eng.prefill(p, np.ones(16, np.int32), 12, temperature=1.0, existing_prefix=prefix)
   with pytest.raises(ValueError, match="one prompt"):
     eng.prefill_many(p, rests, [2, 2], existing_prefix=many)
   with pytest.raises(TypeError, match="Prefix"):
-    eng.prefill(p, rest, 1, existing_prefix=prefix.cache)
+    eng.prefill(p, rest, 1, temperature=1.0, existing_prefix=prefix.cache)
 
 
 @pytest.mark.parametrize("sampling,background", [(GREEDY, False), (SAMPLED, True)])
@@ -1079,15 +1087,15 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   # insert); the overlapped loop runs a few more steps (refills a step later).
   decoded = sum(len(c.tokens) - 1 for c in sync.values())
   for overlap, loop in loops.items():
-    assert loop.generated_tokens == loop.active_slot_steps == decoded, overlap
-    assert loop.update_pause_steps == [0] and loop.version == 1
-    assert loop._ahead.step is None and loop.idle()
+    assert loop.counters.generated_tokens == loop.counters.active_slot_steps == decoded, overlap
+    assert loop.counters.update_pause_steps == [0] and loop.version == 1
+    assert loop.parts.ahead.step is None and loop.idle()
     if not compact:
-      assert loop.computed_slot_steps == slots * loop.steps
-      assert loop.attended_positions == eng.cache_length * loop.steps
+      assert loop.counters.computed_slot_steps == slots * loop.counters.steps
+      assert loop.counters.attended_positions == eng.cache_length * loop.counters.steps
     else:
-      assert loop.compact_steps > 0
-  assert loops[True].steps >= loops[False].steps
+      assert loop.counters.compact_steps > 0
+  assert loops[True].counters.steps >= loops[False].counters.steps
 
 
 def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params, mesh):
@@ -1098,13 +1106,14 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   loop = GeneratorLoop(eng, params, compact_drain=False)
   loop.submit(Request("x", p, max_new_tokens=10))
   loop.step()   # prefill + first token; decode step 1 dispatched, not recorded
-  assert loop._ahead.step is not None and loop.generated_tokens == 0 and loop.steps == 1
+  assert (loop.parts.ahead.step is not None and loop.counters.generated_tokens == 0
+          and loop.counters.steps == 1)
   loop.step()   # step 2 dispatched, step 1 recorded
-  assert loop.generated_tokens == 1 and loop.steps == 2
+  assert loop.counters.generated_tokens == 1 and loop.counters.steps == 2
   loop.run_until_idle(max_steps=2)   # steps 3, 4; all four recorded on return
-  assert loop._ahead.step is None and loop.generated_tokens == 4
-  slot = next(i for i, s in enumerate(loop._slots.samples) if s is not None)
-  assert loop._slots._count[slot] == 5   # the first token and four decode steps
+  assert loop.parts.ahead.step is None and loop.counters.generated_tokens == 4
+  slot = next(i for i, s in enumerate(loop.parts.slots.samples) if s is not None)
+  assert loop.parts.slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
   alone = run(GeneratorLoop(eng, params, options=opts(overlap_host=False)),
               [Request("y", p, max_new_tokens=10)])["y", 0]
@@ -1118,10 +1127,11 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
     r.submit(q)
   r.step()   # 4 slots filled (nothing in flight: first tokens fetched at once), step 1 dispatched
   r.step()   # step 2 dispatched; step 1 recorded: request 0 (2 tokens) finished
-  assert r.completions.qsize() == 1 and not r._ahead.step.firsts
+  assert r.completions.qsize() == 1 and not r.parts.ahead.step.firsts
   r.step()   # request 4 inserted into its slot, step 3 dispatched with its first token pending
-  slot = next(i for i, s in enumerate(r._slots.samples) if s and s.group.request.id == 4)
-  assert [f[0].tolist() for f in r._ahead.step.firsts] == [[slot]] and r._slots._count[slot] == 0
+  slot = next(i for i, s in enumerate(r.parts.slots.samples) if s and s.group.request.id == 4)
+  assert [f[0].tolist() for f in r.parts.ahead.step.firsts] == [[slot]]
+  assert r.parts.slots._count[slot] == 0
   got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
   want = run(GeneratorLoop(eng, params, compact_drain=False, options=opts(overlap_host=False)),
              reqs())
@@ -1134,14 +1144,15 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   t.submit(Request("t", p, max_new_tokens=16))
   t.start()
   deadline = time.monotonic() + 60
-  while t.generated_tokens < 3 and time.monotonic() < deadline:
+  while t.counters.generated_tokens < 3 and time.monotonic() < deadline:
     time.sleep(0.001)
   t.stop()
-  assert t._ahead.step is None
-  assert t.generated_tokens == t.active_slot_steps
+  assert t.parts.ahead.step is None
+  assert t.counters.generated_tokens == t.counters.active_slot_steps
   # Every dispatched step is recorded: one token each while the sample runs (a step dispatched
   # after its last token, before that was known, is dropped).
-  assert t.generated_tokens == t.steps if t.num_active else t.steps - 1 <= t.generated_tokens
+  c = t.counters
+  assert c.generated_tokens == c.steps if t.num_active else c.steps - 1 <= c.generated_tokens
   # NaN logits: raised by the step() that records the step showing them (the next one).
   bad = jax.device_put(T.to_decode_layout(jax.tree.map(lambda x: x * jnp.nan, params)),
                        eng.decode_param_shardings)
@@ -1199,7 +1210,7 @@ def test_a_loop_is_idle_once_its_last_sample_is_out(params, mesh):
     steps += 1
     assert steps < 50
   assert loop.idle()
-  prefix = {id(x) for x in jax.tree.leaves(loop._groups[0].prefix) if isinstance(x, jax.Array)}
+  prefix = {id(x) for x in jax.tree.leaves(loop.parts.groups[0].prefix) if isinstance(x, jax.Array)}
   assert prefix
   loop.release()
   assert loop.released and not [a for a in jax.live_arrays() if id(a) in prefix]
@@ -1234,6 +1245,35 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
     pre = shared.prefill_many(params, np.ones((1, 8), np.int32), np.ones((1,), np.int32))
     shared.insert_many(pre, st, [0], [0], np.zeros((1, 2), np.uint32), [0], np.ones(4, bool),
                        temperature=0.0)
+
+
+def test_the_engine_contract_samples_at_the_requests_temperature(params, mesh):
+  """prefill / insert / generate (the JetStream contract) sample at the temperature the request
+  gives prefill, whatever temperature the engine's SamplingConfig was built with: an engine
+  built for training (T = 1.0) serving an evaluation request (T = 0.7) draws exactly what an
+  engine built at 0.7 draws, log-probs included, and every log-prob is log pi_0.7."""
+  built = {t: engine(mesh, sampling=dataclasses.replace(SAMPLED, temperature=t))
+           for t in (1.0, 0.7)}
+  prompt = prompts(1, seed=31)[0]
+  runs = {}
+  for t, eng in built.items():
+    p = eng.load_params(params)
+    padded, n, _ = eng.pad_prompt(prompt)
+    pre = eng.prefill(p, padded, n, temperature=0.7, rng=jax.random.PRNGKey(5))
+    np.testing.assert_allclose(float(pre.logprob),
+                               float(S.token_logprob(pre.logits, pre.token, 0.7)), atol=1e-6)
+    state = eng.insert(pre, eng.init_decode_state(), 2)
+    assert float(state.temperature[2]) == pytest.approx(0.7)
+    toks, lps = [int(pre.token)], [float(pre.logprob)]
+    for _ in range(4):
+      state, r = eng.generate(p, state)
+      toks.append(int(r.tokens[2]))
+      lps.append(float(r.logprobs[2]))
+    runs[t] = toks, lps
+  assert runs[1.0][0] == runs[0.7][0]
+  np.testing.assert_allclose(runs[1.0][1], runs[0.7][1], rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match="prefill temperature must be > 0"):
+    built[1.0].prefill(built[1.0].load_params(params), padded, n, temperature=0.0)
 
 
 def test_insert_entries_are_checked_and_padded_to_one_program_shape():

@@ -26,14 +26,15 @@ def _engine():
 @pytest.mark.skipif(HAVE_JETSTREAM, reason="jetstream is installed")
 def test_adapter_without_the_extra_names_it_in_the_error():
   with pytest.raises(ImportError, match="google-jetstream"):
-    JA.make_jetstream_engine(_engine(), T.init_params(CFG, jax.random.PRNGKey(0)))
+    JA.make_jetstream_engine(_engine(), T.init_params(CFG, jax.random.PRNGKey(0)),
+                             temperature=1.0)
   assert hasattr(jax, "tree_map")  # the shim was installed before the import was tried
 
 
 @pytest.mark.skipif(not HAVE_JETSTREAM, reason="optional extra google-jetstream not installed")
 def test_jetstream_engine_contract_drives_our_engine():
   eng = _engine()
-  js = JA.make_jetstream_engine(eng, T.init_params(CFG, jax.random.PRNGKey(0)))
+  js = JA.make_jetstream_engine(eng, T.init_params(CFG, jax.random.PRNGKey(0)), temperature=1.0)
   params = js.load_params()
   state = js.init_decode_state()
   padded, n, _ = eng.pad_prompt([3, 4, 5])
