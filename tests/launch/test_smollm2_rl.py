@@ -109,7 +109,7 @@ def test_sft_and_rl_train_on_gsm8k_train_and_evaluate_on_gsm8k_test(tmp_path):
 
 
 # The short form's sizes: a cold start too short to settle the format, a few RL batches.
-SHORT_SFT_STEPS, SHORT_BATCHES, SHORT_WARMUP = 3, 6, 1
+SHORT_SFT_STEPS, SHORT_BATCHES, SHORT_WARMUP = 3, 4, 1
 
 
 def _launch(script, workdir, *flags):
