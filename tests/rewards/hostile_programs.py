@@ -269,20 +269,20 @@ for i in range(40):
   fds.append(fd)
 print(2)
 """
-# A tree of children, each under its own address-space limit, together past the budget.
-TREE_HOG = r"""
-import os, time
-kids = []
-for i in range(4):
-  pid = os.fork()
-  if pid == 0:
-    b = bytearray(150 << 20)
-    for j in range(0, len(b), 4096): b[j] = 1
-    time.sleep(0.5)
-    os._exit(0)
-  kids.append(pid)
-print(2 if all(os.waitpid(k, 0)[1] == 0 for k in kids) else 0)
-"""
+
+
+def tree_hog(child_mb: int, hold_s: float) -> str:
+  """A tree of 4 children, each under its own address-space limit, together past the budget:
+  passes ("2") only if every child held its `child_mb` at once and exited cleanly."""
+  return (f"import os, time\nkids = []\nfor i in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
+          f"    b = bytearray({child_mb} << 20)\n"
+          f"    for j in range(0, len(b), 4096): b[j] = 1\n"
+          f"    time.sleep({hold_s})\n    os._exit(0)\n  kids.append(pid)\n"
+          f"print(2 if all(os.waitpid(k, 0)[1] == 0 for k in kids) else 0)\n")
+
+
+TREE_HOG = tree_hog(150, 0.5)
+
 # SysV shared memory (owned by no process once detached) in the run's IPC namespace.
 SHM_HOG = r"""
 import ctypes
