@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-NULL_PAGE = 0
+from magistral_jax.model.paged_attention import NULL_PAGE, pages_for
 
 
 class OutOfPages(RuntimeError):
@@ -54,7 +54,7 @@ class PagePool:
     return self.num_pages - 1 - len(self._free)
 
   def pages_for(self, length: int) -> int:
-    return -(-int(length) // self.page_size)
+    return pages_for(int(length), self.page_size)
 
   def pages_of(self, slot: int) -> list[int]:
     return list(self._slots.get(slot, ()))
