@@ -353,7 +353,12 @@ def run_cgroups() -> set[str]:
 
 def uid_keys(uids) -> dict[int, int]:
   """{uid: keys it owns} for the uids that own any (none where the kernel has no keys)."""
-  return {u: n for u in uids if (n := sandbox_keys.key_count(u))}
+  try:
+    with open(sandbox_keys.KEY_USERS) as f:
+      owned = sandbox_keys.parse_key_users(f.read())
+  except OSError:
+    return {}
+  return {u: owned[u] for u in uids if owned.get(u)}
 
 
 def new_keys(before: dict[int, int], uids, wait_s: float = 10.0) -> dict[int, int]:
