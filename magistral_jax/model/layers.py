@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from magistral_jax.model.attention import attend, cache_spec, packed_spec
 from magistral_jax.model.decode_choice import decode_impl, live_decode
+from magistral_jax.model import paged_attention
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx, constrain
 
@@ -148,7 +149,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, q_segment, kv_cache=None, write_index=None, valid_len=None,
-               layer=None, window=None):
+               layer=None, window=None, paged=None):
     cfg, dt = self.cfg, self.cfg.jnp_dtype
     d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv_bias = cfg.attention_bias
@@ -168,7 +169,14 @@ class Attention(nn.Module):
     kk = apply_rope(kk, positions, inv_freq)
 
     new_cache, keys_t, out = None, False, None
-    if kv_cache is not None:
+    if paged is not None:
+      # A decode step on a paged cache (kv_cache: this layer's page pools, [K, pages, page_size,
+      # Dh]): the new token is written into its slot's page and each slot reads only the pages
+      # it has filled (model/paged_attention.py).
+      out, ck, cv = paged_attention.decode_step(q[:, 0], kk[:, 0], v[:, 0], *kv_cache, paged,
+                                                self.shard)
+      out, new_cache = out[:, None], (ck, cv)
+    elif kv_cache is not None:
       # Decode: kv_cache is either the whole stacked cache [L, B, K, S, Dh] (the scan carry;
       # `layer` indexes it) or, with layer=None, this layer's own cache (the per-layer cache of
       # the decode layout: keys transposed, [B, K, Dh, S], values [B, K, S, Dh]). Only the T new
@@ -181,7 +189,9 @@ class Attention(nn.Module):
       ck = _write_kv(ck, kk, layer, write_index, positions_last=per_layer)
       cv = _write_kv(cv, v, layer, write_index)
       new_cache = (ck, cv)
-    if kv_cache is None or self.from_empty:
+    if paged is not None:
+      pass   # attended above
+    elif kv_cache is None or self.from_empty:
       # Packed training / scoring, or prefill into an empty cache (the new tokens are all there
       # is to attend to): causal within a row, never across segments.
       if kv_cache is not None:   # the values read back from the cache: rounded to its dtype
@@ -270,13 +280,13 @@ class DecodeLayer(nn.Module):
   from_empty: bool = False
 
   @nn.compact
-  def __call__(self, carry, layer, positions, write_index, valid_len, window=None):
+  def __call__(self, carry, layer, positions, write_index, valid_len, window=None, paged=None):
     x, ck, cv = carry
     attn = Attention(self.cfg, self.shard, self.from_empty, name="attn")
     xn = RMSNorm(self.cfg, name="attn_norm")(x)
     if isinstance(ck, tuple):   # per-layer cache (unrolled decode): `layer` is a Python int
       h, (k_l, v_l) = attn(xn, positions, None, (ck[layer], cv[layer]), write_index, valid_len,
-                           window=window)
+                           window=window, paged=paged)
       ck = ck[:layer] + (k_l,) + ck[layer + 1:]
       cv = cv[:layer] + (v_l,) + cv[layer + 1:]
     else:

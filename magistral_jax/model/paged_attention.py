@@ -19,11 +19,14 @@ Three ways to attend, one result (tests/model/test_paged_attention.py holds them
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
+
+from magistral_jax.parallel.sharding import logical_to_spec
 
 Array = jax.Array
 
@@ -149,6 +152,42 @@ def attend(impl: str, q: Array, k_pages: Array, v_pages: Array, page_table: Arra
   if impl == "pallas_tpu":
     return pallas_tpu(q, k_pages, v_pages, page_table, lengths)
   raise ValueError(f"paged attention impl must be one of {IMPLS}, got {impl!r}")
+
+
+class PagedStep(NamedTuple):
+  """What one decode step over a paged cache needs besides the pools (model/transformer.decode
+  builds it): page_table [B, max_pages]; write_pos [B], where each slot's new token goes (-1: the
+  slot is idle and writes to the null page, so a page it gave back is never touched); lengths
+  [B], the positions each slot attends to, its new token's included (0 for an idle slot, so the
+  ragged list holds only live pages); impl (one of IMPLS) and n_pages (the ragged list's static
+  size), both static."""
+  page_table: Array
+  write_pos: Array
+  lengths: Array
+  impl: str
+  n_pages: int | None = None
+
+
+def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: Array,
+                step: PagedStep, shard=None) -> tuple[Array, Array, Array]:
+  """One layer's decode attention on a paged cache: the new keys/values (k_new, v_new [B, Hkv,
+  Dh]) are written at step.write_pos, then q [B, Hq, Dh] attends to each slot's live positions.
+  Returns (out [B, Hq, Dh], k_pages, v_pages). The Pallas kernels run per shard under a mesh
+  (they are not partitioned by XLA); dense and ragged are plain XLA and are."""
+  k_pages, v_pages = write_tokens(k_pages, v_pages, step.page_table, step.write_pos, k_new, v_new)
+  interpret = jax.devices()[0].platform not in ("gpu", "cuda", "tpu")
+  run = lambda q, kp, vp, t, n: attend(step.impl, q, kp, vp, t, n, n_pages=step.n_pages,
+                                       interpret=interpret)
+  if step.impl.startswith("pallas") and shard is not None and shard.mesh.size > 1:
+    axes = (("cache_batch", "act_heads", None), ("act_kv_heads", None, None, None),
+            ("act_kv_heads", None, None, None), ("cache_batch", None), ("cache_batch",))
+    args = (q, k_pages, v_pages, step.page_table, step.lengths)
+    specs = tuple(logical_to_spec(a, shard.rules, x.shape, shard.mesh) for x, a in zip(args, axes))
+    out = jax.shard_map(run, mesh=shard.mesh, in_specs=specs, out_specs=specs[0],
+                        check_vma=False)(*args)
+  else:
+    out = run(q, k_pages, v_pages, step.page_table, step.lengths)
+  return out, k_pages, v_pages
 
 
 def default_impl(platform: str) -> str:

@@ -15,8 +15,9 @@ Two call modes share the same weights:
       Log-probs of given targets are computed in sequence chunks, so the fp32 [B, T, V] logits
       are never all live at once (in the forward or, thanks to a checkpointed chunk body, in the
       backward).
-  (b) `decode`: append T >= 1 tokens per slot to a KV cache with per-slot lengths. The engine's
-      prefill is decode from an empty cache; its generate step is decode with T = 1.
+  (b) `decode`: append T >= 1 tokens per slot to a KV cache with per-slot lengths (kv_cache.py).
+      The engine's prefill is decode from an empty cache; its generate step is decode with
+      T = 1, on a per-slot cache or on a paged one (one token per slot).
 
 Params are a plain nested dict (see `param_logical_axes` for the layout and axis names):
   embed/embedding (V, D); layers/{attn_norm,mlp_norm}/scale (L, D);
@@ -34,7 +35,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from magistral_jax.model import paged_attention
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.model.kv_cache import (KVCache, PagedKVCache, cache_logical_axes,  # noqa: F401
+                                          init_cache, init_paged_cache, is_per_layer_cache,
+                                          paged_cache_logical_axes, stack_cache, unstack_cache)
 from magistral_jax.model.layers import (DecodeLayer, DecoderLayer, RMSNorm, embed_tokens,
                                         logical_param)
 from magistral_jax.parallel.sharding import ShardingCtx, is_logical_axes
@@ -221,64 +226,6 @@ def token_logprobs(params, cfg: ModelConfig, hidden: Array, targets: Array,
   return lp, ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
 
 
-class KVCache(NamedTuple):
-  """Per-slot KV cache. k, v: stacked [L, B, K, S, Dh], or per layer (`init_cache(...,
-  per_layer=True)`): tuples of L arrays, keys transposed [B, K, Dh, S] and values [B, K, S, Dh];
-  lengths: [B] tokens already in each slot. `decode` accepts either with either param layout and
-  returns the cache in the form it got. The per-layer form is what the decode layout reads
-  fastest (see layers.Attention: a layer of a stacked cache is copied out every step on XLA:CPU,
-  and transposed keys make the T = 1 score product a plain matmul)."""
-  k: Any
-  v: Any
-  lengths: Array
-
-
-def cache_logical_axes(per_layer: int | None = None):
-  """Logical axes of a KVCache's leaves; per_layer=L for the per-layer form with L layers."""
-  kv = ("layers", "cache_batch", "act_kv_heads", "cache_length", "head_dim")
-  if per_layer:
-    k_t = ("cache_batch", "act_kv_heads", "head_dim", "cache_length")
-    return KVCache(tuple(k_t for _ in range(per_layer)), tuple(kv[1:] for _ in range(per_layer)),
-                   ("cache_batch",))
-  return KVCache(kv, kv, ("cache_batch",))
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
-               per_layer: bool = False) -> KVCache:
-  dtype = jnp.dtype(dtype or cfg.dtype)
-  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-  if per_layer:   # keys transposed: [B, K, Dh, S]
-    k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
-    k = tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers))
-    v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-  else:
-    k = jnp.zeros((cfg.num_layers,) + shape, dtype)
-    v = jnp.zeros((cfg.num_layers,) + shape, dtype)
-  return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
-
-
-def is_per_layer_cache(cache: KVCache) -> bool:
-  return isinstance(cache.k, (tuple, list))
-
-
-def stack_cache(cache: KVCache) -> KVCache:
-  """A per-layer cache in the stacked form ([L, B, K, S, Dh] keys and values); the inverse of
-  `unstack_cache`."""
-  if not is_per_layer_cache(cache):
-    return cache
-  return KVCache(jnp.stack([k.swapaxes(-1, -2) for k in cache.k]), jnp.stack(cache.v),
-                 cache.lengths)
-
-
-def unstack_cache(cache: KVCache) -> KVCache:
-  """A stacked cache in the per-layer form (keys transposed to [B, K, Dh, S])."""
-  if is_per_layer_cache(cache):
-    return cache
-  n = cache.k.shape[0]
-  return KVCache(tuple(cache.k[l].swapaxes(-1, -2) for l in range(n)),
-                 tuple(cache.v[l] for l in range(n)), cache.lengths)
-
-
 # ----------------------------------------------------------------------------------------------
 # Decode layout: one array per layer
 # ----------------------------------------------------------------------------------------------
@@ -328,20 +275,21 @@ def decode_layout_tree(stacked_tree, num_layers: int) -> dict:
 
 
 def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window=None,
-                     from_empty=False):
+                     from_empty=False, paged=None):
   """Transformer.__call__ in decode mode over decode-layout params: the same embedding, layer
   module and final norm, with the layer loop unrolled over per-layer weights."""
   carry = (embed_tokens(params["embed"]["embedding"], tokens, cfg, shard), cache.k, cache.v)
   for l, layer_params in enumerate(params["layers"]):
-    carry, _ = DecodeLayer(cfg, shard, from_empty).apply({"params": layer_params}, carry, l, positions,
-                                             cache.lengths, valid, window)
+    carry, _ = DecodeLayer(cfg, shard, from_empty).apply(
+        {"params": layer_params}, carry, l, positions, cache.lengths, valid, window, paged)
   x, k, v = carry
   return RMSNorm(cfg).apply({"params": params["final_norm"]}, x), (k, v)
 
 
 def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
            shard: ShardingCtx | None = None, num_new: Array | None = None,
-           window: int | None = None, from_empty: bool = False):
+           window: int | None = None, from_empty: bool = False,
+           paged: tuple[str, int | None] | None = None):
   """Appends `tokens` [B, T] to each slot at its own offset cache.lengths[b] and returns
   (hidden [B, T, D], new cache). Token t of slot b sits at position lengths[b] + t.
   `params` may be stacked or in the decode layout (to_decode_layout; the faster one to decode
@@ -365,6 +313,8 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
   b, t = tokens.shape
   positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
   valid = cache.lengths + t
+  if isinstance(cache, PagedKVCache):
+    return _decode_paged(params, cfg, tokens, cache, shard, num_new, paged)
   if window is not None and not 1 <= window:
     raise ValueError(f"attention window must be >= 1, got {window}")
   if is_decode_layout(params):
@@ -387,6 +337,29 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
       k, v = pl.k, pl.v
   new_len = cache.lengths + (t if num_new is None else num_new)
   return x, KVCache(k, v, new_len.astype(jnp.int32))
+
+
+def _decode_paged(params, cfg: ModelConfig, tokens: Array, cache: PagedKVCache, shard,
+                  num_new: Array | None, paged: tuple[str, int | None] | None):
+  """`decode` of one token per slot on a PagedKVCache; `paged` = (impl, n_pages) as
+  paged_attention.attend takes them. A slot with num_new 0 (idle) writes nowhere it owns and
+  reads nothing."""
+  b, t = tokens.shape
+  if t != 1 or not is_decode_layout(params) or paged is None:
+    raise ValueError("a paged KV cache takes decode steps only: one token per slot, "
+                     "decode-layout params and paged=(impl, n_pages)")
+  if cfg.sliding_window is not None and cfg.sliding_window < cache.page_table.shape[1] * \
+      cache.k[0].shape[2]:
+    raise ValueError(f"a paged KV cache attends to every live position; sliding_window="
+                     f"{cfg.sliding_window} is shorter than a slot's pages")
+  live = jnp.ones((b,), bool) if num_new is None else num_new > 0
+  step = paged_attention.PagedStep(cache.page_table, jnp.where(live, cache.lengths, -1),
+                                   jnp.where(live, cache.lengths + 1, 0), *paged)
+  positions = cache.lengths[:, None]
+  x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, cache.lengths + 1, shard,
+                               paged=step)
+  new_len = cache.lengths + live.astype(jnp.int32)
+  return x, cache._replace(k=k, v=v, lengths=new_len)
 
 
 def decode_logits(params, cfg: ModelConfig, tokens, cache: KVCache, shard=None, num_new=None):

@@ -115,3 +115,36 @@ def test_bytes_read_follow_the_live_lengths_for_the_kernels_and_ragged():
   live = pa.bytes_read("pallas_gpu", lengths, PS, MAX_PAGES, 1)
   assert dense == 4 * MAX_PAGES * PS and live == (3 + 15) * PS
   assert live <= pa.bytes_read("ragged", lengths, PS, MAX_PAGES, 1) <= 1.125 * live + PS * 64
+
+
+def test_a_decode_step_on_pages_is_the_decode_step_on_a_per_slot_cache():
+  """transformer.decode on a PagedKVCache (one token per slot) gives the per-slot cache's hidden
+  states, by every implementation, with slots on scattered pages; an idle slot (num_new 0) whose
+  table still names another slot's pages writes nothing there."""
+  from magistral_jax.model import transformer as T
+  from magistral_jax.model.config import ModelConfig
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+  params = T.to_decode_layout(T.init_params(cfg, jax.random.PRNGKey(0)))
+  b, ps, maxp = 3, 4, 5
+  r = np.random.default_rng(1)
+  table = r.permutation(np.arange(1, 1 + b * maxp)).reshape(b, maxp).astype(np.int32)
+  table[2] = table[0]   # the idle slot names slot 0's pages: it must not write into them
+  dense = T.init_cache(cfg, b, ps * maxp, per_layer=True)
+  paged = {impl: T.init_paged_cache(cfg, b, 1 + b * maxp, ps, maxp)._replace(
+      page_table=jnp.asarray(table)) for impl in ("dense", "ragged", "pallas_gpu")}
+  num_new = jnp.asarray([1, 1, 0], jnp.int32)
+  step = jax.jit(T.decode, static_argnames=("cfg", "paged"))
+  for _ in range(ps * maxp - 1):
+    tok = jnp.asarray(r.integers(1, cfg.vocab_size, (b, 1)), jnp.int32)
+    want, dense = step(params, cfg, tok, dense, num_new=num_new)
+    lens = np.asarray(paged["ragged"].lengths)
+    n_pages = pa.live_pages_bucket(int(pa.pages_for(lens[:2] + 1, ps).sum()), b * maxp)
+    for impl in paged:
+      got, paged[impl] = step(params, cfg, tok, paged[impl], num_new=num_new,
+                              paged=(impl, n_pages if impl == "ragged" else None))
+      np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], atol=2e-6)
+  for impl, cache in paged.items():
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [19, 19, 0])
+  with pytest.raises(ValueError, match="decode steps only"):
+    T.decode(params, cfg, jnp.zeros((b, 2), jnp.int32), paged["dense"], paged=("dense", None))
