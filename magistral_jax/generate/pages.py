@@ -9,8 +9,8 @@ slot table lives, which already knows every slot's length.
     every gather reads a valid page.
   - A slot reserves the page its next token goes to one step ahead (`reserve`), so a decode step
     never needs a page that is not there.
-  - A group's G slots share their prompt's full pages (refcounted); the last, partial page is
-    copied into a page of each member's own (`share`), since each writes its own tokens there.
+  - A group's G slots share their prompt's full pages (refcounted); from the last, partial page
+    on each member has pages of its own (`share`), since each writes its own tokens there.
   - Admission is by free pages (`can_admit`): a request waits until its prompt and first token
     fit. When the pool runs dry mid-decode, the slot with the least progress is preempted
     (`preempt_victim`): it gives back its pages, keeps its tokens, and is prefilled again later.
@@ -98,23 +98,19 @@ class PagePool:
     self._slots[slot] = self._take(n)
     return list(self._slots[slot])
 
-  def share(self, src: int, dst: int, prompt_len: int, reserve: int = 1
-            ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Slot `dst` takes `src`'s prompt: the full pages by reference, the last partial page as a
-    fresh page to copy into (and room for `reserve` new tokens). Returns dst's pages and the
-    (source page, destination page) copies the device must make."""
+  def share(self, src: int, dst: int, prompt_len: int, reserve: int = 1) -> list[int]:
+    """Slot `dst` takes `src`'s prompt: its full pages by reference, and pages of its own from
+    the last, partial one on (with room for `reserve` new tokens), since each member writes its
+    own tokens there. The engine writes the prompt's row into every member's pages (the shared
+    ones get the values they hold again), so no page is copied. Returns dst's pages."""
     if dst in self._slots:
       raise ValueError(f"slot {dst} already holds pages; release it first")
     full = prompt_len // self.page_size
     shared = self._slots[src][:full]
-    need = self.pages_for(prompt_len + reserve) - full
-    own = self._take(need)
+    own = self._take(self.pages_for(prompt_len + reserve) - full)
     self._refs[shared] += 1
     self._slots[dst] = shared + own
-    copies = []
-    if prompt_len % self.page_size:
-      copies.append((self._slots[src][full], own[0]))
-    return list(self._slots[dst]), copies
+    return list(self._slots[dst])
 
   def reserve(self, slot: int, length: int) -> list[int]:
     """Grows `slot` to hold `length` positions (the next step's token included); the new pages.

@@ -230,11 +230,6 @@ def write_prompt(k_pages: Array, v_pages: Array, pages: Array, k: Array, v: Arra
           v_pages.at[:, pages].set(vv.astype(v_pages.dtype)))
 
 
-def copy_pages(k_pages: Array, v_pages: Array, src: Array, dst: Array) -> tuple[Array, Array]:
-  """Copies whole pages src[i] -> dst[i] (a group's last partial prompt page, one per member)."""
-  return (k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src]))
-
-
 def bytes_read(impl: str, lengths, page_size: int, max_pages: int, bytes_per_position: int,
                n_pages: int | None = None) -> int:
   """KV bytes one decode step's attention reads per layer by `impl` (host-side accounting for the

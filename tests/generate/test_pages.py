@@ -22,22 +22,21 @@ def test_admit_reserve_release_keep_the_books():
   p.check()
 
 
-def test_a_group_shares_full_prompt_pages_and_copies_the_partial_one():
+def test_a_group_shares_full_prompt_pages_and_owns_the_partial_one():
   p = PagePool(num_pages=20, page_size=4, max_pages_per_slot=8)
   src = p.admit(0, 10 + 1)                     # prompt of 10 + its first token: 3 pages
-  pages, copies = p.share(0, 1, prompt_len=10)
+  pages = p.share(0, 1, prompt_len=10)
   assert pages[:2] == src[:2] and pages[2] not in src       # 2 full pages shared, 1 own
-  assert copies == [(src[2], pages[2])]
   p.check()
   p.release(0)                                 # the shared pages stay for slot 1
   assert all(q not in p._free for q in pages)
   p.release(1)
   assert p.free_pages == 19
   p.check()
-  # A prompt that fills whole pages shares all of them and copies nothing.
+  # A prompt that fills whole pages shares all of them; the first new token gets its own.
   p.admit(0, 9)
-  pages, copies = p.share(0, 1, prompt_len=8)
-  assert copies == [] and pages[:2] == p.pages_of(0)[:2]
+  pages = p.share(0, 1, prompt_len=8)
+  assert pages[:2] == p.pages_of(0)[:2] and len(pages) == 3 and pages[2] != p.pages_of(0)[2]
 
 
 def test_out_of_pages_preempts_the_slot_with_the_least_progress():
@@ -67,10 +66,9 @@ def test_attention_over_shared_and_own_pages_equals_a_dense_cache():
   kp, vp = r.normal(size=(prompt, hkv, dh)), r.normal(size=(prompt, hkv, dh))
   first = pool.admit(0, prompt + 1)
   k_pages, v_pages = pa.write_prompt(k_pages, v_pages, jnp.asarray(first[:3]), kp, vp)
-  for s in (1, 2):
-    _, copies = pool.share(0, s, prompt)
-    src, dst = zip(*copies)
-    k_pages, v_pages = pa.copy_pages(k_pages, v_pages, jnp.asarray(src), jnp.asarray(dst))
+  for s in (1, 2):   # each member writes the prompt into its pages (shared ones: same values)
+    mine = pool.share(0, s, prompt)
+    k_pages, v_pages = pa.write_prompt(k_pages, v_pages, jnp.asarray(mine[:3]), kp, vp)
   dense_k[:, :prompt], dense_v[:, :prompt] = kp, vp
   lengths = np.full(3, prompt)
   for t in range(new):

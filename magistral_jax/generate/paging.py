@@ -1,0 +1,123 @@
+"""The generator loop's pages (an engine with a paged KV cache): which slot holds which pages of the
+pool, kept on the host beside the slot table, and the page table the device reads.
+
+  - A sample enters a slot only when its prompt and first token fit in free pages (`admit`). The
+    samples of one group inserted from the same prefill share their prompt's full pages.
+  - Before each decode step every active slot reserves the page its next token goes to (`grow`),
+    counting the step the device may run ahead of the host (overlap_host).
+  - When the pool runs dry, the active slot with the least progress is parked: it gives its pages
+    back, keeps its slot, tokens, stream and temperature, and is resumed first once pages free
+    up, by prefilling its tokens again (Engine.refresh_slot, under the weights of that moment:
+    what the recompute ablation does to every slot; the policy version of each sampled token is
+    unchanged). Each one counts in `preemptions`.
+  - A finished sample's pages go back at once (`release`).
+The table is sent to the device only when it changed (`sync`), before the program that reads it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from magistral_jax.generate.pages import OutOfPages, PagePool
+from magistral_jax.model.paged_attention import NULL_PAGE
+
+
+class LoopPages:
+  """The page pool of one engine's slots (engine.kv_pages pages of engine.page_size positions)."""
+
+  def __init__(self, engine):
+    self.engine = engine
+    self.pool = PagePool(engine.kv_pages, engine.page_size, engine.max_pages_per_slot)
+    self.table = np.full((engine.max_concurrent_decodes, engine.max_pages_per_slot), NULL_PAGE,
+                         np.int32)
+    self._dirty = False
+    # Slots holding a prefilled row's prompt, per (prefill batch, row): a group mate inserted
+    # from the same row shares their full pages. A mate prefilled again (new weights) has
+    # another row, so it never shares pages holding another policy's keys and values.
+    self._holders: dict[tuple[int, int], list[int]] = {}
+    self._row_of: dict[int, tuple[int, int]] = {}
+    self.parked: list[int] = []   # preempted slots, in the order they are resumed
+    self.peak_pages = 0
+
+  @property
+  def preemptions(self) -> int:
+    return self.pool.preemptions
+
+  def _set(self, slot: int) -> None:
+    pages = self.pool.pages_of(slot)
+    self.table[slot] = NULL_PAGE
+    self.table[slot, :len(pages)] = pages
+    self._dirty = True
+    self.peak_pages = max(self.peak_pages, self.pool.used_pages)
+
+  def admit(self, slot: int, row: tuple[int, int], prompt_len: int) -> bool:
+    """Pages for a new sample's prompt and first token in `slot`, sharing the full prompt pages
+    of a slot holding the same prefilled `row`; False (nothing taken) when they do not fit."""
+    mates = self._holders.get(row, ())
+    try:
+      if mates:
+        self.pool.share(mates[0], slot, prompt_len)
+      else:
+        self.pool.admit(slot, prompt_len + 1)
+    except OutOfPages:
+      return False
+    self._holders.setdefault(row, []).append(slot)
+    self._row_of[slot] = row
+    self._set(slot)
+    return True
+
+  def resume(self, slot: int, length: int) -> bool:
+    """Pages for a parked slot's `length` positions (its tokens and the pending one)."""
+    try:
+      self.pool.admit(slot, length)
+    except OutOfPages:
+      return False
+    self.parked.remove(slot)
+    self._set(slot)
+    return True
+
+  def grow(self, reached: dict[int, int]) -> int | None:
+    """Reserves, for each active slot, the pages of its first `reached[slot]` positions (what the
+    next step writes below). Returns None, or the slot that could not grow when the pool is dry."""
+    for slot, n in reached.items():
+      try:
+        if self.pool.reserve(slot, n):
+          self._set(slot)
+      except OutOfPages:
+        return slot
+    return None
+
+  def release(self, slot: int) -> None:
+    """Gives back a finished (or parked) slot's pages."""
+    row = self._row_of.pop(slot, None)
+    if row is not None:
+      self._holders[row].remove(slot)
+      if not self._holders[row]:
+        del self._holders[row]
+    self.pool.release(slot)
+    self._set(slot)
+
+  def park(self, slot: int) -> None:
+    """Preempts `slot`: its pages go back and it waits in `parked` to be resumed."""
+    self.release(slot)
+    self.pool.preemptions += 1
+    self.parked.append(slot)
+
+  def victim(self, progress: dict[int, int]) -> int:
+    """The active slot to park: the least progress (PagePool.preempt_victim)."""
+    v = self.pool.preempt_victim(progress)
+    if v is None:
+      raise OutOfPages(f"no slot to preempt: the pool's {self.pool.num_pages - 1} pages cannot "
+                       "hold one sample; give the engine more kv_pages")
+    return v
+
+  def sync(self, state):
+    """The decode state with the host's page table, if it changed since the last sync."""
+    if self._dirty and state is not None:
+      state = self.engine.set_pages(state, self.table)
+      self._dirty = False
+    return state
+
+  def metrics(self) -> dict[str, float]:
+    return {"kv_pages_used": float(self.pool.used_pages),
+            "kv_pages_peak": float(self.peak_pages),
+            "kv_preemptions": float(self.preemptions)}
