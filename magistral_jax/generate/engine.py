@@ -8,14 +8,8 @@ over a fixed number of decode slots (`max_concurrent_decodes`); `prefill(..., ex
 prefix)` continues a cached prefix (JetStream's prefix caching). We keep that contract (so
 jetstream_adapter.py can hand this engine to the real orchestrator) and add what RL needs: every
 token comes with its fp32 log-prob under the sampling policy (sampling.py), and per-slot PRNG
-streams.
-
-Batched refill (what GeneratorLoop uses):
-  prefill_many(params, padded [N, bucket], true_lengths [N])  -> Prefixes (N prompt caches)
-  insert_many(prefixes, decode_state, slots, rows, keys, ...)  -> decode_state, first tokens
-prefill N prompts of one length bucket in one call, and copy them into any number of slots in one
-call (several slots may share a row: the G samples of a GRPO group share one prefill), each slot
-drawing its first token from the row's last-position logits with its own PRNG stream.
+streams. GeneratorLoop refills in batches (prefill_many, insert_many); the programs that put
+prompts into slots, one or many at a time, are prompts.py's.
 
 `generate` is one jitted program per attention window with fixed shapes and shardings and the
 decode state donated, so new weights never recompile it; shapes.py bounds every program's shapes.
@@ -26,6 +20,7 @@ compaction onto smaller child engines, compaction.py).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -33,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from magistral_jax.generate import prompts
 from magistral_jax.generate import sampling as S
 from magistral_jax.generate import shapes
 from magistral_jax.generate.compaction import Compaction, compaction_sizes
 from magistral_jax.generate.cpu_options import CpuOptions, GenerateStep
-from magistral_jax.generate.shapes import default_buckets
 from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultTokens,
-                                          existing_prefix_cache, put_rows, put_slot,
-                                          start_cache, state_shardings)
+                                          empty_state, existing_prefix_cache,
+                                          state_shardings)
 from magistral_jax.generate.weights import Weights
 from magistral_jax.model import transformer as T
 from magistral_jax.model.decode_choice import decode_choice
@@ -49,14 +44,6 @@ from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import GENERATOR_RULES
 
 Array = jax.Array
-
-
-def _checked_temperature(temperature, where: str) -> np.float32:
-  """The caller's sampling temperature as the fp32 input of a program; > 0 or ValueError."""
-  t = np.float32(temperature)
-  if not t > 0:
-    raise ValueError(f"{where} temperature must be > 0, got {temperature}")
-  return t
 
 
 class Engine:
@@ -98,17 +85,16 @@ class Engine:
     # bounds the activation memory of one call to 8 prompts), in power-of-two batch sizes.
     self.prefill_batch_sizes = shapes.prefill_batch_sizes(
         min(self._slots, 8) if max_prefill_batch is None else int(max_prefill_batch))
-    # KV recompute (the ablation) re-prefills whole sequences, so it needs buckets up to S.
-    self.recompute_buckets = self.prefill_buckets + tuple(
-        b for b in default_buckets(self.cache_length, 2 * self._max_prefill)
-        if b > self._max_prefill)
+    self.recompute_buckets = shapes.recompute_buckets(self.prefill_buckets, self._max_prefill,
+                                                      self.cache_length)
     self.shard = ShardingCtx(mesh, self.rules)
     self._weights = Weights(cfg, mesh, self.rules)
     self.param_shardings = self._weights.param_shardings
     self.decode_param_shardings = self._weights.decode_param_shardings
 
     rep = NamedSharding(mesh, P())
-    self.state_shardings = state_shardings(self.shard, jax.eval_shape(self._init_state))
+    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype)
+    self.state_shardings = state_shardings(self.shard, jax.eval_shape(empty))
 
     self.platform = mesh.devices.flat[0].platform
     # The attention window (argument 2) is static: one program per window. Its dot library on CPU
@@ -132,12 +118,16 @@ class Engine:
         self.state_shardings,
         lambda n: Engine(self.cfg, self.mesh, max_concurrent_decodes=n, **child_kw))
     self.compact_sizes = self._compaction.sizes
-    self._prefill = jax.jit(self._prefill_impl, out_shardings=None)
-    self._insert = jax.jit(self._insert_impl, out_shardings=self.state_shardings,
+    # Putting prompts into slots (prompts.py), with what each program needs of this engine.
+    model = dict(cfg=cfg, shard=self.shard, cache_dtype=self.cache_dtype,
+                 cache_length=self.cache_length)
+    self._prefill = jax.jit(partial(prompts.prefill_one, sampling=sampling, **model),
+                            out_shardings=None)
+    self._insert = jax.jit(prompts.insert_one, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
-    self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
-    self._prefill_many = jax.jit(self._prefill_many_impl)
-    self._insert_many = jax.jit(self._insert_many_impl,
+    self._init = jax.jit(empty, out_shardings=self.state_shardings)
+    self._prefill_many = jax.jit(partial(prompts.prefill_rows, **model))
+    self._insert_many = jax.jit(partial(prompts.insert_rows, sampling=sampling),
                                 out_shardings=(self.state_shardings, rep, rep),
                                 donate_argnums=(1,))
     self._set_active = jax.jit(lambda st, a: st._replace(active=a),
@@ -199,15 +189,6 @@ class Engine:
     return self._weights.cast(params)
 
   # ---- decode state --------------------------------------------------------------------------
-  def _init_state(self) -> DecodeState:
-    cache = T.init_cache(self.cfg, self._slots, self.cache_length, self.cache_dtype,
-                         per_layer=True)
-    return DecodeState(cache, jnp.zeros((self._slots,), jnp.int32),
-                       jnp.zeros((self._slots, 2), jnp.uint32),
-                       jnp.zeros((self._slots,), bool),
-                       # A free slot's draws are discarded; each insert sets its request's.
-                       jnp.ones((self._slots,), jnp.float32))
-
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs  # JetStream passes an rng; slot keys come with each prefix instead.
     return self._init()
@@ -222,11 +203,9 @@ class Engine:
 
   # ---- prompts -------------------------------------------------------------------------------
   def bucket_for(self, n: int, buckets: Sequence[int] | None = None) -> int:
-    buckets = buckets or self.prefill_buckets
-    b = shapes.smallest_fitting(buckets, n)
-    if b is None:
-      raise ValueError(f"sequence of {n} tokens exceeds the largest bucket {buckets[-1]}")
-    return b
+    """The smallest of `buckets` (default: prefill_buckets) holding n tokens."""
+    return shapes.smallest_fitting(buckets or self.prefill_buckets, n,
+                                   "tokens exceed the largest bucket,")
 
   def pad_prompt(self, tokens: Sequence[int], buckets: Sequence[int] | None = None,
                  truncate: bool | None = None):
@@ -237,22 +216,7 @@ class Engine:
     return shapes.pad_prompt(tokens, buckets or self.prefill_buckets, self.cfg.vocab_size,
                              self.truncate_prompts if truncate is None else truncate)
 
-  # ---- prefill / insert / generate -----------------------------------------------------------
-  def _prefill_impl(self, params, padded_tokens, true_length, key, temperature,
-                    prefix_cache=None, prefix_length=None):
-    b = padded_tokens.shape[0]
-    cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, 1, b, prefix_cache,
-                        prefix_length)
-    hidden, cache = T.decode(params, self.cfg, padded_tokens[None], cache, self.shard,
-                             num_new=true_length[None], from_empty=prefix_cache is None)
-    last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
-    lg = T.logits(params, self.cfg, last)
-    # The whole prompt's length (prefix included) is the position folded into the slot stream,
-    # so a prompt continued from a cached prefix draws what its full prefill would.
-    full = cache.lengths[0]
-    tok, lp = S.sample(lg[None], key[None], full[None], self.sampling, temperature[None])
-    return Prefix(cache, lg, tok[0], lp[0], key, full, temperature)
-
+  # ---- prefill / insert / generate (prompts.py) ---------------------------------------------
   def prefill(self, params, padded_tokens, true_length, *, temperature: float, rng=None,
               existing_prefix=None) -> Prefix:
     """KV cache of one prompt (padded to a bucket) and its first token, sampled at the
@@ -268,19 +232,7 @@ class Engine:
     prefix = () if existing_prefix is None else existing_prefix_cache(
         existing_prefix, int(true_length), self.cfg, self._max_prefill)
     return self._prefill(params, padded_tokens, jnp.asarray(true_length, jnp.int32), key,
-                         _checked_temperature(temperature, "prefill"), *prefix)
-
-  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, cache_only=False):
-    put = lambda big, row: put_slot(big, row, slot)
-    cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
-                      tuple(map(put, state.cache.v, prefix.cache.v)),
-                      state.cache.lengths.at[slot].set(prefix.true_length))
-    if cache_only:
-      return state._replace(cache=cache)
-    # The prefix's first token was drawn at its request's temperature: the slot goes on at it.
-    return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
-                       state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True),
-                       state.temperature.at[slot].set(prefix.temperature))
+                         prompts.checked_temperature(temperature, "prefill"), *prefix)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Copies a prefix into `slot` (donating decode_state) and activates it."""
@@ -301,16 +253,6 @@ class Engine:
     return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
 
   # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
-  def _prefill_many_impl(self, params, padded_tokens, true_lengths, prefix_cache=None,
-                         prefix_length=None):
-    n, b = padded_tokens.shape
-    cache = start_cache(self.cfg, self.cache_dtype, self.cache_length, n, b, prefix_cache,
-                        prefix_length)
-    hidden, cache = T.decode(params, self.cfg, padded_tokens, cache, self.shard,
-                             num_new=true_lengths, from_empty=prefix_cache is None)
-    last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
-    return Prefixes(cache, T.logits(params, self.cfg, last), cache.lengths)
-
   def split_batch(self, n: int) -> list[int]:
     """Splits n prompts into calls of sizes from prefill_batch_sizes (largest first, no padding
     rows; at most log2(max_prefill_batch) + n // max_prefill_batch calls)."""
@@ -323,50 +265,11 @@ class Engine:
     with) the N rows are continuations of that one prompt: its cache is copied into every row
     and only the new tokens go through the model (the rows' caches are min(Pp + bucket,
     cache_length) long, Pp the prefix's bucket; true_length counts the prefix)."""
-    padded_tokens = np.asarray(padded_tokens, np.int32)
-    true_lengths = np.asarray(true_lengths, np.int32).reshape(-1)
-    if padded_tokens.ndim != 2 or padded_tokens.shape[0] != true_lengths.shape[0]:
-      raise ValueError(f"prefill_many wants padded_tokens [N, bucket] and true_lengths [N], got "
-                       f"{padded_tokens.shape} and {true_lengths.shape}")
-    n, b = padded_tokens.shape
-    if n not in self.prefill_batch_sizes:
-      raise ValueError(f"prefill_many batch of {n} prompts is not one of "
-                       f"{self.prefill_batch_sizes}; split it with split_batch")
-    if b not in self.recompute_buckets:
-      raise ValueError(f"prefill_many padded length {b} is not a bucket of {self.prefill_buckets}")
-    if true_lengths.min() < 1 or true_lengths.max() > b:
-      raise ValueError(f"true_lengths {true_lengths.tolist()} outside [1, {b}]")
+    padded_tokens, true_lengths = shapes.check_prefill_batch(
+        padded_tokens, true_lengths, self.prefill_batch_sizes, self.recompute_buckets)
     prefix = () if existing_prefix is None else existing_prefix_cache(
         existing_prefix, int(true_lengths.max()), self.cfg, self._max_prefill)
     return self._prefill_many(params, padded_tokens, true_lengths, *prefix)
-
-  def _insert_many_impl(self, prefixes: Prefixes, state: DecodeState, slots, rows, keys,
-                        sample_index, count, active, temperature):
-    # Draw every entry's first token from its row's logits with its own stream (the key for
-    # sample i of a request is fold_in(request_key, i)).
-    slot_keys = jax.vmap(jax.random.fold_in)(keys, sample_index)
-    lg = prefixes.logits[rows]
-    true_len = prefixes.true_length[rows]
-    temps = jnp.full(slots.shape, temperature, jnp.float32)
-    tok, lp = S.sample(lg, slot_keys, true_len, self.sampling, temps)
-
-    def copy_one(i, kv):
-      # Entries past `count` are padding and never run; each real one copies one prompt cache
-      # (per layer, keys [1, K, Dh, bucket] and values [1, K, bucket, Dh]) into its slot in
-      # place (the state is donated).
-      def put(big, small):
-        row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
-        return put_slot(big, row, slots[i])
-      k, v = kv
-      return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
-
-    k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
-    # Padding entries carry slot index = number of slots: out of range, so these writes drop.
-    put = lambda a, x: put_rows(a, slots, x)
-    cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
-    new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active,
-                      put(state.temperature, temps))
-    return new, tok, lp
 
   def insert_many(self, prefixes: Prefixes, decode_state: DecodeState, slots, rows, keys,
                   sample_index, active, *, temperature: float
@@ -385,7 +288,7 @@ class Engine:
         slots, rows, keys, sample_index, self._slots, prefixes.logits.shape[0])
     return self._insert_many(prefixes, decode_state, slots, rows, keys, sample_index,
                              np.int32(m), np.asarray(active, bool),
-                             _checked_temperature(temperature, "insert_many"))
+                             prompts.checked_temperature(temperature, "insert_many"))
 
   def _generate_impl(self, params, state: DecodeState, window: int):
     active = state.active
@@ -414,10 +317,8 @@ class Engine:
   def window_for(self, positions: int) -> int:
     """The smallest attention window covering `positions` cache positions (the largest
     active cache length + 1: the step writes the pending token at position length)."""
-    w = shapes.smallest_fitting(self.attention_windows, positions)
-    if w is None:
-      raise ValueError(f"{positions} positions exceed the cache length {self.cache_length}")
-    return w
+    return shapes.smallest_fitting(self.attention_windows, positions,
+                                   "positions exceed the cache length,")
 
   def set_active(self, decode_state: DecodeState, active) -> DecodeState:
     """Frees (False) or keeps (True) slots; a freed slot stops advancing until re-inserted."""

@@ -55,6 +55,14 @@ def prefill_buckets(requested: Sequence[int] | None, max_prefill_length: int) ->
   return tuple(buckets)
 
 
+def recompute_buckets(prefill_buckets: Sequence[int], max_prefill_length: int,
+                      cache_length: int) -> tuple[int, ...]:
+  """The buckets KV recompute (the ablation) re-prefills whole sequences in: the prefill
+  buckets, then default buckets up to the cache length."""
+  return tuple(prefill_buckets) + tuple(
+      b for b in default_buckets(cache_length, 2 * max_prefill_length) if b > max_prefill_length)
+
+
 def attention_windows(requested: Sequence[int] | int | None, cache_length: int
                       ) -> tuple[int, ...]:
   """The engine's attention windows: a number of halving windows (default_windows; None = 1,
@@ -89,10 +97,13 @@ def split_batch(n: int, sizes: Sequence[int]) -> list[int]:
   return out
 
 
-def smallest_fitting(sizes: Sequence[int], n: int) -> int | None:
-  """The smallest of the sorted `sizes` that is >= n (None: n exceeds them all)."""
+def smallest_fitting(sizes: Sequence[int], n: int, exceed: str) -> int:
+  """The smallest of the sorted `sizes` that is >= n; ValueError "{n} {exceed} {largest}" when
+  n exceeds them all (`exceed` says what n counts and what the largest size is)."""
   i = bisect.bisect_left(sizes, n)
-  return sizes[i] if i < len(sizes) else None
+  if i == len(sizes):
+    raise ValueError(f"{n} {exceed} {sizes[-1]}")
+  return sizes[i]
 
 
 def pad_prompt(tokens: Sequence[int], buckets: Sequence[int], vocab_size: int, truncate: bool):
@@ -114,9 +125,30 @@ def pad_prompt(tokens: Sequence[int], buckets: Sequence[int], vocab_size: int, t
                        f"{limit}; shorten it or build the engine with truncate_prompts=True")
     log.warning("truncating a %d-token prompt to its last %d tokens", tokens.size, limit)
     tokens, truncated = tokens[-limit:], True
-  padded = np.zeros((smallest_fitting(buckets, tokens.size),), np.int32)
+  padded = np.zeros((smallest_fitting(buckets, tokens.size, "tokens exceed bucket"),),
+                    np.int32)
   padded[:tokens.size] = tokens
   return padded, int(tokens.size), truncated
+
+
+def check_prefill_batch(padded_tokens, true_lengths, batch_sizes: Sequence[int],
+                        buckets: Sequence[int]):
+  """Engine.prefill_many's prompts checked: padded [N, bucket] with N one of `batch_sizes` and
+  bucket one of `buckets`, true_lengths [N] in [1, bucket]. Returns them as int32 arrays."""
+  padded_tokens = np.asarray(padded_tokens, np.int32)
+  true_lengths = np.asarray(true_lengths, np.int32).reshape(-1)
+  if padded_tokens.ndim != 2 or padded_tokens.shape[0] != true_lengths.shape[0]:
+    raise ValueError(f"prefill_many wants padded_tokens [N, bucket] and true_lengths [N], got "
+                     f"{padded_tokens.shape} and {true_lengths.shape}")
+  n, b = padded_tokens.shape
+  if n not in batch_sizes:
+    raise ValueError(f"prefill_many batch of {n} prompts is not one of {tuple(batch_sizes)}; "
+                     f"split it with split_batch")
+  if b not in buckets:
+    raise ValueError(f"prefill_many padded length {b} is not a bucket of {tuple(buckets)}")
+  if true_lengths.min() < 1 or true_lengths.max() > b:
+    raise ValueError(f"true_lengths {true_lengths.tolist()} outside [1, {b}]")
+  return padded_tokens, true_lengths
 
 
 def pad_inserts(slots, rows, keys, sample_index, n_slots: int, n_rows: int):

@@ -69,6 +69,15 @@ class ResultTokens(NamedTuple):
   finite: Array
 
 
+def empty_state(cfg: ModelConfig, slots: int, cache_length: int, dtype) -> DecodeState:
+  """The decode state of `slots` free slots: an empty cache of cache_length positions each."""
+  return DecodeState(T.init_cache(cfg, slots, cache_length, dtype, per_layer=True),
+                     jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, 2), jnp.uint32),
+                     jnp.zeros((slots,), bool),
+                     # A free slot's draws are discarded; each insert sets its request's.
+                     jnp.ones((slots,), jnp.float32))
+
+
 def state_shardings(shard: ShardingCtx, shapes: DecodeState) -> DecodeState:
   """The shardings of a decode state of `shapes` (slots along the cache_batch axis)."""
   slots = shapes.tokens.shape[0]

@@ -1,0 +1,115 @@
+"""Putting prompts into slots: the programs behind the engine's prefill and insert.
+
+A prompt reaches a slot in two steps. Prefill runs it through the model into a prompt cache of
+its bucket's length; insert copies that cache into a slot of the decode state and activates the
+slot. One prompt at a time (JetStream's contract):
+  prefill_one -> Prefix (its cache and first token)      insert_one -> decode state
+and batched (what GeneratorLoop uses):
+  prefill_rows(padded [N, bucket], true_lengths [N]) -> Prefixes (N prompt caches)
+  insert_rows(prefixes, state, slots, rows, keys, ...) -> decode state, first tokens
+prefills N prompts of one length bucket in one call and copies them into any number of slots in
+one call (several slots may share a row: the G samples of a GRPO group share one prefill), each
+slot drawing its first token from the row's last-position logits with its own PRNG stream.
+
+Each function is pure and traced inside one of the engine's jitted programs (engine.py), which
+binds what it needs of the engine (model config, sharding, sampling, cache dtype and length).
+The temperature is always an input, never the engine's: a slot samples at its request's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magistral_jax.generate import sampling as S
+from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, put_rows, put_slot,
+                                          start_cache)
+from magistral_jax.model import transformer as T
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.sharding import ShardingCtx
+
+
+def checked_temperature(temperature, where: str) -> np.float32:
+  """The caller's sampling temperature as the fp32 input of a program; > 0 or ValueError."""
+  t = np.float32(temperature)
+  if not t > 0:
+    raise ValueError(f"{where} temperature must be > 0, got {temperature}")
+  return t
+
+
+def prefill_one(params, padded_tokens, true_length, key, temperature, prefix_cache=None,
+                prefix_length=None, *, cfg: ModelConfig, shard: ShardingCtx,
+                sampling: S.SamplingConfig, cache_dtype, cache_length: int) -> Prefix:
+  """One prompt (padded [bucket], or the rest of one continuing `prefix_cache`) through the
+  model: its cache, last-position logits and first token, drawn at `temperature` with `key`."""
+  b = padded_tokens.shape[0]
+  cache = start_cache(cfg, cache_dtype, cache_length, 1, b, prefix_cache, prefix_length)
+  hidden, cache = T.decode(params, cfg, padded_tokens[None], cache, shard,
+                           num_new=true_length[None], from_empty=prefix_cache is None)
+  last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=False)
+  lg = T.logits(params, cfg, last)
+  # The whole prompt's length (prefix included) is the position folded into the slot stream,
+  # so a prompt continued from a cached prefix draws what its full prefill would.
+  full = cache.lengths[0]
+  tok, lp = S.sample(lg[None], key[None], full[None], sampling, temperature[None])
+  return Prefix(cache, lg, tok[0], lp[0], key, full, temperature)
+
+
+def insert_one(prefix: Prefix, state: DecodeState, slot, cache_only=False) -> DecodeState:
+  """`prefix` copied into `slot` and the slot activated; with `cache_only`, only its cache (the
+  slot keeps its token, stream, temperature and activity)."""
+  put = lambda big, row: put_slot(big, row, slot)
+  cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
+                    tuple(map(put, state.cache.v, prefix.cache.v)),
+                    state.cache.lengths.at[slot].set(prefix.true_length))
+  if cache_only:
+    return state._replace(cache=cache)
+  # The prefix's first token was drawn at its request's temperature: the slot goes on at it.
+  return DecodeState(cache, state.tokens.at[slot].set(prefix.token),
+                     state.keys.at[slot].set(prefix.key), state.active.at[slot].set(True),
+                     state.temperature.at[slot].set(prefix.temperature))
+
+
+def prefill_rows(params, padded_tokens, true_lengths, prefix_cache=None, prefix_length=None, *,
+                 cfg: ModelConfig, shard: ShardingCtx, cache_dtype,
+                 cache_length: int) -> Prefixes:
+  """N prompts padded to one bucket ([N, bucket]) through the model in one call: their caches
+  and last-position logits (no token is drawn: insert_rows draws one per slot)."""
+  n, b = padded_tokens.shape
+  cache = start_cache(cfg, cache_dtype, cache_length, n, b, prefix_cache, prefix_length)
+  hidden, cache = T.decode(params, cfg, padded_tokens, cache, shard,
+                           num_new=true_lengths, from_empty=prefix_cache is None)
+  last = jnp.take_along_axis(hidden, (true_lengths - 1)[:, None, None], axis=1)[:, 0]
+  return Prefixes(cache, T.logits(params, cfg, last), cache.lengths)
+
+
+def insert_rows(prefixes: Prefixes, state: DecodeState, slots, rows, keys, sample_index, count,
+                active, temperature, *, sampling: S.SamplingConfig):
+  """Prefix rows `rows[j]` copied into slots `slots[j]` for the first `count` entries (the rest
+  are padding, slot index = number of slots), each entry's first token drawn at `temperature`
+  with stream fold_in(keys[j], sample_index[j]); `active` becomes the activity mask. Returns
+  (state, first tokens, their log-probs)."""
+  # The key for sample i of a request is fold_in(request_key, i).
+  slot_keys = jax.vmap(jax.random.fold_in)(keys, sample_index)
+  lg = prefixes.logits[rows]
+  true_len = prefixes.true_length[rows]
+  temps = jnp.full(slots.shape, temperature, jnp.float32)
+  tok, lp = S.sample(lg, slot_keys, true_len, sampling, temps)
+
+  def copy_one(i, kv):
+    # Entries past `count` are padding and never run; each real one copies one prompt cache
+    # (per layer, keys [1, K, Dh, bucket] and values [1, K, bucket, Dh]) into its slot in
+    # place (the state is donated).
+    def put(big, small):
+      row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
+      return put_slot(big, row, slots[i])
+    k, v = kv
+    return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
+
+  k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
+  # Padding entries carry slot index = number of slots: out of range, so these writes drop.
+  put = lambda a, x: put_rows(a, slots, x)
+  cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
+  new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active,
+                    put(state.temperature, temps))
+  return new, tok, lp
