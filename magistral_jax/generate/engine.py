@@ -37,6 +37,7 @@ from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultT
                                           empty_state, existing_prefix_cache,
                                           state_shardings)
 from magistral_jax.generate.weights import Weights
+from magistral_jax.model import paged_attention as PA
 from magistral_jax.model import transformer as T
 from magistral_jax.model.decode_choice import decode_choice
 from magistral_jax.model.config import ModelConfig
@@ -58,11 +59,22 @@ class Engine:
                truncate_prompts: bool = False, max_prefill_batch: int | None = None,
                attention_windows: Sequence[int] | int | None = None,
                cpu: CpuOptions | None = None, cpu_dot_library: str | None = None,
-               compact_sizes: Sequence[int] | None = None):
+               compact_sizes: Sequence[int] | None = None, kv_pages: int | None = None,
+               page_size: int = 16, paged_attention: str | None = None):
     if max_concurrent_decodes < 1 or max_prefill_length < 1 or max_decode_length < 1:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
                        f"{max_decode_length}")
+    # A paged KV cache (model/paged_attention.py): kv_pages pages of page_size positions shared
+    # by the slots (page 0 the null page), handed out by the loop (paging.py); a decode step
+    # reads only the pages its slots have filled. Compaction and windows, which bound what a
+    # dense cache's step reads, have nothing left to do on it.
+    self.kv_pages, self.page_size = (None if kv_pages is None else int(kv_pages)), int(page_size)
+    if self.kv_pages is not None:
+      if self.kv_pages < 2 or self.page_size < 1:
+        raise ValueError(f"a paged KV cache needs kv_pages >= 2 (page 0 is the null page) and "
+                         f"page_size >= 1, got {kv_pages} and {page_size}")
+      compact_sizes, attention_windows = (), None
     self.cpu = CpuOptions.resolve(cpu, cpu_dot_library, compact_sizes)
     self.cfg, self.mesh, self.rules = cfg, mesh, tuple(rules)
     self.sampling = sampling
@@ -79,7 +91,13 @@ class Engine:
     # Decode attention (model/decode_choice.py): "live" reads only the positions each
     # slot has reached, whatever the window, so windows would only add programs.
     self.decode_attention = decode_choice(cfg, cfg.head_dim, 1, self.cache_length, cfg.dtype)
-    if self.decode_attention == "live":
+    self.max_pages_per_slot = -(-self.cache_length // self.page_size)
+    if self.kv_pages is not None:
+      self.decode_attention = "paged"
+      self.paged_attention = paged_attention or PA.default_impl(mesh.devices.flat[0].platform)
+      if self.paged_attention not in PA.IMPLS:
+        raise ValueError(f"paged_attention must be one of {PA.IMPLS}, got {paged_attention!r}")
+    if self.decode_attention in ("live", "paged"):
       self.attention_windows = (self.cache_length,)
     # Batched prefill: up to max_prefill_batch prompts per call (default: min(slots, 8), which
     # bounds the activation memory of one call to 8 prompts), in power-of-two batch sizes.
@@ -93,7 +111,8 @@ class Engine:
     self.decode_param_shardings = self._weights.decode_param_shardings
 
     rep = NamedSharding(mesh, P())
-    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype)
+    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype,
+                    None if self.kv_pages is None else (self.kv_pages, self.page_size))
     self.state_shardings = state_shardings(self.shard, jax.eval_shape(empty))
 
     self.platform = mesh.devices.flat[0].platform
@@ -132,6 +151,8 @@ class Engine:
                                 donate_argnums=(1,))
     self._set_active = jax.jit(lambda st, a: st._replace(active=a),
                                out_shardings=self.state_shardings, donate_argnums=(0,))
+    self._set_pages = jax.jit(lambda st, t: st._replace(cache=st.cache._replace(page_table=t)),
+                              out_shardings=self.state_shardings, donate_argnums=(0,))
 
   # ---- JetStream Engine properties -----------------------------------------------------------
   @property
@@ -290,11 +311,14 @@ class Engine:
                              np.int32(m), np.asarray(active, bool),
                              prompts.checked_temperature(temperature, "insert_many"))
 
-  def _generate_impl(self, params, state: DecodeState, window: int):
+  def _generate_impl(self, params, state: DecodeState, bound: int):
     active = state.active
+    if self.kv_pages is not None:   # bound: the ragged page list's length
+      read = dict(paged=(self.paged_attention, bound or None))
+    else:
+      read = dict(window=bound if bound < self.cache_length else None)
     hidden, cache = T.decode(params, self.cfg, state.tokens[:, None], state.cache, self.shard,
-                             num_new=active.astype(jnp.int32),
-                             window=window if window < self.cache_length else None)
+                             num_new=active.astype(jnp.int32), **read)
     lg = T.logits(params, self.cfg, hidden[:, 0])
     finite = jnp.all(jnp.isfinite(lg), axis=-1)
     # The sampled token will sit at position cache.lengths (the stream's key is folded with it).
@@ -305,14 +329,37 @@ class Engine:
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None):
     """One decode step for every slot (inactive slots compute but do not advance). `window`
-    (one of attention_windows; default: the whole cache) bounds the cache positions attended
-    to: every active slot's cache length must be below it (window_for gives the smallest such
-    window), or its token is computed from a truncated prefix."""
-    if window is None:
+    (read_bound's; default: the whole cache) bounds what the step reads. On a dense cache it is
+    one of attention_windows: every active slot's cache length must be below it (window_for
+    gives the smallest such window), or its token is computed from a truncated prefix. On a
+    paged one it is the length of the ragged attention's page list, which must hold every
+    active slot's pages after the step (0 for the other paged implementations)."""
+    if self.kv_pages is not None:
+      full = self._slots * self.max_pages_per_slot if self.paged_attention == "ragged" else 0
+      window = full if window is None else window
+      if not (0 < window <= full if full else window == 0):
+        raise ValueError(f"paged read bound {window} outside {'(0, %d]' % full if full else 0}")
+    elif window is None:
       window = self.cache_length
     elif window not in self.attention_windows:
       raise ValueError(f"attention window {window} is not one of {self.attention_windows}")
     return self.generate_step.fn(params, decode_state, int(window))
+
+  def read_bound(self, reached: np.ndarray) -> int:
+    """generate's `window` for active slots whose caches hold `reached` positions after the
+    step: the smallest attention window over the longest (dense), the ragged list's bucket of
+    their pages (paged: what it reads follows the sum of the live lengths), or 0."""
+    reached = np.asarray(reached)
+    if self.kv_pages is None:
+      return self.window_for(int(reached.max(initial=1)))
+    if self.paged_attention != "ragged":
+      return 0
+    return PA.live_pages_bucket(int(PA.pages_for(reached, self.page_size).sum()),
+                                self._slots * self.max_pages_per_slot)
+
+  def set_pages(self, decode_state: DecodeState, page_table) -> DecodeState:
+    """The paged cache's page table [slots, max_pages_per_slot] (the loop's, paging.py)."""
+    return self._set_pages(decode_state, jnp.asarray(page_table, jnp.int32))
 
   def window_for(self, positions: int) -> int:
     """The smallest attention window covering `positions` cache positions (the largest

@@ -24,6 +24,7 @@ import numpy as np
 from magistral_jax.generate import sampling as S
 from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, put_rows, put_slot,
                                           start_cache)
+from magistral_jax.model import paged_attention
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import ShardingCtx
@@ -55,13 +56,31 @@ def prefill_one(params, padded_tokens, true_length, key, temperature, prefix_cac
   return Prefix(cache, lg, tok[0], lp[0], key, full, temperature)
 
 
+def put_prompt(cache, prompt: T.KVCache, row, slot):
+  """Row `row` of prompt caches `prompt` (per layer, keys [N, K, Dh, S'] and values
+  [N, K, S', Dh]) written into `slot` of the decode cache, lengths aside. A paged cache takes it
+  into the pages its table gives the slot (table entries past the slot's pages are the null
+  page, which takes what lies past them: padding); a per-slot cache into the slot's row."""
+  if isinstance(cache, T.PagedKVCache):
+    ps = cache.k[0].shape[2]
+    n = -(-prompt.v[0].shape[2] // ps)
+    pages = jax.lax.dynamic_index_in_dim(cache.page_table, slot, keepdims=False)[:n]
+    pools = [paged_attention.write_prompt(
+        kp, vp, pages, jax.lax.dynamic_index_in_dim(k, row, keepdims=False).transpose(2, 0, 1),
+        jax.lax.dynamic_index_in_dim(v, row, keepdims=False).transpose(1, 0, 2))
+        for kp, vp, k, v in zip(cache.k, cache.v, prompt.k, prompt.v)]
+    return cache._replace(k=tuple(p[0] for p in pools), v=tuple(p[1] for p in pools))
+  put = lambda big, small: put_slot(big, jax.lax.dynamic_slice_in_dim(small, row, 1, axis=0),
+                                    slot)
+  return cache._replace(k=tuple(map(put, cache.k, prompt.k)),
+                        v=tuple(map(put, cache.v, prompt.v)))
+
+
 def insert_one(prefix: Prefix, state: DecodeState, slot, cache_only=False) -> DecodeState:
   """`prefix` copied into `slot` and the slot activated; with `cache_only`, only its cache (the
   slot keeps its token, stream, temperature and activity)."""
-  put = lambda big, row: put_slot(big, row, slot)
-  cache = T.KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
-                    tuple(map(put, state.cache.v, prefix.cache.v)),
-                    state.cache.lengths.at[slot].set(prefix.true_length))
+  cache = put_prompt(state.cache, prefix.cache, 0, slot)
+  cache = cache._replace(lengths=state.cache.lengths.at[slot].set(prefix.true_length))
   if cache_only:
     return state._replace(cache=cache)
   # The prefix's first token was drawn at its request's temperature: the slot goes on at it.
@@ -96,20 +115,13 @@ def insert_rows(prefixes: Prefixes, state: DecodeState, slots, rows, keys, sampl
   temps = jnp.full(slots.shape, temperature, jnp.float32)
   tok, lp = S.sample(lg, slot_keys, true_len, sampling, temps)
 
-  def copy_one(i, kv):
-    # Entries past `count` are padding and never run; each real one copies one prompt cache
-    # (per layer, keys [1, K, Dh, bucket] and values [1, K, bucket, Dh]) into its slot in
-    # place (the state is donated).
-    def put(big, small):
-      row = jax.lax.dynamic_slice_in_dim(small, rows[i], 1, axis=0)
-      return put_slot(big, row, slots[i])
-    k, v = kv
-    return (tuple(map(put, k, prefixes.cache.k)), tuple(map(put, v, prefixes.cache.v)))
-
-  k, v = jax.lax.fori_loop(0, count, copy_one, (state.cache.k, state.cache.v))
+  # Entries past `count` are padding and never run; each real one writes one prompt cache into
+  # its slot in place (the state is donated).
+  cache = jax.lax.fori_loop(
+      0, count, lambda i, c: put_prompt(c, prefixes.cache, rows[i], slots[i]), state.cache)
   # Padding entries carry slot index = number of slots: out of range, so these writes drop.
   put = lambda a, x: put_rows(a, slots, x)
-  cache = T.KVCache(k, v, put(state.cache.lengths, true_len))
+  cache = cache._replace(lengths=put(state.cache.lengths, true_len))
   new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active,
                     put(state.temperature, temps))
   return new, tok, lp

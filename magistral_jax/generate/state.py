@@ -69,9 +69,17 @@ class ResultTokens(NamedTuple):
   finite: Array
 
 
-def empty_state(cfg: ModelConfig, slots: int, cache_length: int, dtype) -> DecodeState:
-  """The decode state of `slots` free slots: an empty cache of cache_length positions each."""
-  return DecodeState(T.init_cache(cfg, slots, cache_length, dtype, per_layer=True),
+def empty_state(cfg: ModelConfig, slots: int, cache_length: int, dtype,
+                pages: tuple[int, int] | None = None) -> DecodeState:
+  """The decode state of `slots` free slots: an empty cache of cache_length positions each, or
+  with `pages` = (pool pages, page size) an empty paged cache whose table spans cache_length."""
+  if pages is None:
+    cache = T.init_cache(cfg, slots, cache_length, dtype, per_layer=True)
+  else:
+    num_pages, page_size = pages
+    cache = T.init_paged_cache(cfg, slots, num_pages, page_size,
+                               -(-cache_length // page_size), dtype)
+  return DecodeState(cache,
                      jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, 2), jnp.uint32),
                      jnp.zeros((slots,), bool),
                      # A free slot's draws are discarded; each insert sets its request's.
@@ -81,8 +89,10 @@ def empty_state(cfg: ModelConfig, slots: int, cache_length: int, dtype) -> Decod
 def state_shardings(shard: ShardingCtx, shapes: DecodeState) -> DecodeState:
   """The shardings of a decode state of `shapes` (slots along the cache_batch axis)."""
   slots = shapes.tokens.shape[0]
-  cache = jax.tree.map(lambda ax, s: shard.sharding(ax, s.shape),
-                       T.cache_logical_axes(per_layer=len(shapes.cache.k)), shapes.cache,
+  axes = (T.paged_cache_logical_axes(len(shapes.cache.k))
+          if isinstance(shapes.cache, T.PagedKVCache)
+          else T.cache_logical_axes(per_layer=len(shapes.cache.k)))
+  cache = jax.tree.map(lambda ax, s: shard.sharding(ax, s.shape), axes, shapes.cache,
                        is_leaf=is_logical_axes)
   batch = shard.sharding(("cache_batch",), (slots,))
   return DecodeState(cache, batch, shard.sharding(("cache_batch", None), (slots, 2)), batch,
