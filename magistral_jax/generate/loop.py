@@ -47,6 +47,7 @@ from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.inflight import DeviceLead
 from magistral_jax.generate.loop_parts import LoopParts
 from magistral_jax.generate.loop_weights import LoopWeights, recompute_caches
+from magistral_jax.generate.paging import LoopPages
 from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_requests
 from magistral_jax.generate.prefix_cache import SharedPrefixCache
 from magistral_jax.generate.refill import Refill
@@ -122,15 +123,17 @@ class GeneratorLoop:
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Sample] = queue.Queue()
     requests: queue.Queue[RequestSamples] = queue.Queue()
+    pages = None if engine.kv_pages is None else LoopPages(engine)
     slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length, self.sampling,
-                      detokenize, self._emit)
+                      detokenize, self._emit, None if pages is None else pages.release)
     self._stop = threading.Event()
     # What the loop's parts share (loop_parts.py names each field's owner).
     self.parts = LoopParts(
         engine, options, self.sampling, requests, collections.deque(), slots, drain,
         DeviceLead(slots, drain, self.counters),
         PrefillWorker(requests, self._lock, self._stop, self._prefill, self.weights.current,
-                      engine.prefill_batch_sizes[-1], self.prefill_ahead, self.counters))
+                      engine.prefill_batch_sizes[-1], self.prefill_ahead, self.counters),
+        pages)
     self._refill = Refill(self.parts, self._prefill, self.weights.stale, self.prefill_ahead)
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -276,8 +279,9 @@ class GeneratorLoop:
     return int(self.parts.slots.active.sum())
 
   def metrics(self) -> dict[str, float]:
-    return self.counters.metrics(self.engine.max_concurrent_decodes, self.engine.cache_length,
-                                 self.version)
+    m = self.counters.metrics(self.engine.max_concurrent_decodes, self.engine.cache_length,
+                              self.version)
+    return m if self.parts.pages is None else {**m, **self.parts.pages.metrics()}
 
   def shared_prefix_cache(self):
     """The shared prefix's Prefix under the current weights (None without a shared_prefix): what
@@ -304,6 +308,8 @@ class GeneratorLoop:
       if self._shared:
         self._shared.clear()
     self.state = None
+    if self.parts.pages is not None:
+      self.parts.pages.reset()
     self.parts.drain.compacted = None
     self.parts.ahead.firsts.clear()
 
@@ -346,8 +352,17 @@ class GeneratorLoop:
     """One loop iteration; returns False when there was nothing to decode. With overlap_host it
     dispatches a decode step and then records the one dispatched by the previous call."""
     self._apply_pending_update()
+    pages, slots = self.parts.pages, self.parts.slots
+    if pages is not None:
+      self.state = pages.resume_parked(self.state, slots, self.params)
     self.state = self._refill.fill(self.state)
-    active = self.parts.slots.active
+    if pages is not None:   # the pages of every active slot's next write (paging.py)
+      pages.make_room(slots, self.parts.ahead.positions, self._flush)
+      if not np.array_equal(slots.device_active, slots.active):
+        self.state = self.engine.set_active(self.state, slots.active)
+        slots.device_active = slots.active.copy()
+      self.state = pages.sync(self.state)
+    active = slots.active
     if not active.any():
       # A step in flight only advanced samples that have finished since (nothing is active):
       # its results are dropped.
@@ -361,9 +376,9 @@ class GeneratorLoop:
     # The device is ahead of what the host has recorded (the step in flight, first tokens not
     # yet fetched): the window must hold the positions this step writes on the device.
     ahead = self.parts.ahead.positions()
-    window = self.engine.window_for(self.parts.slots.positions(ahead))
-    c.attended_positions += (self.parts.slots.mean_positions(ahead)
-                             if self.engine.decode_attention == "live" else window)
+    window = self.engine.read_bound(list(slots.reached(ahead).values()))
+    c.attended_positions += (slots.mean_positions(ahead)
+                             if self.engine.decode_attention in ("live", "paged") else window)
     t0 = time.perf_counter()
     slots = np.flatnonzero(active)
     owners = [self.parts.slots.samples[i] for i in slots]

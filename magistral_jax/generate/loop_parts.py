@@ -4,7 +4,8 @@ its own step read it), so no part hands another a list of the loop's members.
 Each field has one owner: `requests` is filled by GeneratorLoop.submit and taken by the loop
 thread (or the prefill worker); `groups` (the requests whose samples wait for slots, in queue
 order) and `slots` are the loop thread's own; `drain` holds the compacted state, `ahead` the
-step in flight and the first tokens not yet fetched; `prefiller` the background prefill worker.
+step in flight and the first tokens not yet fetched; `prefiller` the background prefill worker;
+`pages` the KV pages of a paged engine's slots (paging.py; None on a dense engine).
 `sampling` is the loop's: the temperature its inserts hand the engine is `sampling.temperature`.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from magistral_jax.generate.compaction import Drain
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.inflight import DeviceLead
+from magistral_jax.generate.paging import LoopPages
 from magistral_jax.generate.prefill_worker import PrefillWorker
 from magistral_jax.generate.slots import SlotTable
 
@@ -32,3 +34,4 @@ class LoopParts:
   drain: Drain
   ahead: DeviceLead
   prefiller: PrefillWorker
+  pages: LoopPages | None = None

@@ -97,7 +97,7 @@ def recompute_caches(engine, params, state, slots: SlotTable, groups) -> Any:
   prefixes of the requests waiting for slots dropped, to be prefilled again under the new weights
   when their turn comes. Returns the new decode state, computed."""
   for i, s in enumerate(slots.samples):
-    if s is not None:
+    if s is not None and slots.active[i]:   # a parked slot is prefilled again when it resumes
       state = engine.refresh_slot(params, state, i, slots.in_cache(i))
   for g in groups:
     g.prefix = None

@@ -25,7 +25,16 @@ class LoopPages:
   """The page pool of one engine's slots (engine.kv_pages pages of engine.page_size positions)."""
 
   def __init__(self, engine):
+    if engine.kv_pages - 1 < engine.max_pages_per_slot:
+      raise ValueError(f"kv_pages={engine.kv_pages}: one sample of the engine's cache_length "
+                       f"({engine.cache_length} positions) needs {engine.max_pages_per_slot} "
+                       f"pages of {engine.page_size} besides the null page")
     self.engine = engine
+    self.reset()
+
+  def reset(self) -> None:
+    """Every page free (the loop released its cache, or starts)."""
+    engine = self.engine
     self.pool = PagePool(engine.kv_pages, engine.page_size, engine.max_pages_per_slot)
     self.table = np.full((engine.max_concurrent_decodes, engine.max_pages_per_slot), NULL_PAGE,
                          np.int32)
@@ -109,6 +118,53 @@ class LoopPages:
       raise OutOfPages(f"no slot to preempt: the pool's {self.pool.num_pages - 1} pages cannot "
                        "hold one sample; give the engine more kv_pages")
     return v
+
+  def budget(self):
+    """`fits(group)` for planning a refill: whether one more sample of `group` surely fits, its
+    pages counted as if it shared none (nothing fits while a slot is parked: it goes first)."""
+    left = [0 if self.parked else self.pool.free_pages]
+
+    def fits(group) -> bool:
+      need = self.pool.pages_for(group.true_length + 1)
+      if need > left[0]:
+        return False
+      left[0] -= need
+      return True
+    return fits
+
+  def admit_planned(self, plan, state):
+    """Pages for each planned (slot, group, sample index) of a refill (budget() planned them, so
+    they fit), then the table onto the device for the inserts that write into them."""
+    for slot, g, _ in plan:
+      # A group's samples share their prompt's pages while prefilled by the same weights:
+      # `g` lives while a slot runs one of its samples, so its id names one request here.
+      if not self.admit(slot, (id(g), g.prefix_version), g.true_length):
+        raise RuntimeError(f"slot {slot}: a planned sample did not fit in the free pages")
+    return self.sync(state)
+
+  def resume_parked(self, state, slots, params):
+    """Parked slots back to decoding, first parked first, while the pages allow: each one's
+    tokens are prefilled again into its new pages (Engine.refresh_slot) under `params`."""
+    for slot in list(self.parked):
+      seq = slots.in_cache(slot)
+      if not self.resume(slot, len(seq) + 1):
+        break
+      state = self.engine.refresh_slot(params, self.sync(state), slot, seq)
+      slots.resume(slot)
+    return state
+
+  def make_room(self, slots, in_flight, flush) -> None:
+    """Pages for every active slot's next write. When the pool runs dry, the step in flight is
+    recorded first (`flush`: samples may finish and free pages, and the host then holds every
+    token a parked slot is prefilled from again), then slots are parked, the least progress
+    first, until the rest fit. `in_flight()`: the loop's DeviceLead.positions()."""
+    while self.grow(slots.reached(in_flight())) is not None:
+      if in_flight() is not None:
+        flush()
+        continue
+      slot = self.victim(slots.progress())
+      self.park(slot)
+      slots.park(slot)
 
   def sync(self, state):
     """The decode state with the host's page table, if it changed since the last sync."""

@@ -30,9 +30,10 @@ class Refill:
     self.parts, self.engine = parts, parts.engine
     self._prefill, self._stale, self.prefill_ahead = prefill, stale, prefill_ahead
 
-  def next_sample(self, take_request: bool = True):
+  def next_sample(self, take_request: bool = True, fits=None):
     """(group, sample index) for the next free slot, taking a new request when needed (and
-    `take_request`)."""
+    `take_request`); None when there is none, or when `fits(group)` (paging.budget) says its
+    next sample does not fit in the free KV pages."""
     while self.parts.groups and self.parts.groups[0].waiting <= 0:
       self.parts.groups.popleft()
     if not self.parts.groups:
@@ -43,6 +44,8 @@ class Refill:
       except queue.Empty:
         return None
     g = self.parts.groups[0]
+    if fits is not None and not fits(g):
+      return None
     i = g.next_index
     g.next_index += 1
     return g, i
@@ -59,8 +62,9 @@ class Refill:
                                self.engine.max_concurrent_decodes,
                                self.parts.options.loop_prefill_below)
       plan = []  # (slot, group, sample index)
-      for slot in np.flatnonzero(~slots.active):
-        nxt = self.next_sample(take_request=not bg)
+      fits = None if self.parts.pages is None else self.parts.pages.budget()
+      for slot in slots.free():
+        nxt = self.next_sample(take_request=not bg, fits=fits)
         if nxt is None:
           break
         plan.append((int(slot), *nxt))
@@ -88,6 +92,8 @@ class Refill:
           self.parts.groups.append(g)
           need.append(g)
       self._prefill(need)
+      if self.parts.pages is not None:
+        state = self.parts.pages.admit_planned(plan, state)
       # One insert per prefill batch the plan draws from (usually one).
       calls: dict[int, list] = {}
       for entry in plan:

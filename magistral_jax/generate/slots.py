@@ -28,8 +28,10 @@ class SlotTable:
 
   def __init__(self, n_slots: int, max_decode_length: int, sampling: SamplingConfig,
                detokenize: Callable[[Sequence[int]], str] | None,
-               on_finish: Callable[[Sample], None]):
+               on_finish: Callable[[Sample], None],
+               on_free: Callable[[int], None] | None = None):
     self.sampling, self.detokenize, self.on_finish = sampling, detokenize, on_finish
+    self.on_free = on_free   # told each slot a finished sample leaves (its KV pages go back)
     self.samples: list[SlotSample | None] = [None] * n_slots
     self._tokens = np.zeros((n_slots, max_decode_length), np.int32)
     self._logprobs = np.zeros((n_slots, max_decode_length), np.float32)
@@ -45,6 +47,26 @@ class SlotTable:
 
   def empty(self) -> bool:
     return all(s is None for s in self.samples)
+
+  def free(self) -> np.ndarray:
+    """The slots no sample holds (a parked sample holds its slot while inactive)."""
+    return np.flatnonzero([s is None for s in self.samples])
+
+  def park(self, slot: int) -> None:
+    """The sample in `slot` stops decoding but keeps its slot and tokens (paging.py)."""
+    self.active[slot] = False
+
+  def resume(self, slot: int) -> None:
+    self.active[slot] = True
+
+  def reached(self, in_flight: np.ndarray | None = None) -> dict[int, int]:
+    """{active slot: cache positions after the next step's write} (see `positions`)."""
+    return dict(zip(np.flatnonzero(self.active).tolist(), self._reached(in_flight).tolist()))
+
+  def progress(self) -> dict[int, int]:
+    """{active slot: tokens generated so far}."""
+    act = np.flatnonzero(self.active)
+    return dict(zip(act.tolist(), self._count[act].tolist()))
 
   def assign(self, slot: int, group: RequestSamples, index: int) -> None:
     """Sample `index` of `group` starts in `slot` (active from now on)."""
@@ -102,6 +124,8 @@ class SlotTable:
     s, n = self.samples[slot], int(self._count[slot])
     self.samples[slot] = None
     self.active[slot] = False
+    if self.on_free is not None:
+      self.on_free(slot)
     g = s.group
     self.on_finish(Sample(g.request.id, s.index, list(g.prompt), self._tokens[slot, :n].tolist(),
                           self._logprobs[slot, :n].copy(), self._versions[slot, :n].copy(),

@@ -1,0 +1,145 @@
+"""The generator loop on a paged KV cache (generate/paging.py, model/paged_attention.py): the same
+samples as on the dense cache (fp32, greedy and seeded sampling) through group sharing, refill,
+preemption when the pages run dry, a weight push mid-sequence, the recompute ablation and
+release/reload; with every paged implementation (the Pallas kernel in its interpreter)."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import DIRECT, GeneratorLoop
+from magistral_jax.generate.requests import Request
+from magistral_jax.model import transformer as T
+from magistral_jax.model.config import ModelConfig
+from magistral_jax.parallel.sharding import make_mesh
+
+CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+GREEDY = SamplingConfig(greedy=True, max_new_tokens=12)
+SAMPLED = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12)
+SHAPE = dict(max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16,
+             prefill_buckets=(8, 16))
+
+
+@pytest.fixture(scope="module")
+def params():
+  init = jax.jit(lambda k: jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
+                                        T.init_params(CFG, k)))
+  return init(jax.random.PRNGKey(0)), init(jax.random.PRNGKey(1))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return make_mesh({"tensor": 2}, jax.devices()[:2])
+
+
+_ENGINES = {}
+
+
+def engine(mesh, sampling, **kw):
+  key = (sampling, tuple(sorted(kw.items())))
+  if key not in _ENGINES:
+    _ENGINES[key] = Engine(CFG, mesh, sampling=sampling, **SHAPE, **kw)
+  return _ENGINES[key]
+
+
+def requests(n=6, seed=0, group=2):
+  rs = np.random.RandomState(seed)
+  return [Request(f"r{i}", rs.randint(1, CFG.vocab_size, rs.randint(3, 14)).tolist(),
+                  group_size=group, seed=100 + i) for i in range(n)]
+
+
+def run(eng, p, reqs, sampling, **kw):
+  loop = GeneratorLoop(eng, p, sampling=sampling, **kw)
+  return run_on(loop, reqs), loop
+
+
+def same(a, b):
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].tokens == b[k].tokens, k
+    np.testing.assert_allclose(a[k].logprobs, b[k].logprobs, atol=2e-5)
+    np.testing.assert_array_equal(a[k].versions, b[k].versions)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "dense", "pallas_gpu"])
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_paged_samples_equal_dense_with_groups_and_refill(mesh, params, impl, sampling):
+  p = params[0]
+  want, _ = run(engine(mesh, sampling), p, requests(), sampling)
+  got, loop = run(engine(mesh, sampling, kv_pages=40, page_size=4, paged_attention=impl), p,
+                  requests(), sampling)
+  same(want, got)
+  m = loop.metrics()
+  assert m["kv_preemptions"] == 0 and m["kv_pages_used"] == 0 and m["kv_pages_peak"] > 0
+  loop.parts.pages.pool.check()
+
+
+def test_preemption_parks_and_resumes_with_the_same_samples(mesh, params):
+  """A pool of 17 pages (2 slots' worth of 32 positions) under 4 slots: slots are parked and
+  prefilled again, and every sample is what the dense engine draws."""
+  p = params[0]
+  want, _ = run(engine(mesh, SAMPLED), p, requests(8, seed=3), SAMPLED)
+  got, loop = run(engine(mesh, SAMPLED, kv_pages=17, page_size=4), p, requests(8, seed=3),
+                  SAMPLED)
+  same(want, got)
+  assert loop.metrics()["kv_preemptions"] > 0
+  assert loop.metrics()["kv_pages_peak"] <= 16
+  loop.parts.pages.pool.check()
+  with pytest.raises(ValueError, match="kv_pages=8"):
+    GeneratorLoop(engine(mesh, SAMPLED, kv_pages=8, page_size=4), p, sampling=SAMPLED)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_weight_push_mid_sequence_keeps_or_recomputes_the_pages(mesh, params, recompute):
+  """New weights after 5 steps: each token's version and value as on the dense engine, with the
+  stale KV kept (the paper) or recomputed (the ablation), overlap on and off."""
+  outs = []
+  for kw in ({}, dict(kv_pages=40, page_size=4)):
+    for overlap in (True, False):
+      opts = dataclasses.replace(DIRECT, overlap_host=overlap, recompute_kv_on_update=recompute)
+      loop = GeneratorLoop(engine(mesh, SAMPLED, **kw), params[0], sampling=SAMPLED,
+                           options=opts)
+      for r in requests(3, seed=5):
+        loop.submit(r)
+      for _ in range(5):
+        loop.step()
+      loop.update_params(params[1], 1)
+      outs.append({(s.request_id, s.sample_index): s for s in loop.run_until_idle()})
+  same(outs[0], outs[2])
+  same(outs[1], outs[3])
+  assert any(1 in s.versions and 0 in s.versions for s in outs[2].values())
+
+
+def test_release_and_reload_give_back_every_page(mesh, params):
+  eng = engine(mesh, GREEDY, kv_pages=40, page_size=4)
+  loop = GeneratorLoop(eng, params[0], sampling=GREEDY)
+  first = run_on(loop, requests(2))
+  loop.release()
+  assert loop.parts.pages.pool.free_pages == 39
+  loop.reload(params[0], 0)
+  same(run_on(loop, requests(2)), first)
+
+
+def test_background_prefill_and_a_shared_prefix_on_pages(mesh, params):
+  """The run's loop options (a prefill worker thread, a shared system-prompt prefix continued by
+  every prompt): the dense engine's samples."""
+  prefix = list(range(1, 7))
+  reqs = [dataclasses.replace(r, prompt_tokens=prefix + r.prompt_tokens[:8])
+          for r in requests(5, seed=7)]
+  opts = dataclasses.replace(DIRECT, background_prefill=True)
+  outs = []
+  for kw in ({}, dict(kv_pages=40, page_size=4)):
+    loop = GeneratorLoop(engine(mesh, SAMPLED, **kw), params[0], sampling=SAMPLED, options=opts,
+                         shared_prefix=prefix)
+    outs.append(run_on(loop, reqs))
+  same(*outs)
+
+
+def run_on(loop, reqs):
+  for r in reqs:
+    loop.submit(r)
+  return {(s.request_id, s.sample_index): s for s in loop.run_until_idle()}
