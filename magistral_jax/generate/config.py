@@ -77,6 +77,21 @@ class EngineConfig:
   # refilled one step later. The synchronous loop leaves the device idle while the host works
   # (BENCHMARKS.md, "Generation"). False: dispatch, fetch, record in turn.
   overlap_host: bool = True
+  # "paged": the KV cache is a pool of pages shared by the slots (generate/paging.py), handed out
+  # as sequences grow, and a decode step reads only the pages its slots have filled
+  # (model/paged_attention.py); a slot that cannot grow when the pool is dry is parked and
+  # prefilled again later. "dense": each slot owns cache_length positions from the start, and a
+  # step reads all of them (or its attention window).
+  kv_cache: str = "dense"
+  page_size: int = 16                # positions per page
+  # Pages in the pool, the null page included; 0: as many as a dense cache of
+  # max_concurrent_decodes slots holds (the same memory), so raising max_concurrent_decodes puts
+  # more sequences in flight in that memory.
+  kv_pages: int = 0
+  # How a paged decode step attends: "auto" (jax's Pallas paged kernels on GPU and TPU, the ragged
+  # gather on CPU) or one of model/paged_attention.IMPLS ("dense" reads every slot's whole table:
+  # the reference).
+  paged_attention: str = "auto"
 
   def __post_init__(self):
     if self.max_concurrent_decodes < 1 or self.max_prefill_length < 1:
@@ -85,6 +100,14 @@ class EngineConfig:
     if self.attention_windows < 1:
       raise ValueError(f"engine.attention_windows={self.attention_windows}: the number of "
                        "attention windows must be >= 1")
+    if self.kv_cache not in ("dense", "paged"):
+      raise ValueError(f"engine.kv_cache={self.kv_cache!r}: 'dense' or 'paged'")
+    if self.page_size < 1 or self.kv_pages < 0 or self.kv_pages == 1:
+      raise ValueError(f"engine.page_size={self.page_size} must be >= 1 and engine.kv_pages="
+                       f"{self.kv_pages} 0 (a dense cache's worth) or >= 2")
+    if self.paged_attention not in ("auto", "dense", "ragged", "pallas_gpu", "pallas_tpu"):
+      raise ValueError(f"engine.paged_attention={self.paged_attention!r}: 'auto', 'dense', "
+                       "'ragged', 'pallas_gpu' or 'pallas_tpu'")
     if not 0.0 <= self.loop_prefill_below <= 1.0:
       raise ValueError(f"engine.loop_prefill_below={self.loop_prefill_below}: a fraction of the "
                        "slots, in [0, 1]")

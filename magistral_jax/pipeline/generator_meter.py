@@ -34,7 +34,15 @@ class GeneratorMeter:
       util.append(occ[-1] * working)
       decode_frac.append(min(1.0, (d - d0) / wall))
       self._last[i] = (d, steps, a, idle)
+    pages = [g.parts.pages for g in self.generators
+             if getattr(getattr(g, "parts", None), "pages", None) is not None]
+    paged = {} if not pages else {
+        # Paged KV caches (generate/paging.py): slots parked for want of pages, over the run so
+        # far, and the most pages held at once by one generator.
+        "generator_kv_preemptions": float(sum(p.preemptions for p in pages)),
+        "generator_kv_pages_peak": float(max(p.peak_pages for p in pages))}
     return {
+        **paged,
         # Share of generator capacity holding live sequences: slot occupancy over decode steps x
         # share of wall time the loop was not waiting for work (it was decoding, prefilling,
         # inserting or doing its bookkeeping). Sync mode loses both while it waits for the

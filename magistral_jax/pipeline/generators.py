@@ -35,6 +35,19 @@ def shared_prefix_for(engine_cfg: EngineConfig, tokenizer,
                               engine_cfg.max_prefill_length)
 
 
+def paged_kv(engine_cfg: EngineConfig, sampling: SamplingConfig) -> dict:
+  """Engine's paged-cache keywords from the `engine` section (none for a dense cache); kv_pages
+  0 becomes a dense cache's worth of pages for the same slots."""
+  if engine_cfg.kv_cache != "paged":
+    return {}
+  ps = engine_cfg.page_size
+  per_slot = -(-(engine_cfg.max_prefill_length + sampling.max_new_tokens) // ps)
+  pages = engine_cfg.kv_pages or engine_cfg.max_concurrent_decodes * per_slot + 1
+  return dict(kv_pages=pages, page_size=ps,
+              paged_attention=None if engine_cfg.paged_attention == "auto"
+              else engine_cfg.paged_attention)
+
+
 def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig,
                engine_cfg: EngineConfig = EngineConfig(), *, engines: dict | None = None,
                mesh_shape: dict | None = None, rules=GENERATOR_RULES) -> Engine:
@@ -49,7 +62,7 @@ def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig,
   shape = dict(max_concurrent_decodes=engine_cfg.max_concurrent_decodes,
                max_prefill_length=engine_cfg.max_prefill_length,
                max_decode_length=sampling.max_new_tokens,
-               attention_windows=engine_cfg.attention_windows)
+               attention_windows=engine_cfg.attention_windows, **paged_kv(engine_cfg, sampling))
   key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape,
          repr(tuple(rules)), sampling.top_p, sampling.top_k, sampling.greedy,
          tuple(sorted(shape.items())))

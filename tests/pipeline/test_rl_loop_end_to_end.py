@@ -64,7 +64,7 @@ class Run:
   """One RL run's parts: the Trainer, the Rollouts, and the loop over them."""
 
   def __init__(self, s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0,
-               tune=False, tmesh=None, gdevs=None, colocated=False, tx=None):
+               tune=False, tmesh=None, gdevs=None, colocated=False, tx=None, **engine):
     rl_tx = tx or make_optimizer(OptimizerConfig(learning_rate=1e-3))
     tmesh = tmesh or s["tmesh"]
     state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES,
@@ -76,7 +76,8 @@ class Run:
                                           eos_id=s["tok"].eos_id),
                            EngineConfig(max_concurrent_decodes=8, max_prefill_length=64,
                                         tune=tune,
-                                        background_prefill=not (colocated and mode == "sync")),
+                                        background_prefill=not (colocated and mode == "sync"),
+                                        **engine),
                            seed=seed)
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
@@ -144,6 +145,17 @@ def test_sync_pipeline_trains_on_exactly_one_version(setup):
   for h in history:
     assert h["versions_in_batch"] == 1 and h["version_lag_max"] == 0
   assert pipe.max_inflight <= GRPO.n_batch + GRPO.n_batch  # top-ups only replace dropped groups
+
+
+def test_the_sync_pipeline_on_paged_generators_with_a_pool_that_runs_dry(setup):
+  """engine.kv_cache="paged" with 2 slots' worth of pages under 8 slots: generators park and
+  resume samples, and the run trains on complete, on-policy batches."""
+  run = Run(setup, "sync", kv_cache="paged", page_size=16,
+            kv_pages=2 * -(-(64 + MAX_NEW) // 16) + 1)
+  history = run.run(1)
+  assert len(history) == 1 and history[0]["versions_in_batch"] == 1
+  assert history[0]["generator_kv_preemptions"] > 0
+  assert history[0]["generator_kv_pages_peak"] <= 2 * -(-(64 + MAX_NEW) // 16)
 
 
 def test_queue_bound_holds_when_the_trainer_is_slow(setup):
