@@ -1,0 +1,138 @@
+"""Benchmark: the generator loop on a paged KV cache against the dense cache, at equal KV memory.
+
+Workload: `--requests` requests with long-tailed prompt and completion lengths (lognormal, means
+`--prompt_mean` / `--new_mean`, clipped to the cache's halves), random weights of SmolLM2-135M's
+shapes with `--layers` layers (fp32; no EOS, so every sample runs to its own max_new_tokens), a
+cache of `--cache` positions per sequence.
+Baseline: the dense engine with `--dense_slots` slots (each owns `--cache` positions; one attention
+window, so every step reads every slot's whole cache). Against it: the paged engine with a pool of
+the same memory (dense_slots x cache positions, in pages of `--page_size`) under `--paged_slots`
+slots. Each engine runs the workload once to compile, then once timed.
+
+Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per second of wall time,
+prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
+their slots hold: the ragged list's pages of each step; the dense cache's length for each slot a
+step computes) for both, and `dense_read_over_paged`;
+`in_flight_ratio` (mean sequences per decode step, paged over dense); `preempted_frac` (samples
+parked for want of pages, over all samples); `same_samples` (share of samples with the dense run's
+tokens: the batches differ, so the last bits of the float sums may).
+
+  python bench/paged_decode.py [--requests 32] [--cache 8192] [--layers 4]
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import common
+
+common.use_cpu_devices()
+
+import jax
+import numpy as np
+
+from magistral_jax.generate.config import SamplingConfig
+from magistral_jax.generate.engine import Engine
+from magistral_jax.generate.loop import DIRECT, GeneratorLoop
+from magistral_jax.generate.requests import Request
+from magistral_jax.model import config as model_config
+from magistral_jax.model.named import random_params
+from magistral_jax.parallel.sharding import make_mesh
+
+
+def lognormal(r, mean: float, size: int, hi: int) -> np.ndarray:
+  sigma = 1.0
+  return np.clip(r.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, size), 1, hi).astype(int)
+
+
+def workload(a, vocab: int) -> list[Request]:
+  r = np.random.default_rng(a.seed)
+  half = a.cache // 2
+  prompts = lognormal(r, a.prompt_mean, a.requests, half)
+  news = lognormal(r, a.new_mean, a.requests, half)
+  return [Request(f"r{i}", r.integers(1, vocab, p).tolist(), max_new_tokens=int(n), seed=i)
+          for i, (p, n) in enumerate(zip(prompts, news))]
+
+
+def run(engine: Engine, params, reqs, sampling) -> dict:
+  """One pass of the workload: tokens, wall time, and what each decode step read and held."""
+  reads, lives = [], []
+  bound_of = engine.read_bound
+
+  def read_bound(reached):   # the step's read bound, and the positions its slots hold
+    bound = bound_of(reached)
+    lives.append(int(np.sum(reached)))
+    reads.append(bound * engine.page_size)
+    return bound
+  engine.read_bound = read_bound
+  try:
+    loop = GeneratorLoop(engine, params, sampling=sampling, options=DIRECT)
+    t0 = time.perf_counter()
+    for q in reqs:
+      loop.submit(q)
+    samples = loop.run_until_idle()
+    wall = time.perf_counter() - t0
+  finally:
+    del engine.read_bound
+  c = loop.counters
+  m = loop.metrics()
+  if not engine.kv_pages:   # every computed slot (drain compaction computes fewer) reads it all
+    reads = [c.computed_slot_steps * engine.cache_length]
+  return dict(wall_s=wall, tokens=sum(len(s.tokens) for s in samples),
+              in_flight=c.active_slot_steps / max(1, c.steps), steps=c.steps,
+              kv_read_over_live=sum(reads) / max(1, sum(lives)),
+              mean_live=sum(lives) / max(1, c.active_slot_steps),
+              preemptions=m.get("kv_preemptions", 0.0),
+              samples={s.request_id: s.tokens for s in samples})
+
+
+def main():
+  ap = common.argument_parser(__doc__)
+  ap.add_argument("--requests", type=int, default=32)
+  ap.add_argument("--cache", type=int, default=8192, help="positions per sequence")
+  ap.add_argument("--prompt_mean", type=float, default=1024)
+  ap.add_argument("--new_mean", type=float, default=96)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--dense_slots", type=int, default=8)
+  ap.add_argument("--paged_slots", type=int, default=32)
+  ap.add_argument("--page_size", type=int, default=16)
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args()
+  cfg = model_config.SMOLLM2_135M.replace(num_layers=a.layers, dtype="float32",
+                                          param_dtype="float32")
+  sampling = SamplingConfig(greedy=True, max_new_tokens=a.cache // 2)
+  mesh = make_mesh({"tensor": 1}, jax.devices()[:1])
+  shape = dict(max_prefill_length=a.cache // 2, max_decode_length=a.cache // 2,
+               sampling=sampling, max_prefill_batch=4)
+  pages = a.dense_slots * -(-a.cache // a.page_size) + 1
+  engines = {"dense": Engine(cfg, mesh, max_concurrent_decodes=a.dense_slots, **shape),
+             "paged": Engine(cfg, mesh, max_concurrent_decodes=a.paged_slots, kv_pages=pages,
+                             page_size=a.page_size, **shape)}
+  params = random_params(cfg)
+  reqs = workload(a, cfg.vocab_size)
+  out = {}
+  for name, eng in engines.items():
+    p = eng.load_params(params)
+    run(eng, p, reqs, sampling)                 # compiles every program the workload needs
+    out[name] = run(eng, p, reqs, sampling)
+    out[name]["tokens_per_s"] = out[name]["tokens"] / out[name]["wall_s"]
+  d, p = out["dense"], out["paged"]
+  same = np.mean([d["samples"][k] == p["samples"][k] for k in d["samples"]])
+  for r in out.values():
+    del r["samples"]
+  common.emit(dict(
+      bench="paged_decode", backend=jax.default_backend(), layers=a.layers, cache=a.cache,
+      requests=a.requests, page_size=a.page_size, kv_pages=pages,
+      dense_slots=a.dense_slots, paged_slots=a.paged_slots,
+      live_fraction=d["mean_live"] / a.cache, dense=d, paged=p,
+      paged_over_dense_tokens_per_s=p["tokens_per_s"] / d["tokens_per_s"],
+      kv_read_over_live=p["kv_read_over_live"],
+      dense_read_over_paged=(d["kv_read_over_live"] * d["mean_live"] * d["in_flight"]) /
+      max(1e-9, p["kv_read_over_live"] * p["mean_live"] * p["in_flight"]),
+      in_flight_ratio=p["in_flight"] / d["in_flight"],
+      preempted_frac=p["preemptions"] / a.requests, same_samples=float(same),
+      host=common.host_info()), ndigits=4)
+
+
+if __name__ == "__main__":
+  main()
