@@ -12,6 +12,7 @@ it back when new work arrives.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,10 +39,35 @@ def compaction_sizes(requested: Sequence[int] | None, slots: int, slot_shards: i
 
 def _gather(state: DecodeState, idx, valid) -> DecodeState:
   take = lambda a: jnp.take(a, idx, axis=0)
-  cache = T.KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)),
-                    take(state.cache.lengths))
+  if isinstance(state.cache, T.PagedKVCache):   # the pools move as they are: a table gather
+    cache = state.cache._replace(page_table=take(state.cache.page_table),
+                                 lengths=take(state.cache.lengths))
+  else:
+    cache = T.KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)),
+                      take(state.cache.lengths))
   return DecodeState(cache, take(state.tokens), take(state.keys), take(state.active) & valid,
                      take(state.temperature))
+
+
+def _without_pools(state: DecodeState) -> DecodeState:
+  return state._replace(cache=state.cache._replace(k=(), v=()))
+
+
+def _gather_paged(pools, state: DecodeState, idx, valid) -> DecodeState:
+  """_gather of a paged state whose pools (k, v) come apart, to be donated: they move."""
+  small = _gather(state, idx, valid)
+  return small._replace(cache=small.cache._replace(k=pools[0], v=pools[1]))
+
+
+def _scatter_paged(pools, small: DecodeState, idx, slots: int) -> DecodeState:
+  """The full-size state of a paged engine from its compacted one: the pools (donated) come back
+  as they are, the compacted rows to their slots, every other slot free (none holds a sample)."""
+  def put(a, fill=0):
+    return put_rows(jnp.full((slots,) + a.shape[1:], fill, a.dtype), idx, a)
+  cache = small.cache._replace(k=pools[0], v=pools[1], page_table=put(small.cache.page_table),
+                               lengths=put(small.cache.lengths))
+  return DecodeState(cache, put(small.tokens), put(small.keys), put(small.active),
+                     put(small.temperature, 1))
 
 
 def _scatter(state: DecodeState, small: DecodeState, idx) -> DecodeState:
@@ -62,7 +88,12 @@ class Compaction:
     self._make_child = make_child   # n -> the n-slot engine
     self._children: dict[int, Any] = {}
     self._gathers: dict[int, Any] = {}
-    self._scatter = jax.jit(_scatter, out_shardings=state_shardings, donate_argnums=(0,))
+    # A paged cache's pools are shared by all slots: compact and expand donate the state they
+    # take, so the pools move (no copy) and only the small per-slot arrays are gathered.
+    self.paged = isinstance(state_shardings.cache, T.PagedKVCache)
+    self._scatter = (jax.jit(partial(_scatter_paged, slots=slots), out_shardings=state_shardings,
+                             donate_argnums=(0,)) if self.paged else
+                     jax.jit(_scatter, out_shardings=state_shardings, donate_argnums=(0,)))
 
   def size_for(self, n_active: int) -> int | None:
     """The smallest compaction size that holds n_active slots (None: none is smaller than the
@@ -86,8 +117,9 @@ class Compaction:
 
   def compact(self, state: DecodeState, slots, size: int | None = None) -> DecodeState:
     """Gathers slots `slots` of `state` into a new decode state of child(size) (default size:
-    size_for(len(slots))), in that order; the rows past len(slots) are inactive. `state` is left
-    as it is (expand writes the slots back)."""
+    size_for(len(slots))), in that order; the rows past len(slots) are inactive. A dense
+    `state` is left as it is (expand writes the slots back); a paged one is donated (its pools
+    move into the compacted state, and expand makes the full-size state again)."""
     slots = np.asarray(slots, np.int32).reshape(-1)
     n = self.size_for(len(slots)) if size is None else size
     if n is None or n not in self.sizes or not 1 <= len(slots) <= n:
@@ -95,10 +127,13 @@ class Compaction:
                        + (f" (size {size} asked)" if size is not None else ""))
     check_slots("compact", slots, self.slots)
     if n not in self._gathers:
-      self._gathers[n] = jax.jit(_gather, out_shardings=self.child(n).state_shardings)
+      self._gathers[n] = jax.jit(_gather_paged if self.paged else _gather,
+                                 out_shardings=self.child(n).state_shardings,
+                                 donate_argnums=(0,) if self.paged else ())
     idx = np.zeros((n,), np.int32)
     idx[:len(slots)] = slots
-    return self._gathers[n](state, idx, np.arange(n) < len(slots))
+    args = (((state.cache.k, state.cache.v), _without_pools(state)) if self.paged else (state,))
+    return self._gathers[n](*args, idx, np.arange(n) < len(slots))
 
   def expand(self, state: DecodeState, small: DecodeState, slots) -> DecodeState:
     """Writes row i of a compacted state back into slot slots[i] of `state` (donated), as
@@ -112,7 +147,16 @@ class Compaction:
     check_slots("expand", slots[slots != -1], self.slots)
     idx = np.full((n,), self.slots, np.int32)   # out of range: the scatter drops these rows
     idx[:len(slots)] = np.where(slots >= 0, slots, self.slots)
+    if self.paged:   # `state`'s pools went to `compact`: the full-size state is made anew
+      return self._scatter((small.cache.k, small.cache.v), _without_pools(small), idx)
     return self._scatter(state, small, idx)
+
+
+def _rows(full: np.ndarray, slots: np.ndarray, n: int, fill) -> np.ndarray:
+  """Rows `slots` of a per-slot host array, as the n rows of a compacted state (padded)."""
+  out = np.full((n,) + full.shape[1:], fill, full.dtype)
+  out[:len(slots)] = full[slots]
+  return out
 
 
 class Drain:
@@ -122,6 +166,25 @@ class Drain:
   def __init__(self, engine):
     self.engine = engine
     self.compacted: tuple[np.ndarray, DecodeState, Any] | None = None
+
+  def set_active(self, state: DecodeState, active: np.ndarray) -> DecodeState:
+    """Engine.set_active on the state the slots run on: the full-size one, or while compacted
+    the compacted rows (the full-size state is then left as it is)."""
+    if self.compacted is None:
+      return self.engine.set_active(state, active)
+    slots, small, child = self.compacted
+    small = child.set_active(small, _rows(active, slots, child.max_concurrent_decodes, False))
+    self.compacted = (slots, small, child)
+    return state
+
+  def set_pages(self, state: DecodeState, table: np.ndarray) -> DecodeState:
+    """Engine.set_pages likewise (paging.py's table, a row per slot)."""
+    if self.compacted is None:
+      return self.engine.set_pages(state, table)
+    slots, small, child = self.compacted
+    small = child.set_pages(small, _rows(table, slots, child.max_concurrent_decodes, 0))
+    self.compacted = (slots, small, child)
+    return state
 
   def maybe_compact(self, state: DecodeState, active: np.ndarray) -> DecodeState:
     """Moves the active slots onto the smallest child engine that holds them, when that is
@@ -137,11 +200,12 @@ class Drain:
     self.compacted = (slots, self.engine.compact(state, slots), self.engine.compact_engine(size))
     return state
 
-  def expand(self, state: DecodeState, active: np.ndarray) -> DecodeState:
-    """Writes the still-active compacted slots back into the full-size `state`."""
+  def expand(self, state: DecodeState, held: np.ndarray) -> DecodeState:
+    """Writes the compacted slots still `held` (a sample runs or is parked in them:
+    SlotTable.held) back into the full-size `state`."""
     slots, small, _ = self.compacted
     self.compacted = None
-    return self.engine.expand(state, small, np.where(active[slots], slots, -1))
+    return self.engine.expand(state, small, np.where(held[slots], slots, -1))
 
   def generate(self, params, window: int):
     """One step of the compacted state; returns (the child engine, its results scattered back

@@ -67,14 +67,14 @@ class Engine:
                        f"{max_decode_length}")
     # A paged KV cache (model/paged_attention.py): kv_pages pages of page_size positions shared
     # by the slots (page 0 the null page), handed out by the loop (paging.py); a decode step
-    # reads only the pages its slots have filled. Compaction and windows, which bound what a
-    # dense cache's step reads, have nothing left to do on it.
+    # reads only the pages its slots have filled. Windows, which bound what a dense cache's step
+    # reads, have nothing left to do on it; compaction gathers table rows (the pools move).
     self.kv_pages, self.page_size = (None if kv_pages is None else int(kv_pages)), int(page_size)
     if self.kv_pages is not None:
       if self.kv_pages < 2 or self.page_size < 1:
         raise ValueError(f"a paged KV cache needs kv_pages >= 2 (page 0 is the null page) and "
                          f"page_size >= 1, got {kv_pages} and {page_size}")
-      compact_sizes, attention_windows = (), None
+      attention_windows = None
     self.cpu = CpuOptions.resolve(cpu, cpu_dot_library, compact_sizes)
     self.cfg, self.mesh, self.rules = cfg, mesh, tuple(rules)
     self.sampling = sampling
@@ -129,7 +129,8 @@ class Engine:
                     max_decode_length=max_decode_length, sampling=sampling,
                     prefill_buckets=prefill_buckets, cache_dtype=cache_dtype,
                     truncate_prompts=truncate_prompts, max_prefill_batch=max_prefill_batch,
-                    attention_windows=self.attention_windows,
+                    attention_windows=self.attention_windows, kv_pages=kv_pages,
+                    page_size=page_size, paged_attention=paged_attention,
                     cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
     slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
     self._compaction = Compaction(

@@ -123,7 +123,7 @@ class GeneratorLoop:
     self.state = engine.init_decode_state()
     self.completions: queue.Queue[Sample] = queue.Queue()
     requests: queue.Queue[RequestSamples] = queue.Queue()
-    pages = None if engine.kv_pages is None else LoopPages(engine)
+    pages = None if engine.kv_pages is None else LoopPages(engine, drain.set_pages)
     slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length, self.sampling,
                       detokenize, self._emit, None if pages is None else pages.release)
     self._stop = threading.Event()
@@ -202,7 +202,7 @@ class GeneratorLoop:
     device state holds."""
     self._flush()
     if self.parts.drain.compacted is not None:
-      self.state = self.parts.drain.expand(self.state, self.parts.slots.active)
+      self.state = self.parts.drain.expand(self.state, self.parts.slots.held())
     self.state = recompute_caches(self.engine, self.params, self.state, self.parts.slots,
                                   self.parts.groups)
 
@@ -353,13 +353,15 @@ class GeneratorLoop:
     dispatches a decode step and then records the one dispatched by the previous call."""
     self._apply_pending_update()
     pages, slots = self.parts.pages, self.parts.slots
-    if pages is not None:
+    if pages is not None and pages.parked:   # on the full-size state: they go first
+      if self.parts.drain.compacted is not None:
+        self.state = self.parts.drain.expand(self.state, slots.held())
       self.state = pages.resume_parked(self.state, slots, self.params)
     self.state = self._refill.fill(self.state)
     if pages is not None:   # the pages of every active slot's next write (paging.py)
       pages.make_room(slots, self.parts.ahead.positions, self._flush)
       if not np.array_equal(slots.device_active, slots.active):
-        self.state = self.engine.set_active(self.state, slots.active)
+        self.state = self.parts.drain.set_active(self.state, slots.active)
         slots.device_active = slots.active.copy()
       self.state = pages.sync(self.state)
     active = slots.active
@@ -367,8 +369,10 @@ class GeneratorLoop:
       # A step in flight only advanced samples that have finished since (nothing is active):
       # its results are dropped.
       self._flush()
-      # Every compacted sequence has finished: nothing to write back.
-      self.parts.drain.compacted = None
+      # Every compacted sequence has finished or is parked: the parked ones (and a paged
+      # cache's pools) go back.
+      if self.parts.drain.compacted is not None:
+        self.state = self.parts.drain.expand(self.state, slots.held())
       return False
     if self.compact_drain and not self._pending_work():
       self.state = self.parts.drain.maybe_compact(self.state, active)
@@ -402,9 +406,10 @@ class GeneratorLoop:
     self.parts.ahead.flush()
 
   def _pending_work(self) -> bool:
-    """Whether a request or a group sample is waiting for a slot."""
+    """Whether a request or a group sample is waiting for a slot, or a parked one for pages."""
     return (not self.parts.requests.empty() or self.parts.prefiller.holds_work()
-            or any(g.waiting > 0 for g in self.parts.groups))
+            or any(g.waiting > 0 for g in self.parts.groups)
+            or bool(self.parts.pages and self.parts.pages.parked))
 
   def _emit(self, sample: Sample) -> None:
     self.completions.put(sample)

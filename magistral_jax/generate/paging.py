@@ -22,14 +22,16 @@ from magistral_jax.model.paged_attention import NULL_PAGE
 
 
 class LoopPages:
-  """The page pool of one engine's slots (engine.kv_pages pages of engine.page_size positions)."""
+  """The page pool of one engine's slots (engine.kv_pages pages of engine.page_size positions);
+  `set_pages(state, table)` puts the table into the decode state the slots run on."""
 
-  def __init__(self, engine):
+  def __init__(self, engine, set_pages):
     if engine.kv_pages - 1 < engine.max_pages_per_slot:
       raise ValueError(f"kv_pages={engine.kv_pages}: one sample of the engine's cache_length "
                        f"({engine.cache_length} positions) needs {engine.max_pages_per_slot} "
                        f"pages of {engine.page_size} besides the null page")
     self.engine = engine
+    self._set_pages = set_pages   # Engine.set_pages, or compaction.Drain's while compacted
     self.reset()
 
   def reset(self) -> None:
@@ -169,7 +171,7 @@ class LoopPages:
   def sync(self, state):
     """The decode state with the host's page table, if it changed since the last sync."""
     if self._dirty and state is not None:
-      state = self.engine.set_pages(state, self.table)
+      state = self._set_pages(state, self.table)
       self._dirty = False
     return state
 

@@ -71,7 +71,7 @@ class Refill:
       if not plan:
         break
       if self.parts.drain.compacted is not None:  # new work: the compacted slots go back first
-        state = self.parts.drain.expand(state, slots.active)
+        state = self.parts.drain.expand(state, slots.held())
       need, seen = [], set()
       for _, g, _ in plan:
         if self._stale(g) and id(g) not in seen:
@@ -122,6 +122,6 @@ class Refill:
     if bg:
       self.parts.prefiller.after_refill(self.parts.groups)
     if not np.array_equal(slots.device_active, slots.active):
-      state = self.engine.set_active(state, slots.active)
+      state = self.parts.drain.set_active(state, slots.active)
       slots.device_active = slots.active.copy()
     return state

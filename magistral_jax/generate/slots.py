@@ -48,6 +48,10 @@ class SlotTable:
   def empty(self) -> bool:
     return all(s is None for s in self.samples)
 
+  def held(self) -> np.ndarray:
+    """[slots] bool: a sample holds the slot (decoding, or parked)."""
+    return np.array([s is not None for s in self.samples])
+
   def free(self) -> np.ndarray:
     """The slots no sample holds (a parked sample holds its slot while inactive)."""
     return np.flatnonzero([s is None for s in self.samples])

@@ -1,6 +1,6 @@
 """The generator loop on a paged KV cache (generate/paging.py, model/paged_attention.py): the same
 samples as on the dense cache (fp32, greedy and seeded sampling) through group sharing, refill,
-preemption when the pages run dry, a weight push mid-sequence, the recompute ablation and
+drain compaction (a page-table gather), preemption when the pages run dry, a weight push mid-sequence, the recompute ablation and
 release/reload; with every paged implementation (the Pallas kernel in its interpreter)."""
 import dataclasses
 
@@ -48,8 +48,10 @@ def engine(mesh, sampling, **kw):
 
 def requests(n=6, seed=0, group=2):
   rs = np.random.RandomState(seed)
+  # Mixed completion lengths: the batch drains, slot by slot.
   return [Request(f"r{i}", rs.randint(1, CFG.vocab_size, rs.randint(3, 14)).tolist(),
-                  group_size=group, seed=100 + i) for i in range(n)]
+                  group_size=group, seed=100 + i, max_new_tokens=int(rs.randint(2, 13)))
+          for i in range(n)]
 
 
 def run(eng, p, reqs, sampling, **kw):
@@ -75,6 +77,7 @@ def test_paged_samples_equal_dense_with_groups_and_refill(mesh, params, impl, sa
   same(want, got)
   m = loop.metrics()
   assert m["kv_preemptions"] == 0 and m["kv_pages_used"] == 0 and m["kv_pages_peak"] > 0
+  assert loop.counters.compact_steps > 0   # the drain ran on fewer slots: a table gather
   loop.parts.pages.pool.check()
 
 
