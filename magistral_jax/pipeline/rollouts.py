@@ -104,7 +104,7 @@ class Rollouts(LostGenerators):
     self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
     self.system_prompt = system_prompt
     self._rng = np.random.default_rng(seed)
-    self._scoring = Scoring(pool, tokenizer.decode)
+    self._scoring = Scoring(pool, tokenizer)
     self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
     self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped)
     self.counters = self._groups.counters

@@ -10,7 +10,6 @@ import collections
 import queue
 import time
 from concurrent.futures import Future
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -30,10 +29,10 @@ def settled(future: Future) -> RewardResult:
 class Scoring:
   """The scored samples (`scored`: a queue of (Sample, RewardResult)) and the verifiers'
   latencies. pool: a VerifierPool (submit(task, response, tokens, seed) -> Future);
-  decode: token ids -> the response text the verifier reads."""
+  tokenizer: its decode gives the response text the verifier reads."""
 
-  def __init__(self, pool, decode: Callable[[Sequence[int]], str]):
-    self.pool, self.decode = pool, decode
+  def __init__(self, pool, tokenizer):
+    self.pool, self.tokenizer = pool, tokenizer
     self.scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
     self._latencies: collections.deque[float] = collections.deque(maxlen=1000)
 
@@ -43,7 +42,7 @@ class Scoring:
     if result is not None:
       self.scored.put((sample, result))
       return
-    response = self.decode(sample.tokens)
+    response = self.tokenizer.decode(sample.tokens)
     t_submit = time.time()
     try:
       fut = self.pool.submit(sample.metadata, response, len(sample.tokens),
