@@ -93,7 +93,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   embed_bytes = dev_params["embed"]["embedding"].nbytes
   itemsize = jnp.dtype(dtype).itemsize
 
-  loop = GeneratorLoop(eng, dev_params, compact_drain=False,
+  loop = GeneratorLoop(eng, dev_params, compact_drain=False, sampling=eng.sampling,
                        options=dataclasses.replace(DIRECT, overlap_host=not args.no_overlap))
   rs = np.random.RandomState(0)
   for i in range(args.batch):

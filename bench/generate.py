@@ -54,7 +54,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   shared = list(prompts[0][:shared_prefix]) if shared_prefix else None
   # Warm-up: pick the generate step's CPU dot library by timing both (cpu_options.tune_engine),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
-  warm = GeneratorLoop(eng, params, shared_prefix=shared)
+  warm = GeneratorLoop(eng, params, shared_prefix=shared, sampling=eng.sampling)
   eng.precompile(warm.params, existing_prefix=warm.shared_prefix_cache())
   warm.submit(Request("w", prompts[0], max_new_tokens=2))
   warm.run_until_idle()
@@ -65,7 +65,7 @@ def run_ours(cfg, params, prompts, lengths, slots, n_updates, group_size=1, comp
   # needs it, while the loop runs.
   options = dataclasses.replace(DIRECT, background_prefill=background_prefill,
                                 loop_prefill_below=loop_prefill_below)
-  loop = GeneratorLoop(eng, params, options=options, compact_drain=compact, shared_prefix=shared)
+  loop = GeneratorLoop(eng, params, options=options, compact_drain=compact, shared_prefix=shared, sampling=eng.sampling)
   for i, (p, n) in enumerate(zip(prompts, lengths)):
     loop.submit(Request(i, p, group_size=group_size, max_new_tokens=int(n)))
   total = int(sum(lengths)) * group_size

@@ -127,7 +127,7 @@ def main():
 
   def run_mode(mode: str, num_batches: int, lengths: list | None = None):
     state = init_state(cfg, rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES, params=params)
-    gens = [GeneratorLoop(e, params, 0, seed=args.seed + i) for i, e in enumerate(engines)]
+    gens = [GeneratorLoop(e, params, 0, seed=args.seed + i, sampling=e.sampling) for i, e in enumerate(engines)]
     ends = []
     trainer = Trainer(train_step, state, tmesh, TRAINER_RULES)
     pipe = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=problems(args.seed),

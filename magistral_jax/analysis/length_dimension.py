@@ -98,6 +98,7 @@ class GridScorer:
     # The prompts' common prefix (the system prompt) is prefilled once per grid point and each
     # prompt's own tokens after it (GeneratorLoop shared_prefix).
     self.loop = GeneratorLoop(self.engine, params, version=0, seed=seed,
+                              sampling=self.engine.sampling,
                               shared_prefix=useful_shared_prefix(common_prefix(self.prompts),
                                                                  max_prefill_length))
     # Every program the grid can need (prefill buckets and batch sizes, those continuing the

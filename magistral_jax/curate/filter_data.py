@@ -46,7 +46,7 @@ def _generator(path, temperature, max_new_tokens, slots, greedy=False, prompt_le
     from magistral_jax.generate.prefix_cache import useful_shared_prefix
     from magistral_jax.pipeline.generators import shared_prompt_prefix
     shared = useful_shared_prefix(shared_prompt_prefix(tok, system_prompt), prompt_len)
-  return GeneratorLoop(engine, params, shared_prefix=shared), tok
+  return GeneratorLoop(engine, params, shared_prefix=shared, sampling=engine.sampling), tok
 
 
 def filter_data(*, inputs: Sequence[str], shipped: str | None, kind: str,

@@ -62,14 +62,16 @@ class EngineConfig:
   # device queue. False prefills in the loop thread between steps.
   background_prefill: bool = True
   # With background_prefill, when fewer than this fraction of the slots would decode, the loop
-  # fills every free slot with its own prefill before stepping (GeneratorLoop; keeps
-  # prefill-bound workloads from decoding near-empty batches).
+  # fills every free slot with its own prefill before stepping (GeneratorLoop, PrefillWorker.
+  # top_up; keeps prefill-bound workloads from decoding near-empty batches). 0 = the worker
+  # alone (the loop prefills only when nothing decodes and the worker is idle); 1 = whenever a
+  # slot is free and no prefilled sample waits for it.
   loop_prefill_below: float = 0.5
   # The token prefix every prompt of the run starts with (the rendered system prompt and
   # chat-template head; pipeline.generators.shared_prompt_prefix) is prefilled once per weights
   # version and each prompt is prefilled as its own rest only (GeneratorLoop shared_prefix; the
   # same samples up to float rounding). Used when that prefix has at least
-  # generate.loop.SHARED_PREFIX_MIN_TOKENS tokens.
+  # generate.prefix_cache.SHARED_PREFIX_MIN_TOKENS tokens.
   shared_prefix_cache: bool = True
   # The generator loop dispatches decode step n+1 before it fetches and records step n, so the
   # device decodes while the host transfers tokens, does the bookkeeping and refills slots

@@ -78,15 +78,13 @@ class Engine:
     self.cpu = CpuOptions.resolve(cpu, cpu_dot_library, compact_sizes)
     self.cfg, self.mesh, self.rules = cfg, mesh, tuple(rules)
     self.sampling = sampling
-    self._slots = int(max_concurrent_decodes)
-    self._max_prefill = int(max_prefill_length)
-    self._max_decode = int(max_decode_length)
+    self._slots, self._max_prefill, self._max_decode = (
+        int(max_concurrent_decodes), int(max_prefill_length), int(max_decode_length))
     self.cache_length = self._max_prefill + self._max_decode
     self.cache_dtype = jnp.dtype(cache_dtype or cfg.dtype)
     self.truncate_prompts = truncate_prompts
     self.prefill_buckets = shapes.prefill_buckets(prefill_buckets, self._max_prefill)
-    # Attention windows (see `window_for`): a generate step attends over the first W cache
-    # positions, W the smallest window holding every active slot; one program per window.
+    # Attention windows (shapes.py, `window_for`): one generate program per window.
     self.attention_windows = shapes.attention_windows(attention_windows, self.cache_length)
     # Decode attention (model/decode_choice.py): "live" reads only the positions each
     # slot has reached, whatever the window, so windows would only add programs.

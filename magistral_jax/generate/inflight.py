@@ -24,8 +24,10 @@ thread stops, and before a KV recompute on update. Refills overlap too: the firs
 samples inserted while a step is in flight are fetched and recorded with the next step's results
 (a sample finishing on its first token is known a step later, like any other finish).
 
-This module keeps that lead: at most one dispatched step (`InFlight`) and the pending first
-tokens, the positions they advance each slot by, and their recording into the slot table.
+This module keeps that lead: it dispatches each decode step (on the full or the compacted
+state, over the attention window its positions need) and holds at most one dispatched step
+(`InFlight`) and the pending first tokens, the positions they advance each slot by, and their
+recording into the slot table.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class InFlight:
   (None: row i is slot i); slots: the slots active on the host when it was dispatched and
   owners: their SlotSamples then (a slot whose sample has since finished, or that holds another
   one, is not recorded); version: the policy version of the weights it ran with; firsts: the
-  first tokens of the samples inserted just before it (see GeneratorLoop._fill_slots), recorded
+  first tokens of the samples inserted just before it (refill.Refill.fill), recorded
   before its own tokens."""
   res: Any
   rows: np.ndarray | None
@@ -60,14 +62,43 @@ class InFlight:
 
 
 class DeviceLead:
-  """The step in flight (`step`) and the first tokens of inserts not yet fetched (`firsts`:
-  (slots, request ids, prefix versions, tokens on the device, log-probs on the device) each),
-  recorded into `slots` as they are fetched."""
+  """Dispatches decode steps; holds the step in flight (`step`) and the first tokens of inserts
+  not yet fetched (`firsts`: (slots, request ids, prefix versions, tokens on the device,
+  log-probs on the device) each), recorded into `slots` as they are fetched."""
 
   def __init__(self, slots: SlotTable, drain: Drain, counters: LoopCounters):
     self.slots, self.drain, self.counters = slots, drain, counters
     self.step: InFlight | None = None
     self.firsts: list[tuple] = []
+
+  def dispatch(self, params, state, version: int):
+    """Dispatches one decode step of the active slots (on the compacted state while the drain
+    runs on a smaller engine) with weights `params` of policy `version`, over the smallest
+    attention window holding every position it writes (a paged cache: the pages its slots hold,
+    Engine.read_bound), and makes it the step in flight
+    (`dispatched`). Returns the full-size decode state (`state`, donated)."""
+    c, engine = self.counters, self.drain.engine
+    # The device is ahead of what the host has recorded (the step in flight, first tokens not
+    # yet fetched): the window must hold the positions this step writes on the device.
+    ahead = self.positions()
+    window = engine.read_bound(list(self.slots.reached(ahead).values()))
+    c.attended_positions += (self.slots.mean_positions(ahead)
+                             if engine.decode_attention in ("live", "paged") else window)
+    t0 = time.perf_counter()
+    slots = np.flatnonzero(self.slots.active)
+    owners = [self.slots.samples[i] for i in slots]
+    if self.drain.compacted is None:
+      eng, rows = engine, None
+      state, res = engine.generate(params, state, window)
+    else:
+      eng, res, rows = self.drain.dispatch(params, window)
+      c.compact_steps += 1
+    c.computed_slot_steps += eng.max_concurrent_decodes
+    c.steps += 1
+    c.decode_time_s += time.perf_counter() - t0
+    # overlap_host: the previous step is recorded while this one runs.
+    self.dispatched(res, rows, slots, owners, version)
+    return state
 
   def dispatched(self, res, rows, slots, owners, version: int) -> None:
     """A decode step was dispatched: it becomes the step in flight, taking the pending first

@@ -18,10 +18,8 @@ One iteration (`step`):
      stream finished samples out as `Sample`s.
 
 Host work overlapped with the device (EngineConfig.overlap_host, the default): step 4 dispatches
-decode step n+1 before it fetches and records step n's results, so the device computes while the
-host transfers, does its bookkeeping and refills slots (inflight.py says what that changes: the
-same samples, a finished sample's slot refilled a step later). overlap_host=False is the old
-synchronous step (dispatch, fetch, record).
+decode step n+1 before it records step n's results, so the device computes while the host works
+(inflight.py says what that changes); overlap_host=False dispatches, fetches and records in turn.
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
 exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
@@ -69,23 +67,16 @@ class GeneratorLoop:
   `loop.counters` (counters.LoopCounters)."""
 
   def __init__(self, engine: Engine, params, version: int = 0, *,
-               options: EngineConfig = DIRECT, sampling: SamplingConfig | None = None,
+               sampling: SamplingConfig, options: EngineConfig = DIRECT,
                detokenize: Callable[[Sequence[int]], str] | None = None,
                callback: Callable[[Sample], None] | None = None, seed: int = 0,
                shared_prefix: Sequence[int] | None = None, idle_wait_s: float = 0.005,
                truncate_prompts: bool | None = None, compact_drain: bool = True,
                prefill_ahead: int | None = None):
     self.engine = engine
-    # The loop's knobs of the `engine` section (its shapes are the engine's own):
-    # - overlap_host: step() dispatches decode step n+1 before recording step n's results (one
-    #   step in flight; inflight.py); False: dispatch, fetch, record in turn.
-    # - background_prefill: a worker thread prefills queued requests while the loop decodes
-    #   (prefill_worker.py), keeping about `prefill_ahead` prefilled samples ready for the next
-    #   free slots. The loop prefills itself when too few slots would decode
-    #   (loop_prefill_below, PrefillWorker.top_up: 0 = the worker alone, the loop prefilling only
-    #   when nothing decodes and the worker is idle; 1 = whenever a slot is free and no
-    #   prefilled sample waits for it), or when nothing is decoding and the worker is idle.
-    # - recompute_kv_on_update: loop_weights.py.
+    # The loop's knobs of the `engine` section (config.EngineConfig says what each does; its
+    # shapes are the engine's own): overlap_host (inflight.py), background_prefill and
+    # loop_prefill_below (prefill_worker.py), recompute_kv_on_update (loop_weights.py).
     self.options = options
     # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
     # need first, then the next ones in the queue) are prefilled in the same call; the extra
@@ -97,16 +88,16 @@ class GeneratorLoop:
     # engine's compact_sizes, they are decoded on that smaller engine (compaction.Drain).
     self.compact_drain = compact_drain
     drain = Drain(engine)
-    # Stop criteria (eos_id, stop_strings, max_new_tokens) are host-side and the temperature an
-    # input of the engine's programs (each slot carries its own), so a loop may set its own; what
-    # the programs compile in (top-p, top-k, greedy) must match the engine.
-    self.sampling = sampling or engine.sampling
+    # The loop's own sampling (a caller wanting the engine's passes engine.sampling): stop
+    # criteria are host-side and the temperature an input of the engine's programs (each slot
+    # carries its own); what the programs compile in (top-p, top-k, greedy) must match.
+    self.sampling = sampling
     for f in ("top_p", "top_k", "greedy"):
       if getattr(self.sampling, f) != getattr(engine.sampling, f):
         raise ValueError(f"sampling.{f}={getattr(self.sampling, f)!r} differs from the engine's "
                          f"{getattr(engine.sampling, f)!r} (it is compiled into the engine)")
-    self.truncate_prompts = engine.truncate_prompts if truncate_prompts is None \
-        else truncate_prompts
+    self.truncate_prompts = truncate_prompts if truncate_prompts is not None else \
+        engine.truncate_prompts
     if self.sampling.stop_strings and detokenize is None:
       raise ValueError("SamplingConfig.stop_strings needs a detokenize callable")
     self.detokenize = detokenize
@@ -146,9 +137,6 @@ class GeneratorLoop:
   def submit(self, request: Request) -> None:
     """Validates and enqueues a request (raises at once on bad input; nothing is queued)."""
     self.check()
-    if request.group_size < 1:
-      raise ValueError(f"request {request.id!r}: group_size must be >= 1, got "
-                       f"{request.group_size}")
     mx = (self.sampling.max_new_tokens if request.max_new_tokens is None
           else request.max_new_tokens)
     if not 1 <= mx <= self.engine.max_decode_length:
@@ -193,9 +181,6 @@ class GeneratorLoop:
     jax.block_until_ready(new)
     self.update_params(new, version)
 
-  def _apply_pending_update(self) -> None:
-    self.weights.apply_pending(self._recompute_kv)
-
   def _recompute_kv(self) -> None:
     """recompute_kv_on_update: the caches are recomputed from the host's tokens, so the step in
     flight (old weights, its own version) is recorded first: the host then has every token the
@@ -207,7 +192,6 @@ class GeneratorLoop:
                                   self.parts.groups)
 
   # ---- running it ------------------------------------------------------------------------------
-
   def start(self) -> "GeneratorLoop":
     if self._thread is not None:
       raise RuntimeError("generator loop already started")
@@ -257,8 +241,7 @@ class GeneratorLoop:
     """No request queued, no sample waiting for a slot or a prefill, no slot decoding. A request
     whose samples all went into slots stays queued until a free slot pops it: not work."""
     with self._lock:  # the worker takes requests and counts them in flight under this lock
-      return (self.parts.requests.empty() and not any(g.waiting > 0 for g in self.parts.groups)
-              and not self.parts.prefiller.holds_work() and self.parts.slots.empty())
+      return not self._pending_work() and self.parts.slots.empty()
 
   def run_until_idle(self, max_steps: int | None = None) -> list[Sample]:
     """Steps in the calling thread until all submitted work is done; returns the samples."""
@@ -351,7 +334,7 @@ class GeneratorLoop:
   def step(self) -> bool:
     """One loop iteration; returns False when there was nothing to decode. With overlap_host it
     dispatches a decode step and then records the one dispatched by the previous call."""
-    self._apply_pending_update()
+    self.weights.apply_pending(self._recompute_kv)
     pages, slots = self.parts.pages, self.parts.slots
     if pages is not None and pages.parked:   # on the full-size state: they go first
       if self.parts.drain.compacted is not None:
@@ -376,27 +359,7 @@ class GeneratorLoop:
       return False
     if self.compact_drain and not self._pending_work():
       self.state = self.parts.drain.maybe_compact(self.state, active)
-    c = self.counters
-    # The device is ahead of what the host has recorded (the step in flight, first tokens not
-    # yet fetched): the window must hold the positions this step writes on the device.
-    ahead = self.parts.ahead.positions()
-    window = self.engine.read_bound(list(slots.reached(ahead).values()))
-    c.attended_positions += (slots.mean_positions(ahead)
-                             if self.engine.decode_attention in ("live", "paged") else window)
-    t0 = time.perf_counter()
-    slots = np.flatnonzero(active)
-    owners = [self.parts.slots.samples[i] for i in slots]
-    if self.parts.drain.compacted is None:
-      eng, rows = self.engine, None
-      self.state, res = eng.generate(self.params, self.state, window)
-    else:
-      eng, res, rows = self.parts.drain.dispatch(self.params, window)
-      c.compact_steps += 1
-    c.computed_slot_steps += eng.max_concurrent_decodes
-    c.steps += 1
-    c.decode_time_s += time.perf_counter() - t0
-    # overlap_host: the previous step is recorded while this one runs.
-    self.parts.ahead.dispatched(res, rows, slots, owners, self.version)
+    self.state = self.parts.ahead.dispatch(self.params, self.state, self.version)
     if not self.options.overlap_host:
       self._flush()
     return True

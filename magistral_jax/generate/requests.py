@@ -24,6 +24,10 @@ class Request:
   metadata: Any = None
   seed: int | None = None  # per-request sampling seed (default: drawn from the loop's seed)
 
+  def __post_init__(self):
+    if self.group_size < 1:
+      raise ValueError(f"request {self.id!r}: group_size must be >= 1, got {self.group_size}")
+
 
 @dataclasses.dataclass
 class Sample:

@@ -30,7 +30,7 @@ from magistral_jax.generate.requests import Sample
 from magistral_jax.parallel.bulk import BulkChannel
 from magistral_jax.parallel.multihost import Mailbox
 from magistral_jax.parallel.weight_transfer import WeightTransfer
-from magistral_jax.rewards.reward import failed_result
+from magistral_jax.pipeline.scoring import settled
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +134,7 @@ def scored_by(score, add):
   def on_sample(sample: Sample):
     fut = score(sample)   # blocks while the pool's queue is full: generation waits for scoring
 
-    def done(f):
-      try:
-        result = f.result()
-      except Exception as e:   # the pool resolves failures itself; this is a last resort
-        result = failed_result(f"verifier failed: {type(e).__name__}: {e}")
-      add((sample, result))
-    fut.add_done_callback(done)
+    fut.add_done_callback(lambda f: add((sample, settled(f))))
   return on_sample
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from magistral_jax.generate.requests import Sample
+from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.rewards.reward import BAD_TASK, RewardResult, reward_metrics
 from magistral_jax.rl.advantages import DROP_REASONS, VERIFIER_ERROR, ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion
@@ -186,6 +187,20 @@ class GroupAssembler:
 
   def stalled(self) -> bool:
     return 0 < self.max_consecutive_dropped <= self.streak.groups
+
+  def stall_error(self, decode: Callable[[Sequence[int]], str]) -> PipelineError:
+    """Why the run stops once `stalled()`: the likely cause (DropStreak.cause) and a completion
+    of the last dropped group (logged in full; `decode` gives its text)."""
+    streak, sample = self.streak, ""
+    if streak.example is not None:
+      log.warning("a completion of the last dropped group:\n%s",
+                  describe(*streak.example, decode))
+      sample = ("\nA completion of the last dropped group (in full in the log above):\n"
+                + describe(*streak.example, decode, max_chars=500))
+    return PipelineError(f"{streak.cause()}.\nStopping: the last {streak.groups} scored groups "
+                         f"were all dropped, so no batch can form (pipeline."
+                         f"max_consecutive_dropped={self.max_consecutive_dropped}; 0 turns this "
+                         f"check off).{sample}")
 
   def progress(self) -> str:
     """Since the last batch: groups scored and dropped (by reason), mean reward, format rate."""

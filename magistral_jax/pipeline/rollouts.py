@@ -34,21 +34,13 @@ scored), every generation finishes, then the trainer runs and pushes, then gener
 Tokens in a batch therefore all carry one version.
 
 Colocated (`colocated=True`, config devices.colocated): the generators run on the trainer's own
-devices, for a run on one GPU or one TPU VM whose chips should not be split. Two schedules
-(pipeline.schedule, chosen once):
-- sync, the default: generation and training take turns (pipeline.taking_turns: the trainer's
-  thread steps the generators, which free their weights copy and KV cache before each train
-  step and reload the newest params after it; the phases report their memory);
-- async (one batch of lookahead): the generator threads keep generating with the previous
-  weights while a batch trains, bounded by n_async exactly as across devices; pushes copy the
-  params (the trainer donates its state), and weights copy and KV cache stay resident beside
-  the trainer's step, so both must fit together.
-The trainer reports `memory/train_peak_bytes` in every layout (train.rl_loop.Trainer).
+devices, for a run on one GPU or one TPU VM whose chips should not be split; in sync mode
+generation and training take turns, in async mode generation runs one batch ahead, bounded by
+n_async as across devices (pipeline.schedule says what each keeps in memory). The trainer
+reports `memory/train_peak_bytes` in every layout (train.rl_loop.Trainer).
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -66,7 +58,8 @@ from magistral_jax.pipeline.generator_meter import GeneratorMeter
 from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
 from magistral_jax.pipeline.lost_generators import LostGenerators
 from magistral_jax.pipeline.schedule import schedule_for
-from magistral_jax.rewards.reward import RewardResult, failed_result
+from magistral_jax.pipeline.scoring import Scoring
+from magistral_jax.rewards.reward import RewardResult
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
 
@@ -111,7 +104,7 @@ class Rollouts(LostGenerators):
     self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
     self.system_prompt = system_prompt
     self._rng = np.random.default_rng(seed)
-    self._scored: queue.Queue[tuple[Sample, RewardResult]] = queue.Queue()
+    self._scoring = Scoring(pool, tokenizer)
     self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
     self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped)
     self.counters = self._groups.counters
@@ -126,7 +119,6 @@ class Rollouts(LostGenerators):
     self.max_generating = 0     # high-water marks: max_generating <= n_async and
     self.max_inflight = 0       # max_inflight (generating + queued) <= n_async + max_queue
     self._prompts_exhausted = False
-    self._verifier_latencies: collections.deque[float] = collections.deque(maxlen=1000)
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     self._init_lost_generators()
@@ -292,7 +284,7 @@ class Rollouts(LostGenerators):
         time.sleep(0.1)   # no generator serves: one may rejoin
 
   def _collect(self):
-    """Generated samples -> verifier pool; a future's result lands in the scored queue."""
+    """Generated samples leave `generating` for `queued` and go to scoring (pipeline.scoring)."""
     while not self._stop.is_set():
       try:
         i, s, scored = self._generated.get(timeout=0.05)
@@ -303,25 +295,7 @@ class Rollouts(LostGenerators):
         self._generating -= 1
         self._queued += 1
         self._room.notify_all()
-      if scored is not None:   # by its generator process's pool
-        self._scored.put((s, scored))
-        continue
-      response = self.tokenizer.decode(s.tokens)
-      t_submit = time.time()
-      try:
-        fut = self.pool.submit(s.metadata, response, len(s.tokens), int(s.request_id))
-      except Exception as e:   # a closed or broken pool: its group is dropped, the run goes on
-        self._scored.put((s, failed_result(f"verifier submit failed: {e}")))
-        continue
-
-      def done(f, s=s, t=t_submit):
-        try:
-          res = f.result()
-        except Exception as e:  # the pool resolves failures itself; this is a last resort
-          res = failed_result(f"verifier failed: {type(e).__name__}: {e}")
-        self._verifier_latencies.append(time.time() - t)
-        self._scored.put((s, res))
-      fut.add_done_callback(done)
+      self._scoring.submit(s, scored)   # `scored`: by its generator process's pool
 
   # ---- group assembly ------------------------------------------------------------------------
   def _drain_scored(self, timeout: float) -> int:
@@ -331,7 +305,8 @@ class Rollouts(LostGenerators):
     deadline = time.time() + timeout
     while True:
       try:
-        s, res = self._scored.get(timeout=max(0.0, deadline - time.time()) if n == 0 else 0.0)
+        wait_s = max(0.0, deadline - time.time()) if n == 0 else 0.0
+        s, res = self._scoring.scored.get(timeout=wait_s)
       except queue.Empty:
         return n
       n += 1
@@ -353,18 +328,6 @@ class Rollouts(LostGenerators):
             f"{self._generating} completions generating, {self._queued} queued, "
             f"{self.counters['verifier_errors']} failed verifications in the run")
 
-  def _stop_stalled(self):
-    streak, n = self._groups.streak, self.cfg.max_consecutive_dropped
-    sample = ""
-    if streak.example is not None:
-      log.warning("a completion of the last dropped group:\n%s",
-                  describe(*streak.example, self.tokenizer.decode))
-      sample = ("\nA completion of the last dropped group (in full in the log above):\n"
-                + describe(*streak.example, self.tokenizer.decode, max_chars=500))
-    raise PipelineError(f"{streak.cause()}.\nStopping: the last {streak.groups} scored groups were "
-                        f"all dropped, so no batch can form (pipeline.max_consecutive_dropped={n};"
-                        f" 0 turns this check off).{sample}")
-
   def _wait_for_groups(self, need: int):
     t0 = last_log = time.time()
 
@@ -376,7 +339,7 @@ class Rollouts(LostGenerators):
       self._watch_generators()
       self._drain_scored(wait_s)
       if self._groups.stalled():
-        self._stop_stalled()
+        raise self._groups.stall_error(self.tokenizer.decode)
       now = time.time()
       if self.cfg.wait_log_s and now - last_log >= self.cfg.wait_log_s:
         last_log = now
@@ -404,7 +367,7 @@ class Rollouts(LostGenerators):
       while len(ready) < need:
         tick()
         if (self._prompts_exhausted and not self._retry and not pending
-            and self._scored.empty() and len(ready) < need):
+            and self._scoring.scored.empty() and len(ready) < need):
           raise StopIteration
 
   # ---- metrics -------------------------------------------------------------------------------
@@ -420,10 +383,9 @@ class Rollouts(LostGenerators):
     return describe(g.info[0], g.results[0], self.tokenizer.decode)
 
   def _system_metrics(self) -> dict:
-    lat = list(self._verifier_latencies)
     return {
         **self._meter.read(),
-        "verifier_latency_s": float(np.mean(lat)) if lat else 0.0,
+        "verifier_latency_s": self._scoring.latency_s(),
         "verifier_errors": float(self.counters["verifier_errors"]),
         # Problems skipped because no generator would take their prompt (over its prefill limit).
         "prompts_skipped": float(self.counters["prompts_skipped"]),

@@ -2,9 +2,14 @@
 generators on, chosen once when it is built.
 
 - `Concurrent`: every generator runs in its own thread, on devices of its own or (colocated
-  async) beside the trainer's step; a push moves the trainer's params onto each at once.
-- `TakingTurns` (pipeline.taking_turns; colocated sync): the trainer's thread steps the
-  generators in phases between train steps; a push is only noted, and the next phase loads it.
+  async: one batch of lookahead) beside the trainer's step; a push moves the trainer's params
+  onto each at once. Colocated, a push copies the params (the trainer donates its state), and
+  the generators' weights copy and KV cache stay resident beside the trainer's step, so both
+  must fit together.
+- `TakingTurns` (pipeline.taking_turns; colocated sync, the default): the trainer's thread steps
+  the generators in phases between train steps; they free their weights copy and KV cache before
+  each train step, a push is only noted, and the next phase loads the newest params (the phases
+  report their memory).
 
 Both have the same methods, called by Rollouts at the same points: `start` with the pipeline,
 `push` after each optimizer step, and in sync mode `begin` / `generate` ... / `end` around the

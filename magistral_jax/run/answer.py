@@ -10,12 +10,16 @@ import json
 import os
 import time
 
+import jax
+import jax.numpy as jnp
+
+from magistral_jax.model import transformer as T
+from magistral_jax.model.gguf_checkpoint import load_gguf
+from magistral_jax.model.gguf_file import default_gguf_path
+from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
+
 
 def greedy_answer(params, cfg, prompt_ids, max_new_tokens, eos_id):
-  import jax
-  import jax.numpy as jnp
-  from magistral_jax.model import transformer as T
-
   @jax.jit
   def run(p, ids):
     cache = T.init_cache(cfg, 1, ids.shape[1] + max_new_tokens)
@@ -42,9 +46,6 @@ def greedy_answer(params, cfg, prompt_ids, max_new_tokens, eos_id):
 
 def answer(problem: str, max_new_tokens: int, workdir: str, magistral_prompt: bool = True) -> dict:
   """Loads the shipped model, answers `problem`, prints it and writes WORKDIR/answer.json."""
-  from magistral_jax.model.gguf_checkpoint import load_gguf
-  from magistral_jax.model.gguf_file import default_gguf_path
-  from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
   t0 = time.time()
   print(f"[answer] loading SmolLM2-135M-Instruct from {default_gguf_path()}", flush=True)
   cfg, params, tok = load_gguf()

@@ -11,6 +11,9 @@ import json
 import logging
 import os
 
+import jax
+import numpy as np
+
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.model.gguf_checkpoint import load_gguf
 from magistral_jax.model.hf_checkpoint import load_hf_safetensors, save_hf_safetensors
@@ -51,8 +54,6 @@ def convert(direction: str, input: str | None, output: str, dtype: str | None = 
     cfg = read_orbax_config(_orbax_params_dir(input))
     params = to_numpy_tree(restore_params_orbax(_orbax_params_dir(input)))
     if dtype is not None:
-      import jax
-      import numpy as np
       params = jax.tree.map(lambda x: x.astype(np.dtype(dtype)), params)
       cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
   else:
@@ -61,12 +62,10 @@ def convert(direction: str, input: str | None, output: str, dtype: str | None = 
   os.makedirs(output, exist_ok=True)
   if direction.endswith("_hf"):
     files = save_hf_safetensors(params, cfg, output, max_shard_bytes=max_shard_bytes)
-    if tokenizer is not None:
-      _save_tokenizer(tokenizer, output)
     log.info("wrote %d safetensors file(s) to %s", len(files), output)
   else:
     save_params_orbax(os.path.join(output, ORBAX_PARAMS), params, cfg)
-    if tokenizer is not None:
-      _save_tokenizer(tokenizer, output)
     log.info("wrote orbax checkpoint %s/%s (+ config.json)", output, ORBAX_PARAMS)
+  if tokenizer is not None:
+    _save_tokenizer(tokenizer, output)
   return cfg

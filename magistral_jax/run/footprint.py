@@ -12,7 +12,7 @@ device of each role holds at its peak:
   generator  its weight copy in model.serving_param_dtype, a second copy while a pushed update
              waits for a step boundary (generate/loop_weights.py), the decode state (the
              per-layer KV cache of engine.max_concurrent_decodes slots x (max_prefill_length +
-             sampling.max_new_tokens) positions in the compute dtype, as generate/engine.py
+             sampling.max_new_tokens) positions in the compute dtype, as generate/state.py
              builds it, and the per-slot vectors), one batched prefill and the decode step's
              logits.
 
@@ -37,10 +37,12 @@ import jax.numpy as jnp
 import optax
 
 from magistral_jax.config import RunConfig
+from magistral_jax.model import transformer as tfm
 from magistral_jax.model.attention import choose_impl
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.config import MESH_AXES
 from magistral_jax.parallel.sharding import is_logical_axes, logical_to_spec
+from magistral_jax.train.optimizer import make_optimizer
 
 
 # ---- division by the rules --------------------------------------------------------------------
@@ -72,7 +74,6 @@ def shard_elems(shape, axes, rules, sizes: dict[str, int]) -> int:
 
 
 def _param_tree(model_cfg: ModelConfig):
-  from magistral_jax.model import transformer as tfm
   return tfm.param_shapes(model_cfg), tfm.param_logical_axes(model_cfg)
 
 
@@ -175,7 +176,6 @@ def trainer_bytes(run: RunConfig, model_cfg: ModelConfig, platform: str,
                   num_devices: int | None = None, remat: str | None = None) -> dict[str, Any]:
   """Bytes per trainer device (see the module doc), by part; 'mesh' and 'attention' describe
   the layout. `remat` overrides model.remat (the 'without remat' figure)."""
-  from magistral_jax.train.optimizer import make_optimizer
   c, rl = model_cfg, run.rl
   n = run.devices.trainer if num_devices is None else num_devices
   sizes = mesh_sizes(run.devices.trainer_mesh, n)

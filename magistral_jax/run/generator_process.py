@@ -1,9 +1,9 @@
 """A generator process of a many-host run (README.md, "Many hosts"): one generator on this
-process's devices, driven by the trainer leader (pipeline.generator_service.serve_generator), scoring the
-evaluations it is asked for with its own verifier pool (and, with verifier.placement=
-"generators", every completion it generates). Its weights only ever come from the
-trainer, by device-to-device transfer. A relaunched generator process (same process id) rejoins
-the running run (pipeline/remote.py)."""
+process's devices, driven by the trainer leader (pipeline.generator_service.serve_generator),
+scoring the evaluations it is asked for with its own verifier pool (and, with
+verifier.placement="generators", every completion it generates). Its weights only ever come from
+the trainer, by device-to-device transfer. A relaunched generator process (same process id)
+rejoins the running run (pipeline/remote.py)."""
 from __future__ import annotations
 
 import logging

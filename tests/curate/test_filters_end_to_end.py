@@ -43,7 +43,8 @@ def test_difficulty_and_translation_through_the_engine_and_pool(tmp_path):
                max_prefill_length=64, max_decode_length=8, prefill_buckets=(64,),
                sampling=SamplingConfig(temperature=1.0, max_new_tokens=8, eos_id=2),
                truncate_prompts=True)
-  loop = GeneratorLoop(eng, TR.init_params(cfg, jax.random.PRNGKey(0)), seed=0)
+  loop = GeneratorLoop(eng, TR.init_params(cfg, jax.random.PRNGKey(0)), seed=0,
+                       sampling=eng.sampling)
   tok = ByteTokenizer()
 
   src = tmp_path / "raw.jsonl"

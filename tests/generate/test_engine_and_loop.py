@@ -86,7 +86,7 @@ def score(params, seq):
 
 
 def test_greedy_equals_argmax_of_full_forward_step_by_step(params, mesh):
-  loop = GeneratorLoop(engine(mesh), params)
+  loop = GeneratorLoop(engine(mesh), params, sampling=GREEDY)
   for p in prompts(2):
     c = run(loop, [Request("a", p, max_new_tokens=10)])["a", 0]
     lg, _ = score(params, p + c.tokens)
@@ -95,7 +95,7 @@ def test_greedy_equals_argmax_of_full_forward_step_by_step(params, mesh):
 
 
 def test_sampled_logprobs_equal_trainer_recomputed_logprobs(params, mesh):
-  loop = GeneratorLoop(engine(mesh, sampling=SAMPLED), params)
+  loop = GeneratorLoop(engine(mesh, sampling=SAMPLED), params, sampling=SAMPLED)
   ps = prompts(3, seed=1)
   out = run(loop, [Request(i, p, group_size=2) for i, p in enumerate(ps)])
   for (i, _), c in out.items():
@@ -109,11 +109,12 @@ def test_continuous_batching_matches_one_at_a_time(params, mesh):
   reqs = lambda: [Request(i, p, group_size=2, max_new_tokens=2 + i, seed=i)
                   for i, p in enumerate(ps)]
   for sampling in (GREEDY, SAMPLED):
-    batched_loop = GeneratorLoop(engine(mesh, sampling=sampling), params)
+    batched_loop = GeneratorLoop(engine(mesh, sampling=sampling), params, sampling=sampling)
     batched = run(batched_loop, reqs())
     alone = {}
     for r in reqs():  # one request at a time, the engine otherwise empty
-      alone.update(run(GeneratorLoop(engine(mesh, sampling=sampling), params), [r]))
+      alone.update(run(GeneratorLoop(engine(mesh, sampling=sampling), params,
+                                     sampling=sampling), [r]))
     assert batched.keys() == alone.keys()
     for k in alone:
       assert batched[k].tokens == alone[k].tokens, (sampling, k)
@@ -124,7 +125,7 @@ def test_continuous_batching_matches_one_at_a_time(params, mesh):
     # short that is a sixth of the slot-steps, on RL-length ones a fraction of a percent.
     assert batched_loop.metrics()["slot_utilization"] > 0.65
     sync_loop = GeneratorLoop(engine(mesh, sampling=sampling), params,
-                              options=opts(overlap_host=False))
+                              options=opts(overlap_host=False), sampling=sampling)
     sync = run(sync_loop, reqs())
     assert all(sync[k].tokens == batched[k].tokens for k in alone)
     assert sync_loop.metrics()["slot_utilization"] > 0.8
@@ -132,7 +133,7 @@ def test_continuous_batching_matches_one_at_a_time(params, mesh):
 
 def test_group_samples_share_one_prefill(params, mesh):
   eng = engine(mesh, sampling=SAMPLED)
-  loop = GeneratorLoop(eng, params)
+  loop = GeneratorLoop(eng, params, sampling=eng.sampling)
   calls = []
   orig = eng.prefill_many
   eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
@@ -148,7 +149,7 @@ def test_weight_update_mid_generation_tags_versions_without_recompiling(params, 
   eng = engine(mesh)
   # compact_drain off: the one request decodes on the full engine (whose step it counts), not
   # on a compacted one, whatever ran before this test.
-  loop = GeneratorLoop(eng, params, version=3, compact_drain=False)
+  loop = GeneratorLoop(eng, params, version=3, compact_drain=False, sampling=eng.sampling)
   p = prompts(1, seed=3)[0]
   loop.submit(Request("x", p, max_new_tokens=12))
   for _ in range(4):
@@ -165,7 +166,8 @@ def test_weight_update_mid_generation_tags_versions_without_recompiling(params, 
   assert loop.counters.update_pause_steps == [0]
   # After the switch, tokens follow the new weights on top of the old (kept) KV cache, so they
   # are not what the old weights would have produced.
-  old_only = run(GeneratorLoop(eng, params), [Request("y", p, max_new_tokens=12)])["y", 0]
+  old_only = run(GeneratorLoop(eng, params, sampling=eng.sampling),
+                 [Request("y", p, max_new_tokens=12)])["y", 0]
   assert old_only.tokens[:5] == c.tokens[:5] and old_only.tokens != c.tokens
 
 
@@ -177,7 +179,7 @@ def test_recompute_kv_on_update_equals_fresh_prefill_under_new_weights(params, m
   if shared:   # a prompt continuing the loop's shared prefix (SHARED, defined below)
     p = SHARED + p[:6]
   loop = GeneratorLoop(eng, params, options=opts(recompute_kv_on_update=True),
-                       shared_prefix=SHARED if shared else None)
+                       shared_prefix=SHARED if shared else None, sampling=eng.sampling)
   loop.submit(Request("x", p, max_new_tokens=10))
   for _ in range(3):
     loop.step()
@@ -186,13 +188,14 @@ def test_recompute_kv_on_update_equals_fresh_prefill_under_new_weights(params, m
   head = c.tokens[:4]
   # With the cache recomputed, the continuation is exactly greedy under the new weights from
   # prompt + the 4 tokens sampled before the switch.
-  fresh = run(GeneratorLoop(eng, new), [Request("y", p + head[:-1], max_new_tokens=7)])["y", 0]
+  fresh = run(GeneratorLoop(eng, new, sampling=eng.sampling),
+              [Request("y", p + head[:-1], max_new_tokens=7)])["y", 0]
   assert c.tokens[3:] == fresh.tokens
   assert c.versions.tolist() == [0] * 4 + [1] * 6
 
 
 def test_bad_weight_updates_are_rejected_and_generation_continues(params, mesh):
-  loop = GeneratorLoop(engine(mesh), params)
+  loop = GeneratorLoop(engine(mesh), params, sampling=GREEDY)
   p = prompts(1, seed=5)[0]
   loop.submit(Request("x", p, max_new_tokens=6))
   loop.step()
@@ -212,12 +215,13 @@ def test_bad_weight_updates_are_rejected_and_generation_continues(params, mesh):
     loop.update_params(params, 0)
   c = loop.run_until_idle()[0]
   assert c.versions.tolist() == [0] * 6 and len(c.tokens) == 6
-  ref = run(GeneratorLoop(engine(mesh), params), [Request("y", p, max_new_tokens=6)])["y", 0]
+  ref = run(GeneratorLoop(engine(mesh), params, sampling=GREEDY),
+            [Request("y", p, max_new_tokens=6)])["y", 0]
   assert c.tokens == ref.tokens
 
 
 def test_bad_prompts_are_rejected_or_truncated(params, mesh):
-  loop = GeneratorLoop(engine(mesh), params)
+  loop = GeneratorLoop(engine(mesh), params, sampling=GREEDY)
   with pytest.raises(ValueError, match="empty prompt"):
     loop.submit(Request("e", []))
   with pytest.raises(ValueError, match="'long'.*20 tokens, more than max_prefill_length=16"):
@@ -228,8 +232,10 @@ def test_bad_prompts_are_rejected_or_truncated(params, mesh):
     loop.submit(Request("mx", [1, 2], max_new_tokens=17))
   with pytest.raises(ValueError, match="max_new_tokens=0 outside"):  # not "the default"
     loop.submit(Request("zero", [1, 2], max_new_tokens=0))
+  with pytest.raises(ValueError, match="'g0': group_size must be >= 1, got 0"):
+    loop.submit(Request("g0", [1, 2], group_size=0))
   assert loop.idle()  # nothing half-queued
-  tloop = GeneratorLoop(engine(mesh), params, truncate_prompts=True)
+  tloop = GeneratorLoop(engine(mesh), params, truncate_prompts=True, sampling=GREEDY)
   c = run(tloop, [Request("long", list(range(1, 21)), max_new_tokens=2)])["long", 0]
   assert c.prompt_truncated and c.prompt_tokens == list(range(5, 21))
 
@@ -239,11 +245,11 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   nan["layers"]["mlp"]["down_proj"]["kernel"] = \
       nan["layers"]["mlp"]["down_proj"]["kernel"].at[0, 0, 0].set(jnp.nan)
   with pytest.raises(NonFiniteError):
-    GeneratorLoop(engine(mesh), nan)
+    GeneratorLoop(engine(mesh), nan, sampling=GREEDY)
   # Weights corrupted behind the loop's back (bypassing validation): the decode step's logit
   # check stops the threaded loop, and the caller gets the error instead of garbage or a hang.
   bad = jax.device_put(T.to_decode_layout(nan), engine(mesh).decode_param_shardings)
-  loop = GeneratorLoop(engine(mesh), params)
+  loop = GeneratorLoop(engine(mesh), params, sampling=GREEDY)
   ps = prompts(6, seed=11)
   for i, p in enumerate(ps[:4]):
     loop.submit(Request(i, p, max_new_tokens=6))
@@ -258,7 +264,7 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   loop.stop()
   # A sample that would finish on its first token: that token's logits are checked too (the
   # prompt's last position), so no completion with a NaN log-prob reaches the trainer.
-  first = GeneratorLoop(engine(mesh), params)
+  first = GeneratorLoop(engine(mesh), params, sampling=GREEDY)
   first.weights.params = bad
   first.submit(Request("one", prompts(1)[0], max_new_tokens=1))
   with pytest.raises(NonFiniteError, match=r"prompt logits for requests \['one'\]"):
@@ -266,7 +272,8 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
   assert first.completions.empty()
   # With the background prefill worker: when the loop thread dies the worker stops with it.
   # (prefill_ahead=2: a live worker would keep waiting for the dead loop to take its backlog.)
-  bg = GeneratorLoop(engine(mesh), params, options=opts(background_prefill=True), prefill_ahead=2)
+  bg = GeneratorLoop(engine(mesh), params, options=opts(background_prefill=True), prefill_ahead=2,
+                     sampling=GREEDY)
   bg.weights.params = bad
   for i, p in enumerate(prompts(24, seed=12)):
     bg.submit(Request(i, p, max_new_tokens=6))
@@ -282,7 +289,7 @@ def test_nan_params_stop_generation_with_an_error(params, mesh):
 
 def test_stop_waits_for_a_step_and_never_drops_a_running_thread(params, mesh):
   release = threading.Event()
-  loop = GeneratorLoop(engine(mesh), params, callback=lambda c: release.wait(30))
+  loop = GeneratorLoop(engine(mesh), params, callback=lambda c: release.wait(30), sampling=GREEDY)
   loop.submit(Request("x", prompts(1)[0], max_new_tokens=2))
   loop.start()
   deadline = time.monotonic() + 60
@@ -301,7 +308,8 @@ def test_stop_waits_for_a_step_and_never_drops_a_running_thread(params, mesh):
 
 def test_stop_on_eos_and_stop_strings(params, mesh):
   p = prompts(1, seed=6)[0]
-  ref = run(GeneratorLoop(engine(mesh), params), [Request("r", p, max_new_tokens=8)])["r", 0]
+  ref = run(GeneratorLoop(engine(mesh), params, sampling=GREEDY),
+            [Request("r", p, max_new_tokens=8)])["r", 0]
   eos = ref.tokens[3]
   k = ref.tokens.index(eos)  # first occurrence
   c = run(GeneratorLoop(engine(mesh), params, sampling=SamplingConfig(greedy=True, eos_id=eos)),
@@ -425,7 +433,7 @@ def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params)
   devs = jax.devices()
   gen_mesh = make_mesh({"tensor": 2}, devs[6:8])
   eng = engine(gen_mesh)
-  loop = GeneratorLoop(eng, params)
+  loop = GeneratorLoop(eng, params, sampling=eng.sampling)
   leaf = loop.params["layers"][0]["attn"]["q_proj"]["kernel"]  # decode layout: one per layer
   assert leaf.sharding.device_set == set(devs[6:8])
   assert leaf.sharding.spec[1] == "tensor"  # heads split over the slice: tensor parallel
@@ -496,6 +504,10 @@ def test_batched_prefill_and_insert_equal_the_one_at_a_time_contract(params, mes
     np.testing.assert_allclose(np.asarray(r1.logprobs), np.asarray(r2.logprobs), atol=1e-5)
   with pytest.raises(ValueError, match="not one of"):
     eng.prefill_many(p, tokens[:3], [3, 3, 3])
+  with pytest.raises(ValueError, match="padded length 5 is not a bucket"):
+    eng.prefill_many(p, tokens[:2, :5], [3, 3])
+  with pytest.raises(ValueError, match=r"true_lengths \[0, 3\] outside"):
+    eng.prefill_many(p, tokens[:2], [0, 3])
   with pytest.raises(ValueError, match="distinct"):
     eng.insert_many(pre, many, [0, 0], [0, 1], np.stack(keys[:2]), [0, 0], np.ones(4, bool),
                     temperature=SAMPLED.temperature)
@@ -508,7 +520,7 @@ def test_loop_prefills_waiting_requests_together(params, mesh):
   eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
   ps = [p for p in prompts(12, seed=9) if len(p) <= 8][:3]  # one bucket
   try:
-    out = run(GeneratorLoop(eng, params),
+    out = run(GeneratorLoop(eng, params, sampling=eng.sampling),
               [Request(i, p, group_size=2 if i == 0 else 1, max_new_tokens=3)
                for i, p in enumerate(ps)])
   finally:
@@ -580,7 +592,7 @@ def test_tune_generate_picks_a_dot_library_and_both_agree(params, mesh):
   assert all(t > 0 for t in tuning["step_ms"].values())
   assert eng.compile_counts()["generate"] == 2
   before = eng.compile_counts()   # compaction programs included: the drain compiles nothing
-  out = run(GeneratorLoop(eng, params), [Request(i, q, max_new_tokens=6)
+  out = run(GeneratorLoop(eng, params, sampling=eng.sampling), [Request(i, q, max_new_tokens=6)
                                          for i, q in enumerate(prompts(3, seed=5))])
   assert eng.compile_counts() == before and len(out) == 3
 
@@ -611,9 +623,9 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
   for sampling in (GREEDY, SAMPLED):
     eng = engine(mesh, slots=8, sampling=sampling)
     assert eng.compact_sizes == (4, 2)
-    full_loop = GeneratorLoop(eng, params, compact_drain=False)
+    full_loop = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
     full = run(full_loop, reqs())
-    loop = GeneratorLoop(eng, params)
+    loop = GeneratorLoop(eng, params, sampling=eng.sampling)
     got = run(loop, reqs()[:7])
     assert loop.counters.compact_steps > 0 and full_loop.counters.compact_steps == 0
     # Mid-drain (compacted), new requests arrive: the loop expands and refills.
@@ -643,7 +655,7 @@ def test_drain_compaction_gives_the_same_samples_on_fewer_slots(params, mesh):
 def test_compact_and_expand_round_trip_and_reject_bad_slots(params, mesh):
   eng = engine(mesh, slots=8)
   p = eng.load_params(params)
-  loop = GeneratorLoop(eng, params, compact_drain=False)
+  loop = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
   for i, q in enumerate(prompts(5, seed=12)):
     loop.submit(Request(i, q, max_new_tokens=10))
   loop.step()
@@ -692,7 +704,7 @@ def test_prefill_ahead_batches_queued_prompts_with_the_same_samples(params, mesh
     orig = eng.prefill_many
     eng.prefill_many = lambda p, tokens, n: calls.append(len(tokens)) or orig(p, tokens, n)
     try:
-      loop = GeneratorLoop(eng, params, prefill_ahead=ahead)
+      loop = GeneratorLoop(eng, params, prefill_ahead=ahead, sampling=eng.sampling)
       got[ahead] = run(loop, reqs())
     finally:
       del eng.prefill_many
@@ -724,14 +736,15 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
                   for i, p in enumerate(ps)]
   windows = (10, 14, 20, 26)
   for sampling in (GREEDY, SAMPLED):
-    dense = run(GeneratorLoop(engine(mesh, slots=8, sampling=sampling), params), reqs())
+    dense = run(GeneratorLoop(engine(mesh, slots=8, sampling=sampling), params,
+                              sampling=sampling), reqs())
     eng = engine(mesh, slots=8, sampling=sampling, attention_windows=windows)
     assert eng.attention_windows == windows + (32,)
     assert eng.compact_engine(4).attention_windows == eng.attention_windows
     eng.precompile(eng.load_params(params), tune=False)
     compiled = eng.compile_counts()
     assert compiled["generate"] == 5
-    loop = GeneratorLoop(eng, params)
+    loop = GeneratorLoop(eng, params, sampling=eng.sampling)
     got = run(loop, reqs())
     assert eng.compile_counts() == compiled
     assert got.keys() == dense.keys()
@@ -752,8 +765,10 @@ def test_attention_windows_give_the_dense_samples_without_recompiling(params, me
   lps = {w: float(r.logprobs[0]) for w, r in out.items()}
   assert lps[eng.window_for(n + 1)] == pytest.approx(lps[32], abs=1e-5)
   assert abs(lps[10] - lps[32]) > 1e-4 or int(out[10].tokens[0]) != int(out[32].tokens[0])
-  with pytest.raises(ValueError, match="exceed the cache length"):
+  with pytest.raises(ValueError, match="33 positions exceed the cache length, 32"):
     eng.window_for(33)
+  with pytest.raises(ValueError, match="17 tokens exceed the largest bucket, 16"):
+    eng.bucket_for(17)
   with pytest.raises(ValueError, match="not one of"):
     eng.generate(eng.load_params(params), eng.init_decode_state(), 12)
 
@@ -775,17 +790,19 @@ def test_background_prefill_gives_the_same_samples(params, mesh):
                   for i, p in enumerate(ps)]
   for sampling in (GREEDY, SAMPLED):
     eng = engine(mesh, sampling=sampling)
-    sync = run(GeneratorLoop(eng, params), reqs())
+    sync = run(GeneratorLoop(eng, params, sampling=eng.sampling), reqs())
     # loop_prefill_below=0: the worker alone keeps the slots fed (see the next test for the loop's
     # own prefill when too few slots would decode).
-    loop = GeneratorLoop(eng, params, options=opts(background_prefill=True, loop_prefill_below=0.0))
+    loop = GeneratorLoop(eng, params, options=opts(background_prefill=True, loop_prefill_below=0.0),
+                         sampling=eng.sampling)
     calls = []
     _by_thread(eng, calls)
     try:
       bg = run(loop, reqs())
       # The same through the threaded loop (start / get / stop).
       threaded = GeneratorLoop(eng, params, options=opts(background_prefill=True,
-                                                         loop_prefill_below=0.0)).start()
+                                                         loop_prefill_below=0.0),
+                               sampling=eng.sampling).start()
       try:
         for r in reqs():
           threaded.submit(r)
@@ -820,12 +837,12 @@ def test_loop_prefills_when_too_few_slots_would_decode(params, mesh):
   ps = prompts(24, seed=8)
   reqs = lambda: [Request(i, p, max_new_tokens=1 + i % 7) for i, p in enumerate(ps)]
   eng = engine(mesh)
-  sync = run(GeneratorLoop(eng, params), reqs())
+  sync = run(GeneratorLoop(eng, params, sampling=eng.sampling), reqs())
   with pytest.raises(ValueError, match="loop_prefill_below"):
     opts(background_prefill=True, loop_prefill_below=1.5)
   for below, least in ((1.0, 4), (0.5, 2)):
     loop = GeneratorLoop(eng, params, options=opts(background_prefill=True,
-                                                   loop_prefill_below=below))
+                                                   loop_prefill_below=below), sampling=eng.sampling)
     seen = []
     orig = eng.generate
     def counted(*a):
@@ -850,10 +867,12 @@ def test_background_prefill_under_weight_updates(params, mesh):
   eng = engine(mesh)
   new = jax.tree.map(lambda x: x * 0.5, params)
   ps = prompts(12, seed=6)
-  fresh = run(GeneratorLoop(eng, new), [Request(i, p, max_new_tokens=8) for i, p in enumerate(ps)])
+  fresh = run(GeneratorLoop(eng, new, sampling=eng.sampling),
+              [Request(i, p, max_new_tokens=8) for i, p in enumerate(ps)])
   for recompute in (False, True):
     loop = GeneratorLoop(eng, params, options=opts(background_prefill=True,
-                                                   recompute_kv_on_update=recompute))
+                                                   recompute_kv_on_update=recompute),
+                         sampling=eng.sampling)
     for i, p in enumerate(ps):
       loop.submit(Request(i, p, max_new_tokens=8))
     for _ in range(3):
@@ -884,7 +903,7 @@ def test_background_prefill_under_weight_updates(params, mesh):
 
 def test_background_prefill_failure_stops_the_loop_with_its_cause(params, mesh):
   eng = engine(mesh)
-  loop = GeneratorLoop(eng, params, options=opts(background_prefill=True))
+  loop = GeneratorLoop(eng, params, options=opts(background_prefill=True), sampling=eng.sampling)
   orig = eng.prefill_many
   def flaky(*a):
     if threading.current_thread().name == "generator-prefill":
@@ -976,9 +995,10 @@ def test_shared_prefix_loop_gives_the_same_samples_and_skips_its_prefill(params,
   ps += [[9] + SHARED + [1, 2], list(SHARED)]   # does not start with it; is only the prefix
   reqs = lambda: [Request(i, x, group_size=2 if i % 3 == 0 else 1, max_new_tokens=3 + i % 5,
                           seed=i) for i, x in enumerate(ps)]
-  ref = run(GeneratorLoop(eng, params, options=opts(background_prefill=background)), reqs())
+  ref = run(GeneratorLoop(eng, params, options=opts(background_prefill=background),
+                          sampling=eng.sampling), reqs())
   loop = GeneratorLoop(eng, params, options=opts(background_prefill=background),
-                       shared_prefix=SHARED)
+                       shared_prefix=SHARED, sampling=eng.sampling)
   out = run(loop, reqs())
   assert out.keys() == ref.keys()
   for k in ref:
@@ -1013,8 +1033,8 @@ def test_shared_prefix_follows_weight_updates(params, mesh):
   new = jax.tree.map(lambda x: x * 0.5, params)
   ps = shared_prompts(5, seed=22)
   reqs = lambda: [Request(i, x, max_new_tokens=6) for i, x in enumerate(ps)]
-  fresh = run(GeneratorLoop(eng, new), reqs())
-  loop = GeneratorLoop(eng, params, shared_prefix=SHARED)
+  fresh = run(GeneratorLoop(eng, new, sampling=eng.sampling), reqs())
+  loop = GeneratorLoop(eng, params, shared_prefix=SHARED, sampling=eng.sampling)
   # Every program compiled first (the compactions a drain may pick, by precompile; the shared
   # prefix's continuations, by a whole run under v0), whichever tests ran before this one.
   eng.precompile(eng.load_params(params), tune=False)
@@ -1027,9 +1047,9 @@ def test_shared_prefix_follows_weight_updates(params, mesh):
   assert eng.compile_counts() == compiled
   assert loop.metrics()["shared_prefix_prefills"] == 2   # once per weights version used
   with pytest.raises(ValueError, match="empty prompt"):
-    GeneratorLoop(eng, params, shared_prefix=[])
+    GeneratorLoop(eng, params, shared_prefix=[], sampling=eng.sampling)
   with pytest.raises(ValueError, match="no room"):
-    GeneratorLoop(eng, params, shared_prefix=list(range(1, 17)))
+    GeneratorLoop(eng, params, shared_prefix=list(range(1, 17)), sampling=eng.sampling)
 
 
 def _overlap_run(eng, params, sampling, first, rest, steps_before_update, new_params, **kw):
@@ -1059,7 +1079,7 @@ def test_overlap_host_gives_the_samples_of_the_synchronous_loop(params, mesh, sa
   ps = prompts(12, seed=21)
   mk = lambda i, n, g=1: Request(i, ps[i], group_size=g, max_new_tokens=n, seed=100 + i)
   # An EOS that some samples hit mid-way: the most common token of a run without one.
-  ref = run(GeneratorLoop(eng, params), [mk(i, 12) for i in range(len(ps))])
+  ref = run(GeneratorLoop(eng, params, sampling=eng.sampling), [mk(i, 12) for i in range(len(ps))])
   counts = collections.Counter(t for c in ref.values() for t in c.tokens[1:-1])
   eos = counts.most_common(1)[0][0]
   sc = dataclasses.replace(sampling, eos_id=eos, max_new_tokens=8)
@@ -1103,7 +1123,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   a stopping loop thread and a step with nothing left to do record it, so no token is lost."""
   eng = engine(mesh)
   p = prompts(1, seed=22)[0]
-  loop = GeneratorLoop(eng, params, compact_drain=False)
+  loop = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
   loop.submit(Request("x", p, max_new_tokens=10))
   loop.step()   # prefill + first token; decode step 1 dispatched, not recorded
   assert (loop.parts.ahead.step is not None and loop.counters.generated_tokens == 0
@@ -1115,14 +1135,14 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   slot = next(i for i, s in enumerate(loop.parts.slots.samples) if s is not None)
   assert loop.parts.slots._count[slot] == 5   # the first token and four decode steps
   c = loop.run_until_idle()[0]
-  alone = run(GeneratorLoop(eng, params, options=opts(overlap_host=False)),
+  alone = run(GeneratorLoop(eng, params, options=opts(overlap_host=False), sampling=eng.sampling),
               [Request("y", p, max_new_tokens=10)])["y", 0]
   assert c.tokens == alone.tokens and len(c.tokens) == 10
   # A refill while a step is in flight does not wait for the insert: the new sample's first
   # token is fetched and recorded with the next step's results.
   reqs = lambda: [Request(i, q, max_new_tokens=2 + i, seed=i)
                   for i, q in enumerate(prompts(5, seed=23))]
-  r = GeneratorLoop(eng, params, compact_drain=False)
+  r = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
   for q in reqs():
     r.submit(q)
   r.step()   # 4 slots filled (nothing in flight: first tokens fetched at once), step 1 dispatched
@@ -1133,14 +1153,15 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   assert [f[0].tolist() for f in r.parts.ahead.step.firsts] == [[slot]]
   assert r.parts.slots._count[slot] == 0
   got = {(c.request_id, c.sample_index): c for c in r.run_until_idle()}
-  want = run(GeneratorLoop(eng, params, compact_drain=False, options=opts(overlap_host=False)),
+  want = run(GeneratorLoop(eng, params, compact_drain=False, options=opts(overlap_host=False),
+                           sampling=eng.sampling),
              reqs())
   assert got.keys() == want.keys()
   for k in want:
     assert got[k].tokens == want[k].tokens and got[k].versions.tolist() == [0] * len(got[k].tokens)
     np.testing.assert_allclose(got[k].logprobs, want[k].logprobs, atol=1e-5)
   # The thread: stop() records the step in flight before the thread ends.
-  t = GeneratorLoop(eng, params, compact_drain=False)
+  t = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
   t.submit(Request("t", p, max_new_tokens=16))
   t.start()
   deadline = time.monotonic() + 60
@@ -1156,7 +1177,7 @@ def test_overlap_host_keeps_one_step_in_flight_and_records_it_when_asked(params,
   # NaN logits: raised by the step() that records the step showing them (the next one).
   bad = jax.device_put(T.to_decode_layout(jax.tree.map(lambda x: x * jnp.nan, params)),
                        eng.decode_param_shardings)
-  n = GeneratorLoop(eng, params, compact_drain=False)
+  n = GeneratorLoop(eng, params, compact_drain=False, sampling=eng.sampling)
   n.submit(Request("n", p, max_new_tokens=10))
   n.step()
   n.weights.params = bad
@@ -1173,8 +1194,8 @@ def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(
   new = jax.tree.map(lambda x: x * 0.5, params)
   ps = shared_prompts(4, seed=31)
   reqs = lambda: [Request(i, x, max_new_tokens=6, seed=100 + i) for i, x in enumerate(ps)]
-  fresh = run(GeneratorLoop(eng, new, 3, shared_prefix=SHARED), reqs())
-  loop = GeneratorLoop(eng, params, shared_prefix=SHARED)
+  fresh = run(GeneratorLoop(eng, new, 3, shared_prefix=SHARED, sampling=eng.sampling), reqs())
+  loop = GeneratorLoop(eng, params, shared_prefix=SHARED, sampling=eng.sampling)
   run(loop, reqs()[:2])
   compiled = eng.compile_counts()
   held = {id(x) for x in jax.tree.leaves((loop.state, loop.params))}
@@ -1182,7 +1203,7 @@ def test_release_frees_weights_and_cache_and_reload_generates_like_a_fresh_loop(
   assert loop.released and loop.params is None
   assert not [a for a in jax.live_arrays() if id(a) in held]   # freed, not merely unreferenced
   with pytest.raises(RuntimeError, match="use update_params"):
-    GeneratorLoop(eng, params).reload(new, 1)
+    GeneratorLoop(eng, params, sampling=eng.sampling).reload(new, 1)
   with pytest.raises(ValueError, match="older"):
     loop.reload(new, -1)
   loop.reload(new, 3)
@@ -1201,7 +1222,8 @@ def test_a_loop_is_idle_once_its_last_sample_is_out(params, mesh):
   # is scored. The request's bookkeeping, still queued after its last sample went into a slot
   # (here all 4 slots: no free one to pop it), is no work: the loop is idle and can release.
   got = []
-  loop = GeneratorLoop(engine(mesh, sampling=SAMPLED), params, callback=got.append)
+  loop = GeneratorLoop(engine(mesh, sampling=SAMPLED), params, callback=got.append,
+                       sampling=SAMPLED)
   loop.submit(Request(0, prompts(1, seed=7)[0], group_size=4, max_new_tokens=4, seed=1))
   steps = 0
   while len(got) < 4:
@@ -1225,7 +1247,7 @@ def test_one_engine_samples_at_each_loops_temperature(params, mesh):
                for t in (0.7, 1.3))
   reqs = [Request(f"r{i}", p, group_size=2, max_new_tokens=8, seed=i)
           for i, p in enumerate(prompts(3, 9))]
-  own = {name: run(GeneratorLoop(engine(mesh, sampling=sc), params, seed=1), reqs)
+  own = {name: run(GeneratorLoop(engine(mesh, sampling=sc), params, seed=1, sampling=sc), reqs)
          for name, sc in (("cold", cold), ("hot", hot))}
   shared = engine(mesh, sampling=cold)
   programs = lambda: (shared._prefill_many._cache_size(), shared._insert_many._cache_size(),

@@ -27,7 +27,7 @@ def test_engine_greedy_32_tokens_identical_to_transformers_with_exact_logprobs()
   eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=1,
                max_prefill_length=16, max_decode_length=32, prefill_buckets=(16,),
                sampling=SamplingConfig(greedy=True, max_new_tokens=32))
-  loop = GeneratorLoop(eng, params)
+  loop = GeneratorLoop(eng, params, sampling=eng.sampling)
   loop.submit(Request("p", ids))
   (c,) = loop.run_until_idle()
 

@@ -174,7 +174,7 @@ def test_engine_greedy_matches_transformers_generate(arch):
   greedy = SamplingConfig(greedy=True, max_new_tokens=NEW)
   engine = Engine(cfg, mesh, GENERATOR_RULES, max_concurrent_decodes=4, max_prefill_length=16,
                   max_decode_length=16, sampling=greedy, prefill_buckets=(16,))
-  loop = GeneratorLoop(engine, params)
+  loop = GeneratorLoop(engine, params, sampling=engine.sampling)
   for i, p in enumerate(PROMPTS):
     loop.submit(Request(i, p))
   got = {c.request_id: c.tokens for c in loop.run_until_idle()}

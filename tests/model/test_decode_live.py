@@ -124,7 +124,7 @@ def test_the_engine_samples_the_same_with_live_decode(sampling, monkeypatch):
                  max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16,
                  sampling=sampling, prefill_buckets=(8, 16))
     assert eng.decode_attention == impl
-    loop = GeneratorLoop(eng, params, options=DIRECT, shared_prefix=shared)
+    loop = GeneratorLoop(eng, params, options=DIRECT, shared_prefix=shared, sampling=eng.sampling)
     for i, p in enumerate(ps):
       loop.submit(Request(i, p, max_new_tokens=2 + (5 * i) % 12, seed=i))
     got[impl] = {(c.request_id, c.sample_index): c for c in loop.run_until_idle()}

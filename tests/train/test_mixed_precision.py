@@ -147,7 +147,7 @@ def test_push_casts_to_the_generator_dtype_on_the_trainer_before_moving():
   state, _, tmesh = trainer_state()
   eng = engine("bfloat16")
   assert eng.param_dtype == jnp.bfloat16
-  loop = GeneratorLoop(eng, state.params)
+  loop = GeneratorLoop(eng, state.params, sampling=eng.sampling)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(loop.params))
   # The cast runs where the params are: the trainer's devices, its layout kept.
   cast = eng.cast_params(state.params)
@@ -173,7 +173,7 @@ def test_push_casts_to_the_generator_dtype_on_the_trainer_before_moving():
 def sampled_batch(dtype):
   """The engine's samples for 2 prompts x 4 (π_old = the sampler's log-probs), packed."""
   state, _, _ = trainer_state()
-  loop = GeneratorLoop(engine(dtype), state.params, seed=0)
+  loop = GeneratorLoop(engine(dtype), state.params, seed=0, sampling=SAMPLING)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, CFG.vocab_size, 6).tolist() for _ in range(2)]
   for i, p in enumerate(prompts):
