@@ -6,7 +6,7 @@ stand for the long tail; a run of <= 4 slots is all tail), one query token each,
 Baseline: `dense`, attention over a contiguous `[slots, cache, kv_heads, head_dim]` cache masked
 by length (what the engine's dense decode reads: every position of every slot). Against it, the
 paged implementations of model/paged_attention.py over a pool holding the same tokens: `ragged`
-(the CPU path: the live pages of all slots as one bucketed list) and, on a GPU, `pallas_gpu`
+(the CPU path: the live pages of all slots as one list, a chunk of pages per loop iteration) and, on a GPU, `pallas_gpu`
 (jax's split-K paged kernel). Per implementation: the median step time, the KV bytes it reads
 (accounted from the shapes it touches) over the bytes the live lengths need, and the live bytes
 per second; on a GPU also that rate over a measured device copy's bandwidth. `in_flight_ratio`:
@@ -87,9 +87,8 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
     return jnp.asarray(pages.transpose(2, 0, 1, 3), dtype)
   kp, vp = pool_of(k_np), pool_of(v_np)
   t = jnp.asarray(table)
-  n_pages = pa.live_pages_bucket(int(live_pages.sum()), slots * max_pages)
   fns = {"dense": (jax.jit(dense_contiguous), (q, k, v, n)),
-         "ragged": (jax.jit(pa.ragged, static_argnames="n_pages"), (q, kp, vp, t, n))}
+         "ragged": (jax.jit(pa.ragged), (q, kp, vp, t, n))}
   if args.gpu:   # on CPU (the mode's rehearsal) the kernel runs in Pallas's interpreter
     gpu = jax.jit(pa.pallas_gpu, static_argnames="interpret")
     fns["pallas_gpu"] = (lambda *a: gpu(*a, interpret=jax.default_backend() == "cpu"),
@@ -100,8 +99,7 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
   out = dict(slots=slots, mean_live=float(lengths.mean()), cache=s,
              live_fraction=float(lengths.mean() / s))
   bw = copy_bandwidth(args.copy_mb << 20, args.repeats) if args.gpu else None
-  calls = {name: ((lambda f=f, a=a: f(*a, n_pages=n_pages)) if name == "ragged" else
-                  (lambda f=f, a=a: f(*a))) for name, (f, a) in fns.items()}
+  calls = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in fns.items()}
   timings = common.time_rounds(calls, args.repeats, alternate=True)   # dense and paged in turn
   for name, t in timings.items():
     err = float(np.abs(np.asarray(t.result, np.float32) - want).max())
@@ -109,7 +107,7 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
       raise AssertionError(f"{name} differs from dense by {err} at {slots} slots")
     sec = t.median
     read = (slots * s * bpp if name == "dense" else
-            pa.bytes_read(name, lengths, ps, max_pages, bpp, n_pages=n_pages))
+            pa.bytes_read(name, lengths, ps, max_pages, bpp))
     row = dict(step_ms=sec * 1e3, kv_read_over_live=read / live_bytes,
                live_gb_per_s=live_bytes / sec / 1e9, max_abs_err=err)
     if bw:

@@ -11,8 +11,8 @@ slots. Each engine runs the workload once to compile, then once timed.
 
 Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per second of wall time,
 prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
-their slots hold: the ragged list's pages of each step; the dense cache's length for each slot a
-step computes) for both, and `dense_read_over_paged`;
+their slots hold: the live pages in whole chunks of each step, paged_attention.bytes_read; the
+dense cache's length for each slot a step computes) for both, and `dense_read_over_paged`;
 `in_flight_ratio` (mean sequences per decode step, paged over dense); `preempted_frac` (samples
 parked for want of pages, over all samples); `same_samples` (share of samples with the dense run's
 tokens: the batches differ, so the last bits of the float sums may).
@@ -36,6 +36,7 @@ from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import DIRECT, GeneratorLoop
 from magistral_jax.generate.requests import Request
 from magistral_jax.model import config as model_config
+from magistral_jax.model import paged_attention as pa
 from magistral_jax.model.named import random_params
 from magistral_jax.parallel.sharding import make_mesh
 
@@ -55,34 +56,33 @@ def workload(a, vocab: int) -> list[Request]:
 
 
 def run(engine: Engine, params, reqs, sampling) -> dict:
-  """One pass of the workload: tokens, wall time, and what each decode step read and held."""
-  reads, lives = [], []
-  bound_of = engine.read_bound
+  """One pass of the workload: tokens, wall time, and what the decode steps read and held."""
+  loop = GeneratorLoop(engine, params, sampling=sampling, options=DIRECT)
+  slots, reads, lives = loop.parts.slots, [], []
+  positions = slots.positions
 
-  def read_bound(reached):   # the step's read bound, and the positions its slots hold
-    bound = bound_of(reached)
-    lives.append(int(np.sum(reached)))
-    reads.append(bound * engine.page_size)
-    return bound
-  engine.read_bound = read_bound
-  try:
-    loop = GeneratorLoop(engine, params, sampling=sampling, options=DIRECT)
-    t0 = time.perf_counter()
-    for q in reqs:
-      loop.submit(q)
-    samples = loop.run_until_idle()
-    wall = time.perf_counter() - t0
-  finally:
-    del engine.read_bound
+  def recorded(in_flight=None):   # each dispatched step: the positions its slots hold
+    held = list(slots.reached(in_flight).values())
+    lives.append(sum(held))
+    if engine.kv_pages:
+      reads.append(pa.bytes_read(engine.paged_attention, held, engine.page_size,
+                                 engine.max_pages_per_slot, 1))
+    return positions(in_flight)
+  slots.positions = recorded
+  t0 = time.perf_counter()
+  for q in reqs:
+    loop.submit(q)
+  samples = loop.run_until_idle()
+  wall = time.perf_counter() - t0
   c = loop.counters
-  m = loop.metrics()
   if not engine.kv_pages:   # every computed slot (drain compaction computes fewer) reads it all
     reads = [c.computed_slot_steps * engine.cache_length]
   return dict(wall_s=wall, tokens=sum(len(s.tokens) for s in samples),
               in_flight=c.active_slot_steps / max(1, c.steps), steps=c.steps,
+              compact_steps=c.compact_steps,
               kv_read_over_live=sum(reads) / max(1, sum(lives)),
               mean_live=sum(lives) / max(1, c.active_slot_steps),
-              preemptions=m.get("kv_preemptions", 0.0),
+              preemptions=loop.metrics().get("kv_preemptions", 0.0),
               samples={s.request_id: s.tokens for s in samples})
 
 

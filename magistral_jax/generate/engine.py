@@ -312,8 +312,8 @@ class Engine:
 
   def _generate_impl(self, params, state: DecodeState, bound: int):
     active = state.active
-    if self.kv_pages is not None:   # bound: the ragged page list's length
-      read = dict(paged=(self.paged_attention, bound or None))
+    if self.kv_pages is not None:   # what it reads follows the live pages, whatever the bound
+      read = dict(paged=self.paged_attention)
     else:
       read = dict(window=bound if bound < self.cache_length else None)
     hidden, cache = T.decode(params, self.cfg, state.tokens[:, None], state.cache, self.shard,
@@ -328,33 +328,16 @@ class Engine:
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None):
     """One decode step for every slot (inactive slots compute but do not advance). `window`
-    (read_bound's; default: the whole cache) bounds what the step reads. On a dense cache it is
-    one of attention_windows: every active slot's cache length must be below it (window_for
-    gives the smallest such window), or its token is computed from a truncated prefix. On a
-    paged one it is the length of the ragged attention's page list, which must hold every
-    active slot's pages after the step (0 for the other paged implementations)."""
+    (default: the whole cache) bounds the cache positions a dense cache's step attends to: one of attention_windows, above every active slot's cache length (window_for
+    gives the smallest such window), or its token is computed from a truncated prefix. A paged
+    cache's step reads the pages its slots hold, whatever the window."""
     if self.kv_pages is not None:
-      full = self._slots * self.max_pages_per_slot if self.paged_attention == "ragged" else 0
-      window = full if window is None else window
-      if not (0 < window <= full if full else window == 0):
-        raise ValueError(f"paged read bound {window} outside {'(0, %d]' % full if full else 0}")
-    elif window is None:
+      window = self.cache_length
+    if window is None:
       window = self.cache_length
     elif window not in self.attention_windows:
       raise ValueError(f"attention window {window} is not one of {self.attention_windows}")
     return self.generate_step.fn(params, decode_state, int(window))
-
-  def read_bound(self, reached: np.ndarray) -> int:
-    """generate's `window` for active slots whose caches hold `reached` positions after the
-    step: the smallest attention window over the longest (dense), the ragged list's bucket of
-    their pages (paged: what it reads follows the sum of the live lengths), or 0."""
-    reached = np.asarray(reached)
-    if self.kv_pages is None:
-      return self.window_for(int(reached.max(initial=1)))
-    if self.paged_attention != "ragged":
-      return 0
-    return PA.live_pages_bucket(int(PA.pages_for(reached, self.page_size).sum()),
-                                self._slots * self.max_pages_per_slot)
 
   def set_pages(self, decode_state: DecodeState, page_table) -> DecodeState:
     """The paged cache's page table [slots, max_pages_per_slot] (the loop's, paging.py)."""

@@ -74,14 +74,13 @@ class DeviceLead:
   def dispatch(self, params, state, version: int):
     """Dispatches one decode step of the active slots (on the compacted state while the drain
     runs on a smaller engine) with weights `params` of policy `version`, over the smallest
-    attention window holding every position it writes (a paged cache: the pages its slots hold,
-    Engine.read_bound), and makes it the step in flight
+    attention window holding every position it writes, and makes it the step in flight
     (`dispatched`). Returns the full-size decode state (`state`, donated)."""
     c, engine = self.counters, self.drain.engine
     # The device is ahead of what the host has recorded (the step in flight, first tokens not
     # yet fetched): the window must hold the positions this step writes on the device.
     ahead = self.positions()
-    window = engine.read_bound(list(self.slots.reached(ahead).values()))
+    window = engine.window_for(self.slots.positions(ahead))
     c.attended_positions += (self.slots.mean_positions(ahead)
                              if engine.decode_attention in ("live", "paged") else window)
     t0 = time.perf_counter()

@@ -9,10 +9,11 @@ allocator (generate/pages.py) never hands out, so every gather reads a valid pag
 Three ways to attend, one result (tests/model/test_paged_attention.py holds them to `dense`):
   - `dense`: every slot gathers all of its `max_pages` pages and masks past its length. It reads
     what a dense cache reads: the reference, and the ablation switch.
-  - `ragged`: the live pages of all slots, flattened into one list of `n_pages` entries (a static
-    bucket of the total, chosen on the host: `live_pages_bucket`), each attended by its slot's
-    query, then a softmax per slot across its pages (segment max and sums). What it reads follows
-    the sum of the live lengths, not slots x the longest: the CPU path, and a portable fallback.
+  - `ragged`: the live pages of all slots, flattened into one list and attended a chunk of pages
+    at a time by a loop that ends after the last live page, each page by its slot's query, with
+    a softmax per slot across its pages (segment max and sums, merged chunk by chunk). What it
+    reads follows the sum of the live lengths, not slots x the longest, in one program for any
+    lengths: the CPU path, and a portable fallback.
   - `pallas_gpu` / `pallas_tpu`: jax's own paged kernels (split-K over the sequence on GPU,
     `k_splits`), run in Pallas's interpreter on CPU by the tests.
 """
@@ -32,6 +33,10 @@ Array = jax.Array
 
 IMPLS = ("dense", "ragged", "pallas_gpu", "pallas_tpu")
 NULL_PAGE = 0   # never allocated: table entries past a slot's pages point here
+# The ragged path attends this many positions' pages per loop iteration: enough work per
+# iteration to hide the loop's overhead, and at most one such partial chunk read past the live
+# pages per step.
+CHUNK_POSITIONS = 512
 # Softmax masking value: finite, so a slot with no live position gives 0, not NaN.
 _MASK = -1e30
 
@@ -41,17 +46,9 @@ def pages_for(length, page_size: int):
   return (length + page_size - 1) // page_size
 
 
-def live_pages_bucket(total_pages: int, max_total: int) -> int:
-  """The static size of the ragged path's page list for `total_pages` live pages: the next power
-  of two, or the next multiple of an eighth of it past 64 (so at most ~12 % is padding and the
-  number of compiled shapes grows with the log of the cache), capped at `max_total`."""
-  n = max(1, int(total_pages))
-  if n <= 64:
-    b = 1 << (n - 1).bit_length()
-  else:
-    step = 1 << max(0, n.bit_length() - 4)
-    b = -(-n // step) * step
-  return int(min(b, max_total))
+def chunk_pages(page_size: int) -> int:
+  """The ragged path's pages per loop iteration: CHUNK_POSITIONS positions' worth."""
+  return max(1, CHUNK_POSITIONS // page_size)
 
 
 def _grouped(q: Array, kv_heads: int) -> Array:
@@ -76,14 +73,14 @@ def dense(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: 
   return o.reshape(q.shape).astype(q.dtype)
 
 
-def flat_pages(page_table: Array, lengths: Array, n_pages: int, page_size: int):
-  """The live pages of all slots as one list of `n_pages` entries (padding past the total):
-  (pool page, its slot, its first position, is it real) per entry."""
+def flat_pages(page_table: Array, lengths: Array, n_pages: int, page_size: int, start=0):
+  """Entries start ... start + n_pages of the live pages of all slots as one list (slot by slot,
+  padding past the total): (pool page, its slot, its first position, is it real) per entry."""
   b, max_pages = page_table.shape
   per_slot = pages_for(lengths, page_size)
   ends = jnp.cumsum(per_slot)
   starts = ends - per_slot
-  j = jnp.arange(n_pages)
+  j = start + jnp.arange(n_pages)
   slot = jnp.minimum(jnp.searchsorted(ends, j, side="right"), b - 1)
   local = jnp.clip(j - starts[slot], 0, max_pages - 1)
   real = j < ends[-1]
@@ -92,22 +89,38 @@ def flat_pages(page_table: Array, lengths: Array, n_pages: int, page_size: int):
 
 
 def ragged(q: Array, k_pages: Array, v_pages: Array, page_table: Array, lengths: Array, *,
-           n_pages: int) -> Array:
-  """`dense`'s result reading only the live pages (n_pages: `live_pages_bucket` of their total)."""
+           chunk: int | None = None) -> Array:
+  """`dense`'s result reading only the live pages: the pages of all slots as one list, attended
+  `chunk` pages at a time (default chunk_pages) by a loop that stops after the last live one,
+  each slot's partial softmaxes merged as they come (max, sum and weighted values, rescaled to
+  the running max: flash-decoding's split-K, over a list rather than per slot). The loop's trip
+  count is a value, not a shape: one program serves every mix of lengths."""
   hkv, _, ps, dh = k_pages.shape
   b = q.shape[0]
-  page, slot, first, real = flat_pages(page_table, lengths, n_pages, ps)
-  k = k_pages[:, page].astype(jnp.float32)                                  # [Hkv, n, ps, Dh]
-  v = v_pages[:, page].astype(jnp.float32)
-  qg = _grouped(q, hkv).astype(jnp.float32)[slot]                           # [n, Hkv, G, Dh]
-  s = jnp.einsum("nkgd,knsd->nkgs", qg, k) / math.sqrt(dh)
-  live = (first[:, None] + jnp.arange(ps)[None, :] < lengths[slot][:, None]) & real[:, None]
-  s = jnp.where(live[:, None, None, :], s, _MASK)
-  m_page = jnp.max(s, axis=-1)                                              # [n, Hkv, G]
-  m = jax.ops.segment_max(m_page, slot, num_segments=b)                     # [B, Hkv, G]
-  p = jnp.where(live[:, None, None, :], jnp.exp(s - m[slot][..., None]), 0.0)
-  l = jax.ops.segment_sum(jnp.sum(p, axis=-1), slot, num_segments=b)
-  o = jax.ops.segment_sum(jnp.einsum("nkgs,knsd->nkgd", p, v), slot, num_segments=b)
+  chunk = min(chunk or chunk_pages(ps), b * page_table.shape[1])   # never past dense's read
+  qg = _grouped(q, hkv).astype(jnp.float32) / math.sqrt(dh)               # [B, Hkv, G, Dh]
+  n_chunks = (jnp.sum(pages_for(lengths, ps)) + chunk - 1) // chunk
+
+  def body(carry):
+    i, m, l, o = carry
+    page, slot, first, real = flat_pages(page_table, lengths, chunk, ps, i * chunk)
+    k = k_pages[:, page].astype(jnp.float32)                               # [Hkv, n, ps, Dh]
+    v = v_pages[:, page].astype(jnp.float32)
+    s = jnp.einsum("nkgd,knsd->nkgs", qg[slot], k)
+    live = (first[:, None] + jnp.arange(ps)[None, :] < lengths[slot][:, None]) & real[:, None]
+    s = jnp.where(live[:, None, None, :], s, _MASK)
+    m_new = jnp.maximum(m, jax.ops.segment_max(jnp.max(s, axis=-1), slot, num_segments=b))
+    p = jnp.where(live[:, None, None, :], jnp.exp(s - m_new[slot][..., None]), 0.0)
+    scale = jnp.exp(m - m_new)
+    l = l * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), slot, num_segments=b)
+    o = o * scale[..., None] + jax.ops.segment_sum(jnp.einsum("nkgs,knsd->nkgd", p, v), slot,
+                                                   num_segments=b)
+    return i + 1, m_new, l, o
+
+  g = q.shape[1] // hkv
+  init = (jnp.int32(0), jnp.full((b, hkv, g), _MASK, jnp.float32),
+          jnp.zeros((b, hkv, g), jnp.float32), jnp.zeros((b, hkv, g, dh), jnp.float32))
+  _, _, l, o = jax.lax.while_loop(lambda c: c[0] < n_chunks, body, init)
   o = o / jnp.maximum(l, 1e-30)[..., None]
   return o.reshape(q.shape).astype(q.dtype)
 
@@ -139,14 +152,12 @@ def pallas_tpu(q: Array, k_pages: Array, v_pages: Array, page_table: Array, leng
 
 
 def attend(impl: str, q: Array, k_pages: Array, v_pages: Array, page_table: Array,
-           lengths: Array, *, n_pages: int | None = None, interpret: bool = False) -> Array:
-  """Decode attention by `impl` (one of IMPLS); `ragged` needs its static `n_pages`."""
+           lengths: Array, *, interpret: bool = False) -> Array:
+  """Decode attention by `impl` (one of IMPLS)."""
   if impl == "dense":
     return dense(q, k_pages, v_pages, page_table, lengths)
   if impl == "ragged":
-    if n_pages is None:
-      raise ValueError("paged attention 'ragged' needs n_pages (live_pages_bucket)")
-    return ragged(q, k_pages, v_pages, page_table, lengths, n_pages=n_pages)
+    return ragged(q, k_pages, v_pages, page_table, lengths)
   if impl == "pallas_gpu":
     return pallas_gpu(q, k_pages, v_pages, page_table, lengths, interpret=interpret)
   if impl == "pallas_tpu":
@@ -159,13 +170,11 @@ class PagedStep(NamedTuple):
   builds it): page_table [B, max_pages]; write_pos [B], where each slot's new token goes (-1: the
   slot is idle and writes to the null page, so a page it gave back is never touched); lengths
   [B], the positions each slot attends to, its new token's included (0 for an idle slot, so the
-  ragged list holds only live pages); impl (one of IMPLS) and n_pages (the ragged list's static
-  size), both static."""
+  ragged list holds only live pages); impl (one of IMPLS, static)."""
   page_table: Array
   write_pos: Array
   lengths: Array
   impl: str
-  n_pages: int | None = None
 
 
 def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: Array,
@@ -176,8 +185,7 @@ def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: A
   (they are not partitioned by XLA); dense and ragged are plain XLA and are."""
   k_pages, v_pages = write_tokens(k_pages, v_pages, step.page_table, step.write_pos, k_new, v_new)
   interpret = jax.devices()[0].platform not in ("gpu", "cuda", "tpu")
-  run = lambda q, kp, vp, t, n: attend(step.impl, q, kp, vp, t, n, n_pages=step.n_pages,
-                                       interpret=interpret)
+  run = lambda q, kp, vp, t, n: attend(step.impl, q, kp, vp, t, n, interpret=interpret)
   if step.impl.startswith("pallas") and shard is not None and shard.mesh.size > 1:
     axes = (("cache_batch", "act_heads", None), ("act_kv_heads", None, None, None),
             ("act_kv_heads", None, None, None), ("cache_batch", None), ("cache_batch",))
@@ -230,17 +238,15 @@ def write_prompt(k_pages: Array, v_pages: Array, pages: Array, k: Array, v: Arra
           v_pages.at[:, pages].set(vv.astype(v_pages.dtype)))
 
 
-def bytes_read(impl: str, lengths, page_size: int, max_pages: int, bytes_per_position: int,
-               n_pages: int | None = None) -> int:
+def bytes_read(impl: str, lengths, page_size: int, max_pages: int, bytes_per_position: int
+               ) -> int:
   """KV bytes one decode step's attention reads per layer by `impl` (host-side accounting for the
-  benchmark: dense reads every slot's whole table, ragged its bucket, the kernels the live
-  pages)."""
-  lengths = np.asarray(lengths)
+  benchmarks: dense reads every slot's whole table, ragged the live pages rounded up to whole
+  chunks, the kernels the live pages)."""
+  pages = int(pages_for(np.asarray(lengths), page_size).sum())
   if impl == "dense":
     pages = len(lengths) * max_pages
   elif impl == "ragged":
-    pages = n_pages if n_pages is not None else live_pages_bucket(
-        int(pages_for(lengths, page_size).sum()), len(lengths) * max_pages)
-  else:
-    pages = int(pages_for(lengths, page_size).sum())
-  return int(pages) * page_size * bytes_per_position
+    chunk = min(chunk_pages(page_size), len(lengths) * max_pages)
+    pages = -(-pages // chunk) * chunk
+  return pages * page_size * bytes_per_position

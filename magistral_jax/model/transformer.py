@@ -289,7 +289,7 @@ def _decode_unrolled(params, cfg, tokens, positions, cache, valid, shard, window
 def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
            shard: ShardingCtx | None = None, num_new: Array | None = None,
            window: int | None = None, from_empty: bool = False,
-           paged: tuple[str, int | None] | None = None):
+           paged: str | None = None):
   """Appends `tokens` [B, T] to each slot at its own offset cache.lengths[b] and returns
   (hidden [B, T, D], new cache). Token t of slot b sits at position lengths[b] + t.
   `params` may be stacked or in the decode layout (to_decode_layout; the faster one to decode
@@ -340,21 +340,21 @@ def decode(params, cfg: ModelConfig, tokens: Array, cache: KVCache,
 
 
 def _decode_paged(params, cfg: ModelConfig, tokens: Array, cache: PagedKVCache, shard,
-                  num_new: Array | None, paged: tuple[str, int | None] | None):
-  """`decode` of one token per slot on a PagedKVCache; `paged` = (impl, n_pages) as
-  paged_attention.attend takes them. A slot with num_new 0 (idle) writes nowhere it owns and
-  reads nothing."""
+                  num_new: Array | None, paged: str | None):
+  """`decode` of one token per slot on a PagedKVCache; `paged`: the attention's implementation
+  (paged_attention.IMPLS). A slot with num_new 0 (idle) writes nowhere it owns and reads
+  nothing."""
   b, t = tokens.shape
   if t != 1 or not is_decode_layout(params) or paged is None:
     raise ValueError("a paged KV cache takes decode steps only: one token per slot, "
-                     "decode-layout params and paged=(impl, n_pages)")
+                     "decode-layout params and paged=<one of paged_attention.IMPLS>")
   if cfg.sliding_window is not None and cfg.sliding_window < cache.page_table.shape[1] * \
       cache.k[0].shape[2]:
     raise ValueError(f"a paged KV cache attends to every live position; sliding_window="
                      f"{cfg.sliding_window} is shorter than a slot's pages")
   live = jnp.ones((b,), bool) if num_new is None else num_new > 0
   step = paged_attention.PagedStep(cache.page_table, jnp.where(live, cache.lengths, -1),
-                                   jnp.where(live, cache.lengths + 1, 0), *paged)
+                                   jnp.where(live, cache.lengths + 1, 0), paged)
   positions = cache.lengths[:, None]
   x, (k, v) = _decode_unrolled(params, cfg, tokens, positions, cache, cache.lengths + 1, shard,
                                paged=step)

@@ -46,6 +46,7 @@ def test_the_engine_level_bench_runs_the_loop_on_both_caches():
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert out["bench"] == "paged_decode" and out["same_samples"] == 1.0
   assert out["dense"]["tokens"] == out["paged"]["tokens"] > 0
-  assert out["kv_read_over_live"] < 2.0 < out["dense"]["kv_read_over_live"]
+  # (the ragged loop reads whole chunks of pages: on these tiny lengths, about one)
+  assert out["kv_read_over_live"] < out["dense"]["kv_read_over_live"] / 2
   assert out["in_flight_ratio"] > 1.0 and out["preempted_frac"] <= 1.0
   assert out["paged_over_dense_tokens_per_s"] > 0

@@ -1,6 +1,6 @@
 """Decode attention over pages (model/paged_attention.py): every implementation gives dense's
 result, on long-tailed lengths, GQA, empty slots and shared pages; the writes land where the
-table says; the ragged path's list holds exactly the live pages."""
+table says; the ragged path's list holds exactly the live pages, in one program for any lengths."""
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -53,21 +53,26 @@ def test_dense_is_attention_over_each_slot_s_live_positions():
 def test_ragged_reads_only_live_pages_and_gives_dense_s_result(lengths):
   args = _case(lengths=lengths)
   total = int(pa.pages_for(np.asarray(lengths), PS).sum())
-  n = pa.live_pages_bucket(total, len(lengths) * MAX_PAGES)
-  got = jax.jit(pa.ragged, static_argnames="n_pages")(*args, n_pages=n)
-  np.testing.assert_allclose(got, pa.dense(*args), rtol=1e-5, atol=1e-5)
-  page, slot, first, real = pa.flat_pages(args[3], args[4], n, PS)
+  for chunk in (1, 3, 64):   # chunks that split slots, and one holding every page
+    got = jax.jit(pa.ragged, static_argnames="chunk")(*args, chunk=chunk)
+    np.testing.assert_allclose(got, pa.dense(*args), rtol=1e-5, atol=1e-5)
+  page, slot, first, real = pa.flat_pages(args[3], args[4], total + 5, PS)
   assert int(real.sum()) == total
   want = {(i, j) for i, L in enumerate(lengths) for j in range(pa.pages_for(L, PS))}
   assert {(int(s), int(f) // PS) for s, f, r in zip(slot, first, real) if r} == want
+  # An offset list is the same list from there on (the loop's chunk i starts at i * chunk).
+  tail = pa.flat_pages(args[3], args[4], 5, PS, start=3)
+  for part, whole in zip(tail, pa.flat_pages(args[3], args[4], 8, PS)):
+    np.testing.assert_array_equal(part, whole[3:8])
 
 
-def test_the_bucket_bounds_padding_and_compiled_shapes():
-  for total in range(1, 5000):
-    b = pa.live_pages_bucket(total, 10**6)
-    assert total <= b and (b <= 64 or b <= total * 1.125 + 1), (total, b)
-  assert len({pa.live_pages_bucket(t, 10**6) for t in range(1, 5000)}) < 60
-  assert pa.live_pages_bucket(900, 512) == 512
+def test_one_ragged_program_serves_every_mix_of_lengths():
+  """The loop's trip count is a value: new lengths never compile a new program."""
+  run = jax.jit(lambda *a: pa.ragged(*a, chunk=4))
+  for lengths in [(1, 7, 8, 9, 40, 128, 0, 77), (64,) * 8, (0,) * 8, (3, 0, 0, 0, 0, 0, 0, 1)]:
+    args = _case(lengths=lengths)
+    np.testing.assert_allclose(run(*args), pa.dense(*args), rtol=1e-5, atol=1e-5)
+  assert run._cache_size() == 1
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu"])
@@ -81,8 +86,7 @@ def test_jax_s_paged_kernel_in_the_interpreter_gives_dense_s_result(impl):
 
 def test_bf16_pages_are_attended_in_fp32():
   args = _case(dtype=jnp.bfloat16)
-  total = int(pa.pages_for(np.asarray(args[4]), PS).sum())
-  got = pa.ragged(*args, n_pages=pa.live_pages_bucket(total, 10**6))
+  got = pa.ragged(*args)
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(got, np.float32),
                              _numpy_reference(*(np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args)),
@@ -114,7 +118,8 @@ def test_bytes_read_follow_the_live_lengths_for_the_kernels_and_ragged():
   dense = pa.bytes_read("dense", lengths, PS, MAX_PAGES, 1)
   live = pa.bytes_read("pallas_gpu", lengths, PS, MAX_PAGES, 1)
   assert dense == 4 * MAX_PAGES * PS and live == (3 + 15) * PS
-  assert live <= pa.bytes_read("ragged", lengths, PS, MAX_PAGES, 1) <= 1.125 * live + PS * 64
+  chunk = pa.chunk_pages(PS) * PS   # the ragged loop reads whole chunks of pages
+  assert live <= pa.bytes_read("ragged", lengths, PS, MAX_PAGES, 1) < live + chunk
 
 
 def test_a_decode_step_on_pages_is_the_decode_step_on_a_per_slot_cache():
@@ -138,13 +143,10 @@ def test_a_decode_step_on_pages_is_the_decode_step_on_a_per_slot_cache():
   for _ in range(ps * maxp - 1):
     tok = jnp.asarray(r.integers(1, cfg.vocab_size, (b, 1)), jnp.int32)
     want, dense = step(params, cfg, tok, dense, num_new=num_new)
-    lens = np.asarray(paged["ragged"].lengths)
-    n_pages = pa.live_pages_bucket(int(pa.pages_for(lens[:2] + 1, ps).sum()), b * maxp)
     for impl in paged:
-      got, paged[impl] = step(params, cfg, tok, paged[impl], num_new=num_new,
-                              paged=(impl, n_pages if impl == "ragged" else None))
+      got, paged[impl] = step(params, cfg, tok, paged[impl], num_new=num_new, paged=impl)
       np.testing.assert_allclose(np.asarray(got)[:2], np.asarray(want)[:2], atol=2e-6)
   for impl, cache in paged.items():
     np.testing.assert_array_equal(np.asarray(cache.lengths), [19, 19, 0])
   with pytest.raises(ValueError, match="decode steps only"):
-    T.decode(params, cfg, jnp.zeros((b, 2), jnp.int32), paged["dense"], paged=("dense", None))
+    T.decode(params, cfg, jnp.zeros((b, 2), jnp.int32), paged["dense"], paged="dense")
