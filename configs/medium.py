@@ -46,18 +46,15 @@ def get_config(arg=None):
   c.devices.update(trainer=TRAINER_DEVICES, generators=(32, 32), trainer_mesh={"fsdp": -1},
                    generator_mesh={"tensor": 8, "data": -1})
   c.eval.update(k=64, temperature=0.7, top_p=1.0, greedy=False, max_new_tokens=40 * K)
-  # Stage count and lengths NOT STATED beyond the 16k/24k/32k and 8k/4k/2k progression.
-  c.stages = (
-      {"name": "16k", "num_batches": 200,
-       "overrides": {"rl.n_batch": 8 * K, "rl.n_mini": 8 * K, "reward.l_max": 24 * K,
-                     "pipeline.n_async": 16 * K}},
-      {"name": "24k", "num_batches": 200,
-       "overrides": {"rl.n_batch": 4 * K, "rl.n_mini": 4 * K, "reward.l_max": 32 * K,
-                     "pipeline.n_async": 8 * K}},
-      {"name": "32k", "num_batches": 200,
-       "overrides": {"rl.n_batch": 2 * K, "rl.n_mini": 2 * K, "reward.l_max": 40 * K,
-                     "pipeline.n_async": 4 * K}},
-  )
+  # Stage count and lengths NOT STATED beyond the 16k/24k/32k and 8k/4k/2k progression. A stage
+  # generates at most its l_max (past it the length penalty is -0.1 whatever the answer), so
+  # its generators decode up to l_max, not the last stage's 40k.
+  c.stages = tuple(
+      {"name": name, "num_batches": 200,
+       "overrides": {"rl.n_batch": n, "rl.n_mini": n, "reward.l_max": l_max,
+                     "sampling.max_new_tokens": l_max, "pipeline.n_async": 2 * n}}
+      for name, n, l_max in (("16k", 8 * K, 24 * K), ("24k", 4 * K, 32 * K),
+                             ("32k", 2 * K, 40 * K)))
   if arg == "rehearsal":
     return rehearsal_of(c, length_divisor=LENGTH_DIVISOR, batch_divisor=BATCH_DIVISOR,
                         group_divisor=GROUP_DIVISOR, batches_per_stage=REHEARSAL_BATCHES)

@@ -157,13 +157,14 @@ def test_medium_largest_stage_and_launcher():
   c = load_recipe("configs/medium.py", ROOT)
   stages = plan_lib.plan_stages(c, "mistral_small_3_24b", "v5p-128")
   assert [s for s, _ in stages] == ["16k", "24k", "32k"]
-  # The first stage's 8k-sequence minibatch has the most microbatches in the batch stack.
-  assert plan_lib.largest(stages)[0] == "16k"
+  # Each stage decodes up to its own l_max: the last one's 40k-position KV cache outweighs the
+  # first one's larger batch stack.
+  assert plan_lib.largest(stages)[0] == "32k"
   out = subprocess.run(
       [sys.executable, "launch/plan.py", "--config=configs/medium.py",
        "--model=hidden_size=1024,intermediate_size=4096,num_layers=8,num_heads=8,"
        "num_kv_heads=8,head_dim=128,vocab_size=32768", "--devices=v5p-128", "--json"],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "stage 16k" in out.stdout and "the layout needs 128 devices; 64 given" in out.stdout
+  assert "stage 32k" in out.stdout and "the layout needs 128 devices; 64 given" in out.stdout
   assert '"devices_needed": 128' in out.stdout

@@ -79,6 +79,9 @@ def test_every_recipe_validates(name):
     assert [s["overrides"]["rl.n_batch"] for s in c.stages] == [8192, 4096, 2048]
     assert [s["overrides"]["reward.l_max"] - c.reward.l_cache for s in c.stages] == [
         16384, 24576, 32768]
+    # each stage decodes up to its own l_max (the KV cache and decode steps a stage needs)
+    assert [s["overrides"]["sampling.max_new_tokens"] for s in c.stages] == [
+        s["overrides"]["reward.l_max"] for s in c.stages] == [24576, 32768, 40960]
     assert run.rl.eps_high == 0.28 and run.rl.n_batch == run.rl.n_mini
   if name == "smollm2_learn":
     assert c.data.source == "synthetic" and c.data.heldout >= 256 and c.eval.k >= 4
