@@ -38,6 +38,10 @@ class SamplingConfig:
 
 
 
+# engine.kv_cache="auto" on CPU: the shortest cache (prompt + completion positions) paged.
+PAGED_MIN_POSITIONS_CPU = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """The generators' knobs (section `engine`) for generate.engine.Engine and
@@ -83,8 +87,11 @@ class EngineConfig:
   # as sequences grow, and a decode step reads only the pages its slots have filled
   # (model/paged_attention.py); a slot that cannot grow when the pool is dry is parked and
   # prefilled again later. "dense": each slot owns cache_length positions from the start, and a
-  # step reads all of them (or its attention window).
-  kv_cache: str = "dense"
+  # step reads all of them (or its attention window). "auto": paged on accelerators, and on CPU
+  # from PAGED_MIN_POSITIONS_CPU positions per sequence (shorter caches cost a CPU step less
+  # dense: BENCHMARKS.md, "Paged KV cache"); dense on a generator mesh with a data axis, where
+  # the pool would be whole on every device (pipeline.generators.paged_kv).
+  kv_cache: str = "auto"
   page_size: int = 16                # positions per page
   # Pages in the pool, the null page included; 0: as many as a dense cache of
   # max_concurrent_decodes slots holds (the same memory), so raising max_concurrent_decodes puts
@@ -102,8 +109,8 @@ class EngineConfig:
     if self.attention_windows < 1:
       raise ValueError(f"engine.attention_windows={self.attention_windows}: the number of "
                        "attention windows must be >= 1")
-    if self.kv_cache not in ("dense", "paged"):
-      raise ValueError(f"engine.kv_cache={self.kv_cache!r}: 'dense' or 'paged'")
+    if self.kv_cache not in ("auto", "dense", "paged"):
+      raise ValueError(f"engine.kv_cache={self.kv_cache!r}: 'auto', 'dense' or 'paged'")
     if self.page_size < 1 or self.kv_pages < 0 or self.kv_pages == 1:
       raise ValueError(f"engine.page_size={self.page_size} must be >= 1 and engine.kv_pages="
                        f"{self.kv_pages} 0 (a dense cache's worth) or >= 2")

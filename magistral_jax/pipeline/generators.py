@@ -2,7 +2,8 @@
 `engine` and `sampling` sections, and the prompt prefix they share."""
 from __future__ import annotations
 
-from magistral_jax.generate.config import EngineConfig, SamplingConfig
+from magistral_jax.generate.config import (PAGED_MIN_POSITIONS_CPU, EngineConfig,
+                                           SamplingConfig)
 from magistral_jax.generate.cpu_options import tune_engine
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import GeneratorLoop
@@ -35,14 +36,22 @@ def shared_prefix_for(engine_cfg: EngineConfig, tokenizer,
                               engine_cfg.max_prefill_length)
 
 
-def paged_kv(engine_cfg: EngineConfig, sampling: SamplingConfig) -> dict:
-  """Engine's paged-cache keywords from the `engine` section (none for a dense cache); kv_pages
-  0 becomes a dense cache's worth of pages for the same slots."""
-  if engine_cfg.kv_cache != "paged":
+def paged_kv(engine_cfg: EngineConfig, sampling: SamplingConfig, platform: str,
+             data: int = 1) -> dict:
+  """Engine's paged-cache keywords from the `engine` section, for a generator mesh on `platform`
+  with a `data` axis of that size (none for a dense cache; "auto" resolved as EngineConfig
+  says). The pool is one per generator, whole on each device (its pages are not split over
+  `data`), so "auto" keeps a dense cache where data > 1; kv_pages 0 is a dense cache's worth of
+  one device's slots (the slots over `data`)."""
+  positions = engine_cfg.max_prefill_length + sampling.max_new_tokens
+  paged = engine_cfg.kv_cache == "paged" or (
+      engine_cfg.kv_cache == "auto" and data == 1
+      and (platform != "cpu" or positions >= PAGED_MIN_POSITIONS_CPU))
+  if not paged:
     return {}
   ps = engine_cfg.page_size
-  per_slot = -(-(engine_cfg.max_prefill_length + sampling.max_new_tokens) // ps)
-  pages = engine_cfg.kv_pages or engine_cfg.max_concurrent_decodes * per_slot + 1
+  slots = -(-engine_cfg.max_concurrent_decodes // data)
+  pages = engine_cfg.kv_pages or slots * -(-positions // ps) + 1
   return dict(kv_pages=pages, page_size=ps,
               paged_attention=None if engine_cfg.paged_attention == "auto"
               else engine_cfg.paged_attention)
@@ -62,7 +71,9 @@ def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig,
   shape = dict(max_concurrent_decodes=engine_cfg.max_concurrent_decodes,
                max_prefill_length=engine_cfg.max_prefill_length,
                max_decode_length=sampling.max_new_tokens,
-               attention_windows=engine_cfg.attention_windows, **paged_kv(engine_cfg, sampling))
+               attention_windows=engine_cfg.attention_windows,
+               **paged_kv(engine_cfg, sampling, mesh.devices.flat[0].platform,
+                          dict(mesh.shape).get("data", 1)))
   key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape,
          repr(tuple(rules)), sampling.top_p, sampling.top_k, sampling.greedy,
          tuple(sorted(shape.items())))

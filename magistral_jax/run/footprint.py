@@ -13,8 +13,10 @@ device of each role holds at its peak:
              waits for a step boundary (generate/loop_weights.py), the decode state (the
              per-layer KV cache of engine.max_concurrent_decodes slots x (max_prefill_length +
              sampling.max_new_tokens) positions in the compute dtype, as generate/state.py
-             builds it, and the per-slot vectors), one batched prefill and the decode step's
-             logits.
+             builds it, or a paged cache's page pools: engine.kv_pages pages, the dense cache's
+             worth unless set; and the per-slot vectors), a dense cache's drain compaction (a
+             child cache of half the slots beside it: generate/compaction.py), one batched
+             prefill and the decode step's logits.
 
 Every array is divided as the run lays it out: parameters by their logical axes
 (model.transformer.param_logical_axes) under sharding.trainer_rules / generator_rules on the
@@ -42,6 +44,7 @@ from magistral_jax.model.attention import choose_impl
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.config import MESH_AXES
 from magistral_jax.parallel.sharding import is_logical_axes, logical_to_spec
+from magistral_jax.pipeline.generators import paged_kv
 from magistral_jax.train.optimizer import make_optimizer
 
 
@@ -242,6 +245,16 @@ def decode_state_bytes(model_cfg: ModelConfig, slots: int, cache_length: int, ru
           "slot_vectors": b * (4 + 4 + 2 * 4 + 1 + 4)}
 
 
+def page_pool_bytes(model_cfg: ModelConfig, pages: int, page_size: int, rules, sizes,
+                    cache_dtype=None) -> int:
+  """One device's share of a paged KV cache's pools (model/kv_cache.py: [K, pages, page_size, Dh]
+  per layer for keys and values, the KV heads split as a per-slot cache's)."""
+  c = model_cfg
+  pool = shard_elems((c.num_kv_heads, pages, page_size, c.head_dim),
+                     ("act_kv_heads", None, None, None), rules, sizes)
+  return 2 * c.num_layers * pool * _itemsize(cache_dtype or c.dtype)
+
+
 def generator_bytes(run: RunConfig, model_cfg: ModelConfig, platform: str,
                     num_devices: int | None = None) -> dict[str, Any]:
   """Bytes per device of one generator (see the module doc), by part."""
@@ -254,6 +267,20 @@ def generator_bytes(run: RunConfig, model_cfg: ModelConfig, platform: str,
   weights = param_shard_bytes(c, rules, sizes, c.serving_param_dtype)
   slots, cache_length = e.max_concurrent_decodes, e.max_prefill_length + run.sampling.max_new_tokens
   state = decode_state_bytes(c, slots, cache_length, rules, sizes)
+  paged = paged_kv(e, run.sampling, platform, sizes.get("data", 1))
+  if paged:   # the pool (and a page table per slot) instead of a cache per slot
+    state["kv_cache"] = page_pool_bytes(c, paged["kv_pages"], paged["page_size"], rules, sizes)
+    state["slot_vectors"] += shard_elems((slots, -(-cache_length // paged["page_size"])),
+                                         ("cache_batch", None), rules, sizes) * 4
+    compaction = 0   # a table gather: the pools move
+  else:
+    # Drain compaction (generate/compaction.py) gathers the active slots into a child engine's
+    # cache of half the slots, while the full one is kept: the peak of a drain.
+    # (Its sizes divide evenly over the slots' shards: compaction.compaction_sizes.)
+    data = sizes.get("data", 1)
+    half = slots // 2 // data * data
+    compaction = decode_state_bytes(c, half, cache_length, rules, sizes)["kv_cache"] \
+        if half else 0
   # One batched prefill (generate/engine.py: up to min(slots, 8) prompts): its own cache, one
   # layer's activations, the attention of its implementation, the last positions' logits.
   npf, plen = min(slots, 8), e.max_prefill_length
@@ -270,10 +297,12 @@ def generator_bytes(run: RunConfig, model_cfg: ModelConfig, platform: str,
   parts = {"weights": weights,
            "pending_weights": weights,   # a pushed update, held until the next step boundary
            "kv_cache": state["kv_cache"],
+           "drain_compaction": compaction,
            "slot_vectors": state["slot_vectors"],
            "prefill_and_logits": prefill + logits}
   return {"parts": parts, "total": sum(parts.values()), "mesh": sizes, "slots": slots,
-          "cache_length": cache_length}
+          "cache_length": cache_length, "kv_pages": paged.get("kv_pages"),
+          "page_size": paged.get("page_size")}
 
 
 
@@ -289,8 +318,8 @@ def slots_that_fit(run, cfg, gen_chips: int, memory_bytes: int, platform: str,
   """The most decode slots one generator of `gen_chips` chips holds within `memory_bytes` a chip,
   by this module's estimate: a multiple of its data axis, at most the run's
   engine.max_concurrent_decodes; 0 if none fits. positions: the cache positions a slot holds
-  (None: the whole cache, max_prefill_length + max_new_tokens, as the engine allocates it; a
-  paged cache would hold about the live ones)."""
+  (None: the cache as the run's engine allocates it; a number: a paged cache's pages for that
+  many positions per slot, e.g. the mean live length)."""
   data = mesh_sizes(run.devices.generator_mesh, gen_chips)["data"]
   cache = run.engine.max_prefill_length + run.sampling.max_new_tokens
   scale = 1.0 if positions is None else positions / cache
@@ -300,7 +329,10 @@ def slots_that_fit(run, cfg, gen_chips: int, memory_bytes: int, platform: str,
                                                             max_concurrent_decodes=slots))
     g = generator_bytes(r, cfg, platform, gen_chips)
     kv = g["parts"]["kv_cache"]
-    return g["total"] - kv + kv * scale
+    if positions is None:
+      return g["total"]
+    # A cache holding the live positions is a paged one: no drain compaction beside it.
+    return g["total"] - kv - g["parts"]["drain_compaction"] + kv * scale
 
   # Past 8 slots (one batched prefill's prompts) the bytes grow linearly with the slots.
   cap = run.engine.max_concurrent_decodes // data * data
@@ -308,5 +340,11 @@ def slots_that_fit(run, cfg, gen_chips: int, memory_bytes: int, platform: str,
   t1 = total(s1)
   if t1 <= memory_bytes:
     per_slot = (total(s1 + data) - t1) / data
-    return min(cap, s1 + int((memory_bytes - t1) // per_slot) // data * data)
+    n = min(cap, s1 + int((memory_bytes - t1) // per_slot) // data * data)
+    # Nearly linear: a dense cache's drain compaction grows in steps. Settle on the exact edge.
+    while n > s1 and total(n) > memory_bytes:
+      n -= data
+    while n + data <= cap and total(n + data) <= memory_bytes:
+      n += data
+    return n
   return max([s for s in range(data, s1, data) if total(s) <= memory_bytes], default=0)

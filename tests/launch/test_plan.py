@@ -3,6 +3,7 @@ allocates. The trainer's per-device bytes against XLA's memory analysis of the r
 step compiled on CPU (a sound bound: at least the compiled peak, at most TRAIN_TOLERANCE times
 it); a generator's decode state against the Engine's own arrays, exactly; the recipes' plans and
 the launcher's table."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -106,6 +107,34 @@ def test_generator_decode_state_is_the_engines_exactly():
   assert est["kv_cache"] + est["slot_vectors"] == on_first
   # 8 slots x 64 positions x 3 layers x (K + V) x 2 kv heads x 16 over data 2 x tensor 2, bf16.
   assert est["kv_cache"] == 8 * 64 * 3 * 2 * 2 * 16 * 2 // 4
+
+
+def test_a_paged_generator_counts_its_pools_and_a_dense_one_its_drain():
+  """A paged engine's pools on one device are the estimate's (tensor-split KV heads, whole page
+  axis); the plan counts them instead of a cache per slot, and no compaction peak; a dense
+  cache's drain compaction (half the slots) is counted beside it."""
+  cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
+                    num_heads=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+  devices = jax.devices()[4:6]
+  engine = Engine(cfg, make_mesh({"tensor": 2}, devices), GENERATOR_RULES,
+                  max_concurrent_decodes=8, max_prefill_length=24, max_decode_length=40,
+                  kv_pages=33, page_size=16)
+  state = engine.init_decode_state()
+  pools_on_first = sum(s.data.nbytes for a in jax.tree.leaves((state.cache.k, state.cache.v))
+                       for s in a.addressable_shards if s.device == devices[0])
+  assert footprint.page_pool_bytes(cfg, 33, 16, GENERATOR_RULES,
+                                   footprint.mesh_sizes({"tensor": 2}, 2)) == pools_on_first
+  run = config_lib.validate(load_recipe("configs/tiny.py", ROOT))
+  run = dataclasses.replace(run, devices=dataclasses.replace(run.devices,
+                                                             generator_mesh={"tensor": -1}))
+  paged = dataclasses.replace(run, engine=dataclasses.replace(run.engine, kv_cache="paged"))
+  g_paged = footprint.generator_bytes(paged, cfg, "cuda", 2)
+  g_dense = footprint.generator_bytes(run, cfg, "cpu", 2)   # auto: a short cache on CPU
+  slots, positions = run.engine.max_concurrent_decodes, g_dense["cache_length"]
+  assert g_paged["kv_pages"] == slots * -(-positions // 16) + 1
+  assert g_paged["parts"]["drain_compaction"] == 0
+  assert g_dense["kv_pages"] is None
+  assert g_dense["parts"]["drain_compaction"] == g_dense["parts"]["kv_cache"] // 2
 
 
 def test_devices_and_model_specs():
