@@ -1,14 +1,7 @@
-"""Benchmark: decode throughput at a full batch against the memory-bandwidth roofline.
-
-Baseline: the device's streaming bandwidth measured in the same run (the faster of a jitted sum
-and an in-place scale over an array larger than the caches; common.VENDOR_PEAKS gives the vendor's peak
-where the device is known). Ours: an Engine with `--batch` busy slots (`--tensor N` devices),
-timed as `engine` (Engine.generate back to back) and `loop` (GeneratorLoop.step, what the
-pipeline gets; `--no_overlap` for the synchronous loop), alternating over `--rounds`. The
-roofline step time is the bytes a step must move (weights, KV cache read and written, logits)
-over the bandwidth. `--max_new N` sizes an RL-length cache; `--attention_windows W` and
-`--decode_attention live` read less of it. Models: smollm2 (GGUF or random init), llama1b
-(random init).
+"""Benchmark: decode at a full batch (an Engine with `--batch` busy slots, timed as Engine.generate
+back to back and as GeneratorLoop.step) against the memory-bandwidth roofline: the bytes a step
+must move (weights, KV cache read and written, logits) over the streaming bandwidth measured in
+the same run (and the vendor's, common.VENDOR_PEAKS). Models: smollm2 (GGUF or random), llama1b.
 
   python bench/decode_roofline.py                          # accelerator: batch 256, both models
   python bench/decode_roofline.py --models smollm2 --batch 16   # CPU
@@ -25,28 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
-  """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
-  in-place scale of it (read + write)."""
-  n = nbytes // 4
-  x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32) * 1e-9,
-              out_shardings=jax.sharding.SingleDeviceSharding(device))()
-  c = jax.device_put(jnp.float32(1.0), device)
-  total = jax.jit(jnp.sum)
-  scale = jax.jit(lambda x, c: x * c, donate_argnums=0)   # in place: no fresh pages per call
-  t_read = common.time_fn(lambda: total(x), reps).median
-  box = [x]
-  del x
-
-  def rescale():
-    box[0] = scale(box[0], c)
-    return box[0]
-  t_copy = common.time_fn(rescale, reps).median
-  del box
-  read, copy = 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
-  # The roofline uses the faster of the two (on CPU the sum runs on one core, the scale on all).
-  return {"array_bytes": 4 * n, "read_GBps": read, "copy_GBps": copy,
-          "stream_GBps": max(read, copy)}
 
 
 def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
@@ -66,12 +37,11 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
 
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
-  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
-  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.loop import DIRECT, GeneratorLoop
   from magistral_jax.generate.requests import Request
-  from magistral_jax.generate.loop import DIRECT
+  from magistral_jax.model import named
   dtype = args.dtype
   cfg, params, source, _ = named.load_model(name, dtype)
   cfg = dataclasses.replace(cfg, decode_attention=args.decode_attention)
@@ -114,9 +84,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
     raise SystemExit(f"the timed steps (positions {args.prompt + 1}..{live_end}) cross an "
                      f"attention window boundary of {eng.attention_windows}: the loop and the "
                      "engine would time different windows; change --max_new or the step counts")
-  # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
-  # then a block of engine steps on the loop's state, which stays the loop's (the loop does not
-  # record the engine-timed tokens; nothing finishes, so that loses nothing measured).
+  # Each round times a block of loop steps, then a block of engine steps on the loop's state
+  # (the loop does not record the engine-timed tokens; nothing finishes, so nothing is lost).
   def loop_step():   # with overlap, a round ends on the step in flight: waiting for loop.state
     loop.step()      # (the last step's output) times it to completion
     return loop.state
@@ -178,25 +147,18 @@ def main():
   ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
   ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
   ap.add_argument("--max_new", type=int, default=None,
-                  help="size the KV cache for this many new tokens (an RL-length cache; default: "
-                       "the timed steps only)")
+                  help="a KV cache for this many new tokens (default: the timed steps only)")
   ap.add_argument("--decode_attention", choices=("auto", "xla", "live"), default="xla",
-                  help="the decode attention (ModelConfig.decode_attention): xla reads the "
-                       "window, live (model/decode_live.py) each slot's reached positions; "
-                       "live on CPU runs in Pallas's interpreter")
-  ap.add_argument("--attention_windows", type=int, default=1,
-                  help="attention windows the engine compiles (1 = dense over the whole cache)")
-  ap.add_argument("--no_overlap", action="store_true",
-                  help="time the synchronous GeneratorLoop (overlap_host=False): dispatch, fetch "
-                       "and record each step in turn")
+                  help="ModelConfig.decode_attention: xla reads the window, live (Pallas, "
+                       "interpreted on CPU) each slot's reached positions")
+  ap.add_argument("--attention_windows", type=int, default=1, help="1: dense over the cache")
+  ap.add_argument("--no_overlap", action="store_true", help="GeneratorLoop overlap_host=False")
   ap.add_argument("--warm_steps", type=int, default=4)
   ap.add_argument("--loop_steps", type=int, default=32)
   ap.add_argument("--engine_steps", type=int, default=32)
-  ap.add_argument("--rounds", type=int, default=4,
-                  help="interleaved rounds of loop and engine steps (medians are reported)")
+  ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of loop and engine")
   ap.add_argument("--bandwidth_mib", type=int, default=None,
-                  help="array size for the bandwidth baseline (default: 2048 on accelerators, "
-                       "512 on CPU)")
+                  help="the bandwidth probe's array (default 2048; 512 on CPU)")
   args = ap.parse_args()
   from magistral_jax.parallel.sharding import make_mesh
   devices = jax.devices()[:args.tensor]
@@ -207,7 +169,7 @@ def main():
   mesh = make_mesh({"tensor": args.tensor}, devices)
   kind = devices[0].device_kind
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
-  bw = measure_bandwidth(devices[0], mib << 20)
+  bw = common.stream_bandwidth(devices[0], mib << 20)
   spec = common.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}

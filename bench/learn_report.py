@@ -1,7 +1,5 @@
-"""The logic of bench/learn.py's experiment, "a real model learns" (issue #51; BENCHMARKS.md),
-beside the script and apart from its orchestration (the launchers it runs as subprocesses): the
-RL task picked from a headroom table, the random-reward control's coin rate from the RL run's
-metrics, the report's lines and figure, and the archive that comes back from a device machine."""
+"""bench/learn.py's logic apart from its launchers: the RL task from the headroom table, the
+control's coin rate, the report's lines and figure, the archive that comes back from a device."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,6 @@
-"""Benchmark: our jitted SmolLM2-135M scoring forward and KV-cache greedy decode against
-transformers (torch, CPU) on the same weights, dtype and threads (batch 8, prompt 128).
-
-Forward: per-token log-probs of a batch (ours: hidden_states + token_logprobs; theirs: forward,
-log_softmax and gather; their logits-only forward is reported too). Decode: greedy generation
-after the prefill, ours in the engine's decode layout and programs; each side timed with 64 new
-tokens and with 1, so the decode phase is separable from the prefill. Medians of `--repeats`
-rounds (bench/common.py).
+"""Benchmark: our jitted SmolLM2-135M scoring forward (per-token log-probs) and KV-cache greedy
+decode against transformers on the same weights, dtype and threads; each decode timed with 64 new
+tokens and with 1, so the decode phase separates from the prefill.
 
   python bench/model_forward.py [--repeats 5]
 
@@ -26,13 +21,11 @@ def main():
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--prompt", type=int, default=128)
   ap.add_argument("--new_tokens", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=3,
-                  help="timing rounds; each runs every measured program once, ours and HF in turn")
+  ap.add_argument("--repeats", type=int, default=3, help="rounds of every program, ours and HF")
   ap.add_argument("--skip_hf", action="store_true")
   args = ap.parse_args()
 
   import torch
-  import transformers
   from magistral_jax.generate.cpu_options import generate_compiler_options
   from magistral_jax.model import transformer as T
 
@@ -78,9 +71,7 @@ def main():
          "pre": lambda: greedy1(dec_params, tok_j).block_until_ready()}
 
   if not args.skip_hf:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
-    hf.eval()
+    hf = common.hf_causal_lm(path, "float32").eval()
     tt = torch.tensor(tokens, dtype=torch.long)
     targets = tt.roll(-1, 1)[..., None]
     def hf_score():  # per-token log-probs of the same targets as ours
@@ -89,7 +80,6 @@ def main():
                                     eos_token_id=None, pad_token_id=0, use_cache=True)
     fns.update(hf_logits=lambda: hf(tt).logits, hf_fwd=hf_score, hf_dec=gen,
                hf_pre=lambda: gen(1))
-  # Every round runs each program once, ours and transformers' in turn: a drifting host hits both.
   with torch.inference_mode():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]

@@ -1,9 +1,6 @@
-"""Benchmark: bulk data between processes, parallel.bulk.BulkChannel against the coordination
-service's key-value store (what parallel.multihost.Mailbox uses).
-
-Two JAX processes (launch/local_cluster.py); process 1 sends process 0 one array of each size,
-both ways alternating, `--reps` times; each time runs to the receiver's numpy array and the
-sender's acknowledgement.
+"""Benchmark: bulk data between two JAX processes, parallel.bulk.BulkChannel against the
+coordination service's key-value store (Mailbox's): an array of each size, both ways alternating,
+timed to the receiver's numpy array and the sender's acknowledgement.
 
   python bench/multihost_bulk.py [--sizes 1,16,64,256,1024]
 

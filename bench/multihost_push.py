@@ -1,9 +1,6 @@
-"""Benchmark: the weight push across processes (many hosts) against a local copy of the same bytes.
-
-Three JAX processes of 2 CPU devices (configs/tiny.py:multihost's layout): trainer on processes
-0-1, one generator on process 2. cross_process_push is LeaderRollouts.push end to end (cast and
-layout, offer, the generator's pull, the acknowledgement); local_copy is a device-to-device copy
-of the received params in the generator. Alternating, median of `--reps` after a warm-up.
+"""Benchmark: the weight push across processes (LeaderRollouts.push end to end: trainer on
+processes 0-1, generator on process 2, 2 CPU devices each) against a device-to-device copy of
+the received params in the generator.
 
   python bench/multihost_push.py [--model smollm2|llama1b|tiny]
 

@@ -1,9 +1,7 @@
-"""Benchmark: packed-row attention forward + backward, our Pallas flash kernel with block-sparse
-skipping (model/flash_sparse.py), without skipping, and cuDNN's packed layout, against blockwise.
-
-For each T in --lengths: one row of random-length sequences, Llama-3.2-1B attention shape, bf16;
-each kernel's output and gradients are checked against blockwise's, then timed. On CPU the Pallas
-kernels run interpreted (numbers checked, times not meaningful; the JSON says so).
+"""Benchmark: packed-row attention forward + backward (one row of T tokens of random-length
+sequences, Llama-3.2-1B's heads, bf16): our Pallas flash kernel with and without block-sparse
+skipping (model/flash_sparse.py) and cuDNN's packed layout, checked then timed against blockwise.
+On CPU the Pallas kernels run interpreted (times not meaningful; the JSON says so).
 
   python bench/packed_attention.py [--lengths 8192,32768,65536] [--impls flash,...]
 
@@ -71,8 +69,7 @@ def main(argv=None):
   ap.add_argument("--mean_len", type=int, default=1024)
   ap.add_argument("--impls", default="flash,flash_noskip,cudnn",
                   help=f"kernels timed beside blockwise, from {IMPLS}")
-  ap.add_argument("--blocks", default=None,
-                  help="the kernel's tiles q,k,bwd_q,bwd_k (default flash_sparse.Blocks())")
+  ap.add_argument("--blocks", default=None, help="the kernel's tiles q,k,bwd_q,bwd_k")
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
   impls = [x for x in args.impls.split(",") if x]

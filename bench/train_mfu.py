@@ -101,14 +101,8 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
     out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
-  box = [state]
-
-  def stepper(fn):
-    def step():   # the state is donated: each step continues from the last one's
-      box[0], metrics = fn(box[0], batch)
-      return metrics
-    return step
-  times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
+  carry = common.Carry(state)
+  times = common.time_rounds({k: carry.step(f, batch) for k, f in compiled.items()}, args.repeats)
   flops = train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
@@ -125,7 +119,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
                     f"tok/s, MFU {out.get(f'mfu_{k}', float('nan')):.3f}" for k in times)
         + (f"; grpo/ce {out['grpo_over_ce_time']:.3f}" if "grpo_over_ce_time" in out else ""),
         flush=True)
-  del box, state, compiled
+  del carry, state, compiled
   return out
 
 

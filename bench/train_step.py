@@ -1,9 +1,6 @@
-"""Benchmark: the GRPO train step against a plain cross-entropy step, greedy collation against
-naive fixed-count microbatches, and peak memory with and without rematerialisation.
-
-SmolLM2-135M shapes, random init: both steps through train.step.make_train_step, interleaved
-repeats, medians; padding of greedy collation vs one sequence per row on lengths with a 5x
-spread; the compiled GRPO step's memory analysis with remat none vs full.
+"""Benchmark: at SmolLM2-135M's shapes, the GRPO train step against a plain cross-entropy step
+(process CPU seconds), greedy collation's padding against one sequence per row, and the compiled
+GRPO step's peak memory with remat none against full.
 
   python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
 
@@ -105,17 +102,11 @@ def main(argv=None):
   result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = mem(compiled["grpo"])
   result["peak_bytes_ce"], result["temp_bytes_ce"] = mem(compiled["ce"])
 
-  # Wall time and process CPU time per step. On a shared host the wall clock mostly measures the
-  # other jobs; CPU seconds measure the work of the step, so the ratio is taken from those.
-  box = [state]
-
-  def stepper(fn):
-    def step():   # the state is donated: every step continues from the last one's
-      box[0], metrics = fn(box[0], batch)
-      return box[0], metrics
-    return step
-  times = common.time_rounds({name: stepper(fn) for name, fn in compiled.items()}, args.repeats)
-  state = box[0]
+  # On a shared host the wall clock mostly measures the other jobs: the ratio is of CPU seconds.
+  carry = common.Carry(state)
+  times = common.time_rounds({k: carry.step(fn, batch) for k, fn in compiled.items()},
+                             args.repeats)
+  state = carry.state
   for r in range(args.repeats):
     print(f"[round {r + 1}] " + ", ".join(
         f"{n}: {t.rounds[r]:.2f}s wall, {t.cpu_rounds[r]:.2f}s cpu" for n, t in times.items()),
