@@ -43,7 +43,7 @@ def main():
   ap.add_argument("--repeats", type=int, default=5, help="runs per mode, order alternating")
   ap.add_argument("--sft_steps", type=int, default=250)
   ap.add_argument("--seed", type=int, default=1)
-  ap.add_argument("--layout", default="4,2,2", help="devices of the trainer, then of each generator")
+  ap.add_argument("--layout", default="4,2,2", help="devices of the trainer, then each generator")
   ap.add_argument("--colocated", action="store_true",
                   help="one generator on the trainer's devices (--layout N: theirs)")
   args = ap.parse_args()
@@ -57,7 +57,6 @@ def main():
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
   from magistral_jax.generate.config import SamplingConfig
-  from magistral_jax.model import transformer as T
   from magistral_jax.model.char_tokenizer import char_tokenizer
   from magistral_jax.model.config import ModelConfig
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
