@@ -8,9 +8,7 @@ generator_per_iteration and generator_compiles_in_timed_iterations.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -19,8 +17,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # bench/: common, vs_tunix (the workload's tokenizer)
 import common  # noqa: E402
-from peer_common import (jitter, peak_memory_bytes, side_summary, versions,  # noqa: E402
-                         weights_checksum)
+from peer_common import (jitter, peak_memory_bytes, side_main, side_summary,  # noqa: E402
+                         versions, weights_checksum)
 from vs_tunix import progress, shared_tokenizer  # noqa: E402
 
 # Our generator's loop counters (generate.counters.LoopCounters), per timed iteration (medians).
@@ -66,13 +64,11 @@ def reward_config(max_new_tokens: int):
   return RewardConfig(l_max=2 * max_new_tokens, l_cache=max_new_tokens, language_bonus=0.0)
 
 
-def score(path: str) -> list[float]:
-  """--score: our rewards of the completions in `path` (JSON: completions, answers,
-  max_new_tokens) under reward_config, jitter added: what tunix_side.py --score prints for the
-  same file, when both sides score alike (tests/bench/test_vs_tunix.py)."""
+def score(spec: dict) -> list[float]:
+  """--score: our rewards of the completions of `spec` (completions, answers, max_new_tokens)
+  under reward_config, jitter added: what tunix_side.py --score prints for the same file, when
+  both sides score alike (tests/bench/test_vs_tunix.py)."""
   from magistral_jax.rewards.reward import compute_reward
-  with open(path) as f:
-    spec = json.load(f)
   cfg = reward_config(spec["max_new_tokens"])
   return [compute_reward({"kind": "math", "problem": "", "answer": a}, c,
                          spec["max_new_tokens"], cfg).reward + jitter(c)
@@ -243,33 +239,11 @@ def run_ours(spec: dict) -> dict:
 
 def verifier_workers_peak_rss(pool) -> int | None:
   """Sum of the verifier worker processes' peak RSS (VmHWM), where /proc tells."""
-  total = 0
   try:
-    for pid in pool.worker_pids():
-      with open(f"/proc/{pid}/status") as f:
-        total += next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    return 1024 * sum(common.proc_status_kb("VmHWM", pid) for pid in pool.worker_pids())
   except (OSError, StopIteration, AttributeError):
     return None
-  return total
-
-
-def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
-  ap.add_argument("--score", help="print our rewards of a JSON file's completions (see score)")
-  args = ap.parse_args()
-  if args.score:
-    common.emit({"rewards": score(args.score)})
-    return
-  if not args.spec:
-    ap.error("--spec or --score is required")
-  with open(args.spec) as f:
-    spec = json.load(f)
-  if spec["platform"] == "cpu":
-    common.use_cpu_devices(1)
-  common.emit(run_ours(spec))
 
 
 if __name__ == "__main__":
-  main()
+  side_main(__doc__, run_ours, score)

@@ -1,10 +1,12 @@
 """What both sides of bench/vs_tunix.py compute alike: the reward tie-breaker, the weights
-checksum, peak memory and a side's summary. Imported by bench/vs_tunix.py (our venv) and by
-bench/peers/tunix_side.py (the peer's venv), so it imports nothing of either framework: only the
-standard library, and numpy / jax (both venvs have them) inside the functions that need them."""
+checksum, peak memory, a side's summary and its command line. Both venvs import it, so it imports
+nothing of either framework (numpy and jax, which both have, inside the functions)."""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
+import json
+import os
 import resource
 import statistics
 import zlib
@@ -59,6 +61,24 @@ def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
       "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
       "completions_per_iteration": [x["completions"] for x in iters],
   }
+
+
+def side_main(doc: str, run, score) -> None:
+  """A side's command line: `--spec` runs `run(spec)` on the workload bench/vs_tunix.py wrote,
+  `--score` prints `score(spec)`, the side's rewards of a JSON file's completions and answers
+  (tests/bench/test_vs_tunix.py); either way one JSON object as the last line."""
+  ap = argparse.ArgumentParser(description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
+  ap.add_argument("--score", help="print this side's rewards of a JSON file's completions")
+  args = ap.parse_args()
+  if not (args.spec or args.score):
+    ap.error("--spec or --score is required")
+  with open(args.score or args.spec) as f:
+    spec = json.load(f)
+  if not args.score and spec["platform"] == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  print(json.dumps({"rewards": score(spec)} if args.score else run(spec)), flush=True)
 
 
 def versions(names) -> dict:

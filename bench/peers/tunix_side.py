@@ -10,13 +10,12 @@ Last line: one JSON object with the same per-iteration figures as ours_side.py.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
-from peer_common import jitter, peak_memory_bytes, side_summary, versions, weights_checksum
+from peer_common import (jitter, peak_memory_bytes, side_main, side_summary, versions,
+                         weights_checksum)
 
 
 def boxed(text: str) -> str | None:
@@ -204,27 +203,5 @@ def run(spec: dict) -> dict:
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
-  ap.add_argument("--score", help="print reward_fn of a JSON file's completions and answers "
-                  "(no tunix import: our interpreter runs it too, tests/bench/test_vs_tunix.py)")
-  args = ap.parse_args()
-  if args.score:
-    with open(args.score) as f:
-      spec = json.load(f)
-    print(json.dumps({"rewards": reward_fn(None, spec["completions"], spec["answers"])}),
-          flush=True)
-    return 0
-  if not args.spec:
-    ap.error("--spec or --score is required")
-  with open(args.spec) as f:
-    spec = json.load(f)
-  if spec["platform"] == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  print(json.dumps(run(spec)), flush=True)
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":   # --score imports no tunix: our interpreter runs it too
+  side_main(__doc__, run, lambda spec: reward_fn(None, spec["completions"], spec["answers"]))
