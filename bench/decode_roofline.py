@@ -1,7 +1,8 @@
 """Benchmark: decode at a full batch (an Engine with `--batch` busy slots, timed as Engine.generate
 back to back and as GeneratorLoop.step) against the memory-bandwidth roofline: the bytes a step
 must move (weights, KV cache read and written, logits) over the streaming bandwidth measured in
-the same run (and the vendor's, common.VENDOR_PEAKS). Models: smollm2 (GGUF or random), llama1b.
+the same run (and the vendor's, scale_model.VENDOR_PEAKS). Models: smollm2 (GGUF or random),
+llama1b.
 
   python bench/decode_roofline.py                          # accelerator: batch 256, both models
   python bench/decode_roofline.py --models smollm2 --batch 16   # CPU
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magistral_jax.analysis import scale_model as M
 
 
 def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
@@ -170,7 +172,7 @@ def main():
   kind = devices[0].device_kind
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
   bw = common.stream_bandwidth(devices[0], mib << 20)
-  spec = common.vendor_peak(kind)[1]
+  spec = M.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}
   for name in [m for m in args.models.split(",") if m]:

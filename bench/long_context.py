@@ -1,10 +1,6 @@
-"""Benchmark: peak memory and time of a train step and of prefill at long T, blockwise attention
-against the dense O(T^2) baseline (model/attention.py).
-
-A tiny model runs, for each T in --lengths and each --impls, the gradient of the log-prob sum
-over one packed row of T tokens and a T-token prefill. Peak memory is the compiled program's
-memory_analysis (so dense is measured where it could not run); times are taken where the peak
-fits --run_budget_gib (--no_time skips them).
+"""Benchmark: peak memory (the compiled program's, so dense is measured where it could not run)
+and time of a tiny model's train step (one packed row of T tokens) and T-token prefill, blockwise
+attention against the dense O(T^2) baseline; timed where the peak fits --run_budget_gib.
 
   python bench/long_context.py [--lengths ...] [--impls dense,blockwise]
 
@@ -89,15 +85,12 @@ def main():
   ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
   ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
   ap.add_argument("--impls", default="dense,blockwise",
-                  help="attention_impl values to measure (dense and blockwise always are; add "
-                       "auto on an accelerator to see its kernel)")
+                  help="attention_impl values beside dense and blockwise (auto: the accelerator's)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (cuDNN needs bfloat16)")
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
-  ap.add_argument("--run_budget_gib", type=float, default=2.0,
-                  help="run (time) a program only if its peak fits this")
-  ap.add_argument("--budget_gib", type=float, default=1.0,
-                  help="the memory budget of max_tokens_in_budget")
+  ap.add_argument("--run_budget_gib", type=float, default=2.0, help="time what fits this")
+  ap.add_argument("--budget_gib", type=float, default=1.0, help="of max_tokens_in_budget")
   ap.add_argument("--token_step", type=int, default=1024)
   args = ap.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]

@@ -1,12 +1,8 @@
-"""Benchmark: tokens/s and MFU of the GRPO train step at a 1B shape, against a plain
-cross-entropy step of the same shapes, on an accelerator.
-
-Llama-3.2-1B shapes (random init), `--param_dtype` master weights, `--dtype` matmuls,
-`--attention_impl`. Each shape in `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]) runs `--micro`
-microbatches per step through train.step.make_train_step: `grpo` (make_grpo_step) and `ce`
-(train.sft.make_sft_step, the baseline), alternating over `--repeats`; medians. MFU = model FLOPs
-(6 x matmul weights + causal attention, per token) / step time / peak: the vendor's dense bf16
-rate where known, and a large bf16 matmul measured in the same run (`--matmul_n`).
+"""Benchmark: tokens/s and MFU of the GRPO train step at Llama-3.2-1B's shapes (random init)
+against a plain cross-entropy step, on an accelerator: each shape in `--shapes`
+(ROWSxROW_LEN:REMAT[:SEQS]), `--micro` microbatches a step. MFU = model FLOPs
+(analysis/scale_model.py) / step time / the vendor's dense bf16 peak, and / a large bf16 matmul
+measured in the same run (`--matmul_n`).
 
   python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
@@ -23,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magistral_jax.analysis.scale_model import train_flops_per_token
+from magistral_jax.analysis import scale_model as M
 from magistral_jax.model import attention as A
 from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
@@ -103,7 +99,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
   carry = common.Carry(state)
   times = common.time_rounds({k: carry.step(f, batch) for k, f in compiled.items()}, args.repeats)
-  flops = train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
+  flops = M.train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
@@ -132,8 +128,8 @@ def main(argv=None):
   ap.add_argument("--param_dtype", default="float32")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--attention_impl", default="auto")
-  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run on CPU)")
-  ap.add_argument("--hidden", type=int, default=None, help="smaller hidden size (smoke run)")
+  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
+  ap.add_argument("--hidden", type=int, default=None, help="a smaller hidden size (smoke run)")
   ap.add_argument("--matmul_n", type=int, default=8192)
   ap.add_argument("--repeats", type=int, default=5)
   args = ap.parse_args(argv)
@@ -149,7 +145,7 @@ def main(argv=None):
                       num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
                       vocab_size=8192)
   dev = jax.devices()[0]
-  peak_tf = common.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
+  peak_tf = M.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
   mm_tf = matmul_tflops(args.matmul_n, jnp.dtype(args.dtype))
   result = {"model": "Llama-3.2-1B shapes (random init)" if not (args.layers or args.hidden)
             else f"Llama-3.2-1B shrunk (layers {cfg.num_layers}, hidden {cfg.hidden_size})",
