@@ -93,10 +93,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--T", type=int, default=16)
-  ap.add_argument("--W", type=str, default="814208,4000000")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--points", type=int, default=5)
+  common.add_flags(ap, T=16, W="814208,4000000", repeats=2, points=5)
   args = ap.parse_args()
   res = {"pca": []}
   for w in (int(v) for v in args.W.split(",")):

@@ -41,6 +41,15 @@ def argument_parser(doc: str | None) -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def add_flags(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+  """A --NAME flag per keyword, of its default's type (False: a switch)."""
+  for name, default in defaults.items():
+    if default is False:
+      parser.add_argument(f"--{name}", action="store_true")
+    else:
+      parser.add_argument(f"--{name}", type=type(default), default=default)
+
+
 # ---- timing ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -161,6 +170,19 @@ def run_json(argv: list[str], *, env: Mapping[str, str] | None = None,
     tail = "\n".join(lines[-20:])
     raise RuntimeError(f"{' '.join(argv)} failed (rc={p.returncode}); its stdout ended:\n{tail}")
   return json.loads(lines[-1])
+
+
+def cluster_main(parser: argparse.ArgumentParser, child: Callable) -> argparse.Namespace | None:
+  """The flags, with a hidden --distributed: set on the processes cluster_json starts, where this
+  runs child(flags) between multihost.initialize() and finish() and returns None."""
+  parser.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if not args.distributed:
+    return args
+  from magistral_jax.parallel import multihost
+  multihost.initialize()
+  child(args)
+  multihost.finish()   # process 0 hosts the service: it leaves last
 
 
 def cluster_json(script: str, num_processes: int, devices_per_process: int, process: int,

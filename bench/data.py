@@ -110,13 +110,8 @@ def measure_trainer(cfg: ModelConfig, seq_len: int, batch_size: int, steps: int)
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--seq_len", type=int, default=512)
-  ap.add_argument("--loader_batch", type=int, default=8)
-  ap.add_argument("--loader_seconds", type=float, default=5.0)
-  ap.add_argument("--tiny_batch", type=int, default=8)
-  ap.add_argument("--smollm2_batch", type=int, default=1)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--configs", default="tiny,smollm2")
+  common.add_flags(ap, seq_len=512, loader_batch=8, loader_seconds=5.0, tiny_batch=8,
+                   smollm2_batch=1, steps=3, configs="tiny,smollm2")
   args = ap.parse_args()
 
   result = {"seq_len": args.seq_len, "loader": {}, "plain_loop_baseline": {}, "trainer": {}}

@@ -28,8 +28,7 @@ def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len
   # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
   matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
   weights = matmul + batch * cfg.hidden_size * itemsize
-  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cache_len * cfg.head_dim * itemsize
-  kv_write = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * itemsize
+  kv, kv_write = (M.kv_bytes_per_position(cfg, itemsize) * batch * n for n in (cache_len, 1))
   logits = 2 * batch * cfg.vocab_size * 4                          # fp32, written and read back
   flops = 2 * batch * (matmul // itemsize) + \
       4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
@@ -71,9 +70,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   for i in range(args.batch):
     loop.submit(Request(i, rs.randint(0, cfg.vocab_size, args.prompt).tolist(),
                         max_new_tokens=new))
-  t = time.perf_counter()
-  loop.step()    # prefills every prompt (batches of the engine's prefill sizes) and inserts them
-  fill_s = time.perf_counter() - t
+  # The first step prefills every prompt (batches of the engine's prefill sizes), inserts them.
+  fill_s = common.time_once(loop.step, block=False)[0]
   if loop.num_active != args.batch:
     raise RuntimeError(f"{loop.num_active} of {args.batch} slots filled")
   for _ in range(args.warm_steps):
@@ -102,7 +100,6 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   if loop.num_active != args.batch or not bool(
       np.all(jax.device_get(timing["engine"].result[1].valid))):
     raise RuntimeError("a slot finished during the timed steps")
-  loop_ts, engine_ts = timing["loop"].rounds, timing["engine"].rounds
   loop_step_s, engine_step_s = timing["loop"].median, timing["engine"].median
 
   # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
@@ -122,8 +119,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
       "fill_s": fill_s, "overlap_host": loop.options.overlap_host,
       "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
-      "engine_step_ms_per_round": [x * 1e3 for x in engine_ts],
-      "loop_step_ms_per_round": [x * 1e3 for x in loop_ts],
+      **{f"{k}_step_ms_per_round": [x * 1e3 for x in t.rounds] for k, t in timing.items()},
       "tokens_per_s": args.batch / engine_step_s,
       "loop_tokens_per_s": args.batch / loop_step_s,
       **tr,
@@ -142,9 +138,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--models", default="smollm2,llama1b")
-  ap.add_argument("--batch", type=int, default=256)
-  ap.add_argument("--prompt", type=int, default=128)
+  common.add_flags(ap, models="smollm2,llama1b", batch=256, prompt=128)
   ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: by platform)")
   ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
   ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
@@ -155,9 +149,7 @@ def main():
                        "interpreted on CPU) each slot's reached positions")
   ap.add_argument("--attention_windows", type=int, default=1, help="1: dense over the cache")
   ap.add_argument("--no_overlap", action="store_true", help="GeneratorLoop overlap_host=False")
-  ap.add_argument("--warm_steps", type=int, default=4)
-  ap.add_argument("--loop_steps", type=int, default=32)
-  ap.add_argument("--engine_steps", type=int, default=32)
+  common.add_flags(ap, warm_steps=4, loop_steps=32, engine_steps=32)
   ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of loop and engine")
   ap.add_argument("--bandwidth_mib", type=int, default=None,
                   help="the bandwidth probe's array (default 2048; 512 on CPU)")
@@ -183,11 +175,9 @@ def main():
       "bench": "decode_roofline", "platform": platform, "device": kind,
       "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
       "overlap_host": not args.no_overlap,
-      "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
-      "measured_stream_GBps": bw["stream_GBps"],
-      "spec_GBps": spec, "cache_length": first["cache_length"],
-      "attention_window": first["attention_window"], "tokens_per_s": first["tokens_per_s"],
-      "roofline_fraction": first["roofline_fraction"],
+      **{f"measured_{k}": bw[k] for k in ("read_GBps", "copy_GBps", "stream_GBps")},
+      "spec_GBps": spec, **{k: first[k] for k in ("cache_length", "attention_window",
+                                                  "tokens_per_s", "roofline_fraction")},
       "runs": runs})
 
 

@@ -213,12 +213,8 @@ def run_hf(hf, prompts, lengths, batch, args, prefix_cache=None):
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batches", default="16,64")
-  ap.add_argument("--requests_per_slot", type=float, default=1.5)
-  ap.add_argument("--prompt", type=int, default=128)
-  ap.add_argument("--min_new", type=int, default=8)
-  ap.add_argument("--n_updates", type=int, default=3)
-  ap.add_argument("--group_size", type=int, default=1)
+  common.add_flags(ap, batches="16,64", requests_per_slot=1.5, prompt=128, min_new=8, n_updates=3,
+                   group_size=1)
   ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
   ap.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
   ap.add_argument("--skip_hf", action="store_true")

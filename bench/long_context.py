@@ -75,13 +75,8 @@ def max_tokens(cfg, params, points: dict, budget: int, degree: int, step: int, s
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default="4096,16384,32768")
-  ap.add_argument("--hidden", type=int, default=64)
-  ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--kv_heads", type=int, default=2)
-  ap.add_argument("--head_dim", type=int, default=16)
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--vocab", type=int, default=256)
+  common.add_flags(ap, lengths="4096,16384,32768", hidden=64, heads=4, kv_heads=2, head_dim=16,
+                   layers=2, vocab=256)
   ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
   ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
   ap.add_argument("--impls", default="dense,blockwise",

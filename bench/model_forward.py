@@ -18,9 +18,7 @@ import numpy as np
 def main():
   from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--prompt", type=int, default=128)
-  ap.add_argument("--new_tokens", type=int, default=64)
+  common.add_flags(ap, batch=8, prompt=128, new_tokens=64)
   ap.add_argument("--repeats", type=int, default=3, help="rounds of every program, ours and HF")
   ap.add_argument("--skip_hf", action="store_true")
   args = ap.parse_args()

@@ -120,8 +120,7 @@ def main():
   ap.add_argument("--kv_heads", type=int, default=None)
   ap.add_argument("--head_dim", type=int, default=None)
   ap.add_argument("--dtype", default=None)
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--seed", type=int, default=0)
+  common.add_flags(ap, repeats=5, seed=0)
   ap.add_argument("--copy_mb", type=int, default=1024, help="--gpu: the bandwidth probe's size")
   a = ap.parse_args()
   # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's

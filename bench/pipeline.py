@@ -41,8 +41,7 @@ def main():
   ap = common.argument_parser(__doc__)
   ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
   ap.add_argument("--repeats", type=int, default=5, help="runs per mode, order alternating")
-  ap.add_argument("--sft_steps", type=int, default=250)
-  ap.add_argument("--seed", type=int, default=1)
+  common.add_flags(ap, sft_steps=250, seed=1)
   ap.add_argument("--layout", default="4,2,2", help="devices of the trainer, then each generator")
   ap.add_argument("--colocated", action="store_true",
                   help="one generator on the trainer's devices (--layout N: theirs)")

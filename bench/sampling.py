@@ -66,10 +66,7 @@ def engine_steps(batch: int, rounds: int):
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batches", default="16,64")
-  ap.add_argument("--vocab", type=int, default=49152)
-  ap.add_argument("--rounds", type=int, default=7)
-  ap.add_argument("--skip_engine", action="store_true")
+  common.add_flags(ap, batches="16,64", vocab=49152, rounds=7, skip_engine=False)
   args = ap.parse_args()
   settings = [(0, 1.0), (0, 0.95), (0, 0.7), (50, 1.0), (50, 0.95), (1000, 1.0)]
   runs = []

@@ -265,8 +265,7 @@ def main():
   ap.add_argument("--task_timeout_s", type=float, default=60.0, help="pool's per-task deadline")
   ap.add_argument("--ratio_tasks", type=int, default=200,
                   help="correct/wrong tasks timed through the pool and bare (0: skip)")
-  ap.add_argument("--max_tasks_per_worker", type=int, default=1000)
-  ap.add_argument("--seed", type=int, default=0)
+  common.add_flags(ap, max_tasks_per_worker=1000, seed=0)
   ap.add_argument("--chaos_every_s", type=float, default=0.0,
                   help="SIGKILL a busy worker about this often during the soak (0: never)")
   ap.add_argument("--no_progress", action="store_true", help="no progress lines during the soak")

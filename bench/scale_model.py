@@ -11,7 +11,6 @@ the rates (with rates.message_s) and the run's workload.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -103,9 +102,8 @@ def verifier_rate(run, n: int) -> float:
 # ---- 2. the children: generation, then the train step, each alone ----------------------------
 
 def child(args) -> None:
-  from magistral_jax.parallel import multihost
-  multihost.initialize()
   import jax
+  from magistral_jax.parallel import multihost
   from magistral_jax import config as config_lib
   from magistral_jax.run.recipes import load_recipe
   run = config_lib.validate(load_recipe(CPU_CONFIG, common.ROOT))
@@ -117,16 +115,14 @@ def child(args) -> None:
     result = measure_generation(run, layout, wl, args.reps)
     for p in layout.trainer_processes:
       mailbox.send(f"to{p}", result)
-    return multihost.finish()
+    return
   generation = mailbox.receive(f"to{me}", 1800, what="the generator's measurement")
   train = measure_train(run, layout, wl, args.reps)
   if not layout.is_leader:
     mailbox.send("cores", train["cores_busy"])
-    return multihost.finish()
-  others = [mailbox.receive("cores", 600) for _ in layout.trainer_processes[1:]]
-  train["cores_busy"] += sum(others)
+    return
+  train["cores_busy"] += sum(mailbox.receive("cores", 600) for _ in layout.trainer_processes[1:])
   print(json.dumps({"generation": generation, "train": train}), flush=True)
-  multihost.finish()   # process 0 hosts the service: it leaves last
 
 
 def measure_generation(run, layout, wl: dict, reps: int) -> dict:
@@ -273,12 +269,10 @@ def main() -> None:
   p.add_argument("--sft_steps", type=int, default=200, help="when this script runs it")
   p.add_argument("--batches", type=int, default=14, help="when this script runs it")
   p.add_argument("--skip", type=int, default=2, help="first batches left out (compilation)")
-  p.add_argument("--reps", type=int, default=5)
-  p.add_argument("--verify_tasks", type=int, default=200)
-  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
-  args = p.parse_args()
-  if args.distributed:
-    return child(args)
+  common.add_flags(p, reps=5, verify_tasks=200)
+  args = common.cluster_main(p, child)
+  if args is None:
+    return
   check = cpu_check(args)
   result = {"bench": "scale_model", "cpu_check": check,
             "predicted_over_measured": round(check["predicted_over_measured"], 3)}

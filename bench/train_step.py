@@ -64,9 +64,7 @@ def make_batch(rng, cfg: GRPOConfig, vocab: int):
 
 def main(argv=None):
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--rows", type=int, default=2)
-  ap.add_argument("--row_len", type=int, default=256)
-  ap.add_argument("--repeats", type=int, default=3)
+  common.add_flags(ap, rows=2, row_len=256, repeats=3)
   ap.add_argument("--layers", type=int, default=SMOLLM2_135M.num_layers)
   args = ap.parse_args(argv)
 

@@ -210,8 +210,7 @@ def main():
   ap.add_argument("--max_new_tokens", type=int, default=32)
   ap.add_argument("--max_prompt_length", type=int, default=0,
                   help="0: the longest prompt, rounded up to 16")
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--learning_rate", type=float, default=1e-6)
+  common.add_flags(ap, temperature=1.0, learning_rate=1e-6)
   ap.add_argument("--system_prompt", choices=("tiny", "magistral", "none"), default="tiny")
   ap.add_argument("--iterations", type=int, default=3, help="timed iterations per round")
   ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (compiles)")
@@ -219,8 +218,7 @@ def main():
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--engine_tune", choices=("default", "on", "off"), default="default",
                   help="our engine.tune (default: the run config's)")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--side_timeout_s", type=float, default=3600)
+  common.add_flags(ap, seed=0, side_timeout_s=3600.0)
   ap.add_argument("--keep_workdir", help="write the workload here and keep it")
   args = ap.parse_args()
 

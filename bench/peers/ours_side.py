@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # bench/: common, vs_tunix (the workload's tokenizer)
 import common  # noqa: E402
 from peer_common import (jitter, peak_memory_bytes, side_main, side_summary,  # noqa: E402
-                         versions, weights_checksum)
+                         time_calls, versions, weights_checksum)
 from vs_tunix import progress, shared_tokenizer  # noqa: E402
 
 # Our generator's loop counters (generate.counters.LoopCounters), per timed iteration (medians).
@@ -157,18 +157,9 @@ def run_ours(spec: dict) -> dict:
       ev["tokens"].append(len(c.tokens))
       f(c)
     g.callback = on_sample
-  next_batch, push, step = rollouts.next_batch, rollouts.push, trainer.step
-
-  def timed(fn, key):
-    def run(*a, **kw):
-      t = time.perf_counter()
-      out = fn(*a, **kw)
-      ev[key].append((t, time.perf_counter()))
-      return out
-    return run
-  rollouts.next_batch = timed(next_batch, "batch_end")
-  rollouts.push = timed(push, "push")
-  trainer.step = timed(step, "step")
+  for obj, name, key in ((rollouts, "next_batch", "batch_end"), (rollouts, "push", "push"),
+                         (trainer, "step", "step")):
+    time_calls(obj, name, ev[key])
 
   total = spec["warmup"] + spec["iterations"]
   compiles = lambda: sum(sum(g.engine.compile_counts().values()) for g in rollouts.generators)
@@ -197,7 +188,7 @@ def run_ours(spec: dict) -> dict:
     pool.close()
   if len(history) != total:
     raise RuntimeError(f"only {len(history)}/{total} iterations ran: {dict(rollouts.counters)}")
-  dropped = sum(int(rollouts.counters[k]) for k in ("groups_dropped",))
+  dropped = int(rollouts.counters["groups_dropped"])
   if dropped:
     raise RuntimeError(f"{dropped} groups were dropped: the workloads would differ")
 

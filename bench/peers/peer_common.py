@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import statistics
+import time
 import zlib
 
 
@@ -39,6 +40,21 @@ def peak_memory_bytes() -> tuple[int, str]:
       return int(stats["peak_bytes_in_use"]), f"{dev.platform} peak_bytes_in_use"
   return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
           "process peak RSS (ru_maxrss)")
+
+
+def time_calls(obj, name: str, spans: list, after=None) -> None:
+  """Wraps obj.NAME so that each call appends its (start, end) perf_counter seconds to `spans`,
+  after `after(result)` where given: the sides' hooks on their loops' parts."""
+  fn = getattr(obj, name)
+
+  def timed(*a, **kw):
+    t = time.perf_counter()
+    out = fn(*a, **kw)
+    if after is not None:
+      after(out)
+    spans.append((t, time.perf_counter()))
+    return out
+  setattr(obj, name, timed)
 
 
 def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:

@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
-from peer_common import (jitter, peak_memory_bytes, side_main, side_summary, versions,
-                         weights_checksum)
+from peer_common import (jitter, peak_memory_bytes, side_main, side_summary, time_calls,
+                         versions, weights_checksum)
 
 
 def boxed(text: str) -> str | None:
@@ -145,18 +145,6 @@ def run(spec: dict) -> dict:
   ev = {"generate": [], "tokens": [], "completions": [], "rewards": [], "update": [],
         "sync": [], "iter_end": []}
 
-  def timed(obj, name, key, after=None):
-    fn = getattr(obj, name)
-
-    def run_timed(*a, **kw):
-      t = time.perf_counter()
-      out = fn(*a, **kw)
-      if after is not None:
-        after(out)
-      ev[key].append((t, time.perf_counter()))
-      return out
-    setattr(obj, name, run_timed)
-
   def count(out):
     ev["tokens"].append(int(sum(len(t) for t in out.tokens)))
     ev["completions"].append(len(out.tokens))
@@ -165,10 +153,10 @@ def run(spec: dict) -> dict:
     jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
     ev["iter_end"].append(time.perf_counter())
 
-  timed(cluster, "generate", "generate", count)
-  timed(learner, "_compute_rewards", "rewards")
-  timed(cluster, "update_actor", "update", wait_for_weights)
-  timed(cluster, "sync_weights", "sync")
+  time_calls(cluster, "generate", ev["generate"], count)
+  time_calls(learner, "_compute_rewards", ev["rewards"])
+  time_calls(cluster, "update_actor", ev["update"], wait_for_weights)
+  time_calls(cluster, "sync_weights", ev["sync"])
 
   # Arrays, as tunix's data pipelines give them (the learner repeats each leaf G times along
   # axis 0; a Python list would be a pytree of single strings).
