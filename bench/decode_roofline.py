@@ -22,21 +22,6 @@ import numpy as np
 from magistral_jax.analysis import scale_model as M
 
 
-def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
-                 itemsize: int) -> dict:
-  """Bytes one decode step must move and the FLOPs it does (dense attention over the cache)."""
-  # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
-  matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
-  weights = matmul + batch * cfg.hidden_size * itemsize
-  kv, kv_write = (M.kv_bytes_per_position(cfg, itemsize) * batch * n for n in (cache_len, 1))
-  logits = 2 * batch * cfg.vocab_size * 4                          # fp32, written and read back
-  flops = 2 * batch * (matmul // itemsize) + \
-      4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
-  return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
-          "other_bytes": int(kv_write + logits),
-          "bytes_per_step": int(weights + kv + kv_write + logits), "flops_per_step": int(flops)}
-
-
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
@@ -104,10 +89,10 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
 
   # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
   live_len = args.prompt + args.warm_steps + 1 + (args.loop_steps + args.engine_steps) / 2
-  live = step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
+  live = M.decode_step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
   # What the step reads: the window (XLA's decode attention) or the live positions.
   tr = (live if eng.decode_attention == "live" else
-        step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize))
+        M.decode_step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize))
   bytes_ = tr["bytes_per_step"]
   roof_measured = bytes_ / (bw["stream_GBps"] * 1e9)
   out = {

@@ -142,15 +142,12 @@ def shared_tokenizer(source: str = "gguf"):
 
 def side_env(platform: str) -> dict:
   """The environment of a side's process: one device (a single simulated CPU device on CPU)."""
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith(common._DEVICE_COUNT_FLAG)]
+  from magistral_jax.parallel.local_cluster import xla_flags_with_device_count
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with_device_count(os.environ.get("XLA_FLAGS"), 1))
   if platform == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
-    flags.append(f"{common._DEVICE_COUNT_FLAG}=1")
   else:
     env.pop("JAX_PLATFORMS", None)
-  env["XLA_FLAGS"] = " ".join(flags)
   env["PYTHONPATH"] = os.pathsep.join([common.ROOT] + [p for p in
                                        env.get("PYTHONPATH", "").split(os.pathsep) if p])
   return env

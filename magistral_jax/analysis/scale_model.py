@@ -259,6 +259,24 @@ def decode_step_bytes(cfg, slots: int, positions: float, tensor: int, itemsize: 
   return weights + kv + logits
 
 
+def decode_step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
+                        itemsize: int) -> dict:
+  """One engine's decode step from its weights' real bytes, as bench/decode_roofline.py's
+  roofline counts it: the bytes it must move (the matmul weights, the gathered embedding rows,
+  the KV cache read and written, the fp32 logits written and read back) and its FLOPs (dense
+  attention over cache_len positions)."""
+  # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
+  matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
+  weights = matmul + batch * cfg.hidden_size * itemsize
+  kv, kv_write = (kv_bytes_per_position(cfg, itemsize) * batch * n for n in (cache_len, 1))
+  logits = 2 * batch * cfg.vocab_size * 4
+  flops = 2 * batch * (matmul // itemsize) + \
+      4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
+  return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
+          "other_bytes": int(kv_write + logits),
+          "bytes_per_step": int(weights + kv + kv_write + logits), "flops_per_step": int(flops)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterLayout:
   """Trainer chips (FSDP) and generators of `gen_chips` chips each, a `tensor` x data mesh,
