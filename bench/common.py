@@ -246,6 +246,12 @@ def stream_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
           "stream_GBps": max(read, copy)}
 
 
+def compile_timed(jitted, *args) -> tuple[Any, float]:
+  """(`jitted` compiled for `args`, the seconds its lowering and compilation took)."""
+  seconds, program = time_once(lambda: jitted.lower(*args).compile(), block=False)
+  return program, seconds
+
+
 def compiled_memory(compiled) -> tuple[int, int]:
   """(peak bytes, temp bytes) of a compiled program, the peak as run/footprint.py counts it;
   (-1, -1) where the backend gives no memory analysis."""

@@ -162,9 +162,8 @@ def main():
     }
 
   try:
-    t = time.time()
-    run_mode("sync", 1)    # compiles prefill/insert/generate, the train step and the pushes
-    warm_s = time.time() - t
+    # The warm-up batch compiles prefill/insert/generate, the train step and the pushes.
+    warm_s = common.time_once(lambda: run_mode("sync", 1), block=False)[0]
     print(f"warm-up batch (compiles): {warm_s:.1f}s", flush=True)
     lengths = []
     runs = {"sync": [], "async": []}

@@ -12,8 +12,6 @@ grpo_over_ce_time, mfu_vs_matmul, peak memory, attention implementation, device.
 """
 from __future__ import annotations
 
-import time
-
 import common
 import jax
 import jax.numpy as jnp
@@ -91,9 +89,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
   steps = {k: makers[k]() for k in args.steps.split(",")}   # jitted, donating
   compiled = {}
   for k, fn in steps.items():
-    t0 = time.perf_counter()
-    compiled[k] = fn.lower(state, batch).compile()
-    out[f"compile_s_{k}"] = time.perf_counter() - t0
+    compiled[k], out[f"compile_s_{k}"] = common.compile_timed(fn, state, batch)
     out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)

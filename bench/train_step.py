@@ -8,8 +8,6 @@ Last line: one JSON object with every figure.
 """
 from __future__ import annotations
 
-import time
-
 import common
 import jax
 import numpy as np
@@ -84,17 +82,14 @@ def main(argv=None):
                     f"[{args.rows} x {args.row_len}] x {stats['microbatches']} microbatch"
   tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
 
-  t0 = time.perf_counter()
-  state = S.init_state(model_cfg, tx, jax.random.PRNGKey(0))
-  jax.block_until_ready(state)
-  print(f"[init] {time.perf_counter() - t0:.1f}s", flush=True)
+  init_s, state = common.time_once(lambda: S.init_state(model_cfg, tx, jax.random.PRNGKey(0)))
+  print(f"[init] {init_s:.1f}s", flush=True)
 
   steps = {"grpo": S.make_grpo_step(model_cfg, gcfg, tx), "ce": make_sft_step(model_cfg, tx)}
   compiled = {}
   for name, fn in steps.items():
-    t0 = time.perf_counter()
-    compiled[name] = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
-    result[f"compile_s_{name}"] = time.perf_counter() - t0
+    compiled[name], result[f"compile_s_{name}"] = common.compile_timed(
+        jax.jit(fn, donate_argnums=0), state, batch)
     print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
   mem = common.compiled_memory
   result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = mem(compiled["grpo"])
@@ -115,12 +110,10 @@ def main(argv=None):
   result["grpo_over_ce_step_time"] = result["step_cpu_s_grpo"] / result["step_cpu_s_ce"]
   result["grpo_over_ce_wall_time"] = result["step_wall_s_grpo"] / result["step_wall_s_ce"]
 
-  remat_cfg = model_cfg.replace(remat="full")
-  grpo_remat = S.make_grpo_step(remat_cfg, gcfg, tx)
-  t0 = time.perf_counter()
-  result["peak_bytes_remat"], result["temp_bytes_remat"] = common.compiled_memory(
-      jax.jit(grpo_remat, donate_argnums=0).lower(state, batch).compile())
-  print(f"[compile] grpo remat: {time.perf_counter() - t0:.1f}s", flush=True)
+  grpo_remat, s = common.compile_timed(jax.jit(S.make_grpo_step(
+      model_cfg.replace(remat="full"), gcfg, tx), donate_argnums=0), state, batch)
+  result["peak_bytes_remat"], result["temp_bytes_remat"] = common.compiled_memory(grpo_remat)
+  print(f"[compile] grpo remat: {s:.1f}s", flush=True)
   result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]
   result["remat_temp_saving"] = 1.0 - result["temp_bytes_remat"] / max(result["temp_bytes_no_remat"], 1)
   common.emit(result)
