@@ -252,16 +252,6 @@ def compile_timed(jitted, *args) -> tuple[Any, float]:
   return program, seconds
 
 
-def compiled_memory(compiled) -> tuple[int, int]:
-  """(peak bytes, temp bytes) of a compiled program, the peak as run/footprint.py counts it;
-  (-1, -1) where the backend gives no memory analysis."""
-  from magistral_jax.run.footprint import compiled_peak_bytes
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return -1, -1
-  return compiled_peak_bytes(ma), int(ma.temp_size_in_bytes)
-
-
 def host_info() -> dict:
   """The host facts the CPU benches report: core count and the load average at the end."""
   try:

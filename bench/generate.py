@@ -112,8 +112,7 @@ def time_prefill_ours(eng, params, prompts, shared=None) -> float:
   n_shared = 0 if shared is None else int(np.asarray(shared.true_length))
   tokens = np.asarray(prompts, np.int32)[:, n_shared:]
   kw = {} if shared is None else {"existing_prefix": shared}
-  t = time.perf_counter()
-  start = 0
+  t, start = time.perf_counter(), 0
   for m in eng.split_batch(len(tokens)):
     jax.block_until_ready(eng.prefill_many(params, tokens[start:start + m],
                                            [tokens.shape[1]] * m, **kw))
@@ -136,15 +135,12 @@ def time_prefill_hf(hf, prompts, batch, group_size=1, prefix_cache=None) -> floa
   (KV cache on, logits of the last position only); with `prefix_cache` (hf_prefix_cache) the
   forward of the prompts' rests over a copy of that cache, repeated to the batch."""
   import torch
+  n = 0 if prefix_cache is None else prefix_cache.get_seq_length()
   t = time.perf_counter()
   with torch.inference_mode():
     for _, x in hf_batches(hf, prompts, batch, group_size):
-      if prefix_cache is None:
-        hf(x, use_cache=True, logits_to_keep=1)
-      else:
-        n = prefix_cache.get_seq_length()
-        hf(x[:, n:], past_key_values=_batch_cache(prefix_cache, len(x)), use_cache=True,
-           logits_to_keep=1)
+      past = {} if n == 0 else {"past_key_values": _batch_cache(prefix_cache, len(x))}
+      hf(x[:, n:], use_cache=True, logits_to_keep=1, **past)
     _sync(hf)
   return time.perf_counter() - t
 

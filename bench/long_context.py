@@ -14,6 +14,7 @@ import numpy as np
 
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.run.footprint import compiled_memory
 
 GIB = 2 ** 30
 
@@ -53,7 +54,7 @@ PROGRAMS = {"train_step": train_step, "prefill": prefill}
 def measure(program, cfg, params, t, segments, repeats, run_budget):
   fn, args = PROGRAMS[program](cfg, params, t, segments)
   compiled = fn.lower(*args).compile()
-  peak = common.compiled_memory(compiled)[0]
+  peak = compiled_memory(compiled)[0]
   seconds = None
   if repeats and peak <= run_budget:
     seconds = common.time_fn(lambda: compiled(*args), repeats).median

@@ -23,6 +23,7 @@ from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import collate_minibatch
+from magistral_jax.run.footprint import compiled_memory
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
@@ -90,7 +91,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
   compiled = {}
   for k, fn in steps.items():
     compiled[k], out[f"compile_s_{k}"] = common.compile_timed(fn, state, batch)
-    out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
+    out[f"peak_gib_{k}"] = compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
   carry = common.Carry(state)

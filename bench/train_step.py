@@ -16,6 +16,7 @@ from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import collate_minibatch
+from magistral_jax.run.footprint import compiled_memory
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
@@ -91,9 +92,9 @@ def main(argv=None):
     compiled[name], result[f"compile_s_{name}"] = common.compile_timed(
         jax.jit(fn, donate_argnums=0), state, batch)
     print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
-  mem = common.compiled_memory
-  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = mem(compiled["grpo"])
-  result["peak_bytes_ce"], result["temp_bytes_ce"] = mem(compiled["ce"])
+  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = compiled_memory(
+      compiled["grpo"])
+  result["peak_bytes_ce"], result["temp_bytes_ce"] = compiled_memory(compiled["ce"])
 
   # On a shared host the wall clock mostly measures the other jobs: the ratio is of CPU seconds.
   carry = common.Carry(state)
@@ -112,7 +113,7 @@ def main(argv=None):
 
   grpo_remat, s = common.compile_timed(jax.jit(S.make_grpo_step(
       model_cfg.replace(remat="full"), gcfg, tx), donate_argnums=0), state, batch)
-  result["peak_bytes_remat"], result["temp_bytes_remat"] = common.compiled_memory(grpo_remat)
+  result["peak_bytes_remat"], result["temp_bytes_remat"] = compiled_memory(grpo_remat)
   print(f"[compile] grpo remat: {s:.1f}s", flush=True)
   result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]
   result["remat_temp_saving"] = 1.0 - result["temp_bytes_remat"] / max(result["temp_bytes_no_remat"], 1)
