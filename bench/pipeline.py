@@ -14,7 +14,6 @@ import common
 
 common.use_cpu_devices(8)   # a trainer slice and two generator slices
 
-import json  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
@@ -39,9 +38,7 @@ def _host_cpu_jiffies() -> tuple[int, int]:
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batches", type=int, default=10, help="measured batches per mode")
-  ap.add_argument("--repeats", type=int, default=5, help="runs per mode, order alternating")
-  common.add_flags(ap, sft_steps=250, seed=1)
+  common.add_flags(ap, batches=10, repeats=5, sft_steps=250, seed=1)   # batches, runs per mode
   ap.add_argument("--layout", default="4,2,2", help="devices of the trainer, then each generator")
   ap.add_argument("--colocated", action="store_true",
                   help="one generator on the trainer's devices (--layout N: theirs)")
@@ -53,20 +50,20 @@ def main():
   logging.basicConfig(level=logging.WARNING)
 
   from magistral_jax.data import synthetic
+  from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
   from magistral_jax.generate.loop import GeneratorLoop
-  from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.model.char_tokenizer import char_tokenizer
   from magistral_jax.model.config import ModelConfig
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
+  from magistral_jax.parallel.layout import split_devices
   from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.pipeline.config import PipelineConfig
   from magistral_jax.pipeline.rollouts import Rollouts
-  from magistral_jax.parallel.layout import split_devices
   from magistral_jax.rewards.config import RewardConfig
   from magistral_jax.rl.config import GRPOConfig
-  from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.config import OptimizerConfig, SFTConfig
+  from magistral_jax.train.optimizer import make_optimizer
   from magistral_jax.train.rl_loop import Trainer, train
   from magistral_jax.train.sft import make_sft_step, sft_warm_start
   from magistral_jax.train.step import init_state, make_grpo_step
@@ -89,18 +86,15 @@ def main():
   problems = lambda seed: synthetic.problems(seed, min_steps=1, max_steps=MAX_STEPS)
 
   # ---- SFT warm start on 1..MAX_STEPS-step traces ------------------------------------------
-  t = time.time()
   tx = make_optimizer(OptimizerConfig(learning_rate=5e-3))
-  state = init_state(cfg, tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES)
   examples = ((p["problem"], synthetic.trace(p)) for p in problems(0))
-  state, sft_m = sft_warm_start(state, make_sft_step(cfg, tx, tmesh, TRAINER_RULES), tok, examples,
-                                SFTConfig(num_steps=args.sft_steps, batch_size=8, row_len=256,
-                                          rows_per_micro=8),
-                                system_prompt=synthetic.TINY_SYSTEM_PROMPT, mesh=tmesh,
-                                log_every=50)
+  sft_s, (state, sft_m) = common.time_once(lambda: sft_warm_start(
+      init_state(cfg, tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES),
+      make_sft_step(cfg, tx, tmesh, TRAINER_RULES), tok, examples,
+      SFTConfig(num_steps=args.sft_steps, batch_size=8, row_len=256, rows_per_micro=8),
+      system_prompt=synthetic.TINY_SYSTEM_PROMPT, mesh=tmesh, log_every=50), block=False)
   params = jax.device_get(state.params)
   del state
-  sft_s = time.time() - t
   print(f"sft: {args.sft_steps} steps in {sft_s:.1f}s, nll/token "
         f"{sft_m.get('nll_per_token', float('nan')):.3f}", flush=True)
 
@@ -170,8 +164,7 @@ def main():
     for r in range(args.repeats):   # alternate the order so drifting host load hits both modes
       for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
         runs[mode].append(run_mode(mode, args.batches, lengths))
-        print(f"{mode} (repeat {r}): " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
-                                                     for k, v in runs[mode][-1].items()}), flush=True)
+        common.emit({"mode": mode, "repeat": r, **runs[mode][-1]}, ndigits=4)
   finally:
     pool.close()
   L = np.asarray(lengths)

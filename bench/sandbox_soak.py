@@ -210,9 +210,10 @@ def run(a) -> dict:
                always_in_mix=sorted({it.name for it in items} & set(ALWAYS)))
     # The reading attacks are real: run bare (no sandbox) they print the secret and pass.
     res["read_attacks_pass_bare"] = {
-        n: bare_run(Item("hostile", "stdin", n, stdin_task(n, 0, a.lang, (("0\n", SECRET + "\n"),)),
-                         a.src, a.lang), bare_dir)
-        for n, a in ATTACKS.items() if a.reads_secret}
+        n: bare_run(Item("hostile", "stdin", n, stdin_task(n, 0, atk.lang,
+                                                           (("0\n", SECRET + "\n"),)),
+                         atk.src, atk.lang), bare_dir)
+        for n, atk in ATTACKS.items() if atk.reads_secret}
     if progress:
       print("mix", res["mix"], flush=True)
     seen_pids: set[int] = set()
