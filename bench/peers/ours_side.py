@@ -26,8 +26,8 @@ GEN_COUNTERS = ("steps", "compact_steps", "decode_time_s", "idle_time_s", "prefi
                 "background_prefilled", "shared_prefix_hits", "shared_prefix_prefills")
 
 
-def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, tasks,
-                  grpo, system_prompt, seed):
+def make_rollouts(model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, grpo,
+                  system_prompt):
   """Our colocated layout (Rollouts colocated=True): one generator on the trainer's devices,
   taking turns with it, built as launch/train.py builds it (make_generators, the config's engine
   defaults, slots for the whole batch); every program it can run is compiled beforehand, since
@@ -44,16 +44,17 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
                    **tune)   # --engine_tune: the config default unless given
   shared = shared_prefix_for(e, tokenizer, system_prompt)
   gens = make_generators(model_cfg, params, [list(trainer_devices)], sampling, e,
-                         mesh_shape={"tensor": len(trainer_devices)}, seed=seed,
+                         mesh_shape={"tensor": len(trainer_devices)}, seed=spec["seed"],
                          shared_prefix=shared)
   for g in gens:   # only the prefill buckets this workload's prompts take (whole, or their rest)
     lengths = [len(ids) - (len(shared) if shared and ids[:len(shared)] == shared else 0)
                for ids in (t["ids"] for t in spec["prompts"])]
     buckets = sorted({g.engine.bucket_for(n) for n in lengths})
     g.engine.precompile(g.params, buckets, tune=False, existing_prefix=g.shared_prefix_cache())
+  tasks = [{k: p[k] for k in ("id", "kind", "problem", "answer")} for p in spec["prompts"]]
   return Rollouts(generators=gens, pool=pool, tokenizer=tokenizer, prompts=iter(tasks),
                   grpo_cfg=grpo, cfg=PipelineConfig(mode="sync", batch_timeout_s=1800),
-                  system_prompt=system_prompt, seed=seed, colocated=True)
+                  system_prompt=system_prompt, seed=spec["seed"], colocated=True)
 
 
 def reward_config(max_new_tokens: int):
@@ -138,13 +139,9 @@ def run_ours(spec: dict) -> dict:
   del params
   step_fn = make_grpo_step(cfg, grpo, tx, tmesh, TRAINER_RULES, temperature=spec["temperature"])
   sampling = SamplingConfig(temperature=spec["temperature"], max_new_tokens=N, eos_id=None)
-  tasks = [{k: p[k] for k in ("id", "kind", "problem", "answer")} for p in spec["prompts"]]
   pool = VerifierPool(1, reward_config(N), task_timeout_s=60)
-  rollouts = make_rollouts(model_cfg=cfg, params=jax.device_get(state.params),
-                           trainer_devices=devices, sampling=sampling, spec=spec,
-                           pool=JitteredPool(pool), tokenizer=tok, tasks=tasks, grpo=grpo,
-                           system_prompt=system_prompt,
-                           seed=spec["seed"])
+  rollouts = make_rollouts(cfg, jax.device_get(state.params), devices, sampling, spec,
+                           JitteredPool(pool), tok, grpo, system_prompt)
   trainer = Trainer(step_fn, state, tmesh, TRAINER_RULES)
   setup_s = time.perf_counter() - t_setup
   progress(f"ours: set up in {setup_s:.0f}s (weights, optimizer, engine precompile)")
