@@ -20,6 +20,11 @@ from magistral_jax.analysis.report import load_run_metrics
 
 ROOT = common.ROOT
 
+# Each ablation's headline in the last line: its key, and the per-variant figure it averages.
+HEADLINES = {"clip": ("clip_entropy_last_third", "entropy_last_third"),
+             "adv_norm": ("adv_norm_reward_last_third", "reward_last_third"),
+             "async": ("async_sync_reward_last_third", "reward_last_third"),
+             "minibatch": ("minibatch_heldout_after", "heldout_accuracy_after")}
 ABLATIONS = {
     "clip": [("eps_high_0.28", "eps_high=0.28"), ("eps_high_0.20", "eps_high=0.2")],
     "adv_norm": [("minibatch", "adv_norm=minibatch"), ("group", "adv_norm=group"),
@@ -58,13 +63,18 @@ def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
   return wd
 
 
+def read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
+
+
 def variant_stats(workdir: str, wall_s: float) -> dict:
   rows = [r for r in load_run_metrics(workdir)[1] if "reward" in r]
-  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  summary = read_json(os.path.join(workdir, "summary.json"))
   thirds = {"first_third": rows[:max(1, len(rows) // 3)], "last_third": rows[len(rows) * 2 // 3:]
             or rows}
   mean = lambda key, rs: float(np.mean([r[key] for r in rs if key in r])) if rs else float("nan")
-  n_batch = json.load(open(os.path.join(workdir, "config.json")))["rl"]["n_batch"]
+  n_batch = read_json(os.path.join(workdir, "config.json"))["rl"]["n_batch"]
   # Trained-on completions per second between the first and the last batch (start-up excluded).
   samples = n_batch * (len(rows) - 1)
   rl_time = float(rows[-1]["time"] - rows[0]["time"]) if len(rows) > 1 else 0.0
@@ -121,8 +131,8 @@ def main():
     for variant, arg in ABLATIONS[name]:
       for seed in seeds:
         wd = os.path.join(root, name, f"{variant}-s{seed}")
-        if not os.path.exists(os.path.join(wd, "summary.json")) or "heldout_accuracy_after" \
-            not in json.load(open(os.path.join(wd, "summary.json"))):
+        summary = os.path.join(wd, "summary.json")
+        if not os.path.exists(summary) or "heldout_accuracy_after" not in read_json(summary):
           os.makedirs(wd, exist_ok=True)
           print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
           wall = run([sys.executable, "launch/train.py", tiny_config(args.base_arg, arg),
@@ -132,7 +142,7 @@ def main():
                       f"--config.data.heldout={args.heldout}"],
                      os.path.join(wd, "log.txt"))
         else:
-          wall = json.load(open(os.path.join(wd, "summary.json"))).get("wall_time_s", 0.0)
+          wall = read_json(summary).get("wall_time_s", 0.0)
         results.setdefault(variant, []).append(variant_stats(wd, wall))
         s = results[variant][-1]
         print(f"  {variant} s{seed}: reward {s['reward_first_third']:.3f} -> "
@@ -144,18 +154,12 @@ def main():
     all_results[name] = {v: [{k: x for k, x in s.items() if k != "curves"} for s in per]
                          for v, per in results.items()}
     avg = lambda v, key: float(np.mean([s[key] for s in results[v]]))
-    base = ABLATIONS[name][0][0]
-    if name == "clip":
-      headline["clip_entropy_last_third"] = {v: avg(v, "entropy_last_third") for v in results}
-    elif name == "adv_norm":
-      headline["adv_norm_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
-    elif name == "async":
+    key, figure = HEADLINES[name]
+    headline[key] = {v: avg(v, figure) for v in results}
+    if name == "async":
       headline["async_over_sync_samples_per_s"] = avg("async", "samples_per_s") / avg(
           "sync", "samples_per_s")
-      headline["async_sync_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
-    elif name == "minibatch":
-      headline["minibatch_heldout_after"] = {v: avg(v, "heldout_accuracy_after") for v in results}
-    headline[f"{name}_baseline"] = base
+    headline[f"{name}_baseline"] = ABLATIONS[name][0][0]
   with open(os.path.join(args.docs, "results.json"), "w") as f:
     json.dump({"batches": args.batches, "seeds": seeds, "results": all_results}, f, indent=1)
   common.emit(headline)

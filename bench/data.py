@@ -19,7 +19,7 @@ import time
 import common
 import numpy as np
 
-from magistral_jax.data import jsonl
+from magistral_jax.data import gsm8k_traces
 from magistral_jax.data import loader
 from magistral_jax.data import records
 from magistral_jax.data import tfds_builders
@@ -27,12 +27,11 @@ from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
 
 
 def build_traces(data_dir: str) -> str:
-  rows = [{"id": f"gsm8k/{o['idx']}", "prompt": o["question"],
-           "completion": f"<think>\n{o['solution']}\n</think>\n\n\\boxed{{{o['answer']}}}"}
-          for _, o in jsonl.iter_rows(records.shipped_path("gsm8k_test"), jsonl.ReadReport())]
-  path = os.path.join(data_dir, "traces.jsonl")
-  jsonl.write_jsonl(path, rows)
-  tfds_builders.build_dataset("sft", "gsm8k_traces", path, data_dir)
+  """The test split as the cold-start recipe's traces (data/gsm8k_traces.py); their JSONL."""
+  path = os.path.join(data_dir, f"{gsm8k_traces.NAME}.jsonl")
+  gsm8k_traces.write_traces(path, source_path=records.shipped_path("gsm8k_test"),
+                            source="gsm8k_test")
+  tfds_builders.build_dataset("sft", gsm8k_traces.NAME, path, data_dir)
   return path
 
 
