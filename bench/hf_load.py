@@ -83,10 +83,8 @@ def main():
   work = args.dir or tempfile.mkdtemp(prefix="hf_load_bench_")
   try:
     path = os.path.join(work, f"{args.shape}_bf16")
-    t = time.perf_counter()
-    checkpoint_gb = write_checkpoint(args.shape, path)
-    print(f"wrote {checkpoint_gb:.2f} GB to {path} in {time.perf_counter() - t:.1f}s",
-          file=sys.stderr)
+    t, checkpoint_gb = common.time_once(lambda: write_checkpoint(args.shape, path), block=False)
+    print(f"wrote {checkpoint_gb:.2f} GB to {path} in {t:.1f}s", file=sys.stderr)
     runs = {"baseline": [], "sharded": []}
     for r in range(args.repeats):
       for loader in (("baseline", "sharded") if r % 2 == 0 else ("sharded", "baseline")):
@@ -98,18 +96,15 @@ def main():
       shutil.rmtree(work, ignore_errors=True)
   med = {k: {f: statistics.median(x[f] for x in v) for f in ("load_s", "peak_mb", "params_mb")}
          for k, v in runs.items()}
-  params_mb = med["sharded"]["params_mb"]
-  base_over = med["baseline"]["peak_mb"] - med["baseline"]["params_mb"]
-  shard_over = med["sharded"]["peak_mb"] - params_mb
+  over = {k: m["peak_mb"] - m["params_mb"] for k, m in med.items()}   # beyond the params
   res = {
-      "shape": args.shape, "checkpoint_gb": checkpoint_gb, "params_mb": params_mb,
+      "shape": args.shape, "checkpoint_gb": checkpoint_gb, "params_mb": med["sharded"]["params_mb"],
       "mesh": {"fsdp": runs["sharded"][0]["devices"]}, "repeats": args.repeats,
-      "baseline_peak_rss_mb": med["baseline"]["peak_mb"],
-      "sharded_peak_rss_mb": med["sharded"]["peak_mb"],
+      **{f"{k}_peak_rss_mb": m["peak_mb"] for k, m in med.items()},
       "rss_ratio": med["sharded"]["peak_mb"] / med["baseline"]["peak_mb"],
-      "baseline_overhead_mb": base_over, "sharded_overhead_mb": shard_over,
-      "overhead_ratio": shard_over / base_over,
-      "baseline_load_s": med["baseline"]["load_s"], "sharded_load_s": med["sharded"]["load_s"],
+      **{f"{k}_overhead_mb": v for k, v in over.items()},
+      "overhead_ratio": over["sharded"] / over["baseline"],
+      **{f"{k}_load_s": m["load_s"] for k, m in med.items()},
       "speed_ratio": med["baseline"]["load_s"] / med["sharded"]["load_s"],
       "goal": "sharded_overhead_mb <= baseline_overhead_mb / 4 and speed_ratio >= 1",
       **common.host_info(),

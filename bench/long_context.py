@@ -83,11 +83,10 @@ def main():
   ap.add_argument("--impls", default="dense,blockwise",
                   help="attention_impl values beside dense and blockwise (auto: the accelerator's)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (cuDNN needs bfloat16)")
-  ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
   ap.add_argument("--run_budget_gib", type=float, default=2.0, help="time what fits this")
   ap.add_argument("--budget_gib", type=float, default=1.0, help="of max_tokens_in_budget")
-  ap.add_argument("--token_step", type=int, default=1024)
+  common.add_flags(ap, repeats=2, token_step=1024)
   args = ap.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   impls = ["dense", "blockwise"] + [i for i in args.impls.split(",")
@@ -123,20 +122,15 @@ def main():
   growth = {p: {i: peaks[p][i][top] / peaks[p][i][low] for i in impls} for p in PROGRAMS}
   print(f"peak growth T={low}->{top} ({top / low:.0f}x tokens): " + ", ".join(
       f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in impls))
-  result = {
-      **common.host_info(),
-      "peak_mem_ratio_32k": peaks["train_step"]["blockwise"][top] / peaks["train_step"]["dense"][top],
-      "peak_mem_ratio_32k_prefill": peaks["prefill"]["blockwise"][top] / peaks["prefill"]["dense"][top],
-      "max_tokens_in_budget": fit("blockwise", 1),
-      "max_tokens_in_budget_dense": fit("dense", 2),
-      "budget_gib": args.budget_gib,
+  ratio = lambda p: peaks[p]["blockwise"][top] / peaks[p]["dense"][top]
+  common.emit({
+      **common.host_info(), "peak_mem_ratio_32k": ratio("train_step"),
+      "peak_mem_ratio_32k_prefill": ratio("prefill"), "max_tokens_in_budget": fit("blockwise", 1),
+      "max_tokens_in_budget_dense": fit("dense", 2), "budget_gib": args.budget_gib,
       "largest_T": top,
       "peak_mib": {p: {i: {t: round(v / 2**20, 1) for t, v in peaks[p][i].items()} for i in impls}
                    for p in PROGRAMS},
-      "time_s": times,
-      "peak_growth": growth,
-  }
-  common.emit(result)
+      "time_s": times, "peak_growth": growth})
 
 
 if __name__ == "__main__":

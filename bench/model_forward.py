@@ -82,12 +82,13 @@ def main():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]
 
-  result = {
-      **common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
-      "new_tokens": n, "forward_tokens_per_s": b * s / fwd_s,
-      "decode_tokens_per_s": b * n / dec_s, "decode_only_tokens_per_s": b * (n - 1) / (dec_s - pre_s),
-      "decode_step_ms": 1e3 * (dec_s - pre_s) / (n - 1), "prefill_s": pre_s,
-  }
+  def rates(side):   # "" (ours) or "hf_"
+    f, d, p = (t[side + k] for k in ("fwd", "dec", "pre"))
+    return {f"{side}forward_tokens_per_s": b * s / f, f"{side}decode_tokens_per_s": b * n / d,
+            f"{side}decode_only_tokens_per_s": b * (n - 1) / (d - p),
+            f"{side}decode_step_ms": 1e3 * (d - p) / (n - 1), f"{side}prefill_s": p}
+  result = {**common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
+            "new_tokens": n, **rates("")}
   if not args.skip_hf:
     hf_logits_s, hf_fwd_s, hf_dec_s, hf_pre_s = (t[k] for k in ("hf_logits", "hf_fwd", "hf_dec",
                                                                  "hf_pre"))
@@ -96,11 +97,7 @@ def main():
       ref_logits = hf(tt[:2]).logits.numpy()
     ours_logits = np.asarray(jax.jit(lambda p, t: T.forward_logits(p, cfg, t))(params, tok_j[:2]))
     result.update({
-        "hf_forward_tokens_per_s": b * s / hf_fwd_s,
-        "hf_decode_tokens_per_s": b * n / hf_dec_s,
-        "hf_decode_only_tokens_per_s": b * (n - 1) / (hf_dec_s - hf_pre_s),
-        "hf_decode_step_ms": 1e3 * (hf_dec_s - hf_pre_s) / (n - 1), "hf_prefill_s": hf_pre_s,
-        "forward_speedup": hf_fwd_s / fwd_s,
+        **rates("hf_"), "forward_speedup": hf_fwd_s / fwd_s,
         "decode_speedup": hf_dec_s / dec_s,
         "decode_only_speedup": (hf_dec_s - hf_pre_s) / (dec_s - pre_s),
         "hf_logits_tokens_per_s": b * s / hf_logits_s,

@@ -23,6 +23,8 @@ import common   # bench/common.py, beside the script
 from magistral_jax.analysis import scale_model as M
 
 CPU_CONFIG = "configs/tiny.py:multihost"
+
+
 # ---- 1. the CPU run -------------------------------------------------------------------------
 
 def batch_rows(workdir: str) -> list[dict]:
@@ -55,9 +57,8 @@ def cpu_workload(run, rows: list[dict], skip: int) -> tuple[dict, M.Workload]:
   kept_groups = len(rows) * run.rl.n_batch / run.rl.group_size
   measured = {"batch_s": statistics.median(gaps), "batches": len(gaps),
               "batch_s_rounds": [round(g, 3) for g in gaps],
-              "train_time_s": statistics.median(r["train_time_s"] for r in rows),
-              "trainer_idle_s": statistics.median(r["trainer_idle_s"] for r in rows),
-              "weight_push_s": statistics.median(r["weight_push_s"] for r in rows)}
+              **{k: statistics.median(r[k] for r in rows)
+                 for k in ("train_time_s", "trainer_idle_s", "weight_push_s")}}
   w = M.Workload(
       n_batch=run.rl.n_batch, n_mini=run.rl.n_mini, group_size=run.rl.group_size,
       n_async=run.pipeline.n_async or 2 * run.rl.n_batch, mode=run.pipeline.mode,
