@@ -42,10 +42,13 @@ def argument_parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def add_flags(parser: argparse.ArgumentParser, **defaults: Any) -> None:
-  """A --NAME flag per keyword, of its default's type (False: a switch)."""
+  """A --NAME flag per keyword, of its default's type (False: a switch; a type: that type, with
+  None as the default)."""
   for name, default in defaults.items():
     if default is False:
       parser.add_argument(f"--{name}", action="store_true")
+    elif isinstance(default, type):
+      parser.add_argument(f"--{name}", type=default, default=None)
     else:
       parser.add_argument(f"--{name}", type=type(default), default=default)
 

@@ -113,14 +113,10 @@ def main():
   ap.add_argument("--gpu", action="store_true", help="Small's per-chip shapes, + pallas_gpu")
   ap.add_argument("--slots", default=None, help="comma list of slot counts")
   ap.add_argument("--cache", type=int, default=None, help="positions per slot")
-  ap.add_argument("--page_size", type=int, default=None)
   ap.add_argument("--mean_frac", type=float, default=0.2, help="mean live length / cache")
   ap.add_argument("--tail", type=int, default=1, help="slots at full length (the long tail)")
-  ap.add_argument("--q_heads", type=int, default=None)
-  ap.add_argument("--kv_heads", type=int, default=None)
-  ap.add_argument("--head_dim", type=int, default=None)
-  ap.add_argument("--dtype", default=None)
-  common.add_flags(ap, repeats=5, seed=0)
+  common.add_flags(ap, page_size=int, q_heads=int, kv_heads=int, head_dim=int, dtype=str,
+                   repeats=5, seed=0)
   ap.add_argument("--copy_mb", type=int, default=1024, help="--gpu: the bandwidth probe's size")
   a = ap.parse_args()
   # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's

