@@ -94,7 +94,6 @@ def main():
     note("orbax_reshard_s")
 
     # -- tokenization
-    problems = []
     with open(os.path.join(os.path.dirname(tk.__file__), "..", "data", "sources", "math500.jsonl")) as f:
       problems = [json.loads(line)["problem"] for line in f if line.strip()]
     t_tok_ours, ids_ours = timed(lambda: [tok.encode(p) for p in problems])

@@ -17,8 +17,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-# The repository (recipes, launchers); magistral_jax itself is installed (`make setup-test`:
-# editable), and `python bench/X.py` imports its siblings (`import common`) from bench/.
+# The repository (recipes, launchers); `python bench/X.py` imports its siblings from bench/.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -266,9 +265,8 @@ def host_info() -> dict:
 
 
 def emit(result: Mapping, ndigits: int | None = None) -> None:
-  """Print `result` as one JSON object on one line (a bench's last line of output is one; some
-  print per-part lines the same way before it). With `ndigits`, top-level floats are rounded to
-  that many digits."""
+  """Print `result` as one JSON object on one line (a bench's last line), top-level floats
+  rounded to `ndigits` digits where given."""
   if ndigits is not None:
     result = {k: (round(v, ndigits) if isinstance(v, float) else v) for k, v in result.items()}
   print(json.dumps(result), flush=True)
