@@ -1,8 +1,7 @@
 """Benchmark: decode at a full batch (an Engine with `--batch` busy slots, timed as Engine.generate
 back to back and as GeneratorLoop.step) against the memory-bandwidth roofline: the bytes a step
-must move (weights, KV cache read and written, logits) over the streaming bandwidth measured in
-the same run (and the vendor's, scale_model.VENDOR_PEAKS). Models: smollm2 (GGUF or random),
-llama1b.
+must move (analysis/scale_model.py) over the streaming bandwidth measured in the same run (and
+the vendor's). Models: smollm2 (GGUF or random init), llama1b (random init).
 
   python bench/decode_roofline.py                          # accelerator: batch 256, both models
   python bench/decode_roofline.py --models smollm2 --batch 16   # CPU

@@ -7,10 +7,8 @@ tokens, EOS ignored. `--repeats` alternates the sides; speedups are medians of p
 
   python bench/generate.py [--batches 16,64] [--repeats 3]
 
-Last line, one JSON object (largest batch size at top level, all under 'runs'): tokens_per_s,
-hf_tokens_per_s, speedup_vs_hf, speedup_vs_hf_prefix_cache, slot_utilization,
-computed_slot_utilization, update_pause_in_steps, update_call_s, dot_library, generate_tuning,
-prefill_only_s, speedup_outside_prefill, speedup_bound_if_decode_free, repeats.
+Last line, one JSON object: the largest batch size's speedup_vs_hf(_prefix_cache),
+speedup_outside_prefill, slot_utilization, ..., and every batch size's figures under 'runs'.
 """
 import dataclasses
 import os

@@ -1,9 +1,7 @@
-"""Benchmark: one layer's decode attention for `--slots` slots of long-tailed live lengths
-(lognormal, mean `--mean_frac` of the cache; `--tail` slots at full length; <= 4 slots all tail):
+"""Benchmark: one layer's decode attention for `--slots` slots of long-tailed live lengths:
 `dense`, the baseline, over a contiguous cache masked by length, against model/paged_attention.py
-over a pool of the same tokens, `ragged` and (on a GPU) `pallas_gpu`. Per implementation: step
-time, KV bytes read over the live bytes, live bytes/s (on a GPU over a device copy's bandwidth);
-`in_flight_ratio`: sequences a paged pool of the dense cache's memory holds, over its slots.
+over a pool of the same tokens, `ragged` and (on a GPU) `pallas_gpu`; `in_flight_ratio`: the
+sequences a paged pool of the dense cache's memory holds, over its slots.
 
   python bench/paged_attention.py [--slots 16] [--cache 8192]          (CPU: SmolLM2-135M's heads)
   python bench/paged_attention.py --gpu                                (Small's per-chip shapes)

@@ -1,8 +1,6 @@
 """Benchmark: the async RL pipeline against its synchronous twin, and generator utilisation:
 train.rl_loop.train from the same SFT-warm-started tiny model, programs, prompts and seeds, on 8
-simulated CPU devices (`--layout`: trainer FSDP on 4, two generators on 2 each) with the real
-VerifierPool. `--colocated`: one generator on the trainer's devices (turn-taking against one batch
-of lookahead).
+simulated CPU devices (`--layout`) with the real VerifierPool, or `--colocated`.
 
   python bench/pipeline.py [--batches 10 --repeats 5] [--colocated]
 

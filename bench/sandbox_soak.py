@@ -7,9 +7,8 @@ busy worker that often. Baseline: the correct/wrong programs run bare, interleav
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
                                [--chaos_every_s=0] [--no_progress]
 
-Last line, one JSON object: verdict_accuracy, wrong_verdicts, tasks_lost, faulted, chaos_kills,
-worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, worker RSS, throughput_per_s,
-throughput_ratio, isolation_level.
+Last line, one JSON object: verdict_accuracy, tasks_lost, faulted, chaos_kills,
+worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, throughput_ratio, ....
 """
 from __future__ import annotations
 

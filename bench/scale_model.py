@@ -1,8 +1,7 @@
 """Benchmark: the model of one RL step (analysis/scale_model.py) against the 3-process CPU run it
-predicts (configs/tiny.py:multihost; its per-batch interval and workload from metrics.jsonl).
-The rates, each measured alone: generation and train tokens/s on a 3-process cluster of the run's
-layout (this script's --distributed children), data (bench/multihost_bulk.py), push
-(bench/multihost_push.py) and scoring (the run's VerifierPool).
+predicts (configs/tiny.py:multihost), from rates each measured alone: generation and training
+(this script's --distributed children), data (multihost_bulk.py), push (multihost_push.py) and
+scoring (the run's VerifierPool).
 
   python bench/scale_model.py [--cpu_run_workdir W]
 

@@ -1,8 +1,6 @@
 """Benchmark: tokens/s and MFU of the GRPO train step at Llama-3.2-1B's shapes (random init)
-against a plain cross-entropy step, on an accelerator: each shape in `--shapes`
-(ROWSxROW_LEN:REMAT[:SEQS]), `--micro` microbatches a step. MFU = model FLOPs
-(analysis/scale_model.py) / step time / the vendor's dense bf16 peak, and / a large bf16 matmul
-measured in the same run (`--matmul_n`).
+against a plain cross-entropy step, per `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]): model FLOPs
+(analysis/scale_model.py) over the vendor's bf16 peak, and over a large matmul's rate here.
 
   python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16

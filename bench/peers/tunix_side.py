@@ -1,8 +1,5 @@
-"""The tunix side of bench/vs_tunix.py: google-tunix's GRPOLearner.train on the shared workload.
-
-Runs under the peer's own interpreter (bench/peers/.venv-tunix) and imports nothing of
-magistral_jax. bench/peers/README.md says what it builds from the spec (policy, tokenizer,
-rollout and GRPO configs, reward) and where its timing hooks sit.
+"""The tunix side of bench/vs_tunix.py: google-tunix's GRPOLearner.train on the shared workload,
+under the peer's own interpreter (nothing of magistral_jax); bench/peers/README.md has the rest.
 
   python tunix_side.py --spec=SPEC.json [--score=FILE]
 
