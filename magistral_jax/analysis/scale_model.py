@@ -213,14 +213,14 @@ class Accelerator:
 
 # Vendor peaks by a substring of jax's device_kind, first match: dense bf16 matmul TFLOP/s and
 # memory bandwidth GB/s (the A100 SXM4 80GB's HBM2e before the other A100s').
-VENDOR_PEAKS = (("H200", 989.0, 4800.0), ("H100 PCIe", 756.0, 2000.0), ("H100", 989.0, 3350.0),
-                ("A100-SXM4-80GB", 312.0, 2039.0), ("A100", 312.0, 1555.0),
+VENDOR_PEAKS = (("H200", 989.0, 4800.0), ("H100 PCIe", 756.0, 2000.0),
+                ("H100", 989.0, 3350.0), ("A100-SXM4-80GB", 312.0, 2039.0), ("A100", 312.0, 1555.0),
                 ("TPU v5p", 459.0, 2765.0), ("TPU v5 lite", 197.0, 819.0),
                 ("TPU v5e", 197.0, 819.0), ("TPU v4", 275.0, 1228.0))
 
 
 def vendor_peak(device_kind: str) -> tuple[float | None, float | None]:
-  """(bf16 TFLOP/s, GB/s) of a device kind (jax's device_kind) from VENDOR_PEAKS; (None, None) where unknown."""
+  """(bf16 TFLOP/s, GB/s) of a jax device_kind from VENDOR_PEAKS; (None, None) where unknown."""
   for name, tflops, gbps in VENDOR_PEAKS:
     if name.lower() in device_kind.lower():
       return tflops, gbps
