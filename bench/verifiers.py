@@ -84,18 +84,14 @@ def bench_python(n):
   python = code_check.default_python()
   sbx = sandbox.default_sandbox()
   limits = Limits(cpu_s=4.0, memory_mb=300)
-  # Bare baseline: the same program in a file, run with subprocess.run.
   d = tempfile.mkdtemp()
-  files = []
-  for i, (code, test, entry) in enumerate(progs):
-    path = os.path.join(d, f"p{i}.py")
-    with open(path, "w") as f:
-      f.write(f"{code}\n{test}\ncheck({entry})\nprint('ok')\n")
-    files.append(path)
-  # Interleaved (bare, sandboxed) per program, so load from other processes hits both alike.
   bare_s = sbx_s = 0.0
   bare_ok = sbx_ok = 0
-  for path, (code, test, entry) in zip(files, progs):
+  # Interleaved (bare, sandboxed) per program, so load from other processes hits both alike.
+  for i, (code, test, entry) in enumerate(progs):
+    path = os.path.join(d, f"p{i}.py")   # bare: the same program in a file, run by subprocess.run
+    with open(path, "w") as f:
+      f.write(f"{code}\n{test}\ncheck({entry})\nprint('ok')\n")
     t = time.perf_counter()
     bare_ok += b"ok" in subprocess.run([python, "-I", path], capture_output=True, timeout=10).stdout
     bare_s += time.perf_counter() - t
