@@ -1,9 +1,6 @@
-"""The paper's RL ablations (paper §6) at tiny scale, on the CPU default task.
-
-Each variant runs launch/train.py from the same cold-start SFT checkpoint for the same batches;
-its baseline is the paper's default in the same ablation: clip (ε_high 0.28 vs 0.20), adv_norm
-(minibatch vs group vs none), async (async vs sync), minibatch (1 vs 2 vs 8 optimizer steps per
-batch).
+"""The paper's RL ablations (paper §6) at tiny scale: each variant runs launch/train.py from the
+same cold-start SFT checkpoint for the same batches, against the paper's default (each ablation's
+first variant).
 
   python bench/ablations.py [--which=clip --batches=20 --seeds=0]
 
@@ -14,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 import common
 import numpy as np
@@ -25,6 +20,11 @@ from magistral_jax.analysis.report import load_run_metrics
 
 ROOT = common.ROOT
 
+# Each ablation's headline in the last line: its key, and the per-variant figure it averages.
+HEADLINES = {"clip": ("clip_entropy_last_third", "entropy_last_third"),
+             "adv_norm": ("adv_norm_reward_last_third", "reward_last_third"),
+             "async": ("async_sync_reward_last_third", "reward_last_third"),
+             "minibatch": ("minibatch_heldout_after", "heldout_accuracy_after")}
 ABLATIONS = {
     "clip": [("eps_high_0.28", "eps_high=0.28"), ("eps_high_0.20", "eps_high=0.2")],
     "adv_norm": [("minibatch", "adv_norm=minibatch"), ("group", "adv_norm=group"),
@@ -38,16 +38,8 @@ ABLATIONS = {
 def run(argv, log_path):
   # No persistent compilation cache (config.compilation_cache_dir) unless the caller set one:
   # every variant and seed compiles its own programs, so wall times compare.
-  env = dict(os.environ)
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", "")
-  with open(log_path, "w") as log:
-    t = time.time()
-    rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                        env=env).returncode
-  if rc:
-    tail = open(log_path).read()[-3000:]
-    raise RuntimeError(f"{' '.join(argv)} failed (exit {rc}); log {log_path}:\n{tail}")
-  return time.time() - t
+  return common.run_logged(argv, log_path,
+                           env={"JAX_COMPILATION_CACHE_DIR": "", **os.environ})
 
 
 def tiny_config(*args: str) -> str:
@@ -71,29 +63,28 @@ def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
   return wd
 
 
+def read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
+
+
 def variant_stats(workdir: str, wall_s: float) -> dict:
   rows = [r for r in load_run_metrics(workdir)[1] if "reward" in r]
-  summary = json.load(open(os.path.join(workdir, "summary.json")))
-  tail = rows[len(rows) * 2 // 3:] or rows   # the last third of the batches
+  summary = read_json(os.path.join(workdir, "summary.json"))
+  thirds = {"first_third": rows[:max(1, len(rows) // 3)], "last_third": rows[len(rows) * 2 // 3:]
+            or rows}
   mean = lambda key, rs: float(np.mean([r[key] for r in rs if key in r])) if rs else float("nan")
-  n_batch = json.load(open(os.path.join(workdir, "config.json")))["rl"]["n_batch"]
+  n_batch = read_json(os.path.join(workdir, "config.json"))["rl"]["n_batch"]
   # Trained-on completions per second between the first and the last batch (start-up excluded).
   samples = n_batch * (len(rows) - 1)
   rl_time = float(rows[-1]["time"] - rows[0]["time"]) if len(rows) > 1 else 0.0
   return {
-      "heldout_accuracy_before": summary.get("heldout_accuracy_before"),
-      "heldout_accuracy_after": summary.get("heldout_accuracy_after"),
-      "format_rate": summary.get("format_rate"),
-      "reward_first_third": mean("reward", rows[:max(1, len(rows) // 3)]),
-      "reward_last_third": mean("reward", tail),
-      "entropy_first_third": mean("entropy", rows[:max(1, len(rows) // 3)]),
-      "entropy_last_third": mean("entropy", tail),
-      "clip_high_frac": mean("clip_high_frac", rows),
-      "clip_low_frac": mean("clip_low_frac", rows),
-      "samples": samples,
-      "rl_time_s": rl_time,
-      "samples_per_s": samples / rl_time if rl_time else float("nan"),
-      "wall_s": wall_s,
+      **{k: summary.get(k) for k in ("heldout_accuracy_before", "heldout_accuracy_after",
+                                     "format_rate")},
+      **{f"{k}_{t}": mean(k, rs) for k in ("reward", "entropy") for t, rs in thirds.items()},
+      "clip_high_frac": mean("clip_high_frac", rows), "clip_low_frac": mean("clip_low_frac", rows),
+      "samples": samples, "rl_time_s": rl_time,
+      "samples_per_s": samples / rl_time if rl_time else float("nan"), "wall_s": wall_s,
       "curves": {k: [r.get(k) for r in rows] for k in ("reward", "entropy", "accuracy",
                                                       "response_length_mean", "time")},
   }
@@ -140,8 +131,8 @@ def main():
     for variant, arg in ABLATIONS[name]:
       for seed in seeds:
         wd = os.path.join(root, name, f"{variant}-s{seed}")
-        if not os.path.exists(os.path.join(wd, "summary.json")) or "heldout_accuracy_after" \
-            not in json.load(open(os.path.join(wd, "summary.json"))):
+        summary = os.path.join(wd, "summary.json")
+        if not os.path.exists(summary) or "heldout_accuracy_after" not in read_json(summary):
           os.makedirs(wd, exist_ok=True)
           print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
           wall = run([sys.executable, "launch/train.py", tiny_config(args.base_arg, arg),
@@ -151,7 +142,7 @@ def main():
                       f"--config.data.heldout={args.heldout}"],
                      os.path.join(wd, "log.txt"))
         else:
-          wall = json.load(open(os.path.join(wd, "summary.json"))).get("wall_time_s", 0.0)
+          wall = read_json(summary).get("wall_time_s", 0.0)
         results.setdefault(variant, []).append(variant_stats(wd, wall))
         s = results[variant][-1]
         print(f"  {variant} s{seed}: reward {s['reward_first_third']:.3f} -> "
@@ -163,18 +154,12 @@ def main():
     all_results[name] = {v: [{k: x for k, x in s.items() if k != "curves"} for s in per]
                          for v, per in results.items()}
     avg = lambda v, key: float(np.mean([s[key] for s in results[v]]))
-    base = ABLATIONS[name][0][0]
-    if name == "clip":
-      headline["clip_entropy_last_third"] = {v: avg(v, "entropy_last_third") for v in results}
-    elif name == "adv_norm":
-      headline["adv_norm_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
-    elif name == "async":
+    key, figure = HEADLINES[name]
+    headline[key] = {v: avg(v, figure) for v in results}
+    if name == "async":
       headline["async_over_sync_samples_per_s"] = avg("async", "samples_per_s") / avg(
           "sync", "samples_per_s")
-      headline["async_sync_reward_last_third"] = {v: avg(v, "reward_last_third") for v in results}
-    elif name == "minibatch":
-      headline["minibatch_heldout_after"] = {v: avg(v, "heldout_accuracy_after") for v in results}
-    headline[f"{name}_baseline"] = base
+    headline[f"{name}_baseline"] = ABLATIONS[name][0][0]
   with open(os.path.join(args.docs, "results.json"), "w") as f:
     json.dump({"batches": args.batches, "seeds": seeds, "results": all_results}, f, indent=1)
   common.emit(headline)

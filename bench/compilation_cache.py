@@ -1,8 +1,5 @@
-"""Benchmark: a launch with JAX's persistent compilation cache against the same launch without.
-
-The same short launch/train.py run, each in a fresh workdir: off (no cache, the baseline), cold
-(an empty cache directory), warm (the same directory again, what a relaunch pays). Reported per
-launch: wall time, compile/cache-load seconds and cache hits from JAX's counters.
+"""Benchmark: a short launch/train.py run without JAX's persistent compilation cache (off), on
+an empty cache (cold) and on that cache again (warm): wall time, compile seconds, cache hits.
 
   python bench/compilation_cache.py [--config=...] [-- flags]
 
@@ -12,14 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import common   # bench/common.py, beside the script
-
-ROOT = common.ROOT
 
 # Run inside each launch (through PYTHONPATH): JAX's compile and cache counters, at exit.
 SITECUSTOMIZE = """
@@ -48,13 +41,9 @@ def launch(args, cache_dir: str, scratch: str, tag: str) -> dict:
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, BENCH_COUNTERS=counters,
              PYTHONPATH=os.pathsep.join([os.path.join(scratch, "site")] +
                                         [p for p in [os.environ.get("PYTHONPATH")] if p]))
-  cmd = [sys.executable, os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
-         f"--config={args.config}", *args.flags]
-  t = time.perf_counter()
-  r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-  wall = time.perf_counter() - t
-  if r.returncode != 0:
-    raise SystemExit(f"launch {tag} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
+  wall = common.run_logged([sys.executable, "launch/train.py", f"--workdir={workdir}",
+                            f"--config={args.config}", *args.flags],
+                           os.path.join(scratch, f"launch_{tag}.log"), env=env)
   # The launch process is the one that compiled the most (its workers compile nothing).
   out = max((json.load(open(os.path.join(counters, f))) for f in os.listdir(counters)),
             key=lambda c: c["compiles"])

@@ -1,8 +1,7 @@
-"""Benchmark: can the SFT data loader keep the trainer fed?
-
-Loader: SftLoader over an array_record dataset of GSM8K traces, tokenised (SmolLM2 GGUF
-vocabulary and Tekken), packed into --seq_len rows, against a plain Python loop over the same
-JSONL. Trainer: a jitted next-token forward + backward at the tiny and SmolLM2-135M shapes.
+"""Benchmark: can the SFT data loader keep the trainer fed? SftLoader over GSM8K traces
+(array_record; SmolLM2 GGUF and Tekken tokenizers), packed into --seq_len rows, against a plain
+Python loop over the same JSONL; the trainer, a jitted forward + backward at the tiny and
+SmolLM2-135M shapes.
 
   python bench/data.py [--seq_len 1024]
 
@@ -20,27 +19,19 @@ import time
 import common
 import numpy as np
 
-from magistral_jax.data import jsonl
+from magistral_jax.data import gsm8k_traces
 from magistral_jax.data import loader
 from magistral_jax.data import records
 from magistral_jax.data import tfds_builders
-from magistral_jax.model.config import SMOLLM2_135M as SMOLLM2_135M_CONFIG
-
-# SmolLM2-135M(-Instruct) config.json shapes, as overrides of the config's model section.
-SMOLLM2_135M = {k: getattr(SMOLLM2_135M_CONFIG, k) for k in (
-    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-    "head_dim", "rope_theta", "tie_word_embeddings", "max_position_embeddings")}
+from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
 
 
 def build_traces(data_dir: str) -> str:
-  rows = []
-  for r in jsonl.iter_rows(records.shipped_path("gsm8k_test"), jsonl.ReadReport()):
-    obj = r[1]
-    rows.append({"id": f"gsm8k/{obj['idx']}", "prompt": obj["question"],
-                 "completion": f"<think>\n{obj['solution']}\n</think>\n\n\\boxed{{{obj['answer']}}}"})
-  path = os.path.join(data_dir, "traces.jsonl")
-  jsonl.write_jsonl(path, rows)
-  tfds_builders.build_dataset("sft", "gsm8k_traces", path, data_dir)
+  """The test split as the cold-start recipe's traces (data/gsm8k_traces.py); their JSONL."""
+  path = os.path.join(data_dir, f"{gsm8k_traces.NAME}.jsonl")
+  gsm8k_traces.write_traces(path, source_path=records.shipped_path("gsm8k_test"),
+                            source="gsm8k_test")
+  tfds_builders.build_dataset("sft", gsm8k_traces.NAME, path, data_dir)
   return path
 
 
@@ -89,15 +80,11 @@ def measure_plain_loop(path, tok, seconds):
   return {"examples_per_s": n_ex / dt, "tokens_per_s": n_tok / dt}
 
 
-def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
-  from magistral_jax.model import named
+def measure_trainer(cfg: ModelConfig, seq_len: int, batch_size: int, steps: int):
   import jax
   import jax.numpy as jnp
-  from magistral_jax.model import transformer
-  from magistral_jax.model.config import ModelConfig
-
-  shape = {**shape, "max_position_embeddings": max(seq_len, shape.get("max_position_embeddings", 0))}
-  cfg = ModelConfig(**shape)
+  from magistral_jax.model import named, transformer
+  cfg = cfg.replace(max_position_embeddings=max(seq_len, cfg.max_position_embeddings))
   params = named.random_params(cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch_size, seq_len)), jnp.int32)
@@ -114,21 +101,16 @@ def measure_trainer(shape: dict, seq_len: int, batch_size: int, steps: int):
 
   step = jax.jit(jax.value_and_grad(loss_fn))
   t = common.time_fn(lambda: step(params, tokens, pos, seg, mask), steps)
-  dt = t.median
-  return {"step_s": dt, "tokens_per_s": batch_size * seq_len / dt, "compile_s": t.warmup[0],
+  return {"step_s": t.median, "tokens_per_s": batch_size * seq_len / t.median,
+          "compile_s": t.warmup[0],
           "params": cfg.num_params(), "batch": [batch_size, seq_len],
           "device": str(jax.devices()[0].platform)}
 
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--seq_len", type=int, default=512)
-  ap.add_argument("--loader_batch", type=int, default=8)
-  ap.add_argument("--loader_seconds", type=float, default=5.0)
-  ap.add_argument("--tiny_batch", type=int, default=8)
-  ap.add_argument("--smollm2_batch", type=int, default=1)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--configs", default="tiny,smollm2")
+  common.add_flags(ap, seq_len=512, loader_batch=8, loader_seconds=5.0, tiny_batch=8,
+                   smollm2_batch=1, steps=3, configs="tiny,smollm2")
   args = ap.parse_args()
 
   result = {"seq_len": args.seq_len, "loader": {}, "plain_loop_baseline": {}, "trainer": {}}
@@ -141,23 +123,20 @@ def main():
       print(name, json.dumps(result["loader"][name]), json.dumps(result["plain_loop_baseline"][name]),
             flush=True)
 
-  shapes = {"tiny": ({}, args.tiny_batch), "smollm2_135m": (SMOLLM2_135M, args.smollm2_batch)}
-  wanted = {"tiny": "tiny", "smollm2": "smollm2_135m"}
+  shapes = {"tiny": ("tiny", ModelConfig(), args.tiny_batch),
+            "smollm2": ("smollm2_135m", SMOLLM2_135M, args.smollm2_batch)}
   for c in args.configs.split(","):
-    shape, b = shapes[wanted[c]]
-    result["trainer"][wanted[c]] = measure_trainer(shape, args.seq_len, b, args.steps)
-    print(wanted[c], json.dumps(result["trainer"][wanted[c]]), flush=True)
+    name, cfg, b = shapes[c]
+    result["trainer"][name] = measure_trainer(cfg, args.seq_len, b, args.steps)
+    print(name, json.dumps(result["trainer"][name]), flush=True)
 
   # The loader measured with the SmolLM2 tokenizer (the shipped model's) when available.
   ref = result["loader"].get("smollm2_gguf") or result["loader"]["tekken"]
-  ratios = {}
-  for name, tr in result["trainer"].items():
-    consumed = tr["tokens_per_s"] / ref["tokens_per_example"]   # examples/s the trainer eats
-    tr["examples_per_s"] = consumed
-    ratios[name] = ref["examples_per_s"] / consumed
-  result["ratio_per_config"] = ratios
-  result["loader_over_consumption"] = min(ratios.values())
-  result["goal"] = ">= 10"
+  for tr in result["trainer"].values():   # examples/s the trainer eats
+    tr["examples_per_s"] = tr["tokens_per_s"] / ref["tokens_per_example"]
+  ratios = {k: ref["examples_per_s"] / tr["examples_per_s"] for k, tr in result["trainer"].items()}
+  result.update(ratio_per_config=ratios, loader_over_consumption=min(ratios.values()),
+                goal=">= 10")
   common.emit(result)
 
 

@@ -1,14 +1,7 @@
-"""Benchmark: decode throughput at a full batch against the memory-bandwidth roofline.
-
-Baseline: the device's streaming bandwidth measured in the same run (the faster of a jitted sum
-and an in-place scale over an array larger than the caches; common.VENDOR_PEAKS gives the vendor's peak
-where the device is known). Ours: an Engine with `--batch` busy slots (`--tensor N` devices),
-timed as `engine` (Engine.generate back to back) and `loop` (GeneratorLoop.step, what the
-pipeline gets; `--no_overlap` for the synchronous loop), alternating over `--rounds`. The
-roofline step time is the bytes a step must move (weights, KV cache read and written, logits)
-over the bandwidth. `--max_new N` sizes an RL-length cache; `--attention_windows W` and
-`--decode_attention live` read less of it. Models: smollm2 (GGUF or random init), llama1b
-(random init).
+"""Benchmark: decode at a full batch (an Engine with `--batch` busy slots, timed as Engine.generate
+back to back and as GeneratorLoop.step) against the memory-bandwidth roofline: the bytes a step
+must move (analysis/scale_model.py) over the streaming bandwidth measured in the same run (and
+the vendor's). Models: smollm2 (GGUF or random init), llama1b (random init).
 
   python bench/decode_roofline.py                          # accelerator: batch 256, both models
   python bench/decode_roofline.py --models smollm2 --batch 16   # CPU
@@ -25,53 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-def measure_bandwidth(device, nbytes: int, reps: int = 5) -> dict:
-  """Streaming bandwidth of `device` in GB/s: a sum over an nbytes fp32 array (read) and an
-  in-place scale of it (read + write)."""
-  n = nbytes // 4
-  x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32) * 1e-9,
-              out_shardings=jax.sharding.SingleDeviceSharding(device))()
-  c = jax.device_put(jnp.float32(1.0), device)
-  total = jax.jit(jnp.sum)
-  scale = jax.jit(lambda x, c: x * c, donate_argnums=0)   # in place: no fresh pages per call
-  t_read = common.time_fn(lambda: total(x), reps).median
-  box = [x]
-  del x
-
-  def rescale():
-    box[0] = scale(box[0], c)
-    return box[0]
-  t_copy = common.time_fn(rescale, reps).median
-  del box
-  read, copy = 4 * n / t_read / 1e9, 2 * 4 * n / t_copy / 1e9
-  # The roofline uses the faster of the two (on CPU the sum runs on one core, the scale on all).
-  return {"array_bytes": 4 * n, "read_GBps": read, "copy_GBps": copy,
-          "stream_GBps": max(read, copy)}
-
-
-def step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
-                 itemsize: int) -> dict:
-  """Bytes one decode step must move and the FLOPs it does (dense attention over the cache)."""
-  # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
-  matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
-  weights = matmul + batch * cfg.hidden_size * itemsize
-  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cache_len * cfg.head_dim * itemsize
-  kv_write = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * itemsize
-  logits = 2 * batch * cfg.vocab_size * 4                          # fp32, written and read back
-  flops = 2 * batch * (matmul // itemsize) + \
-      4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
-  return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
-          "other_bytes": int(kv_write + logits),
-          "bytes_per_step": int(weights + kv + kv_write + logits), "flops_per_step": int(flops)}
+from magistral_jax.analysis import scale_model as M
 
 
 def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
-  from magistral_jax.model import named
   from magistral_jax.generate.config import SamplingConfig
   from magistral_jax.generate.engine import Engine
-  from magistral_jax.generate.loop import GeneratorLoop
+  from magistral_jax.generate.loop import DIRECT, GeneratorLoop
   from magistral_jax.generate.requests import Request
-  from magistral_jax.generate.loop import DIRECT
+  from magistral_jax.model import named
   dtype = args.dtype
   cfg, params, source, _ = named.load_model(name, dtype)
   cfg = dataclasses.replace(cfg, decode_attention=args.decode_attention)
@@ -99,9 +54,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   for i in range(args.batch):
     loop.submit(Request(i, rs.randint(0, cfg.vocab_size, args.prompt).tolist(),
                         max_new_tokens=new))
-  t = time.perf_counter()
-  loop.step()    # prefills every prompt (batches of the engine's prefill sizes) and inserts them
-  fill_s = time.perf_counter() - t
+  # The first step prefills every prompt (batches of the engine's prefill sizes), inserts them.
+  fill_s = common.time_once(loop.step, block=False)[0]
   if loop.num_active != args.batch:
     raise RuntimeError(f"{loop.num_active} of {args.batch} slots filled")
   for _ in range(args.warm_steps):
@@ -114,9 +68,8 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
     raise SystemExit(f"the timed steps (positions {args.prompt + 1}..{live_end}) cross an "
                      f"attention window boundary of {eng.attention_windows}: the loop and the "
                      "engine would time different windows; change --max_new or the step counts")
-  # Interleaved rounds (a shared host's speed drifts): each round times a block of loop steps,
-  # then a block of engine steps on the loop's state, which stays the loop's (the loop does not
-  # record the engine-timed tokens; nothing finishes, so that loses nothing measured).
+  # Each round times a block of loop steps, then a block of engine steps on the loop's state
+  # (the loop does not record the engine-timed tokens; nothing finishes, so nothing is lost).
   def loop_step():   # with overlap, a round ends on the step in flight: waiting for loop.state
     loop.step()      # (the last step's output) times it to completion
     return loop.state
@@ -131,15 +84,14 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
   if loop.num_active != args.batch or not bool(
       np.all(jax.device_get(timing["engine"].result[1].valid))):
     raise RuntimeError("a slot finished during the timed steps")
-  loop_ts, engine_ts = timing["loop"].rounds, timing["engine"].rounds
   loop_step_s, engine_step_s = timing["loop"].median, timing["engine"].median
 
   # The mean position the timed steps attend up to (live slots' prompt plus tokens so far).
   live_len = args.prompt + args.warm_steps + 1 + (args.loop_steps + args.engine_steps) / 2
-  live = step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
+  live = M.decode_step_traffic(cfg, params_bytes, embed_bytes, args.batch, live_len, itemsize)
   # What the step reads: the window (XLA's decode attention) or the live positions.
   tr = (live if eng.decode_attention == "live" else
-        step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize))
+        M.decode_step_traffic(cfg, params_bytes, embed_bytes, args.batch, window, itemsize))
   bytes_ = tr["bytes_per_step"]
   roof_measured = bytes_ / (bw["stream_GBps"] * 1e9)
   out = {
@@ -151,8 +103,7 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
       "dot_library": eng.generate_library, "compile_and_tune_s": compile_s,
       "fill_s": fill_s, "overlap_host": loop.options.overlap_host,
       "engine_step_ms": engine_step_s * 1e3, "loop_step_ms": loop_step_s * 1e3,
-      "engine_step_ms_per_round": [x * 1e3 for x in engine_ts],
-      "loop_step_ms_per_round": [x * 1e3 for x in loop_ts],
+      **{f"{k}_step_ms_per_round": [x * 1e3 for x in t.rounds] for k, t in timing.items()},
       "tokens_per_s": args.batch / engine_step_s,
       "loop_tokens_per_s": args.batch / loop_step_s,
       **tr,
@@ -171,32 +122,21 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--models", default="smollm2,llama1b")
-  ap.add_argument("--batch", type=int, default=256)
-  ap.add_argument("--prompt", type=int, default=128)
+  common.add_flags(ap, models="smollm2,llama1b", batch=256, prompt=128)
   ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: by platform)")
   ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
   ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
   ap.add_argument("--max_new", type=int, default=None,
-                  help="size the KV cache for this many new tokens (an RL-length cache; default: "
-                       "the timed steps only)")
+                  help="a KV cache for this many new tokens (default: the timed steps only)")
   ap.add_argument("--decode_attention", choices=("auto", "xla", "live"), default="xla",
-                  help="the decode attention (ModelConfig.decode_attention): xla reads the "
-                       "window, live (model/decode_live.py) each slot's reached positions; "
-                       "live on CPU runs in Pallas's interpreter")
-  ap.add_argument("--attention_windows", type=int, default=1,
-                  help="attention windows the engine compiles (1 = dense over the whole cache)")
-  ap.add_argument("--no_overlap", action="store_true",
-                  help="time the synchronous GeneratorLoop (overlap_host=False): dispatch, fetch "
-                       "and record each step in turn")
-  ap.add_argument("--warm_steps", type=int, default=4)
-  ap.add_argument("--loop_steps", type=int, default=32)
-  ap.add_argument("--engine_steps", type=int, default=32)
-  ap.add_argument("--rounds", type=int, default=4,
-                  help="interleaved rounds of loop and engine steps (medians are reported)")
+                  help="ModelConfig.decode_attention: xla reads the window, live (Pallas, "
+                       "interpreted on CPU) each slot's reached positions")
+  ap.add_argument("--attention_windows", type=int, default=1, help="1: dense over the cache")
+  ap.add_argument("--no_overlap", action="store_true", help="GeneratorLoop overlap_host=False")
+  common.add_flags(ap, warm_steps=4, loop_steps=32, engine_steps=32)
+  ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of loop and engine")
   ap.add_argument("--bandwidth_mib", type=int, default=None,
-                  help="array size for the bandwidth baseline (default: 2048 on accelerators, "
-                       "512 on CPU)")
+                  help="the bandwidth probe's array (default 2048; 512 on CPU)")
   args = ap.parse_args()
   from magistral_jax.parallel.sharding import make_mesh
   devices = jax.devices()[:args.tensor]
@@ -207,8 +147,8 @@ def main():
   mesh = make_mesh({"tensor": args.tensor}, devices)
   kind = devices[0].device_kind
   mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
-  bw = measure_bandwidth(devices[0], mib << 20)
-  spec = common.vendor_peak(kind)[1]
+  bw = common.stream_bandwidth(devices[0], mib << 20)
+  spec = M.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}
   for name in [m for m in args.models.split(",") if m]:
@@ -219,11 +159,9 @@ def main():
       "bench": "decode_roofline", "platform": platform, "device": kind,
       "devices": args.tensor, "cpus": os.cpu_count(), "dtype": args.dtype, "batch": args.batch,
       "overlap_host": not args.no_overlap,
-      "measured_read_GBps": bw["read_GBps"], "measured_copy_GBps": bw["copy_GBps"],
-      "measured_stream_GBps": bw["stream_GBps"],
-      "spec_GBps": spec, "cache_length": first["cache_length"],
-      "attention_window": first["attention_window"], "tokens_per_s": first["tokens_per_s"],
-      "roofline_fraction": first["roofline_fraction"],
+      **{f"measured_{k}": bw[k] for k in ("read_GBps", "copy_GBps", "stream_GBps")},
+      "spec_GBps": spec, **{k: first[k] for k in ("cache_length", "attention_window",
+                                                  "tokens_per_s", "roofline_fraction")},
       "runs": runs})
 
 

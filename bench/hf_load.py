@@ -1,10 +1,6 @@
-"""Benchmark: loading a HF safetensors checkpoint onto the trainer's mesh, load + device_put
-against load_hf_sharded (model/hf_sharded.py).
-
-Random bf16 weights (`--shape llama1b|smollm2`) are written once to --dir; each loader then runs
-in a fresh process on the trainer's FSDP mesh of 8 CPU devices, measuring its load time and its
-peak resident memory above the params themselves (VmHWM - VmRSS, /proc/self/status). `--repeats`
-alternates the processes; medians.
+"""Benchmark: a HF safetensors checkpoint (random bf16 weights) onto the trainer's FSDP mesh of
+8 CPU devices, load + device_put against load_hf_sharded, each in a fresh process: load time and
+peak resident memory above the params (VmHWM - VmRSS).
 
   python bench/hf_load.py [--shape llama1b|smollm2] [--repeats 1] [--dir DIR]
 
@@ -17,7 +13,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,11 +22,6 @@ import common
 common.use_cpu_devices(8)   # the trainer's mesh in the child processes (they inherit XLA_FLAGS)
 
 SHAPES = ("llama1b", "smollm2")
-
-
-def _status_kb(key: str) -> int:
-  with open("/proc/self/status") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
 def child(loader: str, path: str) -> None:
@@ -44,7 +34,7 @@ def child(loader: str, path: str) -> None:
   from magistral_jax.parallel.sharding import make_mesh, param_shardings
   mesh = make_mesh({"fsdp": -1})
   jax.block_until_ready(jax.jit(lambda: jax.numpy.zeros(8))())   # the runtime, before the mark
-  before_kb = _status_kb("VmRSS")
+  before_kb = common.proc_status_kb("VmRSS")
   t = time.perf_counter()
   if loader == "baseline":
     cfg, host = load_hf_safetensors(path)
@@ -56,7 +46,7 @@ def child(loader: str, path: str) -> None:
     jax.block_until_ready(params)
   load_s = time.perf_counter() - t
   common.emit({"loader": loader, "load_s": load_s,
-               "peak_mb": (_status_kb("VmHWM") - before_kb) / 1024,
+               "peak_mb": (common.proc_status_kb("VmHWM") - before_kb) / 1024,
                "params_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
                "devices": len(mesh.devices.flat)})
 
@@ -80,14 +70,6 @@ def write_checkpoint(shape: str, path: str) -> float:
   return sum(os.path.getsize(f) for f in files) / 1e9
 
 
-def run_child(loader: str, path: str) -> dict:
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", loader,
-                        "--path", path], capture_output=True, text=True)
-  if out.returncode != 0:
-    raise RuntimeError(f"{loader} load failed:\n{out.stderr[-5000:]}")
-  return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main():
   p = common.argument_parser(__doc__)
   p.add_argument("--shape", choices=SHAPES, default="llama1b")
@@ -101,32 +83,28 @@ def main():
   work = args.dir or tempfile.mkdtemp(prefix="hf_load_bench_")
   try:
     path = os.path.join(work, f"{args.shape}_bf16")
-    t = time.perf_counter()
-    checkpoint_gb = write_checkpoint(args.shape, path)
-    print(f"wrote {checkpoint_gb:.2f} GB to {path} in {time.perf_counter() - t:.1f}s",
-          file=sys.stderr)
+    t, checkpoint_gb = common.time_once(lambda: write_checkpoint(args.shape, path), block=False)
+    print(f"wrote {checkpoint_gb:.2f} GB to {path} in {t:.1f}s", file=sys.stderr)
     runs = {"baseline": [], "sharded": []}
     for r in range(args.repeats):
       for loader in (("baseline", "sharded") if r % 2 == 0 else ("sharded", "baseline")):
-        runs[loader].append(run_child(loader, path))
+        runs[loader].append(common.run_json([sys.executable, os.path.abspath(__file__),
+                                             "--child", loader, "--path", path]))
         print(json.dumps(runs[loader][-1]), file=sys.stderr)
   finally:
     if args.dir is None:
       shutil.rmtree(work, ignore_errors=True)
   med = {k: {f: statistics.median(x[f] for x in v) for f in ("load_s", "peak_mb", "params_mb")}
          for k, v in runs.items()}
-  params_mb = med["sharded"]["params_mb"]
-  base_over = med["baseline"]["peak_mb"] - med["baseline"]["params_mb"]
-  shard_over = med["sharded"]["peak_mb"] - params_mb
+  over = {k: m["peak_mb"] - m["params_mb"] for k, m in med.items()}   # beyond the params
   res = {
-      "shape": args.shape, "checkpoint_gb": checkpoint_gb, "params_mb": params_mb,
+      "shape": args.shape, "checkpoint_gb": checkpoint_gb, "params_mb": med["sharded"]["params_mb"],
       "mesh": {"fsdp": runs["sharded"][0]["devices"]}, "repeats": args.repeats,
-      "baseline_peak_rss_mb": med["baseline"]["peak_mb"],
-      "sharded_peak_rss_mb": med["sharded"]["peak_mb"],
+      **{f"{k}_peak_rss_mb": m["peak_mb"] for k, m in med.items()},
       "rss_ratio": med["sharded"]["peak_mb"] / med["baseline"]["peak_mb"],
-      "baseline_overhead_mb": base_over, "sharded_overhead_mb": shard_over,
-      "overhead_ratio": shard_over / base_over,
-      "baseline_load_s": med["baseline"]["load_s"], "sharded_load_s": med["sharded"]["load_s"],
+      **{f"{k}_overhead_mb": v for k, v in over.items()},
+      "overhead_ratio": over["sharded"] / over["baseline"],
+      **{f"{k}_load_s": m["load_s"] for k, m in med.items()},
       "speed_ratio": med["baseline"]["load_s"] / med["sharded"]["load_s"],
       "goal": "sharded_overhead_mb <= baseline_overhead_mb / 4 and speed_ratio >= 1",
       **common.host_info(),

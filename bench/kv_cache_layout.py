@@ -1,9 +1,5 @@
-"""Benchmark: one decode step with the engine's per-layer KV cache against the stacked
-[L, B, K, S, Dh] cache, on SmolLM2-135M (fp32, decode-layout weights).
-
-Both sides run the same jitted decode + logits + argmax with the engine's generate options, only
-the cache's form differs (init_cache per_layer). For each cache length S the two alternate over
-rounds; medians. Why: XLA:CPU copies a layer's slice of the stacked cache every step.
+"""Benchmark: one SmolLM2-135M decode step with the engine's per-layer KV cache against the
+stacked [L, B, K, S, Dh] cache (the same jitted step; init_cache per_layer), per cache length S.
 
   python bench/kv_cache_layout.py
 
@@ -39,14 +35,11 @@ def main():
   for s in [int(x) for x in args.lengths.split(",")]:
     pos = lambda: jnp.full((b,), s // 2, jnp.int32)   # a fresh array: the cache is donated
 
-    def stepper(per_layer):
-      st = [jnp.zeros((b,), jnp.int32), T.init_cache(cfg, b, s, per_layer=per_layer)]
-
-      def one():   # rewind each slot so every step attends at S // 2
-        st[0], st[1] = f(p, st[0], st[1]._replace(lengths=pos()))
-        return st[1]
-      return one
-    # The first (warm-up) call compiles each form's program.
+    def one(st):   # rewinds the slots, so that every step attends at S // 2
+      st = f(p, st[0], st[1]._replace(lengths=pos()))
+      return st, None
+    stepper = lambda per_layer: common.Carry(
+        (jnp.zeros((b,), jnp.int32), T.init_cache(cfg, b, s, per_layer=per_layer))).step(one)
     times = common.time_rounds({"stacked": stepper(False), "per_layer": stepper(True)},
                                args.rounds, calls=args.steps)
     r = {f"{k}_step_ms": 1e3 * v.median for k, v in times.items()}

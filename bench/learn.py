@@ -1,9 +1,6 @@
 """A real model learns (issue #51): SmolLM2-135M-Instruct, cold-start SFT -> headroom table ->
 GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, against a random-reward
-control from the same weights (the verdict replaced by a coin of the same mean).
-
-The launchers run as subprocesses, each phase resumable on the same --workdir: sft, headroom
-(launch/eval.py pass@1 / pass@k), task choice, rl, control, report (eval/paired.py, learn.png).
+control from the same weights. Each phase is a launcher, resumable on the same --workdir.
 
   python bench/learn.py --workdir=runs/learn
   bash bench/gpu_suite.sh learn                          # one H100 (--gpu)
@@ -13,21 +10,17 @@ Last line: one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
+import tarfile
 import time
 
-from magistral_jax.analysis.report import load_heldout_curve as curve
+import common   # bench/common.py, beside the script
+
+from magistral_jax.analysis.report import load_heldout_curve as curve, load_run_metrics
 from magistral_jax.eval.paired import compare_evals
-
-# bench/learn_report.py, beside the script (`python bench/learn.py` puts bench/ on sys.path).
-from learn_report import choose_task, gain_line, mean_accuracy, pack, plot, read_json
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADROOM_SETS = "gsm8k_test,math500,synthetic/20/1-3,synthetic/99/2-3,synthetic/999/2-4"
 # 2 CPU cores: the synthetic sets only, fewer and shorter samples (GSM8K's ~130-token answers
@@ -54,6 +47,68 @@ SHRINK = {
 }
 
 
+def choose_task(headroom: dict, lo: float = 0.1, hi: float = 0.6) -> str | None:
+  """The synthetic set with pass@1 in [lo, hi] and the most headroom (pass@k - pass@1): where RL,
+  which mostly turns pass@k into pass@1, has the most to gain; failing that, the one with the most
+  headroom. None when no synthetic set has any."""
+  sets = [(r["headroom"], name, r["pass@1"]) for name, r in headroom["sets"].items()
+          if name.startswith("synthetic/")]
+  fits = [s for s in sets if lo <= s[2] <= hi]
+  # None in the band: the one with the most headroom all the same, if it has any.
+  fits = fits or [s for s in sets if s[0] > 0]
+  return max(fits)[1] if fits else None
+
+
+def mean_accuracy(workdir: str) -> float:
+  """The mean training accuracy (the verifier's verdicts) over a run's RL batches."""
+  vals = [r["accuracy"] for r in load_run_metrics(workdir)[1] if "accuracy" in r]
+  if not vals:
+    raise RuntimeError(f"{workdir}/metrics.jsonl holds no RL batch's accuracy")
+  return sum(vals) / len(vals)
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def gain_line(label: str, g: dict) -> str:
+  return (f"{label} {100 * g['gain']:+.1f} points [{100 * g['ci_low']:+.1f}, "
+          f"{100 * g['ci_high']:+.1f}] ({g['before']:.3f} -> {g['after']:.3f})")
+
+
+def plot(out_png: str, runs: dict, before: dict) -> str | None:
+  """analysis/plots.learning_curves of the runs, saved as out_png (None without matplotlib)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+  except ImportError:
+    return None
+  from magistral_jax.analysis.plots import learning_curves
+  fig = learning_curves(runs, before=before["pass@1"])
+  fig.axes[0].set_title(f"held-out pass@1 (k={before['k']}, {before['num_problems']} problems)")
+  fig.savefig(out_png, dpi=80)
+  return out_png
+
+
+# What comes back from a device machine (a few files): each run's metrics, evaluations (with the
+# per-problem counts) and learning curve, the SFT summary and every phase's log, in one archive.
+KEEP = ("metrics.jsonl", "heldout_curve.jsonl", "summary.json", "sft_summary.json", ".log",
+        "trained_on.json")
+
+
+def pack(wd: str, path: str) -> str:
+  with tarfile.open(path, "w:gz") as tar:
+    for base, _, files in os.walk(wd):
+      if "checkpoints" in base or "params" in base or "/data" in base:
+        continue
+      for f in files:
+        if f.endswith(KEEP) or (f.startswith("eval_") and f.endswith(".json")):
+          full = os.path.join(base, f)
+          tar.add(full, arcname=os.path.relpath(full, wd))
+  return path
+
+
 def phase(name, argv, log_dir, timeout_s, done):
   """Runs one launcher (skipped when `done` exists); its log in log_dir/NAME.log."""
   if done and os.path.exists(done):
@@ -61,37 +116,25 @@ def phase(name, argv, log_dir, timeout_s, done):
     return 0.0
   cmd = [sys.executable] + argv
   print(f"== {name}: {' '.join(cmd)}", flush=True)
-  t = time.time()
-  with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
-    try:
-      rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                          timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-      rc = "timeout"
-  wall = time.time() - t
-  print(f"   {name}: rc={rc} in {wall:.0f} s", flush=True)
-  if rc != 0:
-    tail = open(os.path.join(log_dir, f"{name}.log")).read().splitlines()[-15:]
-    raise RuntimeError(f"phase {name} failed (rc={rc}); the end of its log:\n" + "\n".join(tail))
+  wall = common.run_logged(cmd, os.path.join(log_dir, f"{name}.log"), timeout=timeout_s)
+  print(f"   {name}: rc=0 in {wall:.0f} s", flush=True)
   return wall
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = common.argument_parser(__doc__)
   p.add_argument("--workdir", default="runs/learn")
   p.add_argument("--gpu", action="store_true", help="the configs' `gpu,colocated` sizes")
   p.add_argument("--shrink", action="store_true", help="sizes divided down to seconds (rehearsal)")
   p.add_argument("--task", default="", help="synthetic/OPERAND/STEPS; default: from the headroom")
-  p.add_argument("--headroom_sets", default=None, help=f"default {HEADROOM_SETS} (CPU: "
-                  f"{CPU_HEADROOM['headroom_sets']})")
+  p.add_argument("--headroom_sets", default=None, help="default: HEADROOM_SETS (CPU: fewer)")
   p.add_argument("--headroom_problems", type=int, default=None, help="default 64 (CPU: 32)")
   p.add_argument("--headroom_k", type=int, default=None, help="default 16 (CPU: 8)")
   # 256: the learn recipe's evaluation length, so both compile one engine (XLA's cache).
   p.add_argument("--headroom_max_new", type=int, default=None, help="default 256 (CPU: 64)")
   p.add_argument("--batches", type=int, default=0, help="RL batches (0: the recipe's)")
   p.add_argument("--sft_steps", type=int, default=0, help="SFT steps (0: the recipe's epoch)")
-  p.add_argument("--rl_flag", action="append", default=[],
-                  help="a flag for both RL runs, e.g. --rl_flag=--config.eval.every=8")
+  p.add_argument("--rl_flag", action="append", default=[], help="a flag for both RL runs")
   p.add_argument("--skip", default="", help="phases to skip, comma-separated (headroom)")
   p.add_argument("--timeout_s", type=float, default=3600.0, help="per phase")
   p.add_argument("--out", default=os.environ.get("OUT", ""), help="where the report goes")

@@ -1,10 +1,6 @@
-"""Benchmark: peak memory and time of a train step and of prefill at long T, blockwise attention
-against the dense O(T^2) baseline (model/attention.py).
-
-A tiny model runs, for each T in --lengths and each --impls, the gradient of the log-prob sum
-over one packed row of T tokens and a T-token prefill. Peak memory is the compiled program's
-memory_analysis (so dense is measured where it could not run); times are taken where the peak
-fits --run_budget_gib (--no_time skips them).
+"""Benchmark: peak memory (the compiled program's, so dense is measured where it could not run)
+and time of a tiny model's train step (one packed row of T tokens) and T-token prefill, blockwise
+attention against the dense O(T^2) baseline; timed where the peak fits --run_budget_gib.
 
   python bench/long_context.py [--lengths ...] [--impls dense,blockwise]
 
@@ -18,6 +14,7 @@ import numpy as np
 
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.run.footprint import compiled_memory
 
 GIB = 2 ** 30
 
@@ -57,7 +54,7 @@ PROGRAMS = {"train_step": train_step, "prefill": prefill}
 def measure(program, cfg, params, t, segments, repeats, run_budget):
   fn, args = PROGRAMS[program](cfg, params, t, segments)
   compiled = fn.lower(*args).compile()
-  peak = common.compiled_memory(compiled)[0]
+  peak = compiled_memory(compiled)[0]
   seconds = None
   if repeats and peak <= run_budget:
     seconds = common.time_fn(lambda: compiled(*args), repeats).median
@@ -79,26 +76,17 @@ def max_tokens(cfg, params, points: dict, budget: int, degree: int, step: int, s
 
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default="4096,16384,32768")
-  ap.add_argument("--hidden", type=int, default=64)
-  ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--kv_heads", type=int, default=2)
-  ap.add_argument("--head_dim", type=int, default=16)
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--vocab", type=int, default=256)
+  common.add_flags(ap, lengths="4096,16384,32768", hidden=64, heads=4, kv_heads=2, head_dim=16,
+                   layers=2, vocab=256)
   ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
   ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
   ap.add_argument("--impls", default="dense,blockwise",
-                  help="attention_impl values to measure (dense and blockwise always are; add "
-                       "auto on an accelerator to see its kernel)")
+                  help="attention_impl values beside dense and blockwise (auto: the accelerator's)")
   ap.add_argument("--dtype", default="float32", help="compute dtype (cuDNN needs bfloat16)")
-  ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
-  ap.add_argument("--run_budget_gib", type=float, default=2.0,
-                  help="run (time) a program only if its peak fits this")
-  ap.add_argument("--budget_gib", type=float, default=1.0,
-                  help="the memory budget of max_tokens_in_budget")
-  ap.add_argument("--token_step", type=int, default=1024)
+  ap.add_argument("--run_budget_gib", type=float, default=2.0, help="time what fits this")
+  ap.add_argument("--budget_gib", type=float, default=1.0, help="of max_tokens_in_budget")
+  common.add_flags(ap, repeats=2, token_step=1024)
   args = ap.parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   impls = ["dense", "blockwise"] + [i for i in args.impls.split(",")
@@ -134,20 +122,15 @@ def main():
   growth = {p: {i: peaks[p][i][top] / peaks[p][i][low] for i in impls} for p in PROGRAMS}
   print(f"peak growth T={low}->{top} ({top / low:.0f}x tokens): " + ", ".join(
       f"{p} {i} {growth[p][i]:.1f}x" for p in PROGRAMS for i in impls))
-  result = {
-      **common.host_info(),
-      "peak_mem_ratio_32k": peaks["train_step"]["blockwise"][top] / peaks["train_step"]["dense"][top],
-      "peak_mem_ratio_32k_prefill": peaks["prefill"]["blockwise"][top] / peaks["prefill"]["dense"][top],
-      "max_tokens_in_budget": fit("blockwise", 1),
-      "max_tokens_in_budget_dense": fit("dense", 2),
-      "budget_gib": args.budget_gib,
+  ratio = lambda p: peaks[p]["blockwise"][top] / peaks[p]["dense"][top]
+  common.emit({
+      **common.host_info(), "peak_mem_ratio_32k": ratio("train_step"),
+      "peak_mem_ratio_32k_prefill": ratio("prefill"), "max_tokens_in_budget": fit("blockwise", 1),
+      "max_tokens_in_budget_dense": fit("dense", 2), "budget_gib": args.budget_gib,
       "largest_T": top,
       "peak_mib": {p: {i: {t: round(v / 2**20, 1) for t, v in peaks[p][i].items()} for i in impls}
                    for p in PROGRAMS},
-      "time_s": times,
-      "peak_growth": growth,
-  }
-  common.emit(result)
+      "time_s": times, "peak_growth": growth})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,6 @@
-"""Benchmark: our jitted SmolLM2-135M scoring forward and KV-cache greedy decode against
-transformers (torch, CPU) on the same weights, dtype and threads (batch 8, prompt 128).
-
-Forward: per-token log-probs of a batch (ours: hidden_states + token_logprobs; theirs: forward,
-log_softmax and gather; their logits-only forward is reported too). Decode: greedy generation
-after the prefill, ours in the engine's decode layout and programs; each side timed with 64 new
-tokens and with 1, so the decode phase is separable from the prefill. Medians of `--repeats`
-rounds (bench/common.py).
+"""Benchmark: our jitted SmolLM2-135M scoring forward (per-token log-probs) and KV-cache greedy
+decode against transformers on the same weights, dtype and threads; each decode timed with 64 new
+tokens and with 1, so the decode phase separates from the prefill.
 
   python bench/model_forward.py [--repeats 5]
 
@@ -23,16 +18,12 @@ import numpy as np
 def main():
   from magistral_jax.model import named
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--prompt", type=int, default=128)
-  ap.add_argument("--new_tokens", type=int, default=64)
-  ap.add_argument("--repeats", type=int, default=3,
-                  help="timing rounds; each runs every measured program once, ours and HF in turn")
+  common.add_flags(ap, batch=8, prompt=128, new_tokens=64)
+  ap.add_argument("--repeats", type=int, default=3, help="rounds of every program, ours and HF")
   ap.add_argument("--skip_hf", action="store_true")
   args = ap.parse_args()
 
   import torch
-  import transformers
   from magistral_jax.generate.cpu_options import generate_compiler_options
   from magistral_jax.model import transformer as T
 
@@ -78,9 +69,7 @@ def main():
          "pre": lambda: greedy1(dec_params, tok_j).block_until_ready()}
 
   if not args.skip_hf:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32)
-    hf.eval()
+    hf = common.hf_causal_lm(path, "float32").eval()
     tt = torch.tensor(tokens, dtype=torch.long)
     targets = tt.roll(-1, 1)[..., None]
     def hf_score():  # per-token log-probs of the same targets as ours
@@ -89,17 +78,17 @@ def main():
                                     eos_token_id=None, pad_token_id=0, use_cache=True)
     fns.update(hf_logits=lambda: hf(tt).logits, hf_fwd=hf_score, hf_dec=gen,
                hf_pre=lambda: gen(1))
-  # Every round runs each program once, ours and transformers' in turn: a drifting host hits both.
   with torch.inference_mode():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
   fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]
 
-  result = {
-      **common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
-      "new_tokens": n, "forward_tokens_per_s": b * s / fwd_s,
-      "decode_tokens_per_s": b * n / dec_s, "decode_only_tokens_per_s": b * (n - 1) / (dec_s - pre_s),
-      "decode_step_ms": 1e3 * (dec_s - pre_s) / (n - 1), "prefill_s": pre_s,
-  }
+  def rates(side):   # "" (ours) or "hf_"
+    f, d, p = (t[side + k] for k in ("fwd", "dec", "pre"))
+    return {f"{side}forward_tokens_per_s": b * s / f, f"{side}decode_tokens_per_s": b * n / d,
+            f"{side}decode_only_tokens_per_s": b * (n - 1) / (d - p),
+            f"{side}decode_step_ms": 1e3 * (d - p) / (n - 1), f"{side}prefill_s": p}
+  result = {**common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
+            "new_tokens": n, **rates("")}
   if not args.skip_hf:
     hf_logits_s, hf_fwd_s, hf_dec_s, hf_pre_s = (t[k] for k in ("hf_logits", "hf_fwd", "hf_dec",
                                                                  "hf_pre"))
@@ -108,11 +97,7 @@ def main():
       ref_logits = hf(tt[:2]).logits.numpy()
     ours_logits = np.asarray(jax.jit(lambda p, t: T.forward_logits(p, cfg, t))(params, tok_j[:2]))
     result.update({
-        "hf_forward_tokens_per_s": b * s / hf_fwd_s,
-        "hf_decode_tokens_per_s": b * n / hf_dec_s,
-        "hf_decode_only_tokens_per_s": b * (n - 1) / (hf_dec_s - hf_pre_s),
-        "hf_decode_step_ms": 1e3 * (hf_dec_s - hf_pre_s) / (n - 1), "hf_prefill_s": hf_pre_s,
-        "forward_speedup": hf_fwd_s / fwd_s,
+        **rates("hf_"), "forward_speedup": hf_fwd_s / fwd_s,
         "decode_speedup": hf_dec_s / dec_s,
         "decode_only_speedup": (hf_dec_s - hf_pre_s) / (dec_s - pre_s),
         "hf_logits_tokens_per_s": b * s / hf_logits_s,

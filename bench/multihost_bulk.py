@@ -1,9 +1,6 @@
-"""Benchmark: bulk data between processes, parallel.bulk.BulkChannel against the coordination
-service's key-value store (what parallel.multihost.Mailbox uses).
-
-Two JAX processes (launch/local_cluster.py); process 1 sends process 0 one array of each size,
-both ways alternating, `--reps` times; each time runs to the receiver's numpy array and the
-sender's acknowledgement.
+"""Benchmark: bulk data between two JAX processes, parallel.bulk.BulkChannel against the
+coordination service's key-value store (Mailbox's): an array of each size, both ways alternating,
+timed to the receiver's numpy array and the sender's acknowledgement.
 
   python bench/multihost_bulk.py [--sizes 1,16,64,256,1024]
 
@@ -11,7 +8,6 @@ Last line, one JSON object: MB/s per size and way, bulk_over_kv_throughput (medi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import statistics
@@ -22,10 +18,9 @@ import common   # bench/common.py, beside the script
 
 
 def child(args) -> None:
-  from magistral_jax.parallel import multihost
-  multihost.initialize()
   import jax
   import numpy as np
+  from magistral_jax.parallel import multihost
   from magistral_jax.parallel.bulk import BulkChannel
   me = jax.process_index()
   mailbox = multihost.Mailbox("bench")
@@ -72,12 +67,9 @@ def main() -> None:
   p = common.argument_parser(__doc__)
   p.add_argument("--sizes", default="1,16,64,256,1024", help="MB, comma-separated")
   p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
-  args = p.parse_args()
-  if args.distributed:
-    child(args)
-    from magistral_jax.parallel import multihost
-    return multihost.finish()   # process 0 hosts the service: it leaves last
+  args = common.cluster_main(p, child)
+  if args is None:
+    return
   rows = common.cluster_json(__file__, 2, 1, 1, "multihost_bulk")["rows"]
   for r in rows:
     print(json.dumps({k: round(v, 4) for k, v in r.items()}), file=sys.stderr)

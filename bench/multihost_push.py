@@ -1,9 +1,6 @@
-"""Benchmark: the weight push across processes (many hosts) against a local copy of the same bytes.
-
-Three JAX processes of 2 CPU devices (configs/tiny.py:multihost's layout): trainer on processes
-0-1, one generator on process 2. cross_process_push is LeaderRollouts.push end to end (cast and
-layout, offer, the generator's pull, the acknowledgement); local_copy is a device-to-device copy
-of the received params in the generator. Alternating, median of `--reps` after a warm-up.
+"""Benchmark: the weight push across processes (LeaderRollouts.push end to end: trainer on
+processes 0-1, generator on process 2, 2 CPU devices each) against a device-to-device copy of
+the received params in the generator.
 
   python bench/multihost_push.py [--model smollm2|llama1b|tiny]
 
@@ -11,7 +8,6 @@ Last line, one JSON object: cross_process_over_local_copy, cross_process_GBps, b
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -20,13 +16,12 @@ import common   # bench/common.py, beside the script
 
 
 def child(args) -> None:
-  from magistral_jax.parallel import multihost
-  multihost.initialize()
   import jax
   from jax.sharding import Mesh, NamedSharding
   import numpy as np
   from magistral_jax.model import named
   from magistral_jax.model import transformer as T
+  from magistral_jax.parallel import multihost
   from magistral_jax.parallel.sharding import make_mesh, param_shardings
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
   from magistral_jax.pipeline.generator_service import in_stream, out_stream
@@ -105,16 +100,9 @@ def child(args) -> None:
 def main() -> None:
   p = common.argument_parser(__doc__)
   p.add_argument("--model", default="smollm2", choices=("smollm2", "llama1b", "tiny"))
-  p.add_argument("--param_dtype", default="float32")
-  p.add_argument("--gen_dtype", default="bfloat16")
-  p.add_argument("--reps", type=int, default=5)
-  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
-  args = p.parse_args()
-  if args.distributed:
-    child(args)
-    from magistral_jax.parallel import multihost
-    return multihost.finish()   # process 0 hosts the service: it leaves last
-  print(json.dumps(common.cluster_json(__file__, 3, 2, 0, "multihost_push")), flush=True)
+  common.add_flags(p, param_dtype="float32", gen_dtype="bfloat16", reps=5)
+  if common.cluster_main(p, child) is not None:
+    print(json.dumps(common.cluster_json(__file__, 3, 2, 0, "multihost_push")), flush=True)
 
 
 if __name__ == "__main__":

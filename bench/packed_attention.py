@@ -1,9 +1,7 @@
-"""Benchmark: packed-row attention forward + backward, our Pallas flash kernel with block-sparse
-skipping (model/flash_sparse.py), without skipping, and cuDNN's packed layout, against blockwise.
-
-For each T in --lengths: one row of random-length sequences, Llama-3.2-1B attention shape, bf16;
-each kernel's output and gradients are checked against blockwise's, then timed. On CPU the Pallas
-kernels run interpreted (numbers checked, times not meaningful; the JSON says so).
+"""Benchmark: packed-row attention forward + backward (one row of T tokens of random-length
+sequences, Llama-3.2-1B's heads, bf16): our Pallas flash kernel with and without block-sparse
+skipping (model/flash_sparse.py) and cuDNN's packed layout, checked then timed against blockwise.
+On CPU the Pallas kernels run interpreted (times not meaningful; the JSON says so).
 
   python bench/packed_attention.py [--lengths 8192,32768,65536] [--impls flash,...]
 
@@ -50,12 +48,9 @@ def kernels(t: int, segments, blocks: FS.Blocks, impls, blockwise, on_cpu: bool)
   """name -> f(q, keys, values), the kernels of --impls that apply at this T and platform."""
   out = {}
   for name in impls:
-    if name == "flash":
-      out[name] = lambda q, k, v: FS.flash_attention(q, k, v, segments, blocks=blocks,
-                                                     interpret=on_cpu)
-    elif name == "flash_noskip":
-      out[name] = lambda q, k, v: FS.flash_attention(q, k, v, segments, skip=False,
-                                                     blocks=blocks, interpret=on_cpu)
+    if name in ("flash", "flash_noskip"):   # with and without the block-sparse skipping
+      out[name] = lambda q, k, v, skip=name == "flash": FS.flash_attention(
+          q, k, v, segments, skip=skip, blocks=blocks, interpret=on_cpu)
     elif name == "cudnn" and not on_cpu and t <= A.CUDNN_PACKED_MAX_T:
       out[name] = lambda q, k, v: A.cudnn_packed_attention(q, k, v, segments,
                                                            lambda: blockwise(q, k, v))
@@ -68,12 +63,10 @@ def main(argv=None):
   ap = common.argument_parser(__doc__)
   ap.add_argument("--lengths", default=None,
                   help="comma-separated row lengths (default 2048,8192,32768; 512 on a CPU)")
-  ap.add_argument("--mean_len", type=int, default=1024)
   ap.add_argument("--impls", default="flash,flash_noskip,cudnn",
                   help=f"kernels timed beside blockwise, from {IMPLS}")
-  ap.add_argument("--blocks", default=None,
-                  help="the kernel's tiles q,k,bwd_q,bwd_k (default flash_sparse.Blocks())")
-  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--blocks", default=None, help="the kernel's tiles q,k,bwd_q,bwd_k")
+  common.add_flags(ap, mean_len=1024, repeats=5)
   args = ap.parse_args(argv)
   impls = [x for x in args.impls.split(",") if x]
   if set(impls) - set(IMPLS):
@@ -128,8 +121,8 @@ def main(argv=None):
         result[f"{t}_blockwise_over_{n}_time"] = tm["blockwise"].median / x.median
     if "flash" in tm and "flash_noskip" in tm:
       result[f"{t}_flash_noskip_over_flash_time"] = tm["flash_noskip"].median / tm["flash"].median
-    visited = FS.tile_counts(spec.q_seg, blocks.q, blocks.k, True)[0].sum()
-    triangle = FS.tile_counts(spec.q_seg, blocks.q, blocks.k, False)[0].sum()
+    visited, triangle = (FS.tile_counts(spec.q_seg, blocks.q, blocks.k, skip)[0].sum()
+                         for skip in (True, False))
     result[f"{t}_visited_tile_fraction"] = float(visited / triangle)
     result[f"{t}_segments"] = int(seg.max())
     print({k_: v_ for k_, v_ in result.items() if k_.startswith(f"{t}_")}, flush=True)

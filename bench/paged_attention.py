@@ -1,17 +1,7 @@
-"""Benchmark: one layer's decode attention over live positions (paged) against the dense cache.
-
-Workload: `--slots` decode slots (a comma list runs each) with long-tailed live lengths (a
-lognormal draw with mean `--mean_frac` of the cache, clipped to it; `--tail` slots at full length
-stand for the long tail; a run of <= 4 slots is all tail), one query token each, GQA `--q_heads`/`--kv_heads`, `--head_dim`.
-Baseline: `dense`, attention over a contiguous `[slots, cache, kv_heads, head_dim]` cache masked
-by length (what the engine's dense decode reads: every position of every slot). Against it, the
-paged implementations of model/paged_attention.py over a pool holding the same tokens: `ragged`
-(the CPU path: the live pages of all slots as one list, a chunk of pages per loop iteration) and, on a GPU, `pallas_gpu`
-(jax's split-K paged kernel). Per implementation: the median step time, the KV bytes it reads
-(accounted from the shapes it touches) over the bytes the live lengths need, and the live bytes
-per second; on a GPU also that rate over a measured device copy's bandwidth. `in_flight_ratio`:
-sequences of this length mix that a paged pool of the dense cache's memory holds, over the
-dense cache's slots (pages rounded up per sequence).
+"""Benchmark: one layer's decode attention for `--slots` slots of long-tailed live lengths:
+`dense`, the baseline, over a contiguous cache masked by length, against model/paged_attention.py
+over a pool of the same tokens, `ragged` and (on a GPU) `pallas_gpu`; `in_flight_ratio`: the
+sequences a paged pool of the dense cache's memory holds, over its slots.
 
   python bench/paged_attention.py [--slots 16] [--cache 8192]          (CPU: SmolLM2-135M's heads)
   python bench/paged_attention.py --gpu                                (Small's per-chip shapes)
@@ -56,13 +46,6 @@ def dense_contiguous(q, k, v, lengths):
   return o.reshape(q.shape).astype(q.dtype)
 
 
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-  """Bytes per second of a device copy of `nbytes` (read + write counted once each)."""
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  f = jax.jit(lambda a: a + 1.0)
-  return 2 * x.nbytes / common.time_fn(lambda: f(x), repeats).median
-
-
 def one_run(slots: int, args, rng_seed: int) -> dict:
   dtype = jnp.dtype(args.dtype)
   ps, s = args.page_size, args.cache
@@ -98,7 +81,8 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
   live_bytes = int(lengths.sum()) * bpp
   out = dict(slots=slots, mean_live=float(lengths.mean()), cache=s,
              live_fraction=float(lengths.mean() / s))
-  bw = copy_bandwidth(args.copy_mb << 20, args.repeats) if args.gpu else None
+  bw = (common.stream_bandwidth(jax.devices()[0], args.copy_mb << 20, args.repeats)["copy_GBps"]
+        * 1e9 if args.gpu else None)
   calls = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in fns.items()}
   timings = common.time_rounds(calls, args.repeats, alternate=True)   # dense and paged in turn
   for name, t in timings.items():
@@ -125,15 +109,10 @@ def main():
   ap.add_argument("--gpu", action="store_true", help="Small's per-chip shapes, + pallas_gpu")
   ap.add_argument("--slots", default=None, help="comma list of slot counts")
   ap.add_argument("--cache", type=int, default=None, help="positions per slot")
-  ap.add_argument("--page_size", type=int, default=None)
   ap.add_argument("--mean_frac", type=float, default=0.2, help="mean live length / cache")
   ap.add_argument("--tail", type=int, default=1, help="slots at full length (the long tail)")
-  ap.add_argument("--q_heads", type=int, default=None)
-  ap.add_argument("--kv_heads", type=int, default=None)
-  ap.add_argument("--head_dim", type=int, default=None)
-  ap.add_argument("--dtype", default=None)
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--seed", type=int, default=0)
+  common.add_flags(ap, page_size=int, q_heads=int, kv_heads=int, head_dim=int, dtype=str,
+                   repeats=5, seed=0)
   ap.add_argument("--copy_mb", type=int, default=1024, help="--gpu: the bandwidth probe's size")
   a = ap.parse_args()
   # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's

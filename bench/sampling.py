@@ -1,9 +1,6 @@
-"""Benchmark: the sampler's truncation and draw (sampling._truncate + sampling.draw) against the
-previous sampler (a full sort for top-k / top-p, Gumbel-max for the draw).
-
-On [B, V] fp32 logits with SmolLM2's vocabulary, for each B in --batches and (top_k, top_p)
-setting, interleaved rounds, medians; the masks must agree. Unless --skip_engine, the SmolLM2-135M
-engine's whole decode step greedy and sampled, so sampling's share of a step shows.
+"""Benchmark: the sampler's truncation and draw (sampling._truncate + draw) against a full sort
+for top-k / top-p and a Gumbel-max draw, on [B, V] fp32 logits per (top_k, top_p); the masks must
+agree. Unless --skip_engine, SmolLM2-135M's whole engine step too, greedy and sampled.
 
   python bench/sampling.py [--batches 8,64]
 
@@ -59,29 +56,17 @@ def engine_steps(batch: int, rounds: int):
     eng = Engine(cfg, make_mesh({"tensor": 1}, jax.devices()[:1]), max_concurrent_decodes=batch,
                  max_prefill_length=128, max_decode_length=160, prefill_buckets=(128,),
                  sampling=samp, cpu_dot_library="ynnpack")
-    steps[name] = engine_step(eng, eng.load_params(params),
-                              eng.set_active(eng.init_decode_state(), np.ones(batch, bool)))
+    p = eng.load_params(params)
+    steps[name] = common.Carry(eng.set_active(eng.init_decode_state(), np.ones(batch, bool))
+                               ).step(lambda s, eng=eng, p=p: eng.generate(p, s))
   # The warm-up call compiles each engine's step.
   times = common.time_rounds(steps, rounds, calls=3, alternate=True)
   return {k: 1e3 * t.median for k, t in times.items()}
 
 
-def engine_step(eng, params, state):
-  """One engine decode step per call, carrying the decode state along."""
-  box = [state]
-
-  def step():
-    box[0], res = eng.generate(params, box[0])
-    return res
-  return step
-
-
 def main():
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--batches", default="16,64")
-  ap.add_argument("--vocab", type=int, default=49152)
-  ap.add_argument("--rounds", type=int, default=7)
-  ap.add_argument("--skip_engine", action="store_true")
+  common.add_flags(ap, batches="16,64", vocab=49152, rounds=7, skip_engine=False)
   args = ap.parse_args()
   settings = [(0, 1.0), (0, 0.95), (0, 0.7), (50, 1.0), (50, 0.95), (1000, 1.0)]
   runs = []

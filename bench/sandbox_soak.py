@@ -1,22 +1,18 @@
-"""Soak benchmark: the verifier pool under sustained hostile load (issues #33 and #50).
-
---tasks code tasks through VerifierPool(--workers): a --hostile_share of hostile programs
-(tests/rewards/hostile_programs.py; the IPC, holding and whole-run attacks
-in every mix), the rest correct and wrong programs of known verdict
-(tests/rewards/known_verdicts.py), --cpp_share of them C++. --chaos_every_s SIGKILLs a busy worker
-that often. Baseline: the same correct/wrong programs run bare (plain subprocesses), interleaved
-in chunks (--ratio_tasks). After the pool closes, tests/rewards/host_leaks.py scans what it left
-(processes, files, IPC objects, sockets, run cgroups, keys of the sandbox uids).
+"""Soak benchmark: the verifier pool under sustained hostile load (issues #33 and #50): --tasks
+code tasks, a --hostile_share of hostile programs (tests/rewards/hostile_programs.py), the rest
+of known verdict (tests/rewards/known_verdicts.py), --cpp_share C++; --chaos_every_s SIGKILLs a
+busy worker that often. Baseline: the correct/wrong programs run bare, interleaved in chunks
+(--ratio_tasks). Then tests/rewards/host_leaks.py scans what the pool left.
 
   python bench/sandbox_soak.py [--tasks=5000] [--workers=2] [--cpp_share=0.05]
                                [--chaos_every_s=0] [--no_progress]
 
-Last line, one JSON object: verdict_accuracy, wrong_verdicts, tasks_lost, faulted, chaos_kills,
-worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, worker RSS, throughput_per_s,
-throughput_ratio, isolation_level.
+Last line, one JSON object: verdict_accuracy, tasks_lost, faulted, chaos_kills,
+worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, throughput_ratio, ....
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import random
@@ -50,10 +46,8 @@ FAULTS = {"verifier worker died": "worker_died", "could not send task to worker"
 
 
 def fault_kind(error: str | None) -> str | None:
-  for prefix, kind in FAULTS.items():
-    if error and error.startswith(prefix):
-      return kind
-  return None
+  return next((kind for prefix, kind in FAULTS.items() if error and error.startswith(prefix)),
+              None)
 
 
 def rss_mb(pids) -> dict[str, float]:
@@ -188,13 +182,12 @@ def throughput_phase(pool: VerifierPool, items: list[Item], workers: int, bare_d
               throughput_ratio=(n / pool_s) / (n / bare_s), bare_verdict_accuracy=bare_right / n)
 
 
-def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_share: float = 0.05,
-        seed: int = 0, test_timeout_s: float = 2.0, task_timeout_s: float = 60.0,
-        ratio_tasks: int = 200, max_tasks_per_worker: int = 1000, progress: bool = True,
-        chaos_every_s: float = 0.0) -> dict:
-  cfg = RewardConfig(language_bonus=0.0, test_timeout_s=test_timeout_s)
-  res = dict(bench="sandbox_soak", workers=workers, hostile_share=hostile_share,
-             cpp_share=cpp_share, test_timeout_s=test_timeout_s,
+def run(a) -> dict:
+  """The soak, then the throughput phase, then the leak scan; `a`: the command line's flags."""
+  workers, seed, progress = a.workers, a.seed, not a.no_progress
+  cfg = RewardConfig(language_bonus=0.0, test_timeout_s=a.test_timeout_s)
+  res = dict(bench="sandbox_soak", workers=workers, hostile_share=a.hostile_share,
+             cpp_share=a.cpp_share, test_timeout_s=a.test_timeout_s,
              isolation_level=sandbox.isolation_level(), ipc_attacks=list(IPC_ATTACKS))
   bare_dir = tempfile.mkdtemp(prefix="mj_soak_bare_")
   planted = host_leaks.plant_files(SECRET)
@@ -205,26 +198,26 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
     before = host_leaks.snapshot(range(block, block + sandbox.UIDS_PER_PROCESS))
     t = time.perf_counter()
     catalog = Catalog(bare_dir)
-    items = build_mix(tasks, seed, hostile_share, cpp_share, catalog, include=ALWAYS)
-    ratio_items = build_mix(ratio_tasks, seed + 1, hostile_share, cpp_share, catalog,
-                            categories=("correct", "wrong")) if ratio_tasks else []
+    items = build_mix(a.tasks, seed, a.hostile_share, a.cpp_share, catalog, include=ALWAYS)
+    ratio_items = build_mix(a.ratio_tasks, seed + 1, a.hostile_share, a.cpp_share, catalog,
+                            categories=("correct", "wrong")) if a.ratio_tasks else []
     res.update(catalog_s=time.perf_counter() - t, catalog_programs=len(catalog._ok),
                catalog_dropped=len(catalog.dropped), catalog_dropped_first=catalog.dropped[:5])
-    counts = {}
-    for it in items:
-      counts[f"{it.category}/{it.shape}"] = counts.get(f"{it.category}/{it.shape}", 0) + 1
-    res.update(mix=dict(sorted(counts.items())), hostile_variants=len(ATTACKS),
+    res.update(mix=dict(sorted(collections.Counter(f"{it.category}/{it.shape}"
+                                                   for it in items).items())),
+               hostile_variants=len(ATTACKS),
                always_in_mix=sorted({it.name for it in items} & set(ALWAYS)))
     # The reading attacks are real: run bare (no sandbox) they print the secret and pass.
     res["read_attacks_pass_bare"] = {
-        n: bare_run(Item("hostile", "stdin", n, stdin_task(n, 0, a.lang, (("0\n", SECRET + "\n"),)),
-                         a.src, a.lang), bare_dir)
-        for n, a in ATTACKS.items() if a.reads_secret}
+        n: bare_run(Item("hostile", "stdin", n, stdin_task(n, 0, atk.lang,
+                                                           (("0\n", SECRET + "\n"),)),
+                         atk.src, atk.lang), bare_dir)
+        for n, atk in ATTACKS.items() if atk.reads_secret}
     if progress:
       print("mix", res["mix"], flush=True)
     seen_pids: set[int] = set()
-    pool = VerifierPool(workers, cfg, task_timeout_s=task_timeout_s, max_queue=4 * workers,
-                        max_tasks_per_worker=max_tasks_per_worker)
+    pool = VerifierPool(workers, cfg, task_timeout_s=a.task_timeout_s, max_queue=4 * workers,
+                        max_tasks_per_worker=a.max_tasks_per_worker)
     # Every sandbox uid of this process (its pools' slots and a stand-alone Sandbox's).
     uids = range(min(block, pool.uid_base), max(block + sandbox.UIDS_PER_PROCESS,
                                                 pool.uid_base + workers))
@@ -235,8 +228,9 @@ def run(tasks: int = 5000, workers: int = 2, hostile_share: float = 0.2, cpp_sha
                 for _ in range(2 * workers)]:
         f.result()
       res["worker_rss_start_mb"] = rss_mb(pool.worker_pids())
-      res.update(soak(pool, items, cfg, wait_s=max(600.0, 2 * task_timeout_s), seen_pids=seen_pids,
-                      progress=progress, chaos_every_s=chaos_every_s, seed=seed))
+      res.update(soak(pool, items, cfg, wait_s=max(600.0, 2 * a.task_timeout_s),
+                      seen_pids=seen_pids, progress=progress, chaos_every_s=a.chaos_every_s,
+                      seed=seed))
       res["worker_rss_end_mb"] = rss_mb(pool.worker_pids())
       if ratio_items:
         res.update(throughput_phase(pool, ratio_items, workers, bare_dir, chunk=4 * workers))
@@ -271,18 +265,14 @@ def main():
   ap.add_argument("--task_timeout_s", type=float, default=60.0, help="pool's per-task deadline")
   ap.add_argument("--ratio_tasks", type=int, default=200,
                   help="correct/wrong tasks timed through the pool and bare (0: skip)")
-  ap.add_argument("--max_tasks_per_worker", type=int, default=1000)
-  ap.add_argument("--seed", type=int, default=0)
+  common.add_flags(ap, max_tasks_per_worker=1000, seed=0)
   ap.add_argument("--chaos_every_s", type=float, default=0.0,
                   help="SIGKILL a busy worker about this often during the soak (0: never)")
   ap.add_argument("--no_progress", action="store_true", help="no progress lines during the soak")
   args = ap.parse_args()
   # SIGTERM (e.g. from `timeout`) unwinds through run()'s cleanup: the planted files go.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-  common.emit(run(args.tasks, args.workers, args.hostile_share, args.cpp_share, args.seed,
-                  args.test_timeout_s, args.task_timeout_s, args.ratio_tasks,
-                  args.max_tasks_per_worker, progress=not args.no_progress,
-                  chaos_every_s=args.chaos_every_s), ndigits=4)
+  common.emit(run(args), ndigits=4)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,7 @@
-"""Benchmark: the model of one RL step (magistral_jax/analysis/scale_model.py) against the
-3-process CPU run it predicts.
-
-Measured: the 3-process CPU run (configs/tiny.py:multihost via launch/local_cluster.py) in
-`--cpu_run_workdir`, its per-batch interval and workload read from metrics.jsonl. Rates, each
-measured alone: generation and train tokens/s on a 3-process cluster of the run's layout (this
-script's --distributed children), data (bench/multihost_bulk.py), push (bench/multihost_push.py)
-and scoring (the run's VerifierPool). Give an empty workdir, so run and rates are back to back.
-tools/project_recipes.py projects the recipes onto named clusters from these rates.
+"""Benchmark: the model of one RL step (analysis/scale_model.py) against the 3-process CPU run it
+predicts (configs/tiny.py:multihost), from rates each measured alone: generation and training
+(this script's --distributed children), data (multihost_bulk.py), push (multihost_push.py) and
+scoring (the run's VerifierPool).
 
   python bench/scale_model.py [--cpu_run_workdir W]
 
@@ -15,21 +10,20 @@ the rates (with rates.message_s) and the run's workload.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 import common   # bench/common.py, beside the script
 
 from magistral_jax.analysis import scale_model as M
 
 CPU_CONFIG = "configs/tiny.py:multihost"
+
+
 # ---- 1. the CPU run -------------------------------------------------------------------------
 
 def batch_rows(workdir: str) -> list[dict]:
@@ -47,13 +41,10 @@ def run_cpu(workdir: str, args) -> None:
          os.path.join(common.ROOT, "launch/train.py"),
          f"--config={CPU_CONFIG},sft_steps={args.sft_steps},batches={args.batches}",
          f"--workdir={workdir}"]
-  env = dict(os.environ, PYTHONPATH=common.ROOT)
-  t = time.time()
-  r = subprocess.run(cmd, cwd=common.ROOT, env=env, capture_output=True, text=True)
-  if r.returncode:
-    sys.stderr.write(r.stdout[-6000:] + r.stderr[-6000:])
-    raise SystemExit(f"scale_model: the 3-process run failed (exit code {r.returncode})")
-  print(f"[cpu run] {time.time() - t:.0f}s: {workdir}", file=sys.stderr, flush=True)
+  os.makedirs(workdir, exist_ok=True)
+  wall = common.run_logged(cmd, os.path.join(workdir, "local_cluster.log"),
+                           env=dict(os.environ, PYTHONPATH=common.ROOT))
+  print(f"[cpu run] {wall:.0f}s: {workdir}", file=sys.stderr, flush=True)
 
 
 def cpu_workload(run, rows: list[dict], skip: int) -> tuple[dict, M.Workload]:
@@ -65,9 +56,8 @@ def cpu_workload(run, rows: list[dict], skip: int) -> tuple[dict, M.Workload]:
   kept_groups = len(rows) * run.rl.n_batch / run.rl.group_size
   measured = {"batch_s": statistics.median(gaps), "batches": len(gaps),
               "batch_s_rounds": [round(g, 3) for g in gaps],
-              "train_time_s": statistics.median(r["train_time_s"] for r in rows),
-              "trainer_idle_s": statistics.median(r["trainer_idle_s"] for r in rows),
-              "weight_push_s": statistics.median(r["weight_push_s"] for r in rows)}
+              **{k: statistics.median(r[k] for r in rows)
+                 for k in ("train_time_s", "trainer_idle_s", "weight_push_s")}}
   w = M.Workload(
       n_batch=run.rl.n_batch, n_mini=run.rl.n_mini, group_size=run.rl.group_size,
       n_async=run.pipeline.n_async or 2 * run.rl.n_batch, mode=run.pipeline.mode,
@@ -103,30 +93,17 @@ def verifier_rate(run, n: int) -> float:
   try:
     for t in tasks[:8]:   # the workers start and import
       pool.submit(t, synthetic.trace(t)).result()
-    start = time.perf_counter()
-    futures = [pool.submit(t, synthetic.trace(t)) for t in tasks]
-    for f in futures:
-      f.result()
-    return n / (time.perf_counter() - start)
+    return n / common.time_once(lambda: [f.result() for f in [
+        pool.submit(t, synthetic.trace(t)) for t in tasks]], block=False)[0]
   finally:
     pool.close()
-
-
-def sub_bench(script: str, *flags: str) -> dict:
-  r = subprocess.run([sys.executable, os.path.join(common.ROOT, "bench", script), *flags],
-                     cwd=common.ROOT, capture_output=True, text=True)
-  if r.returncode:
-    sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
-    raise SystemExit(f"scale_model: bench/{script} failed (exit code {r.returncode})")
-  return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ---- 2. the children: generation, then the train step, each alone ----------------------------
 
 def child(args) -> None:
-  from magistral_jax.parallel import multihost
-  multihost.initialize()
   import jax
+  from magistral_jax.parallel import multihost
   from magistral_jax import config as config_lib
   from magistral_jax.run.recipes import load_recipe
   run = config_lib.validate(load_recipe(CPU_CONFIG, common.ROOT))
@@ -138,16 +115,14 @@ def child(args) -> None:
     result = measure_generation(run, layout, wl, args.reps)
     for p in layout.trainer_processes:
       mailbox.send(f"to{p}", result)
-    return multihost.finish()
+    return
   generation = mailbox.receive(f"to{me}", 1800, what="the generator's measurement")
   train = measure_train(run, layout, wl, args.reps)
   if not layout.is_leader:
     mailbox.send("cores", train["cores_busy"])
-    return multihost.finish()
-  others = [mailbox.receive("cores", 600) for _ in layout.trainer_processes[1:]]
-  train["cores_busy"] += sum(others)
+    return
+  train["cores_busy"] += sum(mailbox.receive("cores", 600) for _ in layout.trainer_processes[1:])
   print(json.dumps({"generation": generation, "train": train}), flush=True)
-  multihost.finish()   # process 0 hosts the service: it leaves last
 
 
 def measure_generation(run, layout, wl: dict, reps: int) -> dict:
@@ -180,26 +155,25 @@ def measure_generation(run, layout, wl: dict, reps: int) -> dict:
   loop.start()
   # Four batches' worth a round: the run generates without pause, this drains every round.
   groups = max(1, round(4 * wl["completions"] / run.rl.group_size))
-  rounds, busy, it = [], [], iter(tasks)
-  for r in range(-1, reps + 1):   # two untimed rounds: the first compiles, the second catches up
+  n, it, round_ids = groups * run.rl.group_size, iter(tasks), iter(range(reps + 2))
+
+  def one_round():
     done.clear()
     with lock:
-      counter[:] = [0, groups * run.rl.group_size]
-    w, c = time.perf_counter(), time.process_time()
+      counter[:] = [0, n]
+    r = next(round_ids)
     for g in range(groups):
-      t = next(it)
-      loop.submit(Request(id=(r, g), prompt_tokens=tok.apply_chat_template(t["problem"], system),
-                          group_size=run.rl.group_size, seed=g))
+      loop.submit(Request(id=(r, g), group_size=run.rl.group_size, seed=g,
+                          prompt_tokens=tok.apply_chat_template(next(it)["problem"], system)))
     if not done.wait(1200):
       raise TimeoutError("generation did not finish")
-    wall = time.perf_counter() - w
-    if r > 0:
-      rounds.append(groups * run.rl.group_size * new / wall)
-      busy.append((time.process_time() - c) / wall)
+  # Two untimed rounds: the first compiles, the second catches up.
+  t = common.time_fn(one_round, reps, warmup=2, block=False)
   loop.stop()
+  rounds = [n * new / w for w in t.rounds]
   return {"tokens_per_s": statistics.median(rounds), "rounds_tokens_per_s": rounds,
-          "cores_busy": statistics.median(busy), "completions": groups * run.rl.group_size,
-          "response_tokens": new}
+          "cores_busy": statistics.median(c / w for c, w in zip(t.cpu_rounds, t.rounds)),
+          "completions": n, "response_tokens": new}
 
 
 def measure_train(run, layout, wl: dict, reps: int) -> dict:
@@ -228,19 +202,11 @@ def measure_train(run, layout, wl: dict, reps: int) -> dict:
                       -np.abs(rng.normal(1.0, 0.5, c)), float(rng.normal()),
                       i // run.rl.group_size) for i in range(run.rl.n_mini)]
   mb = collate_minibatch(comps, run.rl, min_microbatches=wl["microbatches"])
-  rounds, busy = [], []
-  for r in range(reps + 1):   # the first round compiles
-    w, cpu = time.perf_counter(), time.process_time()
-    trainer.step(mb)
-    wall = time.perf_counter() - w
-    if r:
-      rounds.append(wall)
-      busy.append((time.process_time() - cpu) / wall)
+  t = common.time_fn(lambda: trainer.step(mb), reps, block=False)   # the warm-up compiles
   n_micro = mb.arrays["tokens"].shape[0]
-  step_s = statistics.median(rounds)
-  return {"step_s": step_s, "rounds_s": rounds, "microbatches": n_micro,
-          "tokens_per_s": n_micro * run.rl.microbatch_tokens / step_s,
-          "cores_busy": statistics.median(busy)}
+  return {"step_s": t.median, "rounds_s": t.rounds, "microbatches": n_micro,
+          "tokens_per_s": n_micro * run.rl.microbatch_tokens / t.median,
+          "cores_busy": statistics.median(c / w for c, w in zip(t.cpu_rounds, t.rounds))}
 
 
 # ---- 3. prediction against the CPU run ----------------------------------------------------------
@@ -263,11 +229,13 @@ def cpu_check(args) -> dict:
   gen, train = parts["generation"], parts["train"]
   # A follower's rows of one minibatch: half of them (2 trainer processes).
   rows_mb = w.slots_per_step * M.BYTES_PER_TOKEN_SLOT / 2 / 2**20
-  bulk = sub_bench("multihost_bulk.py", f"--sizes=0.001,{rows_mb:.4f}", f"--reps={args.reps}")
+  bench = lambda script, *flags: common.run_json(
+      [sys.executable, os.path.join(common.ROOT, "bench", script), *flags])
+  bulk = bench("multihost_bulk.py", f"--sizes=0.001,{rows_mb:.4f}", f"--reps={args.reps}")
   nbytes = [int(s * 2**20) for s in bulk["sizes_mb"]]
   message_s = nbytes[0] / (bulk["kv_MBps"][0] * 1e6) / 2
   bulk_s = nbytes[1] / (bulk["bulk_MBps"][1] * 1e6)
-  push = sub_bench("multihost_push.py", "--model=tiny", f"--reps={args.reps}")
+  push = bench("multihost_push.py", "--model=tiny", f"--reps={args.reps}")
   rates = M.Rates(
       decode_tokens_per_s=gen["tokens_per_s"], verify_tasks_per_s=verify,
       train_tokens_per_s=train["tokens_per_s"],
@@ -301,12 +269,10 @@ def main() -> None:
   p.add_argument("--sft_steps", type=int, default=200, help="when this script runs it")
   p.add_argument("--batches", type=int, default=14, help="when this script runs it")
   p.add_argument("--skip", type=int, default=2, help="first batches left out (compilation)")
-  p.add_argument("--reps", type=int, default=5)
-  p.add_argument("--verify_tasks", type=int, default=200)
-  p.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)  # the children
-  args = p.parse_args()
-  if args.distributed:
-    return child(args)
+  common.add_flags(p, reps=5, verify_tasks=200)
+  args = common.cluster_main(p, child)
+  if args is None:
+    return
   check = cpu_check(args)
   result = {"bench": "scale_model", "cpu_check": check,
             "predicted_over_measured": round(check["predicted_over_measured"], 3)}

@@ -1,12 +1,6 @@
-"""Benchmark: tokens/s and MFU of the GRPO train step at a 1B shape, against a plain
-cross-entropy step of the same shapes, on an accelerator.
-
-Llama-3.2-1B shapes (random init), `--param_dtype` master weights, `--dtype` matmuls,
-`--attention_impl`. Each shape in `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]) runs `--micro`
-microbatches per step through train.step.make_train_step: `grpo` (make_grpo_step) and `ce`
-(train.sft.make_sft_step, the baseline), alternating over `--repeats`; medians. MFU = model FLOPs
-(6 x matmul weights + causal attention, per token) / step time / peak: the vendor's dense bf16
-rate where known, and a large bf16 matmul measured in the same run (`--matmul_n`).
+"""Benchmark: tokens/s and MFU of the GRPO train step at Llama-3.2-1B's shapes (random init)
+against a plain cross-entropy step, per `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]): model FLOPs
+(analysis/scale_model.py) over the vendor's bf16 peak, and over a large matmul's rate here.
 
   python bench/train_mfu.py [--shapes 4x2048:none,1x8192:none,1x32768:full]
   python bench/train_mfu.py --attention_impl gpu_flash --steps grpo --shapes 1x32768:full:16
@@ -16,19 +10,18 @@ grpo_over_ce_time, mfu_vs_matmul, peak memory, attention implementation, device.
 """
 from __future__ import annotations
 
-import time
-
 import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magistral_jax.analysis.scale_model import train_flops_per_token
+from magistral_jax.analysis import scale_model as M
 from magistral_jax.model import attention as A
 from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import collate_minibatch
+from magistral_jax.run.footprint import compiled_memory
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
@@ -95,21 +88,13 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
   steps = {k: makers[k]() for k in args.steps.split(",")}   # jitted, donating
   compiled = {}
   for k, fn in steps.items():
-    t0 = time.perf_counter()
-    compiled[k] = fn.lower(state, batch).compile()
-    out[f"compile_s_{k}"] = time.perf_counter() - t0
-    out[f"peak_gib_{k}"] = common.compiled_memory(compiled[k])[0] / 2 ** 30
+    compiled[k], out[f"compile_s_{k}"] = common.compile_timed(fn, state, batch)
+    out[f"peak_gib_{k}"] = compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
-  box = [state]
-
-  def stepper(fn):
-    def step():   # the state is donated: each step continues from the last one's
-      box[0], metrics = fn(box[0], batch)
-      return metrics
-    return step
-  times = common.time_rounds({k: stepper(f) for k, f in compiled.items()}, args.repeats)
-  flops = train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
+  carry = common.Carry(state)
+  times = common.time_rounds({k: carry.step(f, batch) for k, f in compiled.items()}, args.repeats)
+  flops = M.train_flops_per_token(cfg, row_len // seqs) * out["tokens_per_step"]
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
@@ -125,7 +110,7 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
                     f"tok/s, MFU {out.get(f'mfu_{k}', float('nan')):.3f}" for k in times)
         + (f"; grpo/ce {out['grpo_over_ce_time']:.3f}" if "grpo_over_ce_time" in out else ""),
         flush=True)
-  del box, state, compiled
+  del carry, state, compiled
   return out
 
 
@@ -135,13 +120,10 @@ def main(argv=None):
                   help="ROWSxROW_LEN:REMAT[:SEQS], comma-separated")
   ap.add_argument("--steps", default="grpo,ce", help="the steps timed: grpo, ce or both")
   ap.add_argument("--micro", type=int, default=2, help="microbatches per optimizer step")
-  ap.add_argument("--param_dtype", default="float32")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--attention_impl", default="auto")
-  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run on CPU)")
-  ap.add_argument("--hidden", type=int, default=None, help="smaller hidden size (smoke run)")
-  ap.add_argument("--matmul_n", type=int, default=8192)
-  ap.add_argument("--repeats", type=int, default=5)
+  common.add_flags(ap, param_dtype="float32", dtype="bfloat16", attention_impl="auto")
+  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
+  ap.add_argument("--hidden", type=int, default=None, help="a smaller hidden size (smoke run)")
+  common.add_flags(ap, matmul_n=8192, repeats=5)
   args = ap.parse_args(argv)
   if not args.steps or set(args.steps.split(",")) - {"grpo", "ce"}:
     ap.error(f"--steps: grpo, ce or grpo,ce, got {args.steps!r}")
@@ -155,7 +137,7 @@ def main(argv=None):
                       num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
                       vocab_size=8192)
   dev = jax.devices()[0]
-  peak_tf = common.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
+  peak_tf = M.vendor_peak(dev.device_kind)[0] if dev.platform != "cpu" else None
   mm_tf = matmul_tflops(args.matmul_n, jnp.dtype(args.dtype))
   result = {"model": "Llama-3.2-1B shapes (random init)" if not (args.layers or args.hidden)
             else f"Llama-3.2-1B shrunk (layers {cfg.num_layers}, hidden {cfg.hidden_size})",

@@ -1,17 +1,12 @@
-"""Benchmark: the GRPO train step against a plain cross-entropy step, greedy collation against
-naive fixed-count microbatches, and peak memory with and without rematerialisation.
-
-SmolLM2-135M shapes, random init: both steps through train.step.make_train_step, interleaved
-repeats, medians; padding of greedy collation vs one sequence per row on lengths with a 5x
-spread; the compiled GRPO step's memory analysis with remat none vs full.
+"""Benchmark: at SmolLM2-135M's shapes, the GRPO train step against a plain cross-entropy step
+(process CPU seconds), greedy collation's padding against one sequence per row, and the compiled
+GRPO step's peak memory with remat none against full.
 
   python bench/train_step.py [--rows 1 --row_len 256 --repeats 3]
 
 Last line: one JSON object with every figure.
 """
 from __future__ import annotations
-
-import time
 
 import common
 import jax
@@ -21,6 +16,7 @@ from magistral_jax.model import config as model_config
 from magistral_jax.rl import collate as C
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import collate_minibatch
+from magistral_jax.run.footprint import compiled_memory
 from magistral_jax.train import optimizer as O
 from magistral_jax.train import step as S
 from magistral_jax.train.sft import make_sft_step
@@ -67,9 +63,7 @@ def make_batch(rng, cfg: GRPOConfig, vocab: int):
 
 def main(argv=None):
   ap = common.argument_parser(__doc__)
-  ap.add_argument("--rows", type=int, default=2)
-  ap.add_argument("--row_len", type=int, default=256)
-  ap.add_argument("--repeats", type=int, default=3)
+  common.add_flags(ap, rows=2, row_len=256, repeats=3)
   ap.add_argument("--layers", type=int, default=SMOLLM2_135M.num_layers)
   args = ap.parse_args(argv)
 
@@ -89,33 +83,24 @@ def main(argv=None):
                     f"[{args.rows} x {args.row_len}] x {stats['microbatches']} microbatch"
   tx = O.make_optimizer(O.OptimizerConfig(learning_rate=1e-6))
 
-  t0 = time.perf_counter()
-  state = S.init_state(model_cfg, tx, jax.random.PRNGKey(0))
-  jax.block_until_ready(state)
-  print(f"[init] {time.perf_counter() - t0:.1f}s", flush=True)
+  init_s, state = common.time_once(lambda: S.init_state(model_cfg, tx, jax.random.PRNGKey(0)))
+  print(f"[init] {init_s:.1f}s", flush=True)
 
   steps = {"grpo": S.make_grpo_step(model_cfg, gcfg, tx), "ce": make_sft_step(model_cfg, tx)}
   compiled = {}
   for name, fn in steps.items():
-    t0 = time.perf_counter()
-    compiled[name] = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
-    result[f"compile_s_{name}"] = time.perf_counter() - t0
+    compiled[name], result[f"compile_s_{name}"] = common.compile_timed(
+        jax.jit(fn, donate_argnums=0), state, batch)
     print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
-  mem = common.compiled_memory
-  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = mem(compiled["grpo"])
-  result["peak_bytes_ce"], result["temp_bytes_ce"] = mem(compiled["ce"])
+  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = compiled_memory(
+      compiled["grpo"])
+  result["peak_bytes_ce"], result["temp_bytes_ce"] = compiled_memory(compiled["ce"])
 
-  # Wall time and process CPU time per step. On a shared host the wall clock mostly measures the
-  # other jobs; CPU seconds measure the work of the step, so the ratio is taken from those.
-  box = [state]
-
-  def stepper(fn):
-    def step():   # the state is donated: every step continues from the last one's
-      box[0], metrics = fn(box[0], batch)
-      return box[0], metrics
-    return step
-  times = common.time_rounds({name: stepper(fn) for name, fn in compiled.items()}, args.repeats)
-  state = box[0]
+  # On a shared host the wall clock mostly measures the other jobs: the ratio is of CPU seconds.
+  carry = common.Carry(state)
+  times = common.time_rounds({k: carry.step(fn, batch) for k, fn in compiled.items()},
+                             args.repeats)
+  state = carry.state
   for r in range(args.repeats):
     print(f"[round {r + 1}] " + ", ".join(
         f"{n}: {t.rounds[r]:.2f}s wall, {t.cpu_rounds[r]:.2f}s cpu" for n, t in times.items()),
@@ -126,12 +111,10 @@ def main(argv=None):
   result["grpo_over_ce_step_time"] = result["step_cpu_s_grpo"] / result["step_cpu_s_ce"]
   result["grpo_over_ce_wall_time"] = result["step_wall_s_grpo"] / result["step_wall_s_ce"]
 
-  remat_cfg = model_cfg.replace(remat="full")
-  grpo_remat = S.make_grpo_step(remat_cfg, gcfg, tx)
-  t0 = time.perf_counter()
-  result["peak_bytes_remat"], result["temp_bytes_remat"] = common.compiled_memory(
-      jax.jit(grpo_remat, donate_argnums=0).lower(state, batch).compile())
-  print(f"[compile] grpo remat: {time.perf_counter() - t0:.1f}s", flush=True)
+  grpo_remat, s = common.compile_timed(jax.jit(S.make_grpo_step(
+      model_cfg.replace(remat="full"), gcfg, tx), donate_argnums=0), state, batch)
+  result["peak_bytes_remat"], result["temp_bytes_remat"] = compiled_memory(grpo_remat)
+  print(f"[compile] grpo remat: {s:.1f}s", flush=True)
   result["remat_peak_saving"] = 1.0 - result["peak_bytes_remat"] / result["peak_bytes_no_remat"]
   result["remat_temp_saving"] = 1.0 - result["temp_bytes_remat"] / max(result["temp_bytes_no_remat"], 1)
   common.emit(result)

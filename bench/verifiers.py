@@ -1,8 +1,6 @@
-"""Benchmark: the verifier pool and the sandbox against their bare baselines, in one run.
-
-(a) math: VerifierPool(N) against direct math-verify calls, math_pool_overhead (goal <= 0.25);
-(b) python: sandboxed HumanEval programs against bare subprocess.run, python_sandbox_over_bare
-(goal >= 0.7); (c) C++: compile time with and without the precompiled bits/stdc++.h.
+"""Benchmark: the verifier pool and the sandbox against their bare baselines: (a) VerifierPool(N)
+against direct math-verify calls, math_pool_overhead; (b) sandboxed HumanEval programs against
+bare subprocess.run, python_sandbox_over_bare; (c) C++ compiles with and without the PCH.
 
   python bench/verifiers.py [--workers=2] [--math_items=400] [--code_items=100]
 
@@ -56,19 +54,17 @@ def bench_math(n_workers, n):
       return False
 
   direct("1", "1")
-  t = time.perf_counter()
-  direct_ok = sum(direct(p, g) for g, p in items)
-  direct_rate = len(items) / (time.perf_counter() - t)
+  t, direct_ok = common.time_once(lambda: sum(direct(p, g) for g, p in items), block=False)
+  direct_rate = len(items) / t
   math_check.parse_reference.cache_clear()
   with VerifierPool(n_workers, cfg, task_timeout_s=60, max_queue=4 * n_workers) as pool:
     task = lambda g: {"kind": "math", "problem": "p", "answer": g}
     resp = lambda p: "<think>\nworking\n</think>\nSo \\boxed{" + p + "}"
     for f in [pool.submit(task("1"), resp("1")) for _ in range(2 * n_workers)]:   # warm, ready
       f.result()
-    t = time.perf_counter()
-    futs = [pool.submit(task(g), resp(p)) for g, p in items]
-    res = [f.result() for f in futs]
-    pool_rate = len(items) / (time.perf_counter() - t)
+    t, res = common.time_once(lambda: [f.result() for f in [pool.submit(task(g), resp(p))
+                                                            for g, p in items]], block=False)
+    pool_rate = len(items) / t
     m = pool.metrics()
   pool_ok = sum(r.parts["correct"] > 0 for r in res)
   return dict(math_items=len(items), math_direct_per_s=direct_rate, math_pool_per_s=pool_rate,
@@ -88,18 +84,14 @@ def bench_python(n):
   python = code_check.default_python()
   sbx = sandbox.default_sandbox()
   limits = Limits(cpu_s=4.0, memory_mb=300)
-  # Bare baseline: the same program in a file, run with subprocess.run.
   d = tempfile.mkdtemp()
-  files = []
-  for i, (code, test, entry) in enumerate(progs):
-    path = os.path.join(d, f"p{i}.py")
-    with open(path, "w") as f:
-      f.write(f"{code}\n{test}\ncheck({entry})\nprint('ok')\n")
-    files.append(path)
-  # Interleaved (bare, sandboxed) per program, so load from other processes hits both alike.
   bare_s = sbx_s = 0.0
   bare_ok = sbx_ok = 0
-  for path, (code, test, entry) in zip(files, progs):
+  # Interleaved (bare, sandboxed) per program, so load from other processes hits both alike.
+  for i, (code, test, entry) in enumerate(progs):
+    path = os.path.join(d, f"p{i}.py")   # bare: the same program in a file, run by subprocess.run
+    with open(path, "w") as f:
+      f.write(f"{code}\n{test}\ncheck({entry})\nprint('ok')\n")
     t = time.perf_counter()
     bare_ok += b"ok" in subprocess.run([python, "-I", path], capture_output=True, timeout=10).stdout
     bare_s += time.perf_counter() - t
@@ -129,36 +121,29 @@ int main() { int n; cin >> n; vector<long long> a(n); for (auto &x : a) cin >> x
 
 def bench_cpp(repeats):
   sbx = sandbox.default_sandbox()
-  t = time.perf_counter()
   code_cpp._pch_dirs.clear()
-  pch = code_cpp.precompiled_header_dir()
-  pch_ready_s = time.perf_counter() - t
-  out = {}
+  pch_ready_s, pch = common.time_once(code_cpp.precompiled_header_dir, block=False)
+  out = {"cpp_pch_ready_s": pch_ready_s, "cpp_pch_available": pch is not None}
   for name, use in (("pch", True), ("no_pch", False)):
     times = []
     for _ in range(repeats):   # the compile alone, each in a fresh sandbox dir
       w = sbx.make_dir()
-      t = time.perf_counter()
-      ok, msg = code_cpp.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use)
-      times.append(time.perf_counter() - t)
+      t, (ok, msg) = common.time_once(
+          lambda: code_cpp.compile_cpp(sbx, w, CPP, timeout_s=60, use_pch=use), block=False)
+      times.append(t)
       sbx.remove_dir(w)
       assert ok, msg
     out[f"cpp_compile_s_{name}"] = statistics.median(times)   # common.Timing's statistic
-  out["cpp_pch_ready_s"] = pch_ready_s
-  out["cpp_pch_available"] = pch is not None
   return out
 
 
 def main():
   ap = common.argument_parser(__doc__)
   ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                  help="pool size for the math measurement")
-  ap.add_argument("--math_items", type=int, default=400,
-                  help="answers verified per math measurement")
-  ap.add_argument("--code_items", type=int, default=100,
-                  help="HumanEval programs per code measurement")
-  ap.add_argument("--cpp_repeats", type=int, default=3,
-                  help="compiles per C++ measurement (median reported)")
+                  help="the math pool's size")
+  ap.add_argument("--math_items", type=int, default=400, help="answers verified")
+  ap.add_argument("--code_items", type=int, default=100, help="HumanEval programs run")
+  ap.add_argument("--cpp_repeats", type=int, default=3, help="compiles each way")
   args = ap.parse_args()
   res = dict(bench="verifiers", workers=args.workers, cpus=os.cpu_count())
   res.update(bench_math(args.workers, args.math_items))

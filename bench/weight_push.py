@@ -1,12 +1,7 @@
-"""Benchmark: the trainer -> generator weight push against a plain copy of the same bytes.
-
-SmolLM2-135M and Llama-3.2-1B shapes (random init), `--param_dtype` trainer weights, a generator
-Engine with `--gen_dtype` weights. push = Rollouts.push for one generator (transfer_params, then
-Engine.load_params); copy = device_put(may_alias=False) of the bytes received, same layout.
-Default: trainer and generator share one device. `--reshard`: the pipeline's layout on 8 devices
-(simulated on CPU), trainer FSDP over 4, two generators tensor-parallel over 2 each; the push
-reshards onto generator 0 and the copy moves generator 0's params onto generator 1. Alternating,
-median of `--reps` after a warm-up.
+"""Benchmark: the trainer -> generator weight push (Rollouts.push for one generator:
+transfer_params, then Engine.load_params) against a device_put copy of the bytes received.
+One shared device, or `--reshard`: trainer FSDP over 4 of 8 devices, two generators tensor-parallel
+over 2 each (the push reshards onto generator 0, the copy moves its params onto generator 1).
 
   python bench/weight_push.py [--models smollm2,llama1b] [--reshard]
 
@@ -72,8 +67,7 @@ def main(argv=None):
   ap.add_argument("--param_dtype", default="float32", help="the trainer's master weights")
   ap.add_argument("--gen_dtype", default="bfloat16", help="the generator's weights")
   ap.add_argument("--reps", type=int, default=10)
-  ap.add_argument("--reshard", action="store_true",
-                  help="trainer FSDP-4 -> generator TP-2, copy baseline between two generators")
+  ap.add_argument("--reshard", action="store_true", help="trainer FSDP-4 -> generators TP-2")
   args = ap.parse_args(argv)
   dev = jax.devices()[0]
   result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,

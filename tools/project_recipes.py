@@ -33,16 +33,18 @@ MEDIUM_125B = ("vocab_size=131072,hidden_size=12288,intermediate_size=28672,num_
 # Chip figures. H100: mfu, decode_frac and stage_gbps are BENCHMARKS.md "First accelerator run
 # (H100)" rows (`train` 1 x 8,192: MFU 0.274; `roofline` Llama-3.2-1B shape: 0.41 of the spec
 # bandwidth; `push` 1B shape: 8.57 ms for its 2.47 GB of bf16 weights); the rest are the
-# vendor's figures or assumptions (see BENCHMARKS.md "Many hosts: a model of one step"). TPU
-# v5p: the vendor's peak and bandwidth with the H100's measured efficiencies (an assumption).
+# vendor's figures (M.VENDOR_PEAKS) or assumptions (see BENCHMARKS.md "Many hosts: a model of
+# one step"). TPU v5p: the vendor's peak and bandwidth with the H100's measured efficiencies (an
+# assumption).
 ACCELERATORS = {
-    "H100": M.Accelerator("H100", peak_tflops=989.0, hbm_gbps=3350.0, memory_gib=78.0,
+    "H100": M.Accelerator("H100", *M.vendor_peak("H100"), memory_gib=78.0,
                           chips_per_host=8, mfu=0.274, decode_frac=0.41,
                           stage_gbps=2.47 / 8.57e-3, link_gbps=50.0, transfer_gbps=10.0,
                           verifier_cores=100, platform="cuda"),
-    "v5p": M.Accelerator("v5p", peak_tflops=459.0, hbm_gbps=2765.0, memory_gib=95.0,
+    "v5p": M.Accelerator("v5p", *M.vendor_peak("TPU v5p"), memory_gib=95.0,
                          chips_per_host=4, mfu=0.274, decode_frac=0.41,
-                         stage_gbps=2.47 / 8.57e-3 * 2765.0 / 3350.0, link_gbps=100.0,
+                         stage_gbps=2.47 / 8.57e-3 * M.vendor_peak("TPU v5p")[1]
+                         / M.vendor_peak("H100")[1], link_gbps=100.0,
                          transfer_gbps=25.0, verifier_cores=200, platform="tpu"),
 }
 # A code completion's CPU seconds: 20 tests, each a sandboxed program run (BENCHMARKS.md

@@ -8,9 +8,7 @@ generator_per_iteration and generator_compiles_in_timed_iterations.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -19,8 +17,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # bench/: common, vs_tunix (the workload's tokenizer)
 import common  # noqa: E402
-from peer_common import (jitter, peak_memory_bytes, side_summary, versions,  # noqa: E402
-                         weights_checksum)
+from peer_common import (jitter, peak_memory_bytes, side_main, side_summary,  # noqa: E402
+                         time_calls, versions, weights_checksum)
 from vs_tunix import progress, shared_tokenizer  # noqa: E402
 
 # Our generator's loop counters (generate.counters.LoopCounters), per timed iteration (medians).
@@ -28,8 +26,8 @@ GEN_COUNTERS = ("steps", "compact_steps", "decode_time_s", "idle_time_s", "prefi
                 "background_prefilled", "shared_prefix_hits", "shared_prefix_prefills")
 
 
-def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, tasks,
-                  grpo, system_prompt, seed):
+def make_rollouts(model_cfg, params, trainer_devices, sampling, spec, pool, tokenizer, grpo,
+                  system_prompt):
   """Our colocated layout (Rollouts colocated=True): one generator on the trainer's devices,
   taking turns with it, built as launch/train.py builds it (make_generators, the config's engine
   defaults, slots for the whole batch); every program it can run is compiled beforehand, since
@@ -46,16 +44,17 @@ def make_rollouts(*, model_cfg, params, trainer_devices, sampling, spec, pool, t
                    **tune)   # --engine_tune: the config default unless given
   shared = shared_prefix_for(e, tokenizer, system_prompt)
   gens = make_generators(model_cfg, params, [list(trainer_devices)], sampling, e,
-                         mesh_shape={"tensor": len(trainer_devices)}, seed=seed,
+                         mesh_shape={"tensor": len(trainer_devices)}, seed=spec["seed"],
                          shared_prefix=shared)
   for g in gens:   # only the prefill buckets this workload's prompts take (whole, or their rest)
     lengths = [len(ids) - (len(shared) if shared and ids[:len(shared)] == shared else 0)
                for ids in (t["ids"] for t in spec["prompts"])]
     buckets = sorted({g.engine.bucket_for(n) for n in lengths})
     g.engine.precompile(g.params, buckets, tune=False, existing_prefix=g.shared_prefix_cache())
+  tasks = [{k: p[k] for k in ("id", "kind", "problem", "answer")} for p in spec["prompts"]]
   return Rollouts(generators=gens, pool=pool, tokenizer=tokenizer, prompts=iter(tasks),
                   grpo_cfg=grpo, cfg=PipelineConfig(mode="sync", batch_timeout_s=1800),
-                  system_prompt=system_prompt, seed=seed, colocated=True)
+                  system_prompt=system_prompt, seed=spec["seed"], colocated=True)
 
 
 def reward_config(max_new_tokens: int):
@@ -66,13 +65,11 @@ def reward_config(max_new_tokens: int):
   return RewardConfig(l_max=2 * max_new_tokens, l_cache=max_new_tokens, language_bonus=0.0)
 
 
-def score(path: str) -> list[float]:
-  """--score: our rewards of the completions in `path` (JSON: completions, answers,
-  max_new_tokens) under reward_config, jitter added: what tunix_side.py --score prints for the
-  same file, when both sides score alike (tests/bench/test_vs_tunix.py)."""
+def score(spec: dict) -> list[float]:
+  """--score: our rewards of the completions of `spec` (completions, answers, max_new_tokens)
+  under reward_config, jitter added: what tunix_side.py --score prints for the same file, when
+  both sides score alike (tests/bench/test_vs_tunix.py)."""
   from magistral_jax.rewards.reward import compute_reward
-  with open(path) as f:
-    spec = json.load(f)
   cfg = reward_config(spec["max_new_tokens"])
   return [compute_reward({"kind": "math", "problem": "", "answer": a}, c,
                          spec["max_new_tokens"], cfg).reward + jitter(c)
@@ -142,13 +139,9 @@ def run_ours(spec: dict) -> dict:
   del params
   step_fn = make_grpo_step(cfg, grpo, tx, tmesh, TRAINER_RULES, temperature=spec["temperature"])
   sampling = SamplingConfig(temperature=spec["temperature"], max_new_tokens=N, eos_id=None)
-  tasks = [{k: p[k] for k in ("id", "kind", "problem", "answer")} for p in spec["prompts"]]
   pool = VerifierPool(1, reward_config(N), task_timeout_s=60)
-  rollouts = make_rollouts(model_cfg=cfg, params=jax.device_get(state.params),
-                           trainer_devices=devices, sampling=sampling, spec=spec,
-                           pool=JitteredPool(pool), tokenizer=tok, tasks=tasks, grpo=grpo,
-                           system_prompt=system_prompt,
-                           seed=spec["seed"])
+  rollouts = make_rollouts(cfg, jax.device_get(state.params), devices, sampling, spec,
+                           JitteredPool(pool), tok, grpo, system_prompt)
   trainer = Trainer(step_fn, state, tmesh, TRAINER_RULES)
   setup_s = time.perf_counter() - t_setup
   progress(f"ours: set up in {setup_s:.0f}s (weights, optimizer, engine precompile)")
@@ -161,18 +154,9 @@ def run_ours(spec: dict) -> dict:
       ev["tokens"].append(len(c.tokens))
       f(c)
     g.callback = on_sample
-  next_batch, push, step = rollouts.next_batch, rollouts.push, trainer.step
-
-  def timed(fn, key):
-    def run(*a, **kw):
-      t = time.perf_counter()
-      out = fn(*a, **kw)
-      ev[key].append((t, time.perf_counter()))
-      return out
-    return run
-  rollouts.next_batch = timed(next_batch, "batch_end")
-  rollouts.push = timed(push, "push")
-  trainer.step = timed(step, "step")
+  for obj, name, key in ((rollouts, "next_batch", "batch_end"), (rollouts, "push", "push"),
+                         (trainer, "step", "step")):
+    time_calls(obj, name, ev[key])
 
   total = spec["warmup"] + spec["iterations"]
   compiles = lambda: sum(sum(g.engine.compile_counts().values()) for g in rollouts.generators)
@@ -201,7 +185,7 @@ def run_ours(spec: dict) -> dict:
     pool.close()
   if len(history) != total:
     raise RuntimeError(f"only {len(history)}/{total} iterations ran: {dict(rollouts.counters)}")
-  dropped = sum(int(rollouts.counters[k]) for k in ("groups_dropped",))
+  dropped = int(rollouts.counters["groups_dropped"])
   if dropped:
     raise RuntimeError(f"{dropped} groups were dropped: the workloads would differ")
 
@@ -243,33 +227,11 @@ def run_ours(spec: dict) -> dict:
 
 def verifier_workers_peak_rss(pool) -> int | None:
   """Sum of the verifier worker processes' peak RSS (VmHWM), where /proc tells."""
-  total = 0
   try:
-    for pid in pool.worker_pids():
-      with open(f"/proc/{pid}/status") as f:
-        total += next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+    return 1024 * sum(common.proc_status_kb("VmHWM", pid) for pid in pool.worker_pids())
   except (OSError, StopIteration, AttributeError):
     return None
-  return total
-
-
-def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
-  ap.add_argument("--score", help="print our rewards of a JSON file's completions (see score)")
-  args = ap.parse_args()
-  if args.score:
-    common.emit({"rewards": score(args.score)})
-    return
-  if not args.spec:
-    ap.error("--spec or --score is required")
-  with open(args.spec) as f:
-    spec = json.load(f)
-  if spec["platform"] == "cpu":
-    common.use_cpu_devices(1)
-  common.emit(run_ours(spec))
 
 
 if __name__ == "__main__":
-  main()
+  side_main(__doc__, run_ours, score)

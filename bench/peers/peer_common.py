@@ -1,12 +1,15 @@
 """What both sides of bench/vs_tunix.py compute alike: the reward tie-breaker, the weights
-checksum, peak memory and a side's summary. Imported by bench/vs_tunix.py (our venv) and by
-bench/peers/tunix_side.py (the peer's venv), so it imports nothing of either framework: only the
-standard library, and numpy / jax (both venvs have them) inside the functions that need them."""
+checksum, peak memory, a side's summary and its command line. Both venvs import it, so it imports
+nothing of either framework (numpy and jax, which both have, inside the functions)."""
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
+import json
+import os
 import resource
 import statistics
+import time
 import zlib
 
 
@@ -39,6 +42,21 @@ def peak_memory_bytes() -> tuple[int, str]:
           "process peak RSS (ru_maxrss)")
 
 
+def time_calls(obj, name: str, spans: list, after=None) -> None:
+  """Wraps obj.NAME so that each call appends its (start, end) perf_counter seconds to `spans`,
+  after `after(result)` where given: the sides' hooks on their loops' parts."""
+  fn = getattr(obj, name)
+
+  def timed(*a, **kw):
+    t = time.perf_counter()
+    out = fn(*a, **kw)
+    if after is not None:
+      after(out)
+    spans.append((t, time.perf_counter()))
+    return out
+  setattr(obj, name, timed)
+
+
 def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
   """A side's figures from its per-iteration records (the same code for both sides)."""
   med = lambda k: float(statistics.median(x[k] for x in iters))
@@ -59,6 +77,24 @@ def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
       "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
       "completions_per_iteration": [x["completions"] for x in iters],
   }
+
+
+def side_main(doc: str, run, score) -> None:
+  """A side's command line: `--spec` runs `run(spec)` on the workload bench/vs_tunix.py wrote,
+  `--score` prints `score(spec)`, the side's rewards of a JSON file's completions and answers
+  (tests/bench/test_vs_tunix.py); either way one JSON object as the last line."""
+  ap = argparse.ArgumentParser(description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
+  ap.add_argument("--score", help="print this side's rewards of a JSON file's completions")
+  args = ap.parse_args()
+  if not (args.spec or args.score):
+    ap.error("--spec or --score is required")
+  with open(args.score or args.spec) as f:
+    spec = json.load(f)
+  if not args.score and spec["platform"] == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  print(json.dumps({"rewards": score(spec)} if args.score else run(spec)), flush=True)
 
 
 def versions(names) -> dict:

@@ -1,8 +1,5 @@
-"""The tunix side of bench/vs_tunix.py: google-tunix's GRPOLearner.train on the shared workload.
-
-Runs under the peer's own interpreter (bench/peers/.venv-tunix) and imports nothing of
-magistral_jax. bench/peers/README.md says what it builds from the spec (policy, tokenizer,
-rollout and GRPO configs, reward) and where its timing hooks sit.
+"""The tunix side of bench/vs_tunix.py: google-tunix's GRPOLearner.train on the shared workload,
+under the peer's own interpreter (nothing of magistral_jax); bench/peers/README.md has the rest.
 
   python tunix_side.py --spec=SPEC.json [--score=FILE]
 
@@ -10,13 +7,12 @@ Last line: one JSON object with the same per-iteration figures as ours_side.py.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
-from peer_common import jitter, peak_memory_bytes, side_summary, versions, weights_checksum
+from peer_common import (jitter, peak_memory_bytes, side_main, side_summary, time_calls,
+                         versions, weights_checksum)
 
 
 def boxed(text: str) -> str | None:
@@ -146,18 +142,6 @@ def run(spec: dict) -> dict:
   ev = {"generate": [], "tokens": [], "completions": [], "rewards": [], "update": [],
         "sync": [], "iter_end": []}
 
-  def timed(obj, name, key, after=None):
-    fn = getattr(obj, name)
-
-    def run_timed(*a, **kw):
-      t = time.perf_counter()
-      out = fn(*a, **kw)
-      if after is not None:
-        after(out)
-      ev[key].append((t, time.perf_counter()))
-      return out
-    setattr(obj, name, run_timed)
-
   def count(out):
     ev["tokens"].append(int(sum(len(t) for t in out.tokens)))
     ev["completions"].append(len(out.tokens))
@@ -166,10 +150,10 @@ def run(spec: dict) -> dict:
     jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
     ev["iter_end"].append(time.perf_counter())
 
-  timed(cluster, "generate", "generate", count)
-  timed(learner, "_compute_rewards", "rewards")
-  timed(cluster, "update_actor", "update", wait_for_weights)
-  timed(cluster, "sync_weights", "sync")
+  time_calls(cluster, "generate", ev["generate"], count)
+  time_calls(learner, "_compute_rewards", ev["rewards"])
+  time_calls(cluster, "update_actor", ev["update"], wait_for_weights)
+  time_calls(cluster, "sync_weights", ev["sync"])
 
   # Arrays, as tunix's data pipelines give them (the learner repeats each leaf G times along
   # axis 0; a Python list would be a pytree of single strings).
@@ -204,27 +188,5 @@ def run(spec: dict) -> dict:
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--spec", help="the workload (JSON) bench/vs_tunix.py wrote")
-  ap.add_argument("--score", help="print reward_fn of a JSON file's completions and answers "
-                  "(no tunix import: our interpreter runs it too, tests/bench/test_vs_tunix.py)")
-  args = ap.parse_args()
-  if args.score:
-    with open(args.score) as f:
-      spec = json.load(f)
-    print(json.dumps({"rewards": reward_fn(None, spec["completions"], spec["answers"])}),
-          flush=True)
-    return 0
-  if not args.spec:
-    ap.error("--spec or --score is required")
-  with open(args.spec) as f:
-    spec = json.load(f)
-  if spec["platform"] == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  print(json.dumps(run(spec)), flush=True)
-
-
-if __name__ == "__main__":
-  sys.exit(main())
+if __name__ == "__main__":   # --score imports no tunix: our interpreter runs it too
+  side_main(__doc__, run, lambda spec: reward_fn(None, spec["completions"], spec["answers"]))

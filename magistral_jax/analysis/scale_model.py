@@ -211,6 +211,22 @@ class Accelerator:
   platform: str = "cuda"
 
 
+# Vendor peaks by a substring of jax's device_kind, first match: dense bf16 matmul TFLOP/s and
+# memory bandwidth GB/s (the A100 SXM4 80GB's HBM2e before the other A100s').
+VENDOR_PEAKS = (("H200", 989.0, 4800.0), ("H100 PCIe", 756.0, 2000.0),
+                ("H100", 989.0, 3350.0), ("A100-SXM4-80GB", 312.0, 2039.0), ("A100", 312.0, 1555.0),
+                ("TPU v5p", 459.0, 2765.0), ("TPU v5 lite", 197.0, 819.0),
+                ("TPU v5e", 197.0, 819.0), ("TPU v4", 275.0, 1228.0))
+
+
+def vendor_peak(device_kind: str) -> tuple[float | None, float | None]:
+  """(bf16 TFLOP/s, GB/s) of a jax device_kind from VENDOR_PEAKS; (None, None) where unknown."""
+  for name, tflops, gbps in VENDOR_PEAKS:
+    if name.lower() in device_kind.lower():
+      return tflops, gbps
+  return None, None
+
+
 def matmul_params(cfg) -> int:
   """Weights a token's matmuls use (the input embedding is gathered; the head, tied or not, is a
   matmul): the count bench/train_mfu.py's MFU uses."""
@@ -241,6 +257,24 @@ def decode_step_bytes(cfg, slots: int, positions: float, tensor: int, itemsize: 
   kv = kv_bytes_per_position(cfg, itemsize) * slots * positions / min(tensor, cfg.num_kv_heads)
   logits = 2 * slots * cfg.vocab_size * 4 / tensor
   return weights + kv + logits
+
+
+def decode_step_traffic(cfg, params_bytes: int, embed_bytes: int, batch: int, cache_len: float,
+                        itemsize: int) -> dict:
+  """One engine's decode step from its weights' real bytes, as bench/decode_roofline.py's
+  roofline counts it: the bytes it must move (the matmul weights, the gathered embedding rows,
+  the KV cache read and written, the fp32 logits written and read back) and its FLOPs (dense
+  attention over cache_len positions)."""
+  # Every weight a matmul reads; an untied input embedding is only gathered (B rows).
+  matmul = params_bytes if cfg.tie_word_embeddings else params_bytes - embed_bytes
+  weights = matmul + batch * cfg.hidden_size * itemsize
+  kv, kv_write = (kv_bytes_per_position(cfg, itemsize) * batch * n for n in (cache_len, 1))
+  logits = 2 * batch * cfg.vocab_size * 4
+  flops = 2 * batch * (matmul // itemsize) + \
+      4 * batch * cfg.num_layers * cfg.num_heads * cache_len * cfg.head_dim
+  return {"weight_bytes": int(weights), "kv_read_bytes": int(kv),
+          "other_bytes": int(kv_write + logits),
+          "bytes_per_step": int(weights + kv + kv_write + logits), "flops_per_step": int(flops)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -313,6 +313,15 @@ def compiled_peak_bytes(analysis) -> int:
              - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
 
 
+def compiled_memory(compiled) -> tuple[int, int]:
+  """(peak bytes, temp bytes) per device of a compiled program (compiled_peak_bytes); (-1, -1)
+  where the backend gives no memory analysis."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return -1, -1
+  return compiled_peak_bytes(analysis), int(analysis.temp_size_in_bytes)
+
+
 def slots_that_fit(run, cfg, gen_chips: int, memory_bytes: int, platform: str,
                    positions: float | None = None) -> int:
   """The most decode slots one generator of `gen_chips` chips holds within `memory_bytes` a chip,

@@ -1,4 +1,4 @@
-"""bench/learn.py's own logic (issue #51; bench/learn_report.py), without launching a
+"""bench/learn.py's own logic (issue #51), without launching a
 model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
 the archive that comes back from a device machine, and the report of two runs written by
 eval/in_run.py's write_eval. The whole command ran on CPU with --shrink and on an H100
@@ -18,10 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def learn():
   sys.path.insert(0, os.path.join(ROOT, "bench"))
   try:
-    import learn_report
+    import learn
   finally:
     sys.path.pop(0)
-  return learn_report
+  return learn
 
 
 def _set(p1, head):

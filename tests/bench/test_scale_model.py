@@ -96,6 +96,15 @@ def test_the_flop_and_byte_counts_match_the_recorded_h100_figures():
   nbytes = M.decode_step_bytes(c, 256, 198, tensor=1)
   assert nbytes == pytest.approx(4.40e9, rel=0.01)
   assert nbytes / (3350e9 * 0.41) == pytest.approx(3.22e-3, rel=0.02)
+  # bench/decode_roofline.py's step, from the weights' real bytes, adds the gathered embedding
+  # rows and the KV written to the same count.
+  step = M.decode_step_traffic(c, 2 * c.num_params(), 0, 256, 198, 2)
+  assert step["bytes_per_step"] == pytest.approx(
+      nbytes + 256 * (c.hidden_size * 2 + M.kv_bytes_per_position(c)), abs=1)
+  assert step["kv_read_bytes"] == M.kv_bytes_per_position(c) * 256 * 198
+  # The vendor's figures, by a substring of jax's device_kind.
+  assert M.vendor_peak("NVIDIA H100 80GB HBM3") == (989.0, 3350.0)
+  assert M.vendor_peak("cpu") == (None, None)
 
 
 def _h100(**kw):

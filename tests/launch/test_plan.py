@@ -65,8 +65,7 @@ def _compiled_train_peak(run) -> int:
   batch = {k: jax.ShapeDtypeStruct((n_micro, rl.microbatch_rows, rl.row_len),
                                    jnp.int32 if k in INT_FIELDS else jnp.float32, sharding=bsh)
            for k in FIELDS}
-  analysis = step.lower(state, batch).compile().memory_analysis()
-  return footprint.compiled_peak_bytes(analysis)
+  return footprint.compiled_memory(step.lower(state, batch).compile())[0]
 
 
 @pytest.mark.parametrize("remat,impl,mesh_shape,rows,row_len", [
