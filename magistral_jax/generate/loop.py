@@ -13,6 +13,8 @@ One iteration (`step`):
   3. once no request is waiting and the active slots fit in one of the engine's compact_sizes
      (the drain at the end of a batch), they move onto that smaller engine, whose step costs
      less, and move back when new work arrives (compaction.Drain);
+  With a paged KV cache (paging.py), samples parked for want of pages resume first, and each
+  active slot reserves the page of its next token before the step;
   4. one decode step for all slots and one device-to-host transfer of its results, then
      vectorised bookkeeping in numpy (slots.py): finish on EOS, a stop string or max tokens;
      stream finished samples out as `Sample`s.
@@ -38,6 +40,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from magistral_jax.generate.carry import Carry
 from magistral_jax.generate.compaction import Drain
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.counters import LoopCounters
@@ -126,6 +129,7 @@ class GeneratorLoop:
                       engine.prefill_batch_sizes[-1], self.prefill_ahead, self.counters),
         pages)
     self._refill = Refill(self.parts, self._prefill, self.weights.stale, self.prefill_ahead)
+    self.carry = Carry()   # samples carried over a release(carry=True)
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self._error_tb = ""
@@ -272,22 +276,28 @@ class GeneratorLoop:
     return self._shared.get(self.params, self.version) if self._shared else None
 
   # ---- colocated phases (pipeline.taking_turns: generation and training take turns) -----------
-  def release(self) -> None:
+  def release(self, carry: bool = False) -> None:
     """Frees the device memory the loop holds between generation phases: its weights (the
     serving-dtype, decode-layout copy), its KV cache (the decode state) and the shared prefix's
     cache, so that a trainer on the same devices has them for its step. Only when the loop
-    thread is not running and every submitted request is done; `reload` brings weights and an
-    empty cache back."""
+    thread is not running, and every submitted request is done unless `carry`: then the samples
+    in slots are carried to the next phase and the queued ones wait (carry.py). `reload` brings
+    weights and an empty cache back."""
     if self._thread is not None:
       raise RuntimeError("release: the loop thread is running; release is for loops stepped by "
                          "their caller between phases (stop() it first)")
     self._flush()
-    if not self.idle():
+    if carry:
+      self.carry.suspend(self.parts.slots, self.parts.pages)
+    elif not self.idle():
       raise RuntimeError(f"release: the loop still has work ({self.num_active} active slots, "
                          f"{self.parts.requests.qsize()} queued requests); finish it first")
     with self._lock:
       self.weights.drop()
-      self.parts.groups.clear()   # requests whose samples are all out: their prompts' KV goes too
+      for g in self.parts.groups:   # their prompts' KV goes: prefilled again when their turn comes
+        g.prefix = None
+      if not carry:
+        self.parts.groups.clear()
       if self._shared:
         self._shared.clear()
     self.state = None
@@ -336,17 +346,14 @@ class GeneratorLoop:
     dispatches a decode step and then records the one dispatched by the previous call."""
     self.weights.apply_pending(self._recompute_kv)
     pages, slots = self.parts.pages, self.parts.slots
-    if pages is not None and pages.parked:   # on the full-size state: they go first
-      if self.parts.drain.compacted is not None:
-        self.state = self.parts.drain.expand(self.state, slots.held())
-      self.state = pages.resume_parked(self.state, slots, self.params)
+    if self.carry:   # samples carried over a release go first (carry.py)
+      self.state = self.carry.resume(self.engine, self.params, self.state, slots, pages,
+                                     self.sampling.temperature)
+    if pages is not None and pages.parked:   # parked for want of KV pages: they go first
+      self.state = pages.resume_parked(self.state, slots, self.params, self.parts.drain)
     self.state = self._refill.fill(self.state)
     if pages is not None:   # the pages of every active slot's next write (paging.py)
-      pages.make_room(slots, self.parts.ahead.positions, self._flush)
-      if not np.array_equal(slots.device_active, slots.active):
-        self.state = self.parts.drain.set_active(self.state, slots.active)
-        slots.device_active = slots.active.copy()
-      self.state = pages.sync(self.state)
+      self.state = pages.make_room(self.state, slots, self.parts.ahead, self.parts.drain)
     active = slots.active
     if not active.any():
       # A step in flight only advanced samples that have finished since (nothing is active):
@@ -369,10 +376,11 @@ class GeneratorLoop:
     self.parts.ahead.flush()
 
   def _pending_work(self) -> bool:
-    """Whether a request or a group sample is waiting for a slot, or a parked one for pages."""
+    """Whether a request or a group sample is waiting for a slot, a parked one for pages or a
+    carried one for its slot."""
     return (not self.parts.requests.empty() or self.parts.prefiller.holds_work()
             or any(g.waiting > 0 for g in self.parts.groups)
-            or bool(self.parts.pages and self.parts.pages.parked))
+            or bool(self.parts.pages and self.parts.pages.parked) or bool(self.carry))
 
   def _emit(self, sample: Sample) -> None:
     self.completions.put(sample)

@@ -76,13 +76,13 @@ class LoopPages:
     self._set(slot)
     return True
 
-  def resume(self, slot: int, length: int) -> bool:
-    """Pages for a parked slot's `length` positions (its tokens and the pending one)."""
+  def hold(self, slot: int, length: int) -> bool:
+    """Pages of its own for `slot`'s `length` positions (a sample's tokens and the pending one),
+    if the pool has them."""
     try:
       self.pool.admit(slot, length)
     except OutOfPages:
       return False
-    self.parked.remove(slot)
     self._set(slot)
     return True
 
@@ -144,29 +144,38 @@ class LoopPages:
         raise RuntimeError(f"slot {slot}: a planned sample did not fit in the free pages")
     return self.sync(state)
 
-  def resume_parked(self, state, slots, params):
+  def resume_parked(self, state, slots, params, drain):
     """Parked slots back to decoding, first parked first, while the pages allow: each one's
-    tokens are prefilled again into its new pages (Engine.refresh_slot) under `params`."""
+    tokens are prefilled again into its new pages (Engine.refresh_slot) under `params`, on the
+    full-size state (`drain`'s compacted slots go back first)."""
+    if drain.compacted is not None:
+      state = drain.expand(state, slots.held())
     for slot in list(self.parked):
       seq = slots.in_cache(slot)
-      if not self.resume(slot, len(seq) + 1):
+      if not self.hold(slot, len(seq) + 1):
         break
+      self.parked.remove(slot)
       state = self.engine.refresh_slot(params, self.sync(state), slot, seq)
       slots.resume(slot)
     return state
 
-  def make_room(self, slots, in_flight, flush) -> None:
-    """Pages for every active slot's next write. When the pool runs dry, the step in flight is
-    recorded first (`flush`: samples may finish and free pages, and the host then holds every
-    token a parked slot is prefilled from again), then slots are parked, the least progress
-    first, until the rest fit. `in_flight()`: the loop's DeviceLead.positions()."""
-    while self.grow(slots.reached(in_flight())) is not None:
-      if in_flight() is not None:
-        flush()
+  def make_room(self, state, slots, ahead, drain):
+    """Pages for every active slot's next write, then the activity mask and the table onto the
+    device (`drain`'s: the state the slots run on). When the pool runs dry, the step in flight
+    is recorded first (`ahead`, the loop's DeviceLead: samples may finish and free pages, and the
+    host then holds every token a parked slot is prefilled from again), then slots are parked,
+    the least progress first, until the rest fit."""
+    while self.grow(slots.reached(ahead.positions())) is not None:
+      if ahead.positions() is not None:
+        ahead.flush()
         continue
       slot = self.victim(slots.progress())
       self.park(slot)
       slots.park(slot)
+    if not np.array_equal(slots.device_active, slots.active):
+      state = drain.set_active(state, slots.active)
+      slots.device_active = slots.active.copy()
+    return self.sync(state)
 
   def sync(self, state):
     """The decode state with the host's page table, if it changed since the last sync."""

@@ -63,6 +63,28 @@ class SlotTable:
   def resume(self, slot: int) -> None:
     self.active[slot] = True
 
+  def take(self, slot: int) -> tuple:
+    """The sample in `slot`, whole (what `put` restores), out of its slot, which is freed."""
+    n = int(self._count[slot])
+    record = (self.samples[slot], self._tokens[slot, :n].copy(), self._logprobs[slot, :n].copy(),
+              self._versions[slot, :n].copy(), int(self._max_new[slot]),
+              int(self._prompt_len[slot]))
+    self.samples[slot] = None
+    self.active[slot] = False
+    if self.on_free is not None:
+      self.on_free(slot)
+    return record
+
+  def put(self, slot: int, record: tuple) -> None:
+    """A sample `take` took, back into (free) `slot`, active."""
+    sample, tokens, logprobs, versions, max_new, prompt_len = record
+    n = len(tokens)
+    self.samples[slot] = sample
+    self._tokens[slot, :n], self._logprobs[slot, :n], self._versions[slot, :n] = (
+        tokens, logprobs, versions)
+    self._count[slot], self._max_new[slot], self._prompt_len[slot] = n, max_new, prompt_len
+    self.active[slot] = True
+
   def reached(self, in_flight: np.ndarray | None = None) -> dict[int, int]:
     """{active slot: cache positions after the next step's write} (see `positions`)."""
     return dict(zip(np.flatnonzero(self.active).tolist(), self._reached(in_flight).tolist()))

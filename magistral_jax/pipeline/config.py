@@ -27,10 +27,18 @@ class PipelineConfig:
   # Many hosts: with every generator process lost, how long the leader waits for a relaunched one
   # to rejoin before it stops the run (pipeline/remote.py).
   generator_rejoin_s: float = 600.0
+  # Colocated async: generation and training take turns on the devices (as colocated sync does),
+  # generation running up to n_async ahead; a phase ends once its batch is ready, and the samples
+  # still generating carry into the next phase (generate/carry.py: tokens kept, their KV
+  # prefilled again under the new weights) instead of the phase waiting for its longest one.
+  carry_over: bool = False
 
   def __post_init__(self):
     if self.mode not in ("async", "sync"):
       raise ValueError(f"pipeline.mode must be async|sync, got {self.mode!r}")
+    if self.carry_over and self.mode != "async":
+      raise ValueError("pipeline.carry_over carries samples into the next phase, within n_async: "
+                       "it needs pipeline.mode='async' (sync mode trains on one version)")
     if (min(self.n_async, self.max_queue, self.sample_every, self.max_consecutive_dropped,
             self.wait_log_s, self.generator_rejoin_s) < 0 or self.batch_timeout_s <= 0):
       raise ValueError(f"pipeline: n_async, max_queue, sample_every, max_consecutive_dropped, "

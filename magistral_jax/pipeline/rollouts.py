@@ -124,7 +124,7 @@ class Rollouts(LostGenerators):
     self._init_lost_generators()
     # Colocated sync: generation and training take turns on the same devices (module docstring).
     self.colocated = bool(colocated)
-    self.schedule = schedule_for(self.generators, self.colocated, cfg.mode)
+    self.schedule = schedule_for(self.generators, self.colocated, cfg.mode, cfg.carry_over)
     for i, g in enumerate(self.generators):
       g.callback = (lambda c, result=None, i=i: self._on_sample(i, c, result))
 
@@ -363,12 +363,14 @@ class Rollouts(LostGenerators):
         # Taking turns, the generation phase runs in this thread, the scoring alongside.
         tick(0.0 if self.schedule.generate() else 0.05)
       self.schedule.end()
-    else:
+    else:   # (taking turns with carry-over, the generation phase runs in this thread)
+      self.schedule.begin()
       while len(ready) < need:
-        tick()
+        tick(0.0 if self.schedule.generate() else 0.05)
         if (self._prompts_exhausted and not self._retry and not pending
             and self._scoring.scored.empty() and len(ready) < need):
           raise StopIteration
+      self.schedule.end()
 
   # ---- metrics -------------------------------------------------------------------------------
   def metrics(self, batch: RolloutBatch, trained_version: int) -> dict:

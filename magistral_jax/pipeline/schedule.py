@@ -6,14 +6,15 @@ generators on, chosen once when it is built.
   onto each at once. Colocated, a push copies the params (the trainer donates its state), and
   the generators' weights copy and KV cache stay resident beside the trainer's step, so both
   must fit together.
-- `TakingTurns` (pipeline.taking_turns; colocated sync, the default): the trainer's thread steps
-  the generators in phases between train steps; they free their weights copy and KV cache before
-  each train step, a push is only noted, and the next phase loads the newest params (the phases
-  report their memory).
+- `TakingTurns` (pipeline.taking_turns; colocated sync, the default, and colocated async with
+  pipeline.carry_over): the trainer's thread steps the generators in phases between train steps;
+  they free their weights copy and KV cache before each train step, a push is only noted, and
+  the next phase loads the newest params (the phases report their memory). With carry-over a
+  phase ends once its batch is ready and the unfinished samples go on in the next one.
 
 Both have the same methods, called by Rollouts at the same points: `start` with the pipeline,
-`push` after each optimizer step, and in sync mode `begin` / `generate` ... / `end` around the
-wait for each batch; `metrics` joins the pipeline's.
+`push` after each optimizer step, and `begin` / `generate` ... / `end` around the wait for each
+batch; `metrics` joins the pipeline's.
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ class Concurrent:
     pass
 
 
-def schedule_for(generators: Sequence[Generator], colocated: bool, mode: str) -> Schedule:
-  """TakingTurns for colocated sync mode, else Concurrent."""
-  return TakingTurns(generators) if colocated and mode == "sync" else Concurrent(generators)
+def schedule_for(generators: Sequence[Generator], colocated: bool, mode: str,
+                 carry_over: bool = False) -> Schedule:
+  """TakingTurns for colocated sync mode and colocated carry-over (async), else Concurrent."""
+  if colocated and (mode == "sync" or carry_over):
+    return TakingTurns(generators, carry_over=carry_over)
+  return Concurrent(generators)

@@ -32,7 +32,7 @@ class TakingTurns:
   """The generation phases of colocated sync mode, over GeneratorLoops built with
   background_prefill=False (the trainer's thread steps them; no thread of theirs may)."""
 
-  def __init__(self, generators: Sequence[GeneratorLoop]):
+  def __init__(self, generators: Sequence[GeneratorLoop], carry_over: bool = False):
     for g in generators:
       if not isinstance(g, GeneratorLoop):
         raise TypeError(f"colocated sync mode steps GeneratorLoops in the trainer's thread, not "
@@ -41,8 +41,11 @@ class TakingTurns:
         raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
                          "build them with background_prefill=False")
     self.generators = list(generators)
+    # End a phase with samples still generating: they carry into the next (generate/carry.py).
+    self.carry_over = carry_over
     self._latest: tuple | None = None   # (params, version) of the newest push, not loaded yet
     self.metrics: dict[str, float] = {}
+    self._phase_t0 = 0.0
 
   def start(self) -> None:
     """Nothing to start: the generators have no thread of their own."""
@@ -65,6 +68,7 @@ class TakingTurns:
         g.reload(*self._latest)   # waits for the load: its finiteness check reads every weight
     self._latest = None
     self.metrics["weight_reload_s"] = time.time() - t
+    self._phase_t0 = time.time()
 
   def generate(self) -> bool:
     """One decode step of each generator with work; an idle one records its step in flight (the
@@ -84,6 +88,8 @@ class TakingTurns:
     devices = list(dict.fromkeys(d for g in self.generators for d in g.engine.mesh.devices.flat))
     peak = bytes_in_use(devices)
     for g in self.generators:
-      g.release()
-    self.metrics.update({"memory/generate_peak_bytes": float(peak),
+      g.release(carry=self.carry_over)
+    self.metrics.update({"generation_phase_s": time.time() - self._phase_t0,
+                         "carried_samples": float(sum(len(g.carry) for g in self.generators)),
+                         "memory/generate_peak_bytes": float(peak),
                          "memory/generation_released_bytes": float(peak - bytes_in_use(devices))})

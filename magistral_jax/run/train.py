@@ -221,7 +221,7 @@ class RLRun:
                              temperature=sampling.temperature,
                              lr_schedule=learning_rate_schedule(srun.optimizer))
     engine_cfg = srun.engine
-    if srun.colocated and srun.pipeline.mode == "sync":
+    if srun.colocated and (srun.pipeline.mode == "sync" or srun.pipeline.carry_over):
       # Colocated and taking turns: the generator is stepped in this thread between train
       # phases, with no background prefill thread.
       engine_cfg = dataclasses.replace(engine_cfg, background_prefill=False)

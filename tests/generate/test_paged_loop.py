@@ -67,8 +67,9 @@ def same(a, b):
     np.testing.assert_array_equal(a[k].versions, b[k].versions)
 
 
-@pytest.mark.parametrize("impl", ["ragged", "dense", "pallas_gpu"])
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("impl,sampling", [("ragged", GREEDY), ("ragged", SAMPLED),
+                                           ("dense", GREEDY), ("pallas_gpu", SAMPLED)],
+                         ids=["ragged-greedy", "ragged-sampled", "dense-greedy", "pallas-sampled"])
 def test_paged_samples_equal_dense_with_groups_and_refill(mesh, params, impl, sampling):
   p = params[0]
   want, _ = run(engine(mesh, sampling), p, requests(), sampling)
@@ -146,3 +147,28 @@ def run_on(loop, reqs):
   for r in reqs:
     loop.submit(r)
   return {(s.request_id, s.sample_index): s for s in loop.run_until_idle()}
+
+
+@pytest.mark.parametrize("kw", [{}, dict(kv_pages=40, page_size=4)], ids=["dense", "paged"])
+def test_samples_carried_over_a_release_go_on_where_they_stopped(mesh, params, kw):
+  """release(carry=True) mid-generation (slots full, requests queued), reload of the same
+  weights as version 1: every sample is the uninterrupted run's, its tokens before the release
+  of version 0 and after it of version 1; the KV cache and weights were gone in between."""
+  eng = engine(mesh, SAMPLED, **kw)
+  want, _ = run(eng, params[0], requests(6, seed=9), SAMPLED)
+  loop = GeneratorLoop(eng, params[0], sampling=SAMPLED)
+  for r in requests(6, seed=9):
+    loop.submit(r)
+  for _ in range(4):
+    loop.step()
+  loop.release(carry=True)
+  assert loop.released and len(loop.carry) == 4 and not loop.idle()
+  loop.reload(params[0], 1)
+  got = {(s.request_id, s.sample_index): s for s in loop.run_until_idle()}
+  assert got.keys() == want.keys()
+  for k, s in got.items():
+    assert s.tokens == want[k].tokens, k
+    np.testing.assert_allclose(s.logprobs, want[k].logprobs, atol=2e-5)
+  carried = [s for s in got.values() if 0 in s.versions]
+  assert len(carried) == 4 and all(1 in s.versions for s in carried)
+  assert all(list(s.versions) == sorted(s.versions) for s in got.values())

@@ -64,7 +64,8 @@ class Run:
   """One RL run's parts: the Trainer, the Rollouts, and the loop over them."""
 
   def __init__(self, s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0,
-               tune=False, tmesh=None, gdevs=None, colocated=False, tx=None, **engine):
+               tune=False, tmesh=None, gdevs=None, colocated=False, tx=None, carry_over=False,
+               **engine):
     rl_tx = tx or make_optimizer(OptimizerConfig(learning_rate=1e-3))
     tmesh = tmesh or s["tmesh"]
     state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES,
@@ -76,13 +77,14 @@ class Run:
                                           eos_id=s["tok"].eos_id),
                            EngineConfig(max_concurrent_decodes=8, max_prefill_length=64,
                                         tune=tune,
-                                        background_prefill=not (colocated and mode == "sync"),
+                                        background_prefill=not (colocated and (
+                                            mode == "sync" or carry_over)),
                                         **engine),
                            seed=seed)
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
                              cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
-                                                batch_timeout_s=300),
+                                                batch_timeout_s=300, carry_over=carry_over),
                              system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=seed,
                              colocated=colocated)
     self.writer = MetricsWriter(workdir) if workdir else None
@@ -321,6 +323,28 @@ def test_colocated_generation_frees_its_kv_cache_and_weights_before_each_train_s
   # The second generation phase reloaded the trainer's newest params (version = optimizer steps).
   assert gen.version == GRPO.num_minibatches and history[1]["versions_in_batch"] == 1
   assert kv_cache_bytes_alive() == 0   # after the run too: between phases
+
+
+def test_colocated_phases_carry_unfinished_samples_over_instead_of_draining(setup):
+  """pipeline.carry_over: colocated async taking turns, a phase ending once its batch is ready;
+  the samples still generating go on in the next phase under the new weights (their earlier
+  tokens keep their version), and the KV cache is gone during every train step."""
+  tmesh, colocated_devs, _ = _two_device_layouts()
+  run = Run(setup, "async", tmesh=tmesh, gdevs=colocated_devs, colocated=True,
+            n_async=2 * GRPO.n_batch, carry_over=True)
+  gen = run.rollouts.generators[0]
+  real, seen = run.trainer.step_fn, []
+
+  def step(state, batch):
+    seen.append(gen.released)
+    return real(state, batch)
+  step.lower = real.lower
+  run.trainer.step_fn = step
+  history = run.run(3)
+  assert len(history) == 3 and all(seen)
+  assert all(h["generation_phase_s"] > 0 for h in history)
+  assert max(h["carried_samples"] for h in history) > 0
+  assert max(h["version_lag_max"] for h in history) >= 1   # carried samples: older versions
 
 
 def test_a_released_colocated_generator_needs_a_push_before_it_generates(setup):
