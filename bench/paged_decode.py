@@ -13,7 +13,9 @@ Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per secon
 prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
 their slots hold: the live pages in whole chunks of each step, paged_attention.bytes_read; the
 dense cache's length for each slot a step computes) for both, and `dense_read_over_paged`;
-`in_flight_ratio` (mean sequences per decode step, paged over dense); `preempted_frac` (samples
+`in_flight_ratio` (sequences per decode step while requests wait for a slot, paged over dense:
+what the same memory holds at once; the drain's steps, which the longest samples set, are
+left out); `preempted_frac` (samples
 parked for want of pages, over all samples); `same_samples` (share of samples with the dense run's
 tokens: the batches differ, so the last bits of the float sums may).
 
@@ -58,12 +60,14 @@ def workload(a, vocab: int) -> list[Request]:
 def run(engine: Engine, params, reqs, sampling) -> dict:
   """One pass of the workload: tokens, wall time, and what the decode steps read and held."""
   loop = GeneratorLoop(engine, params, sampling=sampling, options=DIRECT)
-  slots, reads, lives = loop.parts.slots, [], []
+  slots, reads, lives, busy = loop.parts.slots, [], [], []
   positions = slots.positions
 
   def recorded(in_flight=None):   # each dispatched step: the positions its slots hold
     held = list(slots.reached(in_flight).values())
     lives.append(sum(held))
+    if not loop.parts.requests.empty() or any(g.waiting > 0 for g in loop.parts.groups):
+      busy.append(len(held))   # sequences in flight while requests wait: the capacity
     if engine.kv_pages:
       reads.append(pa.bytes_read(engine.paged_attention, held, engine.page_size,
                                  engine.max_pages_per_slot, 1))
@@ -79,6 +83,7 @@ def run(engine: Engine, params, reqs, sampling) -> dict:
     reads = [c.computed_slot_steps * engine.cache_length]
   return dict(wall_s=wall, tokens=sum(len(s.tokens) for s in samples),
               in_flight=c.active_slot_steps / max(1, c.steps), steps=c.steps,
+              in_flight_while_queued=float(np.mean(busy)) if busy else 0.0,
               compact_steps=c.compact_steps,
               kv_read_over_live=sum(reads) / max(1, sum(lives)),
               mean_live=sum(lives) / max(1, c.active_slot_steps),
@@ -129,7 +134,7 @@ def main():
       kv_read_over_live=p["kv_read_over_live"],
       dense_read_over_paged=(d["kv_read_over_live"] * d["mean_live"] * d["in_flight"]) /
       max(1e-9, p["kv_read_over_live"] * p["mean_live"] * p["in_flight"]),
-      in_flight_ratio=p["in_flight"] / d["in_flight"],
+      in_flight_ratio=p["in_flight_while_queued"] / max(1e-9, d["in_flight_while_queued"]),
       preempted_frac=p["preemptions"] / a.requests, same_samples=float(same),
       host=common.host_info()), ndigits=4)
 

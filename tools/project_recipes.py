@@ -9,7 +9,8 @@ Small is Mistral Small 3 (24B); Medium 3's shape is not public (--medium_models:
 Magistral Medium's smallest stated base, and README.md's 125B stand-in). VARIANTS say what the
 bottleneck costs: 3/4 of the chips generating; `live read`, a decode step reading only each
 slot's live positions (model/decode_live.py, decode_attention auto on NVIDIA GPUs), as many slots
-as a dense cache fits; `paged`, a slot also holding only its live positions (more slots fit);
+as a dense cache fits; `paged` (engine.kv_cache), a slot also holding only its live positions
+(more slots fit; its reads times --paged_read_over_live);
 `push spread` (analysis/scale_model.push_seconds).
 
 A table on stderr; the last line, one JSON object: every projection and the assumptions.
@@ -96,7 +97,10 @@ def project_one(run, cfg, cluster: str, variant: str, args, verify_core_s: float
                  prompt_tokens=args.prompt_tokens, response_tokens=response, keep=args.keep,
                  microbatch_tokens=laid.rl.microbatch_tokens, padding=args.padding)
   tensor = int(run.devices.generator_mesh.get("tensor", 1))
-  cl = M.ClusterLayout(trainer, n_gen, gen_chips, tensor, slots, live if live_read else cache,
+  # What a step reads per slot: the whole cache, or the live positions (paged: times the read
+  # ratio measured for the paged attention, --paged_read_over_live).
+  read = cache if not live_read else live * (args.paged_read_over_live if paged else 1.0)
+  cl = M.ClusterLayout(trainer, n_gen, gen_chips, tensor, slots, read,
                        push="spread" if "spread" in variant else "leader")
   rates = M.accelerator_rates(cfg, w, cl, acc, verify_core_s=verify_core_s,
                               message_s=message_s, remat=cfg.remat)
@@ -163,6 +167,9 @@ def main(argv=None) -> None:
                  help="assumed mean response / (l_max - l_cache)")
   p.add_argument("--code_share", type=float, default=0.5, help="assumed share of code tasks")
   p.add_argument("--padding", type=float, default=0.06, help="collation's padding share")
+  p.add_argument("--paged_read_over_live", type=float, default=1.05,
+                 help="KV positions a paged decode step reads over the live ones "
+                      "(bench/paged_decode.py's kv_read_over_live)")
   args = p.parse_args(argv)
   # The math share at MATH-500's verification rate, the code share at CODE_VERIFY_S.
   verify_core_s = (1 - args.code_share) * args.math_verify_s + args.code_share * CODE_VERIFY_S
@@ -170,7 +177,8 @@ def main(argv=None) -> None:
   show(rows)
   print(json.dumps({"projections": [rounded(r) for r in rows], "assumptions": dict(
       {k: getattr(args, k) for k in ("keep", "prompt_tokens", "length_frac", "code_share",
-                                     "padding", "math_verify_s", "message_s")},
+                                     "padding", "math_verify_s", "message_s",
+                                     "paged_read_over_live")},
       verify_core_s=verify_core_s,
       accelerators={k: dataclasses.asdict(v) for k, v in ACCELERATORS.items()})}), flush=True)
 

@@ -131,8 +131,13 @@ class Engine:
                     page_size=page_size, paged_attention=paged_attention,
                     cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
     slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
+    # A paged engine holds more slots in the same memory, and its drain is a table gather: it
+    # halves down to a sixteenth of its slots (a dense one: half and a quarter).
+    sizes = self.cpu.compact_sizes
+    if sizes is None and self.kv_pages is not None:
+      sizes = [self._slots >> i for i in range(1, 5) if self._slots >> i >= 1]
     self._compaction = Compaction(
-        self._slots, compaction_sizes(self.cpu.compact_sizes, self._slots, slot_shards),
+        self._slots, compaction_sizes(sizes, self._slots, slot_shards),
         self.state_shardings,
         lambda n: Engine(self.cfg, self.mesh, max_concurrent_decodes=n, **child_kw))
     self.compact_sizes = self._compaction.sizes
