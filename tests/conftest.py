@@ -81,7 +81,6 @@ FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
     "tests/launch/test_qwen_recipe.py", "tests/launch/test_rehearsals.py",
     "tests/launch/test_multihost_run.py", "tests/model/test_smollm2_parity.py",
-    "tests/generate/test_smollm2_decode.py", "tests/model/test_checkpoint_gguf.py",
     "tests/notebooks/test_notebooks.py",
 }
 
