@@ -81,7 +81,6 @@ FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
     "tests/launch/test_qwen_recipe.py", "tests/launch/test_rehearsals.py",
     "tests/launch/test_multihost_run.py", "tests/model/test_smollm2_parity.py",
-    "tests/generate/test_smollm2_decode.py", "tests/model/test_checkpoint_gguf.py",
     "tests/notebooks/test_notebooks.py",
 }
 
@@ -99,11 +98,32 @@ def _set_optimization(full: bool):
   jax.config.update("jax_disable_most_optimizations", not full)
 
 
+import pytest  # noqa: E402
+
+
 def pytest_collection_modifyitems(config, items):
-  import pytest
   for item in items:
     if _rel(item) in SERIAL:
       item.add_marker(pytest.mark.serial)
+
+
+class _LongestFilesFirst:
+  """Part 1 of `make test` (pytest-xdist, --dist loadfile) hands out whole files to its two
+  workers in the order the workers collected them (tools/test.sh: --no-loadscope-reorder), each
+  worker taking the next file when it is almost done with its own. This order: the files holding
+  a `slow` test first, then the others by their number of tests (xdist's own order). By test
+  count alone, the few-test files with long end-to-end tests (the notebooks' tiny run, the real
+  model's checks) came last, and one worker ran them alone while the other had nothing left.
+  A file's tests keep their order (its module fixtures). Only on xdist's workers."""
+
+  @pytest.hookimpl(trylast=True)   # after -m / -k have deselected
+  def pytest_collection_modifyitems(self, config, items):
+    files = {}
+    for item in items:
+      files.setdefault(_rel(item), []).append(item)
+    slow = {f for f, its in files.items() if any(i.get_closest_marker("slow") for i in its)}
+    order = sorted(files, key=lambda f: (f not in slow, -len(files[f])))
+    items[:] = [item for f in order for item in files[f]]
 
 
 # A test that hangs fails in 15 minutes, not at CI's limit: pytest.ini sets pytest-timeout
@@ -114,14 +134,14 @@ def pytest_collection_modifyitems(config, items):
 # rendezvous) and kills the test's child processes, so a launch subprocess does not outlive it.
 import threading
 
-import pytest
-
 _STDERR = []   # the terminal's stderr, as pytest's faulthandler plugin takes it
 
 
 def pytest_configure(config):
   from _pytest.faulthandler import get_stderr_fileno
   _STDERR.append(os.dup(get_stderr_fileno()))
+  if hasattr(config, "workerinput"):   # a pytest-xdist worker
+    config.pluginmanager.register(_LongestFilesFirst(), "magistral_longest_files_first")
 
 
 def _test_timeout(item) -> float:

@@ -1,5 +1,6 @@
-"""GGUF import: a tiny GGUF we write ourselves (fast, exact), and the shipped SmolLM2-135M-Instruct
-Q4_1 file against transformers' own GGUF import (tensors, config, tokenizer, chat template)."""
+"""GGUF import on a tiny GGUF we write ourselves (fast, exact). The shipped SmolLM2-135M-Instruct
+Q4_1 file against transformers' own GGUF import (tensors, config, tokenizer, chat template) is in
+test_smollm2_parity.py, which loads both models once for all the real-model checks."""
 import os
 import subprocess
 import sys
@@ -9,14 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from magistral_jax.model import config as model_config
 from magistral_jax.model.config import UnsupportedArchitectureError
 from magistral_jax.model.gguf_checkpoint import _GGUF_LAYER_NAMES, load_gguf
-from magistral_jax.model.gguf_file import default_gguf_path, read_gguf
+from magistral_jax.model.gguf_file import read_gguf
 from magistral_jax.model.hf_checkpoint import load_hf_safetensors
 from magistral_jax.model.hf_layout import CheckpointError, params_to_hf
 from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
-from magistral_jax.model.tokenizer import chat_messages
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -165,88 +164,6 @@ def test_not_a_gguf_file_is_named(tmp_path):
   path.write_bytes(b"GGUF" + b"\x00" * 7)
   with pytest.raises(CheckpointError, match="broken.gguf"):
     load_gguf(str(path))
-
-
-# ---- the shipped SmolLM2-135M-Instruct file vs transformers --------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-  path = default_gguf_path()
-  cfg, params, tok = load_gguf(path)
-  return path, cfg, params, tok
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(smollm2):
-  path = smollm2[0]
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-  hf_tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                      gguf_file=os.path.basename(path))
-  return model, hf_tok
-
-
-@pytest.mark.slow
-def test_smollm2_gguf_tensors_equal_transformers_import(smollm2, smollm2_hf):
-  _, cfg, params, _ = smollm2
-  model, _ = smollm2_hf
-  hc = model.config
-  assert type(model).__name__ == "LlamaForCausalLM" and cfg.architecture == "LlamaForCausalLM"
-  assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
-      hc.vocab_size, hc.hidden_size, hc.intermediate_size, hc.num_hidden_layers)
-  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-      hc.num_attention_heads, hc.num_key_value_heads, hc.head_dim)
-  assert cfg.rope_theta == hc.rope_parameters["rope_theta"] and cfg.rms_norm_eps == hc.rms_norm_eps
-  assert cfg.tie_word_embeddings == hc.tie_word_embeddings is True
-  assert (cfg.bos_token_id, cfg.eos_token_id) == (hc.bos_token_id, hc.eos_token_id)
-  # The random-init preset the benchmarks use has the file's shapes.
-  preset = model_config.SMOLLM2_135M
-  assert preset == cfg.replace(rms_norm_eps=preset.rms_norm_eps)  # the file holds it in float32
-  ours = params_to_hf(params, cfg)
-  theirs = {k: v.numpy() for k, v in model.state_dict().items()}
-  assert sorted(theirs) == sorted(list(ours) + ["lm_head.weight"])  # theirs: the tied alias
-  for k in ours:
-    np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
-
-
-_TEXTS = ["Hello world!", "  leading spaces\tand tabs\n\nnew lines", "Ünïcödé façade — naïve",
-          "中文数学题：求 x 的值。", r"$\int_0^1 x^2\,dx = \frac{1}{3}$ and \boxed{42}",
-          "12345 + 678 = 13023", "def f(x):\n    return x ** 2  # 🙂", "<|im_start|>user\nhi<|im_end|>"]
-
-
-@pytest.mark.slow
-def test_smollm2_gguf_tokenizer_matches_transformers(smollm2, smollm2_hf):
-  tok, (_, hf_tok) = smollm2[3], smollm2_hf
-  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (hf_tok.bos_token_id, hf_tok.eos_token_id,
-                                                  hf_tok.pad_token_id)
-  for text in _TEXTS:
-    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
-    ids = tok.encode(text)
-    assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
-
-
-@pytest.mark.slow
-def test_smollm2_digits_are_split_before_byte_level_as_in_llama_cpp(smollm2):
-  # GGUF pre-tokenizer 'smollm': llama.cpp splits digits off first, so "  15" keeps its two spaces
-  # in one token. (transformers' GGUF converter ignores 'smollm' and gives 'Ġ', 'Ġ' here; the
-  # original SmolLM2 tokenizer.json has Digits(individual_digits) before ByteLevel, like us.)
-  tok = smollm2[3]
-  pieces = [tok.tokenizer.id_to_token(i) for i in tok.encode("It turns  15 times")]
-  assert pieces[-4:] == ["ĠĠ", "1", "5", "Ġtimes"]
-
-
-@pytest.mark.slow
-def test_smollm2_chat_template_matches_transformers(smollm2, smollm2_hf):
-  tok, (_, hf_tok) = smollm2[3], smollm2_hf
-  problem = "Find $x$ such that $2x + 3 = 7$."
-  want = hf_tok.apply_chat_template(chat_messages(problem), add_generation_prompt=True,
-                                    tokenize=True, return_dict=False)
-  ids = tok.apply_chat_template(problem)
-  assert ids == list(want)
-  text = tok.decode(ids, skip_special_tokens=False)
-  assert text.startswith("<|im_start|>system\nA user will ask you to solve a task.")
-  assert text.endswith("Problem:<|im_end|>\n<|im_start|>user\n" + problem +
-                       "<|im_end|>\n<|im_start|>assistant\n")
 
 
 # ---- launch/convert_checkpoint.py (run/convert.py) on GGUF input ---------------------------------

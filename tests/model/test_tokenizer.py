@@ -1,6 +1,6 @@
 """Tokenizers: encode/decode round trips and the Magistral chat prompt, for each backend.
 
-The SmolLM2 GGUF tokenizer is compared with transformers' in test_checkpoint_gguf.py.
+The SmolLM2 GGUF tokenizer is compared with transformers' in test_smollm2_parity.py.
 """
 import json
 import sys

@@ -24,6 +24,12 @@ PROJECT = hp.PROJECT
 DATASET = os.path.join(PROJECT, "magistral_jax", "data", "sources", "humaneval_full.jsonl")
 # The attacks (hostile_programs.py, shared with bench/sandbox_soak.py), by kind.
 FORGERIES = {n: a.src for n, a in hp.ATTACKS.items() if a.kind == "forgery" and a.shape == "func"}
+# A forgery that idles is stopped at the wall-clock backstop, which grows with the CPU limit: these
+# get 1 CPU second (as test_sandbox_wave4.py's idling programs), which changes nothing in what
+# stops them, only how long it waits.
+IDLE_CFG = RewardConfig(language_bonus=0.0, test_timeout_s=1.0)
+IDLING_FORGERIES = ("sleeps",)
+assert set(IDLING_FORGERIES) <= set(FORGERIES)
 STDIN_FORGERIES = [a.src for a in hp.ATTACKS.values()
                    if a.kind == "forgery" and a.shape == "stdin" and a.lang == "python"]
 CPP_FORGERIES = [a.src for a in hp.ATTACKS.values() if a.kind == "forgery" and a.lang == "cpp"]
@@ -121,12 +127,13 @@ def test_the_dataset_and_its_answers_are_not_visible(sbx):
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 @pytest.mark.parametrize("task", [DOUBLE, MBPP], ids=["humaneval", "mbpp"])
 def test_forged_verdicts_do_not_pass(sbx, name, task):
+  cfg = IDLE_CFG if name in IDLING_FORGERIES else CFG
   t0 = time.monotonic()
-  r = compute_reward(task, _code(FORGERIES[name]), None, CFG)
+  r = compute_reward(task, _code(FORGERIES[name]), None, cfg)
   assert r.parts["correct"] == 0.0, (name, r.info)
   assert r.error is None, r.error
   # Stopped by its CPU limit, or, idle, at the wall-clock backstop behind it.
-  assert time.monotonic() - t0 < Limits(cpu_s=CFG.test_timeout_s).backstop_s + 5
+  assert time.monotonic() - t0 < Limits(cpu_s=cfg.test_timeout_s).backstop_s + 5
 
 
 def test_right_answers_still_pass_under_the_same_harness(sbx):
