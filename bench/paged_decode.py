@@ -12,7 +12,8 @@ slots. Each engine runs the workload once to compile, then once timed.
 Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per second of wall time,
 prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
 their slots hold: the live pages in whole chunks of each step, paged_attention.bytes_read; the
-dense cache's length for each slot a step computes) for both, and `dense_read_over_paged`;
+dense cache's length for each slot a step computes) for both, and
+`paged_read_per_token_over_dense`;
 `in_flight_ratio` (sequences per decode step while requests wait for a slot, paged over dense:
 what the same memory holds at once; the drain's steps, which the longest samples set, are
 left out); `preempted_frac` (samples
@@ -85,7 +86,7 @@ def run(engine: Engine, params, reqs, sampling) -> dict:
               in_flight=c.active_slot_steps / max(1, c.steps), steps=c.steps,
               in_flight_while_queued=float(np.mean(busy)) if busy else 0.0,
               compact_steps=c.compact_steps,
-              kv_read_over_live=sum(reads) / max(1, sum(lives)),
+              kv_positions_read=int(sum(reads)), kv_read_over_live=sum(reads) / max(1, sum(lives)),
               mean_live=sum(lives) / max(1, c.active_slot_steps),
               preemptions=loop.metrics().get("kv_preemptions", 0.0),
               samples={s.request_id: s.tokens for s in samples})
@@ -132,9 +133,10 @@ def main():
       live_fraction=d["mean_live"] / a.cache, dense=d, paged=p,
       paged_over_dense_tokens_per_s=p["tokens_per_s"] / d["tokens_per_s"],
       kv_read_over_live=p["kv_read_over_live"],
-      dense_read_over_paged=(d["kv_read_over_live"] * d["mean_live"] * d["in_flight"]) /
-      max(1e-9, p["kv_read_over_live"] * p["mean_live"] * p["in_flight"]),
-      in_flight_ratio=p["in_flight_while_queued"] / max(1e-9, d["in_flight_while_queued"]),
+      # Per generated token (both hold the same tokens at the same positions, step by step).
+      paged_read_per_token_over_dense=p["kv_positions_read"] / max(1, d["kv_positions_read"]),
+      in_flight_ratio=(p["in_flight_while_queued"] / d["in_flight_while_queued"]
+                       if d["in_flight_while_queued"] else None),
       preempted_frac=p["preemptions"] / a.requests, same_samples=float(same),
       host=common.host_info()), ndigits=4)
 

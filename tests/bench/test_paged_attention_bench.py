@@ -39,14 +39,15 @@ def test_the_gpu_mode_rehearses_on_cpu_with_jax_s_kernel_interpreted():
 def test_the_engine_level_bench_runs_the_loop_on_both_caches():
   """bench/paged_decode.py on tiny lengths, more requests than the dense slots: the same samples,
   the paged steps reading close to the live positions and dense far above, more in flight."""
-  r = subprocess.run([sys.executable, "bench/paged_decode.py", "--requests=12", "--cache=256",
+  r = subprocess.run([sys.executable, "bench/paged_decode.py", "--requests=16", "--cache=256",
                       "--prompt_mean=40", "--new_mean=12", "--layers=1", "--dense_slots=4",
-                      "--paged_slots=12"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                      "--paged_slots=8"], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert out["bench"] == "paged_decode" and out["same_samples"] == 1.0
   assert out["dense"]["tokens"] == out["paged"]["tokens"] > 0
   # (the ragged loop reads whole chunks of pages: on these tiny lengths, about one)
   assert out["kv_read_over_live"] < out["dense"]["kv_read_over_live"] / 2
-  assert out["in_flight_ratio"] > 1.0 and out["preempted_frac"] <= 1.0
+  assert out["in_flight_ratio"] > 1.0 and out["preempted_frac"] <= 1.0   # 8 slots' against 4
+  assert out["paged_read_per_token_over_dense"] < 0.5
   assert out["paged_over_dense_tokens_per_s"] > 0
