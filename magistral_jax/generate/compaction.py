@@ -177,6 +177,14 @@ class Drain:
     self.compacted = (slots, small, child)
     return state
 
+  def sync_active(self, state: DecodeState, slots) -> DecodeState:
+    """set_active with the slot table's host mask, if the device's differs (SlotTable
+    .device_active says what the device's is)."""
+    if not np.array_equal(slots.device_active, slots.active):
+      state = self.set_active(state, slots.active)
+      slots.device_active = slots.active.copy()
+    return state
+
   def set_pages(self, state: DecodeState, table: np.ndarray) -> DecodeState:
     """Engine.set_pages likewise (paging.py's table, a row per slot)."""
     if self.compacted is None:

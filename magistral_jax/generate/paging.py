@@ -15,10 +15,7 @@ The table is sent to the device only when it changed (`sync`), before the progra
 """
 from __future__ import annotations
 
-import numpy as np
-
 from magistral_jax.generate.pages import OutOfPages, PagePool
-from magistral_jax.model.paged_attention import NULL_PAGE
 
 
 class LoopPages:
@@ -38,9 +35,7 @@ class LoopPages:
     """Every page free (the loop released its cache, or starts)."""
     engine = self.engine
     self.pool = PagePool(engine.kv_pages, engine.page_size, engine.max_pages_per_slot)
-    self.table = np.full((engine.max_concurrent_decodes, engine.max_pages_per_slot), NULL_PAGE,
-                         np.int32)
-    self._dirty = False
+    self._dirty = False   # the pool's page table changed since the device last got it
     # Slots holding a prefilled row's prompt, per (prefill batch, row): a group mate inserted
     # from the same row shares their full pages. A mate prefilled again (new weights) has
     # another row, so it never shares pages holding another policy's keys and values.
@@ -53,10 +48,7 @@ class LoopPages:
   def preemptions(self) -> int:
     return self.pool.preemptions
 
-  def _set(self, slot: int) -> None:
-    pages = self.pool.pages_of(slot)
-    self.table[slot] = NULL_PAGE
-    self.table[slot, :len(pages)] = pages
+  def _changed(self) -> None:
     self._dirty = True
     self.peak_pages = max(self.peak_pages, self.pool.used_pages)
 
@@ -73,7 +65,7 @@ class LoopPages:
       return False
     self._holders.setdefault(row, []).append(slot)
     self._row_of[slot] = row
-    self._set(slot)
+    self._changed()
     return True
 
   def hold(self, slot: int, length: int) -> bool:
@@ -83,7 +75,7 @@ class LoopPages:
       self.pool.admit(slot, length)
     except OutOfPages:
       return False
-    self._set(slot)
+    self._changed()
     return True
 
   def grow(self, reached: dict[int, int]) -> int | None:
@@ -92,25 +84,30 @@ class LoopPages:
     for slot, n in reached.items():
       try:
         if self.pool.reserve(slot, n):
-          self._set(slot)
+          self._changed()
       except OutOfPages:
         return slot
     return None
 
-  def release(self, slot: int) -> None:
-    """Gives back a finished (or parked) slot's pages."""
+  def _leave_row(self, slot: int) -> None:
     row = self._row_of.pop(slot, None)
     if row is not None:
       self._holders[row].remove(slot)
       if not self._holders[row]:
         del self._holders[row]
+
+  def release(self, slot: int) -> None:
+    """Gives back a finished (or carried) slot's pages."""
+    self._leave_row(slot)
     self.pool.release(slot)
-    self._set(slot)
+    self._changed()
 
   def park(self, slot: int) -> None:
-    """Preempts `slot`: its pages go back and it waits in `parked` to be resumed."""
-    self.release(slot)
-    self.pool.preemptions += 1
+    """Preempts `slot` (PagePool.preempt: its pages go back, counted); it waits in `parked` to
+    be resumed."""
+    self._leave_row(slot)
+    self.pool.preempt(slot)
+    self._changed()
     self.parked.append(slot)
 
   def victim(self, progress: dict[int, int]) -> int:
@@ -172,15 +169,12 @@ class LoopPages:
       slot = self.victim(slots.progress())
       self.park(slot)
       slots.park(slot)
-    if not np.array_equal(slots.device_active, slots.active):
-      state = drain.set_active(state, slots.active)
-      slots.device_active = slots.active.copy()
-    return self.sync(state)
+    return self.sync(drain.sync_active(state, slots))
 
   def sync(self, state):
-    """The decode state with the host's page table, if it changed since the last sync."""
+    """The decode state with the pool's page table, if it changed since the last sync."""
     if self._dirty and state is not None:
-      state = self._set_pages(state, self.table)
+      state = self._set_pages(state, self.pool.table(self.engine.max_concurrent_decodes))
       self._dirty = False
     return state
 

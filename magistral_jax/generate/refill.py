@@ -121,7 +121,4 @@ class Refill:
         break
     if bg:
       self.parts.prefiller.after_refill(self.parts.groups)
-    if not np.array_equal(slots.device_active, slots.active):
-      state = self.parts.drain.set_active(state, slots.active)
-      slots.device_active = slots.active.copy()
-    return state
+    return self.parts.drain.sync_active(state, slots)
