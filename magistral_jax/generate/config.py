@@ -88,9 +88,10 @@ class EngineConfig:
   # (model/paged_attention.py); a slot that cannot grow when the pool is dry is parked and
   # prefilled again later. "dense": each slot owns cache_length positions from the start, and a
   # step reads all of them (or its attention window). "auto": paged on accelerators, and on CPU
-  # from PAGED_MIN_POSITIONS_CPU positions per sequence (shorter caches cost a CPU step less
-  # dense: BENCHMARKS.md, "Paged KV cache"); dense on a generator mesh with a data axis, where
-  # the pool would be whole on every device (pipeline.generators.paged_kv).
+  # from PAGED_MIN_POSITIONS_CPU positions per sequence (a short cache costs a CPU step less
+  # dense; BENCHMARKS.md, "Paged KV cache", has both ends, not the crossover); dense on a
+  # generator mesh with a data axis, where the pool would be whole on every device
+  # (pipeline.generators.paged_kv).
   kv_cache: str = "auto"
   page_size: int = 16                # positions per page
   # Pages in the pool, the null page included; 0: as many as a dense cache of
