@@ -101,10 +101,18 @@ def _set_optimization(full: bool):
 import pytest  # noqa: E402
 
 
+# pytest.ini's 15 minutes is for the long tests (marked `slow`, or run alone); any other test takes
+# well under a minute, so a hang among them is ended sooner, and a few hangs in one run cannot
+# spend CI's time limit.
+QUICK_TEST_TIMEOUT_S = 480
+
+
 def pytest_collection_modifyitems(config, items):
   for item in items:
     if _rel(item) in SERIAL:
       item.add_marker(pytest.mark.serial)
+    elif not (item.get_closest_marker("slow") or item.get_closest_marker("timeout")):
+      item.add_marker(pytest.mark.timeout(QUICK_TEST_TIMEOUT_S))
 
 
 class _LongestFilesFirst:
@@ -126,10 +134,10 @@ class _LongestFilesFirst:
     items[:] = [item for f in order for item in files[f]]
 
 
-# A test that hangs fails in 15 minutes, not at CI's limit: pytest.ini sets pytest-timeout
-# (`timeout`, thread method: it also ends a test blocked in native code, e.g. a device_get
-# waiting on a collective, which a signal cannot interrupt) and pytest's `faulthandler_timeout`
-# (every thread's Python stack, half a minute before). A minute before the end this writes
+# A test that hangs fails in 8 or 15 minutes (above), not at CI's limit: pytest-timeout (thread
+# method: it also ends a test blocked in native code, e.g. a device_get waiting on a collective,
+# which a signal cannot interrupt) and pytest's `faulthandler_timeout` (every thread's Python
+# stack, half a minute before the 15 minutes). A minute before the end this writes
 # every thread's native stack (gdb, where the host has it: XLA's threads show who holds a
 # rendezvous) and kills the test's child processes, so a launch subprocess does not outlive it.
 import threading
@@ -172,6 +180,8 @@ def _report_hang(nodeid: str, after_s: float):
       child.kill()
     except psutil.Error:
       pass
+  # Once more after the stacks, so that the last lines of a cut log still name the test.
+  out.write(f"===== the hung test: {nodeid} (ended at {after_s + 60:.0f} s) =====\n")
   out.close()
 
 
