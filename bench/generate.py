@@ -35,7 +35,7 @@ def run_ours(cfg, params, prompts, lengths, slots, args, time_prefill=False):
                prefill_buckets=(p_len - n_shared, p_len) if n_shared else (p_len,),
                sampling=sampling, attention_windows=args.attention_windows)
   shared = list(prompts[0][:n_shared]) if n_shared else None
-  # Warm-up: pick the generate step's CPU dot library by timing both (cpu_options.tune_engine),
+  # Warm-up: pick the generate step's CPU dot library by timing both (xla_cpu.tune_engine),
   # compile every (bucket, prefill batch size) program once, then run a request through the loop.
   warm = GeneratorLoop(eng, params, shared_prefix=shared, sampling=eng.sampling)
   eng.precompile(warm.params, existing_prefix=warm.shared_prefix_cache())

@@ -19,7 +19,7 @@ def main():
   ap.add_argument("--steps", type=int, default=4, help="decode steps timed per round")
   args = ap.parse_args()
 
-  from magistral_jax.generate import cpu_options as E
+  from magistral_jax.generate import xla_cpu as E
   from magistral_jax.model import transformer as T
   cfg, params, _, _ = named.load_model("smollm2", "float32", "gguf")
   p = jax.jit(T.to_decode_layout)(params)

@@ -24,7 +24,7 @@ def main():
   args = ap.parse_args()
 
   import torch
-  from magistral_jax.generate.cpu_options import generate_compiler_options
+  from magistral_jax.generate.xla_cpu import generate_compiler_options
   from magistral_jax.model import transformer as T
 
   threads = os.cpu_count()

@@ -1,6 +1,7 @@
-"""Benchmark: the sampler's truncation and draw (sampling._truncate + draw) against a full sort
-for top-k / top-p and a Gumbel-max draw, on [B, V] fp32 logits per (top_k, top_p); the masks must
-agree. Unless --skip_engine, SmolLM2-135M's whole engine step too, greedy and sampled.
+"""Benchmark: the sampler's CPU truncation and draw (xla_cpu.truncate + draw) against jax's own,
+the path off CPU (sampling.truncate's lax.top_k sort and a Gumbel-max draw), on [B, V] fp32
+logits per (top_k, top_p); the masks must agree. Unless --skip_engine, SmolLM2-135M's whole
+engine step too, greedy and sampled.
 
   python bench/sampling.py [--batches 8,64]
 
@@ -13,22 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magistral_jax.generate import sampling as S
-
-
-def sort_truncate(lg, top_k: int, top_p: float):
-  """The baseline: thresholds from a descending sort (lax.top_k) of each row."""
-  if top_k == 0 and top_p >= 1.0:
-    return lg
-  v = lg.shape[-1]
-  k = v if top_k == 0 else min(top_k, v)
-  top_vals, _ = jax.lax.top_k(lg, k)
-  threshold = top_vals[..., -1:]
-  if top_p < 1.0:
-    probs = jax.nn.softmax(top_vals, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    threshold = jnp.min(jnp.where(before < top_p, top_vals, jnp.inf), axis=-1, keepdims=True)
-  return jnp.where(lg >= threshold, lg, -jnp.inf)
+from magistral_jax.generate import sampling as S, xla_cpu
 
 
 def sampler(truncate, draw, top_k, top_p):
@@ -39,7 +25,7 @@ def sampler(truncate, draw, top_k, top_p):
 
 
 def gumbel_draw(keys, lg):
-  """The baseline's draw: Gumbel-max over the whole row (jax.random.categorical)."""
+  """The baseline's draw, sampling.choose's off CPU: Gumbel-max over the whole row."""
   return jax.vmap(jax.random.categorical)(keys, lg).astype(jnp.int32)
 
 
@@ -76,8 +62,8 @@ def main():
     lg = jnp.asarray((rs.randn(b, args.vocab) * 2.5).astype(np.float32))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
     for top_k, top_p in settings:
-      fns = {"ours": sampler(S._truncate, S.draw, top_k, top_p),
-             "sort": sampler(sort_truncate, gumbel_draw, top_k, top_p)}
+      fns = {"ours": sampler(xla_cpu.truncate, xla_cpu.draw, top_k, top_p),
+             "sort": sampler(S.truncate, gumbel_draw, top_k, top_p)}
       t = common.time_rounds({k: (lambda f=f: f(lg, keys)) for k, f in fns.items()}, args.rounds,
                              calls=3, alternate=True)
       outs = {k: v.result for k, v in t.items()}
@@ -88,6 +74,16 @@ def main():
            "masks_equal": equal, "kept_mean": float(np.asarray(outs["ours"][1]).sum(-1).mean())}
       runs.append(r)
       common.emit(r)
+    # Greedy: the blocked argmax against jnp.argmax (XLA:CPU's (value, index) pair reduction).
+    fns = {"ours": jax.jit(xla_cpu.argmax), "jnp": jax.jit(lambda x: jnp.argmax(x, -1))}
+    t = common.time_rounds({k: (lambda f=f: f(lg)) for k, f in fns.items()}, args.rounds,
+                           calls=3, alternate=True)
+    same = bool((np.asarray(t["ours"].result) == np.asarray(t["jnp"].result)).all())
+    r = {"batch": b, "argmax": True, "ours_ms": 1e3 * t["ours"].median,
+         "sort_ms": 1e3 * t["jnp"].median, "speedup_vs_sort": t["jnp"].median / t["ours"].median,
+         "masks_equal": same}
+    runs.append(r)
+    common.emit(r)
   result = {"machine": f"{jax.default_backend()} x{os.cpu_count()}", "vocab": args.vocab,
             "runs": runs,
             "speedup_vs_sort_min": min(r["speedup_vs_sort"] for r in runs),

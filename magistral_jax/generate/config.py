@@ -38,10 +38,6 @@ class SamplingConfig:
 
 
 
-# engine.kv_cache="auto" on CPU: the shortest cache (prompt + completion positions) paged.
-PAGED_MIN_POSITIONS_CPU = 2048
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """The generators' knobs (section `engine`) for generate.engine.Engine and
@@ -88,8 +84,8 @@ class EngineConfig:
   # (model/paged_attention.py); a slot that cannot grow when the pool is dry is parked and
   # prefilled again later. "dense": each slot owns cache_length positions from the start, and a
   # step reads all of them (or its attention window). "auto": paged on accelerators, and on CPU
-  # from PAGED_MIN_POSITIONS_CPU positions per sequence (a short cache costs a CPU step less
-  # dense; BENCHMARKS.md, "Paged KV cache", has both ends, not the crossover); dense on a
+  # from xla_cpu.PAGED_MIN_POSITIONS_CPU positions per sequence (a short cache costs a CPU step
+  # less dense; BENCHMARKS.md, "Paged KV cache", has both ends, not the crossover); dense on a
   # generator mesh with a data axis, where the pool would be whole on every device
   # (pipeline.generators.paged_kv).
   kv_cache: str = "auto"

@@ -15,7 +15,7 @@ prompts into slots, one or many at a time, are prompts.py's.
 decode state donated, so new weights never recompile it; shapes.py bounds every program's shapes.
 The engine lives on its own mesh with its own rules (default GENERATOR_RULES: tensor parallel);
 `load_params` reshards whatever it is given onto it, in the decode layout (weights.py). The
-XLA:CPU settings come in one CpuOptions (cpu_options.py: the step's dot library, and drain
+XLA:CPU settings come in one CpuOptions (xla_cpu.py: the step's dot library, and drain
 compaction onto smaller child engines, compaction.py).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from magistral_jax.generate import prompts
 from magistral_jax.generate import sampling as S
 from magistral_jax.generate import shapes
 from magistral_jax.generate.compaction import Compaction, compaction_sizes
-from magistral_jax.generate.cpu_options import CpuOptions, GenerateStep
+from magistral_jax.generate.xla_cpu import CpuOptions, GenerateStep
 from magistral_jax.generate.state import (DecodeState, Prefix, Prefixes, ResultTokens,
                                           empty_state, existing_prefix_cache,
                                           state_shardings)
@@ -115,7 +115,7 @@ class Engine:
 
     self.platform = mesh.devices.flat[0].platform
     # The attention window (argument 2) is static: one program per window. Its dot library on CPU
-    # is what cpu_options.tune_engine chooses (the only thing tuning changes in an engine).
+    # is what xla_cpu.tune_engine chooses (the only thing tuning changes in an engine).
     self.generate_step = GenerateStep(lambda options: jax.jit(
         self._generate_impl,
         in_shardings=(self.decode_param_shardings, self.state_shardings),
@@ -185,7 +185,7 @@ class Engine:
     counts["compact"] = self._compaction.cache_size()
     return counts
 
-  # ---- CPU dot-library tuning (cpu_options.tune_engine sets generate_step's choice) ------------
+  # ---- CPU dot-library tuning (xla_cpu.tune_engine sets generate_step's choice) ------------
   @property
   def generate_library(self) -> str | None:
     """The CPU dot library of the generate step in use (None off CPU)."""
@@ -193,7 +193,7 @@ class Engine:
 
   @property
   def generate_tuning(self) -> dict | None:
-    """What cpu_options.tune_generate measured: {"chosen", "step_ms": {library: median ms}}, or
+    """What xla_cpu.tune_generate measured: {"chosen", "step_ms": {library: median ms}}, or
     None."""
     return self.generate_step.tuning
 
@@ -222,7 +222,7 @@ class Engine:
                  existing_prefix: Prefix | None = None) -> None:
     """Compiles every program a run uses (shapes.precompile), so a timed or latency-sensitive
     run compiles nothing later; with `tune` it first picks the generate step's dot library
-    (cpu_options.tune_engine). `params` as returned by load_params. With `existing_prefix` (the
+    (xla_cpu.tune_engine). `params` as returned by load_params. With `existing_prefix` (the
     shared prefix a GeneratorLoop continues) the programs that continue it are compiled too."""
     shapes.precompile(self, params, buckets or self.prefill_buckets, tune, existing_prefix)
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from magistral_jax.generate.cpu_options import tune_engine
+from magistral_jax.generate.xla_cpu import tune_engine
 from magistral_jax.generate.state import check_slots
 
 log = logging.getLogger(__name__)

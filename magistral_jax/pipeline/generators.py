@@ -2,12 +2,11 @@
 `engine` and `sampling` sections, and the prompt prefix they share."""
 from __future__ import annotations
 
-from magistral_jax.generate.config import (PAGED_MIN_POSITIONS_CPU, EngineConfig,
-                                           SamplingConfig)
-from magistral_jax.generate.cpu_options import tune_engine
+from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
+from magistral_jax.generate.xla_cpu import PAGED_MIN_POSITIONS_CPU, tune_engine
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.config import GENERATOR_RULES
 from magistral_jax.parallel.sharding import make_mesh

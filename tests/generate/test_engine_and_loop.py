@@ -2,6 +2,7 @@
 import collections
 import dataclasses
 import queue
+import re
 import threading
 import time
 
@@ -10,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magistral_jax.generate import sampling as S
+from magistral_jax.generate import sampling as S, xla_cpu
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
-from magistral_jax.generate.cpu_options import tune_generate
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import DIRECT, GeneratorLoop
 from magistral_jax.generate.requests import GeneratorError, Request
 from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError
+from magistral_jax.generate.xla_cpu import tune_generate
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
@@ -327,12 +328,18 @@ def test_stop_on_eos_and_stop_strings(params, mesh):
   assert c.finish_reason == "stop" and stop in detok(c.tokens) and len(c.tokens) <= 3
 
 
-def test_top_k_and_top_p_truncation():
+# The two implementations of the truncation rule: XLA:CPU's (bisection) and jax's own (a sort).
+TRUNCATIONS = pytest.mark.parametrize("truncate", [xla_cpu.truncate, S.truncate],
+                                      ids=["xla_cpu", "jax"])
+
+
+@TRUNCATIONS
+def test_top_k_and_top_p_truncation(truncate):
   lg = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
-  assert np.isfinite(np.asarray(S._truncate(lg, 2, 1.0))).tolist() == [[True, True, False, False]]
+  assert np.isfinite(np.asarray(truncate(lg, 2, 1.0))).tolist() == [[True, True, False, False]]
   # Nucleus 0.75: 0.5 alone is not enough, 0.5 + 0.3 is; 0.15 and 0.05 are cut.
-  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.75))).tolist() == [[True, True, False, False]]
-  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.4))).tolist() == [[True, False, False, False]]
+  assert np.isfinite(np.asarray(truncate(lg, 0, 0.75))).tolist() == [[True, True, False, False]]
+  assert np.isfinite(np.asarray(truncate(lg, 0, 0.4))).tolist() == [[True, False, False, False]]
   keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(64))
   sample = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(64, jnp.int32),
                                           SamplingConfig(top_k=2), jnp.ones(64, jnp.float32)))
@@ -344,7 +351,7 @@ def test_top_k_and_top_p_truncation():
 
 
 def _np_truncate(lg, top_k, top_p):
-  """NumPy reference of sampling._truncate's documented rule, by sorting (float64 masses).
+  """NumPy reference of xla_cpu.truncate's documented rule, by sorting (float64 masses).
   Returns (kept [rows, V], near [rows, V]): near marks tokens whose preceding mass lies within
   1e-6 of top_p, where float32 sums may round to the other side."""
   lg = np.asarray(lg, np.float64)
@@ -364,15 +371,16 @@ def _np_truncate(lg, top_k, top_p):
   return np.isfinite(out), near
 
 
+@TRUNCATIONS
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.1), (0, 0.5), (0, 0.95), (0, 0.999), (1, 1.0),
                                          (7, 1.0), (50, 1.0), (50, 0.9), (7, 0.3), (700, 1.0),
                                          (700, 0.8)])
-def test_truncation_by_bisection_matches_a_sorting_reference(top_k, top_p):
+def test_truncation_matches_a_numpy_reference(truncate, top_k, top_p):
   rs = np.random.RandomState(top_k * 1000 + int(top_p * 1000))
   for rows in (6, 24):   # 24 rows: truncated in blocks of TRUNCATE_BLOCK_ROWS
     lg = (rs.randn(rows, 3000) * rs.choice([0.5, 2.0, 6.0], (rows, 1))).astype(np.float32)
     lg[0] = -lg[0] - 80.0   # all logits negative: the bisection crosses the sign of the keys
-    got = np.isfinite(np.asarray(jax.jit(S._truncate, static_argnums=(1, 2))(lg, top_k, top_p)))
+    got = np.isfinite(np.asarray(jax.jit(truncate, static_argnums=(1, 2))(lg, top_k, top_p)))
     want, near = _np_truncate(lg, top_k, top_p)
     assert ((got == want) | near).all(), np.argwhere(got != want)[:5]
     assert (got == want).mean() > 0.999
@@ -385,7 +393,7 @@ def test_draw_follows_the_distribution_and_never_draws_an_excluded_token():
   lg = lg.at[::7].set(-jnp.inf)
   n = 100_000
   keys = jax.random.split(jax.random.PRNGKey(1), n)
-  toks = np.asarray(jax.jit(S.draw)(keys, jnp.broadcast_to(lg, (n, v))))
+  toks = np.asarray(jax.jit(xla_cpu.draw)(keys, jnp.broadcast_to(lg, (n, v))))
   assert toks.min() >= 0 and toks.max() < v
   p = np.asarray(jax.nn.softmax(lg))
   counts = np.bincount(toks, minlength=v)
@@ -397,7 +405,7 @@ def test_draw_follows_the_distribution_and_never_draws_an_excluded_token():
   assert 0.8 < chi2 < 1.2, chi2
   # A one-hot row always draws its token; a row with all mass on the last token of the last block.
   one = jnp.full((4, v), -jnp.inf).at[jnp.arange(4), jnp.array([0, 255, 256, v - 1])].set(0.0)
-  assert np.asarray(S.draw(keys[:4], one)).tolist() == [0, 255, 256, v - 1]
+  assert np.asarray(xla_cpu.draw(keys[:4], one)).tolist() == [0, 255, 256, v - 1]
 
 
 @pytest.mark.parametrize("v", [300, 4096, 5000])   # one block, whole blocks, a padded last block
@@ -412,21 +420,42 @@ def test_blocked_argmax_equals_jnp_argmax(v):
   edge[v - 1] = 1.0                                 # the very last token
   lg = jnp.asarray(np.stack(rows + [tie, nan, edge, np.full(v, -np.inf, np.float32)]))
   want = np.asarray(jnp.argmax(lg, axis=-1))
-  got = np.asarray(jax.jit(S.argmax)(lg))
+  got = np.asarray(jax.jit(xla_cpu.argmax)(lg))
   assert got.dtype == np.int32 and 0 <= got[5] < v
   assert np.delete(got, 5).tolist() == np.delete(want, 5).tolist()
   assert want[4] == v // 3 and want[6] == v - 1 and want[7] == 0
 
 
-def test_truncation_keeps_ties_together(monkeypatch):
+@TRUNCATIONS
+def test_truncation_keeps_ties_together(truncate, monkeypatch):
   lg = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 0.0, -jnp.inf]])
   # top-k 2: the k-th largest value is 1.0, and every token at 1.0 stays (selection or bisection).
-  assert np.isfinite(np.asarray(S._truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
-  monkeypatch.setattr(S, "TOP_K_SELECT_MAX", 1)
-  assert np.isfinite(np.asarray(S._truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
+  assert np.isfinite(np.asarray(truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
+  monkeypatch.setattr(xla_cpu, "TOP_K_SELECT_MAX", 1)
+  assert np.isfinite(np.asarray(truncate(lg, 2, 1.0))).tolist() == [[True] * 4 + [False] * 2]
   # Nucleus: 2.0 alone holds e / (e + 3 + 1) = 0.40 < 0.5, so the tied 1.0s come in together.
-  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.5))).tolist() == [[True] * 4 + [False] * 2]
-  assert np.isfinite(np.asarray(S._truncate(lg, 0, 0.3))).tolist() == [[True] + [False] * 5]
+  assert np.isfinite(np.asarray(truncate(lg, 0, 0.5))).tolist() == [[True] * 4 + [False] * 2]
+  assert np.isfinite(np.asarray(truncate(lg, 0, 0.3))).tolist() == [[True] + [False] * 5]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_sampler_compiles_only_its_platform_s_path(greedy):
+  """On CPU the program holds xla_cpu's primitives (bisection loops and padded blocks, no sort);
+  lowered for a GPU or a TPU, jax's own (lax.top_k / sort over the vocabulary, jnp.argmax)."""
+  cfg = SamplingConfig(top_p=0.9, greedy=greedy)
+  f = jax.jit(lambda lg, k: S.sample(lg, k, jnp.zeros(4, jnp.int32), cfg, jnp.ones(4)))
+  args = (jnp.zeros((4, 3000)), jax.vmap(jax.random.PRNGKey)(jnp.arange(4)))
+
+  def ops(text):
+    return set(re.findall(r"(?:stablehlo|chlo)\.[a-z_]+", text))
+
+  cpu = ops(f.lower(*args).as_text())
+  assert "stablehlo.pad" in cpu and not cpu & {"stablehlo.sort", "chlo.top_k"}
+  for platform in ("cuda", "tpu"):
+    other = ops(jax.export.export(f, platforms=[platform])(*args).mlir_module())
+    assert "stablehlo.pad" not in other, platform
+    if not greedy:
+      assert other & {"stablehlo.sort", "chlo.top_k"} and "stablehlo.while" not in other
 
 
 def test_threaded_loop_on_a_two_device_slice_while_another_slice_is_busy(params):
@@ -537,7 +566,7 @@ def test_generate_compiler_options_by_slot_count():
   """Untuned, the CPU generate step drops YNNPACK below CPU_GENERATE_YNN_MIN_SLOTS slots and keeps
   the defaults from there on; a named library overrides the rule; other platforms always keep
   the defaults; an unknown library is an error."""
-  from magistral_jax.generate import cpu_options as C
+  from magistral_jax.generate import xla_cpu as C
   assert C.generate_compiler_options("cpu", 16) == C.CPU_GENERATE_COMPILER_OPTIONS
   assert C.generate_compiler_options("cpu", C.CPU_GENERATE_YNN_MIN_SLOTS - 1) is not None
   assert C.generate_compiler_options("cpu", C.CPU_GENERATE_YNN_MIN_SLOTS) is None
@@ -553,8 +582,8 @@ def test_cpu_options_come_in_one_object_and_the_dot_library_is_ignored_off_cpu(m
   """Engine(cpu=CpuOptions(...)) is what the keywords cpu_dot_library / compact_sizes spell (not
   both at once); the child engines keep the dot library and compact no further. Off CPU the
   generate step is compiled once, with the default options, and never tuned."""
-  from magistral_jax.generate.cpu_options import CpuOptions
-  from magistral_jax.generate.cpu_options import GenerateStep
+  from magistral_jax.generate.xla_cpu import CpuOptions
+  from magistral_jax.generate.xla_cpu import GenerateStep
   eng = engine(mesh, slots=8, cpu=CpuOptions("ynnpack", compact_sizes=(2,)))
   same = engine(mesh, slots=8, cpu_dot_library="ynnpack", compact_sizes=(2,))
   assert eng.cpu == same.cpu and eng.compact_sizes == (2,) and eng.generate_library == "ynnpack"

@@ -100,7 +100,7 @@ def test_async_pipeline_end_to_end(setup, tmp_path):
   run = Run(setup, "async", str(tmp_path), n_async=32, tune=True)
   pipe = run.rollouts
   # make_generators tuned each engine's CPU dot library, its drain engines' too
-  # (cpu_options.tune_engine).
+  # (xla_cpu.tune_engine).
   for gen in pipe.generators:
     engines = [gen.engine] + [gen.engine.compact_engine(n) for n in gen.engine.compact_sizes]
     assert all(e.generate_tuning["chosen"] == e.generate_library for e in engines)
