@@ -3,6 +3,10 @@
 #   1. the tests not marked serial, on 2 pytest-xdist workers; a file's tests stay on one worker,
 #      so module fixtures run once; the files with long tests go first (tests/conftest.py,
 #      _LongestFilesFirst), so that no long file is left for one worker at the end;
+#      a worker that crashes (pytest-timeout ends a hung test by ending its worker) ends part 1 at
+#      once with the test named (--max-worker-restart=0): xdist's loadfile scheduler can deadlock
+#      when it replaces a crashed worker (pytest-xdist #784, #1378), which once spent CI's whole
+#      time limit;
 #   2. the serial ones (compute-bound end-to-end runs, wall-time-bounded and host-scanning
 #      tests), one at a time.
 # Both parts share one XLA compilation cache (unless MAGISTRAL_TEST_XLA_CACHE is set: a directory
@@ -21,7 +25,8 @@ part() {
   return "$rc"
 }
 start=$(date +%s)
-part --durations=25 -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" tests "$@"; a=$?
+part --durations=25 -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
+  -m "not serial" tests "$@"; a=$?
 part --durations=25 -m serial tests "$@"; b=$?
 echo "tools/test.sh: part 1 exit $a, part 2 exit $b, $(( $(date +%s) - start )) s in all"
 [ "$a" -eq 0 ] && [ "$b" -eq 0 ]
