@@ -17,8 +17,6 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
-from magistral_jax.run import sweep
-
 # The repository (recipes, launchers); `python bench/X.py` imports its siblings from bench/.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,8 +146,20 @@ class Carry:
 
 def run_logged(argv: list[str], log_path: str, *, timeout: float | None = None,
                env: Mapping[str, str] | None = None) -> float:
-  """run.sweep.run_logged from the repository root: a launcher's output into `log_path`."""
-  return sweep.run_logged(argv, log_path, ROOT, timeout=timeout, env=env)
+  """Runs `argv` (a launcher) from the repository root, its stdout and stderr into `log_path`;
+  returns its wall seconds. Raises with the log's end if it fails or runs past `timeout`."""
+  t = time.perf_counter()
+  with open(log_path, "w") as log:
+    try:
+      rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+  if rc != 0:
+    with open(log_path) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{' '.join(argv)} failed (rc={rc}); the end of {log_path}:\n{tail}")
+  return time.perf_counter() - t
 
 
 def run_json(argv: list[str], *, env: Mapping[str, str] | None = None,

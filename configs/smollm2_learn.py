@@ -7,16 +7,16 @@ cold start (`sft`) too, then this recipe's task: the synthetic arithmetic task a
 BENCHMARKS.md "Headroom"), "Compute 52-17+8." with the real math verifier on the exact answer.
 Held out: the task's evaluation bucket (data/synthetic.py: never trained on), pass@1 averaged
 over k samples, before, during and after (WORKDIR/eval_*.json, heldout_curve.jsonl;
-launch/learn.py pairs them).
+bench/learn.py pairs them).
 
 Arguments (comma-separated): `gpu` and `colocated` (configs/smollm2.py's sizes), `sft` (the cold
-start on the task's own worked traces; launch/learn.py's GPU run starts from configs/smollm2.py's
+start on the task's own worked traces; bench/learn.py's GPU run starts from configs/smollm2.py's
 GSM8K one instead),
 `control` (the control run: reward.control=random at --config.reward.control_rate, no "before"
 evaluation: the controlled run's is the same weights'), `task=`, `init=PATH|gguf`, `batches=N`,
-`sft_steps=N`, `heldout=N`. launch/learn.py runs them all in order:
+`sft_steps=N`, `heldout=N`. bench/learn.py runs them all in order:
 
-  python launch/learn.py --workdir=runs/learn_cpu      (2 CPU cores)
+  python bench/learn.py --workdir=runs/learn_cpu      (2 CPU cores)
   bash bench/gpu_suite.sh learn       (one GPU; BENCHMARKS.md "A real model learns")
 """
 import os

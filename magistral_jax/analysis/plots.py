@@ -142,7 +142,7 @@ def learning_curves(runs: dict, before: float | None = None):
 
 
 def ablation_curves(name: str, variants: dict):
-  """launch/ablations.py's figure for one ablation: reward and entropy per RL batch (mean over
+  """bench/ablations.py's figure for one ablation: reward and entropy per RL batch (mean over
   seeds) and reward against the RL seconds of the first seed (the async-vs-sync question), one
   line per variant. `variants`: {variant: [per seed: {"reward", "entropy", "time": per batch}]}."""
   plt = _plt()

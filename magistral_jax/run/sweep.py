@@ -9,8 +9,7 @@ interrupted point resumes from its checkpoint like any train.py run. At the end,
 WORKDIR_ROOT/sweep.json collects every point's overrides, exit status and summary.json.
 
 Axis names are checked against the config before anything runs. No jax import: the points run
-as their own processes. `run_logged` runs one launcher with its output in a log (the experiments
-in launch/ that chain launchers: learn.py, ablations.py).
+as their own processes.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 
 from magistral_jax.run.recipes import load_recipe
 
@@ -106,24 +104,6 @@ def _done(workdir: str) -> bool:
   summary = read_summary(workdir)
   # train.py writes summary.json after its first evaluation; the final one marks the end.
   return summary is not None and ("heldout_accuracy_after" in summary or "sft_steps" in summary)
-
-
-def run_logged(argv: list[str], log_path: str, repo: str, *, timeout: float | None = None,
-               env=None) -> float:
-  """Runs `argv` (a launcher) from the directory `repo`, its stdout and stderr into `log_path`;
-  returns its wall seconds. Raises with the log's end if it fails or runs past `timeout`."""
-  t = time.perf_counter()
-  with open(log_path, "w") as log:
-    try:
-      rc = subprocess.run(argv, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT,
-                          timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-      rc = "timeout"
-  if rc != 0:
-    with open(log_path) as f:
-      tail = f.read()[-3000:]
-    raise RuntimeError(f"{' '.join(argv)} failed (rc={rc}); the end of {log_path}:\n{tail}")
-  return time.perf_counter() - t
 
 
 def run_sweep(config_spec: str, spec: str, workdir_root: str, repo: str,

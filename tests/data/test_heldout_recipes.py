@@ -35,7 +35,7 @@ RECIPES = [
 # RL prompts a run draws, per prompt its batches train on: zero-advantage groups are dropped and
 # replaced (make run drew ~2,090 prompts for 1,600 trained), and n_async runs ahead.
 DRAW_SLACK = 4
-# The synthetic evaluation sets of launch/learn.py's headroom table (launch/eval.py --sets).
+# The synthetic evaluation sets of bench/learn.py's headroom table (launch/eval.py --sets).
 EVAL_SETS = ("synthetic/20/1-3", "synthetic/99/2-3", "synthetic/999/2-4")
 
 

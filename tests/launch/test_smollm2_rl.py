@@ -122,7 +122,7 @@ def _launch(script, workdir, *flags):
 
 @pytest.mark.slow
 def test_the_real_model_learns_short_form(tmp_path):
-  """The short form of the learning recipe (configs/smollm2_learn.py; launch/learn.py records
+  """The short form of the learning recipe (configs/smollm2_learn.py; bench/learn.py records
   the full one): a cold start on the task's worked traces too short to settle the format, then a
   few GRPO batches on the real 135M model with the full reward. The reward rises, mostly through
   the format the verifier pays for. Each evaluation writes its per-problem counts, which the

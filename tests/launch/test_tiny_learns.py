@@ -64,7 +64,7 @@ def test_tiny_default_reward_improves_over_its_first_batches(tmp_path):
   assert summary["batches"] == BATCHES
   # Wall time adds up across the two processes (the checkpoint carries the first one's).
   assert summary["wall_time_s"] > first["wall_time_s"]
-  # Each evaluation's per-problem counts (what launch/learn.py's paired bootstrap reads) and the
+  # Each evaluation's per-problem counts (what bench/learn.py's paired bootstrap reads) and the
   # learning curve: "before" once (the resumed launch does not evaluate again), "after" of each
   # launch (the second overwrites the first's file).
   before = json.load(open(tmp_path / "eval_before.json"))

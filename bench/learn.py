@@ -2,15 +2,14 @@
 GRPO on the chosen task -> held-out gain with a paired-bootstrap CI, against a random-reward
 control from the same weights. Each phase is a launcher, resumable on the same --workdir.
 
-  python launch/learn.py --workdir=runs/learn
+  python bench/learn.py --workdir=runs/learn
   bash bench/gpu_suite.sh learn                          # one H100 (--gpu)
-  python launch/learn.py --gpu --shrink --workdir=/tmp/l  # the GPU command shrunk, on CPU
+  python bench/learn.py --gpu --shrink --workdir=/tmp/l  # the GPU command shrunk, on CPU
 
 Last line: one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -18,12 +17,10 @@ import sys
 import tarfile
 import time
 
+import common   # bench/common.py, beside the script
+
 from magistral_jax.analysis.report import load_heldout_curve as curve, load_run_metrics
 from magistral_jax.eval.paired import compare_evals
-from magistral_jax.run.sweep import run_logged
-
-# The repository root: the phases' launchers and recipes are relative to it.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HEADROOM_SETS = "gsm8k_test,math500,synthetic/20/1-3,synthetic/99/2-3,synthetic/999/2-4"
 # 2 CPU cores: the synthetic sets only, fewer and shorter samples (GSM8K's ~130-token answers
@@ -119,14 +116,13 @@ def phase(name, argv, log_dir, timeout_s, done):
     return 0.0
   cmd = [sys.executable] + argv
   print(f"== {name}: {' '.join(cmd)}", flush=True)
-  wall = run_logged(cmd, os.path.join(log_dir, f"{name}.log"), ROOT, timeout=timeout_s)
+  wall = common.run_logged(cmd, os.path.join(log_dir, f"{name}.log"), timeout=timeout_s)
   print(f"   {name}: rc=0 in {wall:.0f} s", flush=True)
   return wall
 
 
 def main():
-  p = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = common.argument_parser(__doc__)
   p.add_argument("--workdir", default="runs/learn")
   p.add_argument("--gpu", action="store_true", help="the configs' `gpu,colocated` sizes")
   p.add_argument("--shrink", action="store_true", help="sizes divided down to seconds (rehearsal)")
@@ -155,7 +151,7 @@ def main():
   logs = os.path.join(wd, "logs")
   os.makedirs(logs, exist_ok=True)
   # A time limit's SIGTERM (gpu_suite.sh's `timeout`) still packs what the phases left.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit("launch/learn.py: stopped by SIGTERM"))
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench/learn.py: stopped by SIGTERM"))
   try:
     summary = run_all(a, wd, out, logs)
   finally:

@@ -2,24 +2,23 @@
 same cold-start SFT checkpoint for the same batches, against the paper's default (each ablation's
 first variant).
 
-  python launch/ablations.py [--which=clip --batches=20 --seeds=0]
+  python bench/ablations.py [--which=clip --batches=20 --seeds=0]
 
 Outputs: ROOT/<ablation>/<variant>-s<seed>/, docs/ablations/<ablation>.png,
 docs/ablations/results.json; last line, one JSON object with each ablation's headline figure.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+import common
 import numpy as np
 
 from magistral_jax.analysis.report import load_run_metrics
-from magistral_jax.run.sweep import run_logged
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = common.ROOT
 
 # Each ablation's headline in the last line: its key, and the per-variant figure it averages.
 HEADLINES = {"clip": ("clip_entropy_last_third", "entropy_last_third"),
@@ -39,7 +38,8 @@ ABLATIONS = {
 def run(argv, log_path):
   # No persistent compilation cache (config.compilation_cache_dir) unless the caller set one:
   # every variant and seed compiles its own programs, so wall times compare.
-  return run_logged(argv, log_path, ROOT, env={"JAX_COMPILATION_CACHE_DIR": "", **os.environ})
+  return common.run_logged(argv, log_path,
+                           env={"JAX_COMPILATION_CACHE_DIR": "", **os.environ})
 
 
 def tiny_config(*args: str) -> str:
@@ -101,8 +101,7 @@ def plot(name: str, results: dict, out_dir: str) -> str:
 
 
 def main():
-  ap = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = common.argument_parser(__doc__)
   ap.add_argument("--which", default="clip,adv_norm,async,minibatch")
   ap.add_argument("--batches", type=int, default=30, help="RL batches per variant")
   ap.add_argument("--seeds", default="0", help="comma-separated RL seeds per variant")
@@ -163,7 +162,7 @@ def main():
     headline[f"{name}_baseline"] = ABLATIONS[name][0][0]
   with open(os.path.join(args.docs, "results.json"), "w") as f:
     json.dump({"batches": args.batches, "seeds": seeds, "results": all_results}, f, indent=1)
-  print(json.dumps(headline), flush=True)
+  common.emit(headline)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""launch/learn.py's own logic (issue #51), without launching a
+"""bench/learn.py's own logic (issue #51), without launching a
 model: the task picked from a headroom table, the control's coin rate from the RL run's metrics,
 the archive that comes back from a device machine, and the report of two runs written by
 eval/in_run.py's write_eval. The whole command ran on CPU with --shrink and on an H100
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def learn():
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
   try:
     import learn
   finally:
