@@ -94,6 +94,7 @@ def sample(logits: Array, keys: Array, positions: Array, cfg: SamplingConfig, te
   set by the request that started it); cfg gives only what is compiled in (top-p, top-k,
   greedy), never the temperature, so one engine serves loops that sample at different
   temperatures (training and evaluation). Returns (tokens [B] int32, logprobs [B] fp32)."""
-  step_keys = jax.vmap(jax.random.fold_in)(keys, positions)
+  # Greedy draws nothing: no per-token keys on its hot path.
+  step_keys = keys if cfg.greedy else jax.vmap(jax.random.fold_in)(keys, positions)
   tokens = choose(_tempered(logits, temperature), step_keys, cfg).astype(jnp.int32)
   return tokens, token_logprob(logits, tokens, temperature)
