@@ -108,8 +108,9 @@ def test_sft_and_rl_train_on_gsm8k_train_and_evaluate_on_gsm8k_test(tmp_path):
     smollm2.get_config("sft,steps=3")
 
 
-# The short form's sizes: a cold start too short to settle the format, a few RL batches.
-SHORT_SFT_STEPS, SHORT_BATCHES, SHORT_WARMUP = 3, 4, 1
+# The short form's sizes: a cold start too short to settle the format, a few RL batches of two
+# groups each (the recipe's four would double the time for the same lesson: the format).
+SHORT_SFT_STEPS, SHORT_BATCHES, SHORT_WARMUP, SHORT_N_BATCH = 3, 4, 1, 16
 
 
 def _launch(script, workdir, *flags):
@@ -137,7 +138,8 @@ def test_the_real_model_learns_short_form(tmp_path):
   rl = tmp_path / "rl"
   _launch("train.py", rl, f"--config=configs/smollm2_learn.py:colocated,init={sft / 'params'}",
           f"--config.num_batches={SHORT_BATCHES}", "--config.data.heldout=8",
-          "--config.eval.k=2", f"--config.optimizer.warmup_steps={SHORT_WARMUP}")
+          "--config.eval.k=2", f"--config.optimizer.warmup_steps={SHORT_WARMUP}",
+          f"--config.rl.n_batch={SHORT_N_BATCH}", f"--config.rl.n_mini={SHORT_N_BATCH}")
   summary = json.load(open(rl / "summary.json"))
   assert summary["batches"] == SHORT_BATCHES == summary["optimizer_steps"]
   assert summary["heldout_trained_on"] == 0
