@@ -32,7 +32,9 @@ class Request:
 @dataclasses.dataclass
 class Sample:
   """One finished sample of a request. logprobs[t] = log π_T(tokens[t]) under the policy version
-  versions[t] that sampled it (see sampling.py). finish_reason: 'eos' | 'stop' | 'length'."""
+  versions[t] that sampled it (see sampling.py). finish_reason: 'eos' | 'stop' | 'length'.
+  tool_mask [tokens] bool (None: no tool call): the tokens a tool wrote (tool_use/protocol.py's
+  result blocks), which the policy did not sample; their log-probs and versions mean nothing."""
   request_id: Any
   sample_index: int
   prompt_tokens: list[int]
@@ -42,6 +44,17 @@ class Sample:
   finish_reason: str
   metadata: Any = None
   prompt_truncated: bool = False
+  tool_mask: np.ndarray | None = None
+
+  @property
+  def num_policy_tokens(self) -> int:
+    """The tokens the policy sampled: what the length penalty and the normaliser count."""
+    return len(self.tokens) - (0 if self.tool_mask is None else int(np.sum(self.tool_mask)))
+
+  @property
+  def action_mask(self) -> np.ndarray | None:
+    """rl/collate.Completion's action_mask: the policy's own tokens (None: all of them)."""
+    return None if self.tool_mask is None else ~np.asarray(self.tool_mask, bool)
 
 
 @dataclasses.dataclass

@@ -65,7 +65,10 @@ def pack_samples(items) -> tuple[dict[str, np.ndarray], list]:
       "prompt_tokens": cat([s.prompt_tokens for s in samples], np.int32),
       "tokens": cat([s.tokens for s in samples], np.int32),
       "logprobs": cat([s.logprobs for s in samples], np.float32),
-      "versions": cat([s.versions for s in samples], np.int32)}
+      "versions": cat([s.versions for s in samples], np.int32),
+      # All False for a sample without tool calls (Sample.tool_mask None).
+      "tool_mask": cat([np.zeros(len(s.tokens), bool) if s.tool_mask is None else s.tool_mask
+                        for s in samples], bool)}
   rest = [(s.request_id, s.sample_index, s.finish_reason, s.metadata, s.prompt_truncated,
            x[1] if isinstance(x, tuple) else None) for s, x in zip(samples, items)]
   return arrays, rest
@@ -79,9 +82,11 @@ def unpack_samples(arrays: dict[str, np.ndarray], rest: list) -> list:
   for i, (rid, index, finish, metadata, truncated, result) in enumerate(rest):
     p0, p1 = (p_ends[i - 1] if i else 0), p_ends[i]
     t0, t1 = (ends[i - 1] if i else 0), ends[i]
+    tool = arrays["tool_mask"][t0:t1]
     s = Sample(rid, index, arrays["prompt_tokens"][p0:p1].tolist(),
                arrays["tokens"][t0:t1].tolist(), arrays["logprobs"][t0:t1].copy(),
-               arrays["versions"][t0:t1].copy(), finish, metadata, truncated)
+               arrays["versions"][t0:t1].copy(), finish, metadata, truncated,
+               tool.copy() if tool.any() else None)
     out.append(s if result is None else (s, result))
   return out
 

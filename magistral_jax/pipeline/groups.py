@@ -160,7 +160,8 @@ class GroupAssembler:
     # Arrival order depends on thread timing; sample order does not.
     p.scored.sort(key=lambda m: m[0].sample_index)
     samples = [s for s, _ in p.scored]
-    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs) for s in samples]
+    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs, action_mask=s.action_mask)
+                   for s in samples]
     group = score_group(p.gid, completions, [r for _, r in p.scored], self.grpo_cfg, info=samples)
     self.counters["groups_scored"] += 1
     self.window.append(group)

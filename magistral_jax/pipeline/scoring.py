@@ -45,7 +45,8 @@ class Scoring:
     response = self.tokenizer.decode(sample.tokens)
     t_submit = time.time()
     try:
-      fut = self.pool.submit(sample.metadata, response, len(sample.tokens),
+      # The length penalty counts the policy's tokens: a tool's results are not its length.
+      fut = self.pool.submit(sample.metadata, response, sample.num_policy_tokens,
                              int(sample.request_id))
     except Exception as e:   # a closed or broken pool: its group is dropped, the run goes on
       self.scored.put((sample, failed_result(f"verifier submit failed: {e}")))

@@ -27,18 +27,38 @@ class Completion:
 
   old_logprobs: π_old of each completion token (one per token). advantage: the group-centred
   Â = r − mean(r_group) before minibatch normalisation (rl/minibatch.py normalises it).
+  action_mask: which completion tokens are the policy's actions (None: all). A multi-turn
+  completion also holds tokens the policy did not sample, a tool's results
+  (tool_use/protocol.py): they are context the later tokens are conditioned on, not actions, so
+  they carry no loss, no normaliser weight and no log-prob of their own (old_logprobs there are
+  ignored).
   """
   prompt_tokens: np.ndarray
   completion_tokens: np.ndarray
   old_logprobs: np.ndarray | None = None
   advantage: float = 0.0
   group_id: int = 0
+  action_mask: np.ndarray | None = None
 
   def __post_init__(self):
     self.prompt_tokens = np.asarray(self.prompt_tokens, np.int32).reshape(-1)
     self.completion_tokens = np.asarray(self.completion_tokens, np.int32).reshape(-1)
     if self.old_logprobs is not None:
       self.old_logprobs = np.asarray(self.old_logprobs, np.float32).reshape(-1)
+    if self.action_mask is not None:
+      self.action_mask = np.asarray(self.action_mask, bool).reshape(-1)
+
+  @property
+  def actions(self) -> np.ndarray:
+    """[completion tokens] bool: the policy's own tokens."""
+    if self.action_mask is None:
+      return np.ones(len(self.completion_tokens), bool)
+    return self.action_mask
+
+  @property
+  def num_actions(self) -> int:
+    """Completion tokens the policy sampled: what the token normaliser counts."""
+    return int(self.actions.sum())
 
   @property
   def num_tokens(self) -> int:
@@ -53,12 +73,17 @@ def _validate(completions: Sequence[Completion], need_logprobs: bool):
                        "token needs at least one prompt token (e.g. BOS) to be predicted from")
     if len(c.completion_tokens) == 0:
       raise ValueError(f"completion {i} (group {c.group_id}): no completion tokens")
+    if c.action_mask is not None and len(c.action_mask) != len(c.completion_tokens):
+      raise ValueError(f"completion {i} (group {c.group_id}): action_mask of "
+                       f"{len(c.action_mask)} for {len(c.completion_tokens)} completion tokens")
+    if c.num_actions == 0:
+      raise ValueError(f"completion {i} (group {c.group_id}): no token of the policy's own")
     if need_logprobs:
       if c.old_logprobs is None or len(c.old_logprobs) != len(c.completion_tokens):
         n = None if c.old_logprobs is None else len(c.old_logprobs)
         raise ValueError(f"completion {i} (group {c.group_id}): {n} old log-probs for "
                          f"{len(c.completion_tokens)} completion tokens")
-      if not np.all(np.isfinite(c.old_logprobs)):
+      if not np.all(np.isfinite(c.old_logprobs[c.actions])):
         raise ValueError(f"completion {i} (group {c.group_id}): non-finite old log-probs")
     if not np.isfinite(c.advantage):
       raise ValueError(f"completion {i} (group {c.group_id}): non-finite advantage {c.advantage}")
@@ -107,7 +132,8 @@ def aggregation_weights(lengths, group_ids, loss_agg: str) -> np.ndarray:
   """
   lengths = np.asarray(lengths, np.float64)
   if np.any(lengths <= 0):
-    raise ValueError(f"aggregation_weights: completions with no tokens at {np.flatnonzero(lengths <= 0)[:10].tolist()}")
+    raise ValueError(f"aggregation_weights: completions with no token of the policy's own at "
+                     f"{np.flatnonzero(lengths <= 0)[:10].tolist()}")
   if loss_agg == "token":
     return np.full(lengths.shape, 1.0 / lengths.sum())
   if loss_agg == "sequence":
@@ -157,12 +183,14 @@ def pack(completions: Sequence[Completion], advantages, weights, row_len: int, r
       out["positions"][r, sl] = np.arange(n)
       out["segment_ids"][r, sl] = seg
       # Target j is seq[j+1]: completion tokens are targets j >= len(prompt) - 1.
+      # Of those, only the policy's own (Completion.action_mask) are trained on.
       cs = slice(start + len(c.prompt_tokens) - 1, start + n)
-      out["loss_mask"][r, cs] = 1.0
+      act = c.actions
+      out["loss_mask"][r, cs] = act
       if c.old_logprobs is not None:
-        out["old_logprobs"][r, cs] = c.old_logprobs
-      out["advantages"][r, cs] = advantages[i]
-      out["weights"][r, cs] = weights[i]
+        out["old_logprobs"][r, cs] = np.where(act, c.old_logprobs, 0.0)
+      out["advantages"][r, cs] = np.where(act, advantages[i], 0.0)
+      out["weights"][r, cs] = np.where(act, weights[i], 0.0)
       placement[i] = (r // rows_per_micro, r % rows_per_micro, start)
       start += n
   if np.any(placement[:, 0] < 0):

@@ -95,7 +95,8 @@ def collate_minibatch(completions: Sequence[Completion], cfg: GRPOConfig,
   group_ids = np.asarray([c.group_id for c in completions])
   adv = normalize_advantages([c.advantage for c in completions], group_ids, cfg.adv_norm,
                              cfg.adv_eps)
-  lengths = np.asarray([len(c.completion_tokens) for c in completions])
+  # The normaliser counts the policy's own tokens (a tool's results are not actions).
+  lengths = np.asarray([c.num_actions for c in completions])
   weights = aggregation_weights(lengths, group_ids, cfg.loss_agg)
   arrays, placement = pack(completions, adv, weights, cfg.row_len, cfg.microbatch_rows,
                            min_microbatches=min_microbatches)

@@ -61,7 +61,7 @@ def test_completions_pack_into_flat_arrays_and_back():
   arrays, rest = pack_samples([a, (b, result)])
   assert {k: v.dtype.kind for k, v in arrays.items()} == {
       "prompt_lengths": "i", "lengths": "i", "prompt_tokens": "i", "tokens": "i",
-      "logprobs": "f", "versions": "i"}
+      "logprobs": "f", "versions": "i", "tool_mask": "b"}
   got_a, (got_b, got_result) = unpack_samples(arrays, rest)
   for want, got in ((a, got_a), (b, got_b)):
     assert (got.request_id, got.sample_index, got.prompt_tokens, got.tokens, got.finish_reason,

@@ -1,0 +1,139 @@
+"""The tool protocol (issue #67, beyond the paper): the policy calls a Python interpreter in the
+middle of its reasoning, and reads the call's output before it goes on.
+
+A call is a block the policy writes inside its `<think>` ... `</think>` reasoning:
+
+    <tool>
+    print(52 - 17 + 8)
+    </tool>
+
+Generation stops on TOOL_CLOSE; the source between the tags runs in the sandbox (the code
+verifier's namespaces, limits and verdict rules: rewards/tool_run.py), and its output comes back
+into the same sequence as a result block, which the policy reads and continues after:
+
+    <result>
+    43
+    </result>
+
+The tags are plain text the Magistral format does not otherwise use, so a response with tool
+calls is still one `<think>` pair, then the answer (rewards/format.py). Only the result block is
+tokenized by us; the policy's own tokens, the call included, stay exactly as sampled. Result
+tokens are not the policy's actions: they are masked out of the loss, the token normaliser and
+the length penalty (rl/collate.Completion.action_mask).
+
+Limits (ToolConfig): calls per sample, result tokens per call (the output is cut to fit, and
+says so), and the sample's token budget, which result tokens count against. A call that fails,
+times out, prints too much or comes past the call limit gets its error text as the result; it
+never ends the sample or the run.
+
+Pure text and numbers, no dependency: the generator loop, the verifiers and the data code all
+read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+TOOL_OPEN = "<tool>"
+TOOL_CLOSE = "</tool>"
+RESULT_OPEN = "<result>"
+RESULT_CLOSE = "</result>"
+
+# What the recipes' system prompts add when tools are on (data/prompts.py).
+SYSTEM_PROMPT_TOOLS = (
+    "While you think, you may run Python to compute: write the code between " + TOOL_OPEN
+    + " and " + TOOL_CLOSE + " and print what you need. Its output comes back between "
+    + RESULT_OPEN + " and " + RESULT_CLOSE + ".")
+
+# Said in place of a result that could not be had; the policy reads these, so they are short.
+TOO_MANY_CALLS = "error: no more tool calls in this answer (the limit is {limit})"
+EMPTY_CALL = "error: the tool call holds no code"
+CUT = "\n[output cut to {kept} of {total} characters]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolConfig:
+  """The `tools` section: whether the policy may call the interpreter, and its limits."""
+  enabled: bool = False
+  max_calls: int = 4              # calls per sample; later ones get TOO_MANY_CALLS
+  max_result_tokens: int = 64     # tokens of one result block, tags included
+  max_output_chars: int = 400     # the output kept of one call, before tokenizing
+  cpu_s: float = 2.0              # the sandbox's CPU limit per call (RLIMIT_CPU)
+  memory_mb: int = 256            # and its address-space limit
+
+  def __post_init__(self):
+    if self.max_calls < 0 or self.max_result_tokens < 8 or self.max_output_chars < 1:
+      raise ValueError(f"ToolConfig: need max_calls >= 0, max_result_tokens >= 8 (the tags) and "
+                       f"max_output_chars >= 1, got {self}")
+    if self.cpu_s <= 0 or self.memory_mb < 32:
+      raise ValueError(f"ToolConfig: need cpu_s > 0 and memory_mb >= 32, got {self}")
+
+
+def pending_call(text: str) -> str | None:
+  """The source of the call that `text` (a response so far) ends with: the text between the
+  last TOOL_OPEN and a final TOOL_CLOSE. None when it does not end with TOOL_CLOSE, or the close
+  has no open of its own after the previous close (a stray close is not a call)."""
+  body = text.rstrip()
+  if not body.endswith(TOOL_CLOSE):
+    return None
+  body = body[:-len(TOOL_CLOSE)]
+  start = body.rfind(TOOL_OPEN)
+  if start < 0 or TOOL_CLOSE in body[start:]:
+    return None
+  return strip_fence(body[start + len(TOOL_OPEN):])
+
+
+def strip_fence(source: str) -> str:
+  """A call's source without a markdown fence around it (```python ... ```), which policies
+  trained on markdown often write."""
+  s = source.strip("\n")
+  lines = s.strip().splitlines()
+  if len(lines) >= 2 and lines[0].startswith("```") and lines[-1].strip() == "```":
+    return "\n".join(lines[1:-1])
+  return s
+
+
+def result_block(output: str, max_chars: int) -> str:
+  """The result block the policy reads after a call: the output, cut to max_chars (saying how
+  much was cut), between the result tags, on lines of their own."""
+  output = output.rstrip("\n")
+  if len(output) > max_chars:
+    output = output[:max_chars] + CUT.format(kept=max_chars, total=len(output))
+  return f"\n{RESULT_OPEN}\n{output}\n{RESULT_CLOSE}\n"
+
+
+def count_calls(text: str) -> int:
+  """Complete calls in a response: each TOOL_CLOSE preceded by its own TOOL_OPEN."""
+  n, i = 0, 0
+  while True:
+    start = text.find(TOOL_OPEN, i)
+    if start < 0:
+      return n
+    end = text.find(TOOL_CLOSE, start + len(TOOL_OPEN))
+    if end < 0:
+      return n
+    n += 1
+    i = end + len(TOOL_CLOSE)
+
+
+def void_turn(turn: str) -> bool:
+  """SimpleTIR's void turn: a turn (the policy's text between two results, or after the last)
+  with neither a complete call nor a final answer. A trajectory holding one is dropped from
+  training: its turns after a tool output far from the policy's distribution are what drives
+  multi-turn training to collapse."""
+  return count_calls(turn) == 0 and "\\boxed" not in turn and "</think>" not in turn
+
+
+def policy_turns(text: str) -> list[str]:
+  """A response's text cut at its result blocks: the policy's turns, in order (the results'
+  text dropped)."""
+  turns, i = [], 0
+  while True:
+    start = text.find(RESULT_OPEN, i)
+    if start < 0:
+      turns.append(text[i:])
+      return turns
+    end = text.find(RESULT_CLOSE, start)
+    turns.append(text[i:start])
+    if end < 0:
+      return turns
+    i = end + len(RESULT_CLOSE)

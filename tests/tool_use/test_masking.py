@@ -1,0 +1,107 @@
+"""A tool's result tokens are context, not actions (issue #67): they are out of the loss, the
+token normaliser and the length penalty, and a sample's mask of them survives every hand-off.
+Each check has its negative control: the same completion without the mask trains on them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magistral_jax.generate.requests import Sample
+from magistral_jax.pipeline.generator_service import pack_samples, unpack_samples
+from magistral_jax.rl.collate import Completion, unpack_tokens
+from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.rl.loss import grpo_loss
+from magistral_jax.rl.minibatch import collate_minibatch
+
+CFG = GRPOConfig(n_batch=2, n_mini=2, group_size=2, microbatch_tokens=64, microbatch_rows=2)
+# Completion 0: three policy tokens (the call), three a tool wrote (its result), two more policy
+# tokens (the answer). Completion 1: four policy tokens, no call.
+TOOL = np.array([0, 0, 0, 1, 1, 1, 0, 0], bool)
+
+
+def _minibatch(masked: bool):
+  rng = np.random.default_rng(0)
+  comps = [Completion([1, 2], rng.integers(3, 50, 8), -rng.random(8), advantage=1.0,
+                      action_mask=~TOOL if masked else None),
+           Completion([1, 3], rng.integers(3, 50, 4), -rng.random(4), advantage=-1.0)]
+  return collate_minibatch(comps, CFG)
+
+
+def _per_token(mb, key):
+  return unpack_tokens(mb.arrays[key], mb.completions, mb.placement)
+
+
+def _grad(mb):
+  a = {k: jnp.asarray(v[0]) for k, v in mb.arrays.items()}
+  # The policy moved a little from the sampler, so every trained token has a non-zero gradient.
+  lp = a["old_logprobs"] + 0.05
+
+  def loss(logprobs):
+    return grpo_loss(logprobs, a["old_logprobs"], a["advantages"], a["weights"], a["loss_mask"],
+                     CFG, segment_ids=a["segment_ids"])[0]
+  g = np.asarray(jax.grad(loss)(lp))[None]
+  return [x for x in unpack_tokens(g, mb.completions, mb.placement)]
+
+
+def test_result_tokens_carry_no_loss_weight_or_gradient():
+  mb = _minibatch(masked=True)
+  w0, w1 = _per_token(mb, "weights")
+  # The token normaliser counts the 5 + 4 policy tokens, not the 8 + 4 completion tokens.
+  np.testing.assert_allclose(w0, np.where(TOOL, 0.0, 1 / 9), rtol=1e-6)
+  np.testing.assert_allclose(w1, 1 / 9, rtol=1e-6)
+  assert _per_token(mb, "loss_mask")[0].tolist() == (~TOOL).astype(float).tolist()
+  assert not _per_token(mb, "advantages")[0][TOOL].any()
+  g0, g1 = _grad(mb)
+  assert not g0[TOOL].any() and np.all(g0[~TOOL] != 0) and np.all(g1 != 0)
+  assert mb.stats["completion_tokens"] == 9
+
+
+def test_negative_control_without_the_mask_the_result_tokens_are_trained_on():
+  mb = _minibatch(masked=False)
+  w0, _ = _per_token(mb, "weights")
+  np.testing.assert_allclose(w0, 1 / 12, rtol=1e-6)
+  g0, _ = _grad(mb)
+  assert np.all(g0[TOOL] != 0)
+
+
+def test_result_tokens_need_no_finite_logprob_and_a_completion_needs_an_action():
+  lp = np.where(TOOL, np.nan, -0.5)   # the loop has no log-prob for a token it did not sample
+  ok = Completion([1], np.arange(3, 11), lp, action_mask=~TOOL)
+  mb = collate_minibatch([ok, Completion([1], [4, 5], [-1.0, -1.0], advantage=1.0)], CFG)
+  assert np.isfinite(mb.arrays["old_logprobs"]).all()
+  with pytest.raises(ValueError, match="non-finite old log-probs"):
+    collate_minibatch([Completion([1], np.arange(3, 11), lp), ok], CFG)
+  with pytest.raises(ValueError, match="no token of the policy's own"):
+    collate_minibatch([Completion([1], [3, 4], [-1.0, -1.0], action_mask=[False, False]), ok],
+                      CFG)
+  with pytest.raises(ValueError, match="action_mask of 2 for 8"):
+    collate_minibatch([Completion([1], np.arange(3, 11), lp, action_mask=[True, True]), ok], CFG)
+
+
+def test_a_sample_s_tool_mask_reaches_the_length_penalty_and_crosses_processes():
+  s = Sample("r", 0, [1, 2], list(range(3, 11)), np.zeros(8, np.float32),
+             np.zeros(8, np.int64), "eos", tool_mask=TOOL.copy())
+  plain = Sample("r", 1, [1, 2], [3, 4], np.zeros(2, np.float32), np.zeros(2, np.int64), "eos")
+  assert s.num_policy_tokens == 5 and plain.num_policy_tokens == 2
+  assert s.action_mask.tolist() == (~TOOL).tolist() and plain.action_mask is None
+  back = unpack_samples(*pack_samples([s, plain]))
+  assert back[0].tool_mask.tolist() == TOOL.tolist() and back[1].tool_mask is None
+
+
+def test_scoring_passes_the_policy_s_length_to_the_verifier():
+  from magistral_jax.pipeline.scoring import Scoring
+  seen = []
+
+  class Pool:
+    def submit(self, task, response, num_tokens, group_seed):
+      seen.append(num_tokens)
+      raise RuntimeError("enough")
+
+  class Tok:
+    def decode(self, tokens):
+      return "x" * len(tokens)
+
+  scoring = Scoring(Pool(), Tok())
+  scoring.submit(Sample(0, 0, [1], list(range(3, 11)), np.zeros(8), np.zeros(8), "eos",
+                        tool_mask=TOOL.copy()))
+  assert seen == [5]
