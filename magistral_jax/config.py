@@ -35,6 +35,7 @@ from magistral_jax.parallel.config import DevicesConfig, ShardingConfig
 from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.rewards.config import RewardConfig
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.tool_use.config import ToolConfig
 from magistral_jax.train.config import (CheckpointConfig, OptimizerConfig, SFTConfig,
                                         update_rounding_warning)
 from magistral_jax.verify.config import VerifierConfig
@@ -157,6 +158,8 @@ def default_config() -> mlc.ConfigDict:
   # ---- reward (paper §2): rewards/config.py; its verifier pool: verify/config.py ----
   c.reward = config_section(RewardConfig)
   c.verifier = config_section(VerifierConfig)
+  # ---- tool calls mid-reasoning (issue #67, beyond the paper): tool_use/protocol.py ----
+  c.tools = config_section(ToolConfig)
   # ---- pipeline, devices and sharding (paper §5): pipeline/config.py, parallel/config.py ----
   c.pipeline = config_section(PipelineConfig)
   c.devices = config_section(DevicesConfig)
@@ -210,6 +213,7 @@ class RunConfig:
   sft: SFTConfig
   eval: EvalConfig
   checkpoint: CheckpointConfig
+  tools: ToolConfig = ToolConfig()
   seed: int = 0
   num_batches: int = 10
   stop_after_batches: int = 0
@@ -280,6 +284,7 @@ def _typed(config: mlc.ConfigDict, num_devices: int | None) -> RunConfig:
                     sft=_section(SFTConfig, config, "sft"),
                     eval=_section(EvalConfig, config, "eval"),
                     checkpoint=_section(CheckpointConfig, config, "checkpoint"),
+                    tools=_section(ToolConfig, config, "tools"),
                     **{k: config[k] for k in ("seed", "num_batches", "stop_after_batches",
                                               "tokenizer", "system_prompt") if k in config})
     run.eval.sampling()   # the evaluation sampler's own checks

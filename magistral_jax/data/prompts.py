@@ -25,18 +25,22 @@ from magistral_jax.data.loader import ProblemLoader
 from magistral_jax.data.splits import HeldOutOverlapError, KeySet, check_disjoint, problem_key
 from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
 from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
+from magistral_jax.tool_use.protocol import SYSTEM_PROMPT_TOOLS
 
 # Short names for the public sets shipped in magistral_jax/data/sources (records.SHIPPED).
 SHIPPED_ALIASES = {"gsm8k": "gsm8k_test", "mbpp": "mbpp_sample20"}
 
 
-def system_prompt_for(name: str) -> str | None:
+def system_prompt_for(name: str, tools: bool = False) -> str | None:
   """The run config's `system_prompt` name -> its text: "magistral" (paper §2), "tiny" (the
-  one-line prompt of the synthetic task) or "none"."""
+  one-line prompt of the synthetic task) or "none"; with `tools` (tools.enabled), followed by
+  what the policy needs to know to call the interpreter (tool_use/protocol.py)."""
   table = {"magistral": MAGISTRAL_SYSTEM_PROMPT, "tiny": TINY_SYSTEM_PROMPT, "none": None}
   if name not in table:
     raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
-  return table[name]
+  if not tools:
+    return table[name]
+  return "\n\n".join(p for p in (table[name], SYSTEM_PROMPT_TOOLS) if p)
 
 
 def source_names(source: str) -> list[str]:

@@ -146,7 +146,7 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, checkpoint: str = 
     trained_on[s] = trained.check(map(problem_key, probs), f"evaluation set {s!r}")
   tok, model_cfg, init_params = load_policy(run.model, run.init, run.tokenizer)
   params, step = checkpoint_params(run, workdir, checkpoint, model_cfg, init_params)
-  system_prompt = system_prompt_for(run.system_prompt)
+  system_prompt = system_prompt_for(run.system_prompt, run.tools.enabled)
   _, gdevs = run_devices(run.devices)
   # The engine fits the sets' longest prompt.
   engine_cfg = dataclasses.replace(run.engine, max_prefill_length=fitted_prefill(

@@ -38,7 +38,7 @@ class Carry:
     free = list(slots.free())
     while self.samples and free:
       record = self.samples[0]
-      sample, tokens, _, _, _, _ = record
+      sample, tokens = record[:2]
       seq = sample.group.prompt + tokens[:-1].tolist()
       slot = int(free[0])
       if pages is not None:

@@ -148,6 +148,8 @@ class Engine:
                             out_shardings=None)
     self._insert = jax.jit(prompts.insert_one, out_shardings=self.state_shardings,
                            donate_argnums=(1,), static_argnames=("cache_only",))
+    self._extend = jax.jit(partial(prompts.extend_one, sampling=sampling, **model),
+                           out_shardings=(self.state_shardings, rep, rep), donate_argnums=(1,))
     self._init = jax.jit(empty, out_shardings=self.state_shardings)
     self._prefill_many = jax.jit(partial(prompts.prefill_rows, **model))
     self._insert_many = jax.jit(partial(prompts.insert_rows, sampling=sampling),
@@ -276,6 +278,19 @@ class Engine:
     prefix = self._prefill(params, jnp.asarray(padded), jnp.asarray(n, jnp.int32),
                            jnp.zeros((2,), jnp.uint32), decode_state.temperature[slot])
     return self._insert(prefix, decode_state, jnp.asarray(slot, jnp.int32), cache_only=True)
+
+  def extend(self, params, decode_state: DecodeState, slot: int, tokens: Sequence[int],
+             length: int) -> tuple[DecodeState, Array, Array]:
+    """Continues the live sequence in `slot` (donating decode_state), whose first `length`
+    cache positions are kept as they are, with `tokens` (the slot's pending token, then what a
+    tool returned: prompts.extend_one), and draws its next token: (state, token, log-prob). A
+    paged slot must hold the pages of length + len(tokens) + 1 positions."""
+    padded, n, _ = self.pad_prompt(tokens, self.recompute_buckets)
+    if length < 1 or length + n > self.cache_length:
+      raise ValueError(f"slot {slot}: {length} cached + {n} new positions do not fit the cache "
+                       f"of {self.cache_length}")
+    return self._extend(params, decode_state, jnp.asarray(slot, jnp.int32), jnp.asarray(padded),
+                        jnp.asarray(n, jnp.int32), jnp.asarray(length, jnp.int32))
 
   # ---- batched prefill / insert (used by GeneratorLoop) ---------------------------------------
   def split_batch(self, n: int) -> list[int]:

@@ -145,8 +145,10 @@ class DeviceLead:
     c.decode_time_s += time.perf_counter() - t0
     if d.firsts:   # the inserts came before this step: their first tokens go first
       self.record_firsts(firsts)
-    samples = self.slots.samples
-    idx = d.slots[np.array([samples[i] is o for i, o in zip(d.slots, d.owners)], bool)]
+    samples, active = self.slots.samples, self.slots.active
+    # A slot parked since (for a tool call) holds the same sample but gets no token.
+    idx = d.slots[np.array([samples[i] is o and active[i] for i, o in zip(d.slots, d.owners)],
+                           bool)]
     c.active_slot_steps += idx.size
     bad = ~res.finite[idx]
     if bad.any():

@@ -1,27 +1,22 @@
 """The generator loop: continuous batching over the engine's slots, with weights updated in flight.
 
 One iteration (`step`):
-  1. swap in pending weights, if any (a pointer swap at a decode-step boundary; the KV cache of
-     in-flight sequences is kept, as in the paper, unless recompute_kv_on_update is set:
-     loop_weights.py);
-  2. refill free slots (refill.py): the requests that the free slots need are prefilled
-     together, topped up with the next queued requests up to `prefill_ahead` prompts, and the
-     new samples go into their slots in one `insert_many` call per prefill batch. With
-     `shared_prefix` a prompt starting with it is prefilled as its rest only (prefix_cache.py).
-     With background_prefill a worker thread does the prefilling ahead, while the loop decodes
-     (prefill_worker.py), and the loop inserts what is ready;
-  3. once no request is waiting and the active slots fit in one of the engine's compact_sizes
-     (the drain at the end of a batch), they move onto that smaller engine, whose step costs
-     less, and move back when new work arrives (compaction.Drain);
-  With a paged KV cache (paging.py), samples parked for want of pages resume first, and each
-  active slot reserves the page of its next token before the step;
-  4. one decode step for all slots and one device-to-host transfer of its results, then
-     vectorised bookkeeping in numpy (slots.py): finish on EOS, a stop string or max tokens;
-     stream finished samples out as `Sample`s.
-
-Host work overlapped with the device (EngineConfig.overlap_host, the default): step 4 dispatches
-decode step n+1 before it records step n's results, so the device computes while the host works
-(inflight.py says what that changes); overlap_host=False dispatches, fetches and records in turn.
+  1. swap in pending weights at the step boundary, keeping the in-flight KV cache as the paper
+     does, unless recompute_kv_on_update (loop_weights.py); samples whose tool calls are done go
+     on after their results (tool_turns.py);
+  2. refill free slots (refill.py): the prompts the free slots need, topped up with queued ones
+     up to `prefill_ahead`, prefilled together (a `shared_prefix` once: prefix_cache.py; ahead of
+     the loop in a worker thread with background_prefill: prefill_worker.py) and inserted with
+     one `insert_many` per prefill batch;
+  3. once no request waits and the active slots fit one of the engine's compact_sizes (the drain
+     at the end of a batch), they decode on that smaller engine (compaction.Drain); on a paged
+     KV cache (paging.py) samples parked for want of pages resume first, and each active slot
+     reserves the page of its next token;
+  4. one decode step for all slots and one device-to-host transfer of its results, then the
+     bookkeeping in numpy (slots.py): finish on EOS, a stop string or max tokens, or park for a
+     tool call; finished samples stream out as `Sample`s.
+With overlap_host (the default) step 4 dispatches decode step n+1 before it records step n's
+results, so the device computes while the host works (inflight.py says what that changes).
 
 `start()` runs `step` in a thread; `update_params` and `submit` are safe from any thread. An
 exception in the loop thread stops the loop and is re-raised (with the thread's traceback as the
@@ -54,6 +49,7 @@ from magistral_jax.generate.prefix_cache import SharedPrefixCache
 from magistral_jax.generate.refill import Refill
 from magistral_jax.generate.requests import GeneratorError, Request, RequestSamples, Sample
 from magistral_jax.generate.slots import SlotTable
+from magistral_jax.generate.tool_turns import ToolTurns
 from magistral_jax.generate.weights import transfer_params
 
 log = logging.getLogger(__name__)
@@ -75,16 +71,15 @@ class GeneratorLoop:
                callback: Callable[[Sample], None] | None = None, seed: int = 0,
                shared_prefix: Sequence[int] | None = None, idle_wait_s: float = 0.005,
                truncate_prompts: bool | None = None, compact_drain: bool = True,
-               prefill_ahead: int | None = None):
+               prefill_ahead: int | None = None, tools: ToolTurns | None = None):
     self.engine = engine
     # The loop's knobs of the `engine` section (config.EngineConfig says what each does; its
     # shapes are the engine's own): overlap_host (inflight.py), background_prefill and
     # loop_prefill_below (prefill_worker.py), recompute_kv_on_update (loop_weights.py).
     self.options = options
-    # When a free slot needs a prefill, up to this many requests in all (the ones the free slots
-    # need first, then the next ones in the queue) are prefilled in the same call; the extra
-    # prefixes wait for the next free slots. A batched prefill costs less per prompt than one
-    # at a time. Default: the engine's largest prefill batch; 0 or 1: only what is needed now.
+    # Requests prefilled in one call when a free slot needs one (those the free slots need, then
+    # queued ones, whose prefixes wait for the next free slots): a batched prefill costs less per
+    # prompt. Default: the engine's largest prefill batch; 0 or 1: only what is needed now.
     self.prefill_ahead = (engine.prefill_batch_sizes[-1] if prefill_ahead is None
                           else int(prefill_ahead))
     # With compact_drain, once no request is waiting and the active slots fit in one of the
@@ -99,8 +94,7 @@ class GeneratorLoop:
       if getattr(self.sampling, f) != getattr(engine.sampling, f):
         raise ValueError(f"sampling.{f}={getattr(self.sampling, f)!r} differs from the engine's "
                          f"{getattr(engine.sampling, f)!r} (it is compiled into the engine)")
-    self.truncate_prompts = truncate_prompts if truncate_prompts is not None else \
-        engine.truncate_prompts
+    self.truncate_prompts = engine.truncate_prompts if truncate_prompts is None else truncate_prompts
     if self.sampling.stop_strings and detokenize is None:
       raise ValueError("SamplingConfig.stop_strings needs a detokenize callable")
     self.detokenize = detokenize
@@ -118,8 +112,10 @@ class GeneratorLoop:
     self.completions: queue.Queue[Sample] = queue.Queue()
     requests: queue.Queue[RequestSamples] = queue.Queue()
     pages = None if engine.kv_pages is None else LoopPages(engine, drain.set_pages)
+    self.tools = tools   # a sample may stop for a tool call, and go on after it (tool_turns.py)
     slots = SlotTable(engine.max_concurrent_decodes, engine.max_decode_length, self.sampling,
-                      detokenize, self._emit, None if pages is None else pages.release)
+                      detokenize, self._emit, None if pages is None else pages.release,
+                      None if tools is None else tools.maybe_call)
     self._stop = threading.Event()
     # What the loop's parts share (loop_parts.py names each field's owner).
     self.parts = LoopParts(
@@ -256,10 +252,7 @@ class GeneratorLoop:
       if max_steps is not None and n >= max_steps:
         break
     self._flush()   # the step in flight, if any: its tokens are recorded before returning
-    out = []
-    while not self.completions.empty():
-      out.append(self.completions.get())
-    return out
+    return [self.completions.get() for _ in range(self.completions.qsize())]
 
   @property
   def num_active(self) -> int:
@@ -268,7 +261,9 @@ class GeneratorLoop:
   def metrics(self) -> dict[str, float]:
     m = self.counters.metrics(self.engine.max_concurrent_decodes, self.engine.cache_length,
                               self.version)
-    return m if self.parts.pages is None else {**m, **self.parts.pages.metrics()}
+    for part in (self.parts.pages, self.tools):
+      m.update(part.metrics() if part is not None else {})
+    return m
 
   def shared_prefix_cache(self):
     """The shared prefix's Prefix under the current weights (None without a shared_prefix): what
@@ -287,6 +282,8 @@ class GeneratorLoop:
       raise RuntimeError("release: the loop thread is running; release is for loops stepped by "
                          "their caller between phases (stop() it first)")
     self._flush()
+    if self.tools is not None and self.tools.busy():   # their calls' results go in first
+      self.state = self.tools.resume(self.parts, self.params, self.version, self.state, True)
     if carry:
       self.carry.suspend(self.parts.slots, self.parts.pages)
     elif not self.idle():
@@ -345,6 +342,8 @@ class GeneratorLoop:
     """One loop iteration; returns False when there was nothing to decode. With overlap_host it
     dispatches a decode step and then records the one dispatched by the previous call."""
     self.weights.apply_pending(self._recompute_kv)
+    if self.tools is not None and self.tools.busy():   # samples back from their tool calls
+      self.state = self.tools.resume(self.parts, self.params, self.version, self.state)
     pages, slots = self.parts.pages, self.parts.slots
     if self.carry:   # samples carried over a release go first (carry.py)
       self.state = self.carry.resume(self.engine, self.params, self.state, slots, pages,
@@ -380,7 +379,8 @@ class GeneratorLoop:
     carried one for its slot."""
     return (not self.parts.requests.empty() or self.parts.prefiller.holds_work()
             or any(g.waiting > 0 for g in self.parts.groups)
-            or bool(self.parts.pages and self.parts.pages.parked) or bool(self.carry))
+            or bool(self.parts.pages and self.parts.pages.parked) or bool(self.carry)
+            or (self.tools is not None and self.tools.busy()))
 
   def _emit(self, sample: Sample) -> None:
     self.completions.put(sample)

@@ -78,6 +78,16 @@ class LoopPages:
     self._changed()
     return True
 
+  def reserve(self, slot: int, length: int) -> bool:
+    """Pages for `slot`'s first `length` positions (a tool's result going into a live slot), if
+    the pool has them."""
+    try:
+      if self.pool.reserve(slot, length):
+        self._changed()
+    except OutOfPages:
+      return False
+    return True
+
   def grow(self, reached: dict[int, int]) -> int | None:
     """Reserves, for each active slot, the pages of its first `reached[slot]` positions (what the
     next step writes below). Returns None, or the slot that could not grow when the pool is dry."""

@@ -125,3 +125,35 @@ def insert_rows(prefixes: Prefixes, state: DecodeState, slots, rows, keys, sampl
   new = DecodeState(cache, put(state.tokens, tok), put(state.keys, slot_keys), active,
                     put(state.temperature, temps))
   return new, tok, lp
+
+
+def slot_row(cache, slot, cache_length: int) -> T.KVCache:
+  """`slot`'s cache as one prompt's (per layer, keys [1, K, Dh, S] and values [1, K, S, Dh], S =
+  cache_length), lengths aside: its row of a per-slot cache, or its pages of a paged one
+  gathered in order (the null page past them: padding)."""
+  if isinstance(cache, T.PagedKVCache):
+    pages = jax.lax.dynamic_index_in_dim(cache.page_table, slot, keepdims=False)
+
+    def gather(pool):   # [K, P, ps, Dh] -> [K, S, Dh]
+      hkv, _, ps, dh = pool.shape
+      return pool[:, pages].reshape(hkv, pages.shape[0] * ps, dh)[:, :cache_length]
+    return T.KVCache(tuple(gather(k).transpose(0, 2, 1)[None] for k in cache.k),
+                     tuple(gather(v)[None] for v in cache.v), None)
+  row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
+  return T.KVCache(tuple(map(row, cache.k)), tuple(map(row, cache.v)), None)
+
+
+def extend_one(params, state: DecodeState, slot, padded_tokens, num_new, length, *,
+               cfg: ModelConfig, shard: ShardingCtx, sampling: S.SamplingConfig, cache_dtype,
+               cache_length: int) -> tuple[DecodeState, Array, Array]:
+  """A live slot's sequence continued by `num_new` tokens (padded [bucket]) that the policy did
+  not sample (a tool's result, issue #67), on top of the cache it holds: its first `length`
+  positions are kept as they are (never recomputed, whatever weights made them), the new
+  tokens go through the model at positions length ..., and the slot's next token is drawn from
+  the last one's logits with the slot's own stream and temperature. Returns (state, that token,
+  its log-prob); the slot is active."""
+  row = slot_row(state.cache, slot, cache_length)
+  prefix = prefill_one(params, padded_tokens, num_new, state.keys[slot], state.temperature[slot],
+                       row, length, cfg=cfg, shard=shard, sampling=sampling,
+                       cache_dtype=cache_dtype, cache_length=cache_length)
+  return insert_one(prefix, state, slot), prefix.token, prefix.logprob

@@ -41,8 +41,15 @@ class GeneratorMeter:
         # far, and the most pages held at once by one generator.
         "generator_kv_preemptions": float(sum(p.preemptions for p in pages)),
         "generator_kv_pages_peak": float(max(p.peak_pages for p in pages))}
+    tools = [g.tools for g in self.generators if getattr(g, "tools", None) is not None]
+    # Tool calls (generate/tool_turns.py), over the run so far, all generators: calls, those
+    # that failed (their error text was the result), results past a sample's budget, and the
+    # result tokens the policy read.
+    tool = {f"generator_{k}": float(sum(t.counts[k] for t in tools))
+            for k in ("tool_calls", "tool_errors", "tool_truncated", "tool_result_tokens")
+            } if tools else {}
     return {
-        **paged,
+        **paged, **tool,
         # Share of generator capacity holding live sequences: slot occupancy over decode steps x
         # share of wall time the loop was not waiting for work (it was decoding, prefilling,
         # inserting or doing its bookkeeping). Sync mode loses both while it waits for the

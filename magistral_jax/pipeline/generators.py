@@ -2,14 +2,19 @@
 `engine` and `sampling` sections, and the prompt prefix they share."""
 from __future__ import annotations
 
+from typing import Callable
+
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.generate.prefix_cache import common_prefix, useful_shared_prefix
+from magistral_jax.generate.tool_turns import ToolTurns
 from magistral_jax.generate.xla_cpu import PAGED_MIN_POSITIONS_CPU, tune_engine
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.config import GENERATOR_RULES
 from magistral_jax.parallel.sharding import make_mesh
+from magistral_jax.rewards.tool_run import ToolRunner
+from magistral_jax.tool_use.config import ToolConfig
 
 
 _PREFIX_PROBES = ("0", "x + y = ?", "Why?", "\n# Title", "Le problème", "```python", " x",
@@ -87,21 +92,35 @@ def engine_for(model_cfg: ModelConfig, devices, sampling: SamplingConfig,
 def make_generators(model_cfg: ModelConfig, params, device_slices, sampling: SamplingConfig,
                     engine_cfg: EngineConfig = EngineConfig(), *, mesh_shape: dict | None = None,
                     version: int = 0, detokenize=None, seed: int = 0, rules=GENERATOR_RULES,
-                    shared_prefix=None, engines: dict | None = None) -> list[GeneratorLoop]:
+                    shared_prefix=None, engines: dict | None = None,
+                    tools: Callable[[], ToolTurns] | None = None) -> list[GeneratorLoop]:
   """One engine + generator loop per device slice (tensor parallel over the slice by default),
   shaped and run as the `engine` section says (generate/config.py EngineConfig), decoding up to
   sampling.max_new_tokens. With engine_cfg.tune each engine times its decode step with both CPU
   dot libraries and keeps the faster, for its drain (compact) steps too (a no-op on
   accelerators). `shared_prefix`: token ids most prompts start with, prefilled once per weights
   version (see shared_prefix_for). `engines`: see engine_for (a run passes its dict, so an engine
-  built before on a slice is reused)."""
+  built before on a slice is reused). `tools`: makes each loop's ToolTurns (tool_turns_for), when
+  the policy may call the interpreter."""
   loops = []
   for i, devs in enumerate(device_slices):
     engine = engine_for(model_cfg, devs, sampling, engine_cfg, engines=engines,
                         mesh_shape=mesh_shape, rules=rules)
     loop = GeneratorLoop(engine, params, version, sampling=sampling, detokenize=detokenize,
-                         seed=seed + i, shared_prefix=shared_prefix, options=engine_cfg)
+                         seed=seed + i, shared_prefix=shared_prefix, options=engine_cfg,
+                         tools=tools() if tools is not None else None)
     if engine_cfg.tune:
       tune_engine(engine, loop.params)
     loops.append(loop)
   return loops
+
+
+def tool_turns_for(cfg: ToolConfig, tok) -> Callable[[], ToolTurns] | None:
+  """What make_generators' `tools` takes for the `tools` section (None unless enabled): each
+  loop's ToolTurns runs its calls in this process's sandboxes (rewards/tool_run.ToolRunner, one
+  for the process, a sandbox per thread) and tokenizes results with the run's tokenizer, with no
+  BOS (a result continues a sequence)."""
+  if not cfg.enabled:
+    return None
+  runner = ToolRunner(cfg)
+  return lambda: ToolTurns(cfg, runner, lambda text: tok.encode(text, add_bos=False), tok.decode)

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
+from magistral_jax.rewards.code_check import default_python
 from magistral_jax.rewards.code_result import write_source
 from magistral_jax.rewards.code_stdio import RUN_SOLUTION
-from magistral_jax.rewards.sandbox import Sandbox
+from magistral_jax.rewards.sandbox import Sandbox, process_uid_base
 from magistral_jax.rewards.sandbox_limits import Limits
 from magistral_jax.rewards.sandbox_root import interpreter_binds
-from magistral_jax.tool_use.protocol import EMPTY_CALL, ToolConfig
+from magistral_jax.tool_use.config import ToolConfig
+from magistral_jax.tool_use.protocol import EMPTY_CALL
 
 TRACEBACK_LINES = 4   # the end of a traceback: the exception and where it was raised
 
@@ -79,3 +82,32 @@ def run_call(source: str, cfg: ToolConfig, *, sandbox: Sandbox, python: str) -> 
     return CallResult((out + "\n" if out else "") + err, kind, r.wall_s)
   err = r.stderr.decode("utf-8", errors="replace").strip()
   return CallResult(out + ("\n" + err if err else ""), None, r.wall_s)
+
+
+class ToolRunner:
+  """run_call for the tool calls of one process's generators (generate/tool_turns.py runs them
+  on its own threads): each thread gets a sandbox of its own, with a uid of its own among the
+  process's sandbox uids (FIRST_UID_OFFSET on), so that concurrent calls never share the uid
+  their limits and cleanup go by. Returns (output, error kind), as ToolTurns takes them."""
+
+  FIRST_UID_OFFSET, MAX_THREADS = 246, 8
+
+  def __init__(self, cfg: ToolConfig, python: str | None = None):
+    self.cfg, self.python = cfg, python or default_python()
+    self._local = threading.local()
+    self._lock = threading.Lock()
+    self._threads = 0
+
+  def _sandbox(self) -> Sandbox:
+    sbx = getattr(self._local, "sandbox", None)
+    if sbx is None:
+      with self._lock:
+        if self._threads >= self.MAX_THREADS:
+          raise RuntimeError(f"ToolRunner: more than {self.MAX_THREADS} threads run tool calls")
+        offset, self._threads = self.FIRST_UID_OFFSET + self._threads, self._threads + 1
+      sbx = self._local.sandbox = Sandbox(uid=process_uid_base() + offset)
+    return sbx
+
+  def __call__(self, source: str) -> tuple[str, str | None]:
+    r = run_call(source, self.cfg, sandbox=self._sandbox(), python=self.python)
+    return r.output, r.error

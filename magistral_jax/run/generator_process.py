@@ -14,7 +14,7 @@ from magistral_jax.parallel import multihost
 from magistral_jax.parallel.multihost import Mailbox, ProcessLayout
 from magistral_jax.parallel.sharding import make_mesh
 from magistral_jax.pipeline.generator_service import serve_generator
-from magistral_jax.pipeline.generators import make_generators
+from magistral_jax.pipeline.generators import make_generators, tool_turns_for
 from magistral_jax.pipeline.remote import weight_transfer
 from magistral_jax.run.stages import Stage, training_sampling
 from magistral_jax.verify.pool import VerifierPool
@@ -37,7 +37,8 @@ def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLa
     [loop] = make_generators(model_cfg, params, [devices], training_sampling(srun, tok.eos_id),
                              srun.engine, mesh_shape=srun.devices.generator_mesh,
                              version=version, seed=run.seed + si, rules=rules,
-                             shared_prefix=shared_prefix, engines=engines)
+                             shared_prefix=shared_prefix, engines=engines,
+                             tools=tool_turns_for(srun.tools, tok))
     return loop
 
   def make_eval(tag, params, problems):
@@ -46,7 +47,7 @@ def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLa
   score = None   # the leader scores, unless this host's pool does (verifier.placement)
   if run.verifier.placement == "generators":
     def score(sample):
-      return pool.submit(sample.metadata, tok.decode(sample.tokens), len(sample.tokens),
+      return pool.submit(sample.metadata, tok.decode(sample.tokens), sample.num_policy_tokens,
                          int(sample.request_id))
   inc = multihost.incarnation()
   log.info("process %d: %s on %d device(s)%s", layout.process_id, layout.role, len(devices),

@@ -131,7 +131,7 @@ def run_sft(config: mlc.ConfigDict, workdir: str) -> dict:
   rules = run.sharding.trainer_rules
   writer = MetricsWriter(workdir)
   tok, model_cfg, init_params = load_policy(run.model, run.init, run.tokenizer)
-  system_prompt = system_prompt_for(run.system_prompt)
+  system_prompt = system_prompt_for(run.system_prompt, run.tools.enabled)
   tdev, _ = run_devices(run.devices)
   mesh = make_mesh(dict(run.devices.trainer_mesh), tdev)
   tx = make_optimizer(run.sft.optimizer())

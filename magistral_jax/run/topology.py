@@ -20,7 +20,7 @@ from magistral_jax.eval.in_run import eval_loop_factory, run_eval
 from magistral_jax.parallel import liveness, multihost
 from magistral_jax.parallel.layout import run_devices
 from magistral_jax.parallel.sharding import make_mesh
-from magistral_jax.pipeline.generators import engine_for, make_generators
+from magistral_jax.pipeline.generators import engine_for, make_generators, tool_turns_for
 from magistral_jax.pipeline.remote import (GeneratorLost, RemoteGenerator, remote_eval,
                                            weight_transfer)
 from magistral_jax.pipeline.rollouts import Rollouts
@@ -73,7 +73,8 @@ class OneProcess:
                            mesh_shape=srun.devices.generator_mesh, version=version,
                            seed=self.run.seed + stage.index,
                            rules=srun.sharding.generator_rules,
-                           shared_prefix=self.shared_prefix, engines=self.engines)
+                           shared_prefix=self.shared_prefix, engines=self.engines,
+                           tools=tool_turns_for(srun.tools, self.tok))
 
   def rollouts(self, stage, prompts, tmesh, **kw):
     return Rollouts(prompts=prompts, colocated=stage.run.colocated, **kw)

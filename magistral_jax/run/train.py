@@ -59,7 +59,7 @@ def main(config: mlc.ConfigDict, workdir: str) -> None:
   tok, model_cfg, init_params = load_policy(
       run.model, run.init, run.tokenizer, load_weights=mesh is not None, mesh=mesh,
       rules=run.sharding.trainer_rules)
-  system_prompt = system_prompt_for(run.system_prompt)
+  system_prompt = system_prompt_for(run.system_prompt, run.tools.enabled)
   shared_prefix = shared_prefix_for(run.engine, tok, system_prompt)
   if not topology.is_trainer:
     return run_generator_process(run, stages, topology.layout, tok, model_cfg, system_prompt,

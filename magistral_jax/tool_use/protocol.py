@@ -21,7 +21,7 @@ tokenized by us; the policy's own tokens, the call included, stay exactly as sam
 tokens are not the policy's actions: they are masked out of the loss, the token normaliser and
 the length penalty (rl/collate.Completion.action_mask).
 
-Limits (ToolConfig): calls per sample, result tokens per call (the output is cut to fit, and
+Limits (tool_use/config.py ToolConfig): calls per sample, result tokens per call (the output is cut to fit, and
 says so), and the sample's token budget, which result tokens count against. A call that fails,
 times out, prints too much or comes past the call limit gets its error text as the result; it
 never ends the sample or the run.
@@ -30,8 +30,6 @@ Pure text and numbers, no dependency: the generator loop, the verifiers and the 
 read it.
 """
 from __future__ import annotations
-
-import dataclasses
 
 TOOL_OPEN = "<tool>"
 TOOL_CLOSE = "</tool>"
@@ -48,24 +46,6 @@ SYSTEM_PROMPT_TOOLS = (
 TOO_MANY_CALLS = "error: no more tool calls in this answer (the limit is {limit})"
 EMPTY_CALL = "error: the tool call holds no code"
 CUT = "\n[output cut to {kept} of {total} characters]"
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolConfig:
-  """The `tools` section: whether the policy may call the interpreter, and its limits."""
-  enabled: bool = False
-  max_calls: int = 4              # calls per sample; later ones get TOO_MANY_CALLS
-  max_result_tokens: int = 64     # tokens of one result block, tags included
-  max_output_chars: int = 400     # the output kept of one call, before tokenizing
-  cpu_s: float = 2.0              # the sandbox's CPU limit per call (RLIMIT_CPU)
-  memory_mb: int = 256            # and its address-space limit
-
-  def __post_init__(self):
-    if self.max_calls < 0 or self.max_result_tokens < 8 or self.max_output_chars < 1:
-      raise ValueError(f"ToolConfig: need max_calls >= 0, max_result_tokens >= 8 (the tags) and "
-                       f"max_output_chars >= 1, got {self}")
-    if self.cpu_s <= 0 or self.memory_mb < 32:
-      raise ValueError(f"ToolConfig: need cpu_s > 0 and memory_mb >= 32, got {self}")
 
 
 def pending_call(text: str) -> str | None:

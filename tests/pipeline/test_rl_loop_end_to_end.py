@@ -14,6 +14,7 @@ import pytest
 
 from magistral_jax.data import synthetic
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
+from magistral_jax.generate.tool_turns import ToolTurns
 from magistral_jax.model import transformer as T
 from magistral_jax.model.char_tokenizer import char_tokenizer
 from magistral_jax.model.config import ModelConfig
@@ -27,7 +28,11 @@ from magistral_jax.parallel.layout import split_devices
 from magistral_jax.train.sft import sft_warm_start
 from magistral_jax.pipeline.generators import make_generators
 from magistral_jax.rewards.config import RewardConfig
+from magistral_jax.rewards.tool_run import ToolRunner
+from magistral_jax.rl.collate import unpack_tokens
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.tool_use.config import ToolConfig
+from magistral_jax.tool_use.protocol import result_block
 from magistral_jax.train.metrics_writer import MetricsWriter
 from magistral_jax.train.optimizer import make_optimizer
 from magistral_jax.train.config import OptimizerConfig, SFTConfig
@@ -65,7 +70,7 @@ class Run:
 
   def __init__(self, s, mode, workdir=None, n_async=0, seed=1, pool=None, max_queue=0,
                tune=False, tmesh=None, gdevs=None, colocated=False, tx=None, carry_over=False,
-               **engine):
+               tools=None, **engine):
     rl_tx = tx or make_optimizer(OptimizerConfig(learning_rate=1e-3))
     tmesh = tmesh or s["tmesh"]
     state = init_state(s["cfg"], rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES,
@@ -80,7 +85,7 @@ class Run:
                                         background_prefill=not (colocated and (
                                             mode == "sync" or carry_over)),
                                         **engine),
-                           seed=seed)
+                           seed=seed, tools=tools)
     self.rollouts = Rollouts(generators=gens, pool=pool or s["pool"], tokenizer=s["tok"],
                              prompts=synthetic.problems(seed), grpo_cfg=GRPO,
                              cfg=PipelineConfig(mode=mode, n_async=n_async, max_queue=max_queue,
@@ -355,3 +360,44 @@ def test_a_released_colocated_generator_needs_a_push_before_it_generates(setup):
     assert pipe.generators[0].released
     with pytest.raises(PipelineError, match="no push has brought new ones"):
       pipe.next_batch()
+
+
+class _CallsAfterFour(ToolTurns):
+  """The tiny model writes no tags: the first turn of each sample "is" a call once it has four
+  tokens (parsing the tags: tests/tool_use/test_protocol.py)."""
+
+  def call_in(self, turn):
+    return "print(6 * 7)" if len(turn) >= 4 else None
+
+  def maybe_call(self, slots, slot):
+    return slots.results(slot) == 0 and super().maybe_call(slots, slot)
+
+
+def test_tool_calls_round_trip_through_the_sandbox_the_verifier_and_the_loss(setup):
+  """Colocated: each sample calls the real sandboxed interpreter mid-sequence, reads its result
+  and goes on; the batch trains with the result tokens out of the loss."""
+  tok = setup["tok"]
+  cfg = ToolConfig(enabled=True, max_result_tokens=40, cpu_s=1.0)
+  runner = ToolRunner(cfg)
+  tmesh, colocated_devs, _ = _two_device_layouts()
+  run = Run(setup, "sync", tmesh=tmesh, gdevs=colocated_devs, colocated=True,
+            tools=lambda: _CallsAfterFour(cfg, runner, lambda t: tok.encode(t), tok.decode))
+  packed = []
+  real = run.rollouts.minibatches
+
+  def spy(batch, cfg_, rng):
+    out = real(batch, cfg_, rng)
+    packed.extend(out)
+    return out
+  run.rollouts.minibatches = spy
+  history = run.run(2)
+  assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+  assert history[-1]["generator_tool_calls"] >= 2 * GRPO.n_batch
+  assert history[-1]["generator_tool_errors"] == 0
+  block = tok.encode(result_block("42\n", cfg.max_output_chars))
+  called = [c for mb in packed for c in mb.completions if c.action_mask is not None]
+  assert called and all(c.completion_tokens[4:4 + len(block)].tolist() == block for c in called)
+  for mb in packed:   # the result tokens are in the rows, and out of the loss
+    for c, mask in zip(mb.completions, unpack_tokens(mb.arrays["loss_mask"], mb.completions,
+                                                     mb.placement)):
+      assert mask.tolist() == c.actions.astype(float).tolist()

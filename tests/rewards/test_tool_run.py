@@ -12,7 +12,8 @@ import pytest
 
 from magistral_jax.rewards.code_check import default_python
 from magistral_jax.rewards.tool_run import run_call
-from magistral_jax.tool_use.protocol import EMPTY_CALL, ToolConfig
+from magistral_jax.tool_use.config import ToolConfig
+from magistral_jax.tool_use.protocol import EMPTY_CALL
 
 CFG = ToolConfig(enabled=True, cpu_s=1.0)
 PY = default_python()
@@ -20,7 +21,7 @@ PY = default_python()
 
 @pytest.fixture(params=["default", "userns"])
 def sbx(request, private_sandbox):
-  return private_sandbox(request.param, 7100)
+  return private_sandbox(request.param, 244)
 
 
 def test_an_honest_call_prints_its_result(sbx):

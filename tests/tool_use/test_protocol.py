@@ -3,6 +3,7 @@ reads, and the turn checks that guard multi-turn training."""
 import pytest
 
 from magistral_jax.tool_use import protocol as P
+from magistral_jax.tool_use.config import ToolConfig
 
 
 @pytest.mark.parametrize("text, source", [
@@ -47,8 +48,8 @@ def test_calls_turns_and_void_turns():
 
 
 def test_the_config_refuses_limits_that_cannot_work():
-  assert not P.ToolConfig().enabled
+  assert not ToolConfig().enabled
   with pytest.raises(ValueError, match="max_result_tokens >= 8"):
-    P.ToolConfig(max_result_tokens=4)
+    ToolConfig(max_result_tokens=4)
   with pytest.raises(ValueError, match="cpu_s > 0"):
-    P.ToolConfig(cpu_s=0)
+    ToolConfig(cpu_s=0)
