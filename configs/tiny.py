@@ -69,7 +69,7 @@ def get_config(arg=None):
 
 def _apply_arg(c, arg):
   """`configs/tiny.py:adv_norm=group,mode=sync,eps_high=0.2,n_mini=8,batches=4`."""
-  args = recipe_args(arg, "configs/tiny.py", switches=("colocated", "multihost"),
+  args = recipe_args(arg, "configs/tiny.py", switches=("colocated", "multihost", "tools"),
                      values=RL_KEYS + ("n_mini_per_batch", "mode", "batches", "slip",
                                        "sft_steps"))
   # colocated/multihost first: a mode=... given with them wins
@@ -106,6 +106,16 @@ def _apply_arg(c, arg):
       c.sft.rows_per_micro = 16
       c.rl.update(microbatch_tokens=2048, microbatch_rows=8)
       c.sft.num_steps, c.num_batches = 500, 120
+    elif key == "tools":   # issue #67: the policy may call the interpreter (tool_use/protocol.py)
+      # Half the cold start's traces call it for the whole expression (synthetic.tool_trace);
+      # the system prompt says how; a result block needs room: 64 more new tokens.
+      c.tools.enabled = True
+      c.data.sft_tool_rate = 0.5
+      c.sampling.max_new_tokens = c.eval.max_new_tokens = 128
+      c.reward.update(l_max=128, l_cache=32)
+      c.engine.max_prefill_length = 96
+      c.rl.microbatch_tokens = 4 * 288
+      c.sft.row_len = 512
     elif key == "batches":
       c.num_batches = int(value)
     elif key == "slip":   # fraction of cold-start traces with one arithmetic slip

@@ -15,7 +15,7 @@ class DataConfig:
 
   The synthetic task (data/synthetic.py): min_steps..max_steps operations on operands up to
   max_operand; its SFT traces slip (a wrong step, then a correction) or ramble (past the row)
-  at these rates."""
+  at these rates, and call the interpreter (issue #67: synthetic.tool_trace) at sft_tool_rate."""
   source: str = "synthetic"
   heldout_source: str = ""
   data_dir: str = ""
@@ -26,6 +26,7 @@ class DataConfig:
   heldout: int = 64
   sft_slip_rate: float = 0.0
   sft_ramble_rate: float = 0.0
+  sft_tool_rate: float = 0.0
 
   def __post_init__(self):
     if not 1 <= self.min_steps <= self.max_steps or self.max_operand < 1:
@@ -34,6 +35,6 @@ class DataConfig:
                        f"max_operand={self.max_operand}")
     if self.heldout < 0:
       raise ValueError(f"data.heldout={self.heldout} must be >= 0")
-    for f in ("sft_slip_rate", "sft_ramble_rate"):
+    for f in ("sft_slip_rate", "sft_ramble_rate", "sft_tool_rate"):
       if not 0.0 <= getattr(self, f) <= 1.0:
         raise ValueError(f"data.{f}={getattr(self, f)} must be in [0, 1]")

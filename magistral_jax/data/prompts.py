@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 from magistral_jax.data import records, synthetic
 from magistral_jax.data.loader import ProblemLoader
 from magistral_jax.data.splits import HeldOutOverlapError, KeySet, check_disjoint, problem_key
-from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT
+from magistral_jax.data.synthetic import TINY_SYSTEM_PROMPT, TINY_SYSTEM_PROMPT_TOOLS
 from magistral_jax.model.tokenizer import MAGISTRAL_SYSTEM_PROMPT
 from magistral_jax.tool_use.protocol import SYSTEM_PROMPT_TOOLS
 
@@ -40,6 +40,8 @@ def system_prompt_for(name: str, tools: bool = False) -> str | None:
     raise ValueError(f"system_prompt must be one of {sorted(table)}, got {name!r}")
   if not tools:
     return table[name]
+  if name == "tiny":   # a template around the problem, kept short
+    return TINY_SYSTEM_PROMPT_TOOLS
   return "\n\n".join(p for p in (table[name], SYSTEM_PROMPT_TOOLS) if p)
 
 

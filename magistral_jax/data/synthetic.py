@@ -34,8 +34,12 @@ import re
 from typing import Iterator
 
 from magistral_jax.data.splits import normalise_text
+from magistral_jax.tool_use.protocol import TOOL_CLOSE, TOOL_OPEN, result_block
 
 TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{problem}"
+# With the interpreter (issue #67): as short, for a character-level tokenizer's prompts.
+TINY_SYSTEM_PROMPT_TOOLS = ("Think in <think></think>, run Python in <tool></tool>, then answer "
+                            "in \\boxed{}.\n{problem}")
 
 
 def _step(value: int, op: str, x: int) -> int:
@@ -72,6 +76,16 @@ def trace(problem: dict) -> str:
   return _format_trace(problem["steps"], problem["answer"])
 
 
+def tool_trace(problem: dict) -> str:
+  """The worked completion with the interpreter (issue #67, tool_use/protocol.py): one call that
+  prints the problem's expression, the result block the tool returns for it, then the boxed
+  answer. What the generator loop would hold for a policy that calls the tool this way."""
+  expr = problem["problem"][len("Compute "):-1]
+  return ("<think>\n" + TOOL_OPEN + "\nprint(" + expr + ")\n" + TOOL_CLOSE
+          + result_block(problem["answer"] + "\n", 400) + "</think>\n\\boxed{"
+          + problem["answer"] + "}")
+
+
 def slipped_trace(problem: dict, rng: random.Random) -> str:
   """`problem`'s worked trace with one arithmetic slip: the result of one random step is off by
   one (+1 where -1 would go below zero), and every later step and the boxed answer follow from
@@ -105,21 +119,26 @@ def ramble_trace(problem: dict, length: int = RAMBLE_CHARS) -> str:
 
 
 def sft_pairs(seed: int, slip_rate: float = 0.0, ramble_rate: float = 0.0,
-              **kw) -> Iterator[tuple[str, str]]:
+              tool_rate: float = 0.0, **kw) -> Iterator[tuple[str, str]]:
   """(problem, worked trace) pairs for the cold start, from the 'sft' stream. With slip_rate > 0
   that fraction of the traces makes one arithmetic slip (`slipped_trace`): an imperfect
   demonstrator, as a cold start distilled from a stronger model's traces is. The RL reward (the
   real verifier on the reference answer) is what then teaches the policy to stop slipping. With
-  ramble_rate > 0 that fraction of the traces never ends (`ramble_trace`)."""
-  for name, rate in (("sft_slip_rate", slip_rate), ("sft_ramble_rate", ramble_rate)):
+  ramble_rate > 0 that fraction of the traces never ends (`ramble_trace`); with tool_rate > 0
+  that fraction calls the interpreter instead of working the steps (`tool_trace`)."""
+  for name, rate in (("sft_slip_rate", slip_rate), ("sft_ramble_rate", ramble_rate),
+                     ("sft_tool_rate", tool_rate)):
     if not 0.0 <= rate <= 1.0:
       raise ValueError(f"data.{name} must be in [0, 1], got {rate}")
   slips = random.Random(f"slips:{seed}")
   rambles = random.Random(f"rambles:{seed}")
+  tools = random.Random(f"tools:{seed}")
   for p in problems(seed, "sft", **kw):
     slip = slip_rate and slips.random() < slip_rate
     if ramble_rate and rambles.random() < ramble_rate:
       yield p["problem"], ramble_trace(p)
+    elif tool_rate and tools.random() < tool_rate:
+      yield p["problem"], tool_trace(p)
     else:
       yield p["problem"], slipped_trace(p, slips) if slip else trace(p)
 
@@ -214,7 +233,8 @@ def options(data_cfg) -> dict:
 def sft_pairs_for(data_cfg, seed: int) -> Iterator[tuple[str, str]]:
   """`sft_pairs` of a run config's `data` section (its problem options, sft_slip_rate and
   sft_ramble_rate)."""
-  return sft_pairs(seed, data_cfg.sft_slip_rate, data_cfg.sft_ramble_rate, **options(data_cfg))
+  return sft_pairs(seed, data_cfg.sft_slip_rate, data_cfg.sft_ramble_rate,
+                   data_cfg.sft_tool_rate, **options(data_cfg))
 
 
 def take(n: int, seed: int, split: str = "train", **kw) -> list[dict]:

@@ -29,7 +29,7 @@ from magistral_jax.model import transformer as tfm
 from magistral_jax.model.loading import load_policy
 from magistral_jax.parallel.layout import run_devices
 from magistral_jax.parallel.sharding import make_mesh
-from magistral_jax.pipeline.generators import engine_for, shared_prefix_for
+from magistral_jax.pipeline.generators import engine_for, shared_prefix_for, tool_turns_for
 from magistral_jax.train.checkpointing import RunCheckpointer
 from magistral_jax.train.optimizer import make_optimizer
 from magistral_jax.train.step import TrainState, state_shardings
@@ -156,6 +156,7 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, checkpoint: str = 
   results, out = {}, {"checkpoint": step, "k": k, "temperature": run.eval.temperature,
                       "greedy": run.eval.greedy, "sets": {}}
   engines = {}   # one engine per compiled-in sampling (math's top-p, code's)
+  tools = tool_turns_for(run.tools, tok)   # --config.tools.enabled: the policy calls the tool
   with VerifierPool.from_config(run.verifier, run.reward) as pool:
     for name, probs in problems.items():
       kind = "code" if all(p.get("kind") == "code" for p in probs) else "math"
@@ -166,7 +167,8 @@ def evaluate_checkpoint(config: mlc.ConfigDict, workdir: str, checkpoint: str = 
                           rules=run.sharding.generator_rules)
       t = time.time()
       loop = GeneratorLoop(engine, params, sampling=sampling, seed=run.seed,
-                           shared_prefix=shared_prefix, options=engine_cfg)
+                           shared_prefix=shared_prefix, options=engine_cfg,
+                           tools=tools() if tools is not None else None)
       res = evaluate(loop, pool, tok, probs, k=k, system_prompt=system_prompt, seed=run.seed,
                      tag=f"{name} @ {step}")
       res["kind"] = kind

@@ -56,19 +56,21 @@ def evaluate(loop: GeneratorLoop, pool, tokenizer, problems: Sequence[dict], *, 
       eta = f"{(total - len(completions)) / rate:.0f}s" if rate > 0 else "?"
       log.info("%s %d/%d samples in %.0fs (%.1f/s, ETA %s)", name, len(completions), total,
                now - t0, rate, eta)
-  futures = [(c, pool.submit(c.metadata, tokenizer.decode(c.tokens), len(c.tokens), 0))
+  # The length penalty counts the policy's tokens (a tool's results are not its length).
+  futures = [(c, pool.submit(c.metadata, tokenizer.decode(c.tokens), c.num_policy_tokens, 0))
              for c in completions]
   per = collections.defaultdict(list)
   for c, f in futures:
     per[c.request_id].append((c, f.result()))
-  rows, pass1, maj, fmt, lengths, counts = [], [], [], [], [], []
+  rows, pass1, maj, fmt, lengths, counts, calls = [], [], [], [], [], [], []
   for i in range(len(problems)):
     samples = per.get(i, [])
     correct = [float((r.parts.get("correct") or 0) > 0) for _, r in samples]
     pass1.append(float(np.mean(correct)) if correct else 0.0)
     counts.append((len(correct), int(sum(correct))))
     fmt.extend(float((r.parts.get("format") or 0) > 0) for _, r in samples)
-    lengths.extend(len(c.tokens) for c, _ in samples)
+    lengths.extend(c.num_policy_tokens for c, _ in samples)
+    calls.extend(c.num_tool_results for c, _ in samples)
     answers = [r.info.get("boxed") for _, r in samples if r.info.get("boxed") is not None]
     if answers:
       top = collections.Counter(answers).most_common(1)[0][0]
@@ -89,6 +91,8 @@ def evaluate(loop: GeneratorLoop, pool, tokenizer, problems: Sequence[dict], *, 
   out = {"pass@1": float(np.mean(pass1)), f"maj@{k}": float(np.mean(maj)),
          "format_rate": float(np.mean(fmt)) if fmt else 0.0,
          "response_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+         # Tool calls per sample (tools.enabled): their results the samples read.
+         "tool_calls_mean": float(np.mean(calls)) if calls else 0.0,
          "num_problems": len(problems), "k": k, "pass_at": curve,
          "headroom": curve[max(curve)] - curve[1] if curve else 0.0}
   # pass@1 keeps its meaning above (equal to curve[1], the estimator at j=1 being c / n).

@@ -13,7 +13,7 @@ import time
 from magistral_jax.config import RunConfig
 from magistral_jax.eval.evaluate import evaluate
 from magistral_jax.generate.loop import GeneratorLoop
-from magistral_jax.pipeline.generators import engine_for
+from magistral_jax.pipeline.generators import engine_for, tool_turns_for
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,10 @@ def eval_loop_factory(run: RunConfig, model_cfg, devices, tok, shared_prefix, en
   sampling = run.eval.sampling(tok.eos_id)
   engine = engine_for(model_cfg, devices, sampling, run.engine, engines=engines,
                       mesh_shape=run.devices.generator_mesh, rules=run.sharding.generator_rules)
+  tools = tool_turns_for(run.tools, tok)   # evaluated as trained: with the tool, or without
   return lambda params: GeneratorLoop(engine, params, sampling=sampling, seed=run.seed,
-                                      shared_prefix=shared_prefix, options=run.engine)
+                                      shared_prefix=shared_prefix, options=run.engine,
+                                      tools=tools() if tools is not None else None)
 
 
 def run_eval(loop_factory, pool, tok, problems, run: RunConfig, system_prompt, params,

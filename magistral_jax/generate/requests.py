@@ -29,6 +29,12 @@ class Request:
       raise ValueError(f"request {self.id!r}: group_size must be >= 1, got {self.group_size}")
 
 
+def result_runs(tool_mask) -> int:
+  """Tool results in a sample's mask of the tokens a tool wrote: its runs of True."""
+  m = np.asarray(tool_mask, bool)
+  return int(m[:1].sum() + np.sum(m[1:] & ~m[:-1]))
+
+
 @dataclasses.dataclass
 class Sample:
   """One finished sample of a request. logprobs[t] = log π_T(tokens[t]) under the policy version
@@ -50,6 +56,11 @@ class Sample:
   def num_policy_tokens(self) -> int:
     """The tokens the policy sampled: what the length penalty and the normaliser count."""
     return len(self.tokens) - (0 if self.tool_mask is None else int(np.sum(self.tool_mask)))
+
+  @property
+  def num_tool_results(self) -> int:
+    """The tool results the sample read (one per call)."""
+    return 0 if self.tool_mask is None else result_runs(self.tool_mask)
 
   @property
   def action_mask(self) -> np.ndarray | None:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from magistral_jax.generate.requests import RequestSamples, Sample
+from magistral_jax.generate.requests import RequestSamples, Sample, result_runs
 from magistral_jax.generate.config import SamplingConfig
 
 
@@ -135,8 +135,7 @@ class SlotTable:
 
   def results(self, slot: int) -> int:
     """Tool results in `slot`'s sample so far (runs of a tool's tokens)."""
-    tool = self._tool[slot, :self._count[slot]]
-    return int(np.sum(tool[1:] & ~tool[:-1]) + (tool.size > 0 and tool[0]))
+    return result_runs(self._tool[slot, :self._count[slot]])
 
   def room(self, slot: int) -> int:
     """Tokens `slot`'s sample may still add before its budget ends."""

@@ -117,3 +117,24 @@ def policy_turns(text: str) -> list[str]:
     if end < 0:
       return turns
     i = end + len(RESULT_CLOSE)
+
+
+def split_results(text: str) -> list[tuple[str, bool]]:
+  """A transcript cut at its result blocks: (piece, is a tool's result) in order, the pieces
+  joining back to `text`. A result block is what `result_block` writes, from the newline before
+  RESULT_OPEN to the newline after RESULT_CLOSE; an unclosed one runs to the end."""
+  out, i = [], 0
+  while True:
+    start = text.find("\n" + RESULT_OPEN, i)
+    if start < 0:
+      break
+    end = text.find(RESULT_CLOSE, start)
+    end = len(text) if end < 0 else end + len(RESULT_CLOSE) + text.startswith(
+        "\n", end + len(RESULT_CLOSE))
+    if start > i:
+      out.append((text[i:start], False))
+    out.append((text[start:end], True))
+    i = end
+  if i < len(text):
+    out.append((text[i:], False))
+  return out

@@ -25,18 +25,20 @@ from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.train.config import SFTConfig
 from magistral_jax.rl.collate import Completion, aggregation_weights, pack
+from magistral_jax.tool_use.protocol import split_results
 from magistral_jax.parallel.multihost import to_host
 from magistral_jax.train.step import make_train_step, shard_batch
 
 log = logging.getLogger(__name__)
 
 
-def sft_collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], row_len: int,
-                rows_per_micro: int, min_microbatches: int = 0):
-  """(prompt tokens, response tokens) pairs -> packed microbatch stack (greedy collation).
-  The prompt is masked out of the loss. Returns (arrays, placement)."""
-  comps = [Completion(p, r) for p, r in examples]
-  lengths = [len(c.completion_tokens) for c in comps]
+def sft_collate(examples: Sequence[tuple], row_len: int, rows_per_micro: int,
+                min_microbatches: int = 0):
+  """(prompt tokens, response tokens[, action mask]) examples -> packed microbatch stack (greedy
+  collation). The prompt, and a tool's results in the response (the mask's False), are masked
+  out of the loss. Returns (arrays, placement)."""
+  comps = [Completion(e[0], e[1], action_mask=e[2] if len(e) > 2 else None) for e in examples]
+  lengths = [c.num_actions for c in comps]
   if not comps:
     raise ValueError("sft_collate: no examples")
   weights = aggregation_weights(lengths, np.zeros(len(comps)), "token")
@@ -45,7 +47,7 @@ def sft_collate(examples: Sequence[tuple[Sequence[int], Sequence[int]]], row_len
 
 
 def sft_pairs_to_tokens(pairs: Iterable[tuple[str, str]], tokenizer, system_prompt: str | None,
-                        row_len: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+                        row_len: int) -> tuple[list[tuple], int]:
   """(problem, completion) text pairs -> (prompt tokens, response tokens) pairs that fit a row,
   and how many were cut.
 
@@ -54,7 +56,10 @@ def sft_pairs_to_tokens(pairs: Iterable[tuple[str, str]], tokenizer, system_prom
   positions holds a pair of up to row_len + 1 tokens (position j predicts token j + 1). A longer
   pair's response is cut to fit: the model learns its start and never its end (the tiny task's
   rambling traces, synthetic.ramble_trace, are made to be cut). A prompt of more than row_len
-  tokens leaves its response nothing to learn: an error."""
+  tokens leaves its response nothing to learn: an error.
+  A completion with tool calls (tool_use/protocol.py) is tokenized piece by piece, as the
+  generator loop makes it (the policy's text, then each result block on its own), and its pairs
+  carry a third element, the action mask: the result tokens are context, not targets."""
   out, cut = [], 0
   for problem, completion in pairs:
     prompt = tokenizer.apply_chat_template(problem, system_prompt)
@@ -62,9 +67,17 @@ def sft_pairs_to_tokens(pairs: Iterable[tuple[str, str]], tokenizer, system_prom
     if room < 1:
       raise ValueError(f"sft: a prompt of {len(prompt)} tokens leaves no room for its response "
                        f"in a row of sft.row_len={row_len} tokens; raise sft.row_len")
-    response = tokenizer.encode(completion) + [tokenizer.eos_id]
+    pieces = split_results(completion)
+    response, mask = [], []
+    for text, is_result in pieces:
+      ids = tokenizer.encode(text)
+      response += ids
+      mask += [not is_result] * len(ids)
+    response.append(tokenizer.eos_id)
+    mask.append(True)
     cut += len(response) > room
-    out.append((prompt, response[:room]))
+    tool = any(r for _, r in pieces)
+    out.append((prompt, response[:room]) + ((mask[:room],) if tool else ()))
   return out, cut
 
 
