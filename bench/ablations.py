@@ -7,13 +7,11 @@ first variant).
 Outputs: ROOT/<ablation>/<variant>-s<seed>/, docs/ablations/<ablation>.png,
 docs/ablations/results.json; last line, one JSON object with each ablation's headline figure.
 """
-from __future__ import annotations
-
 import json
 import os
-import sys
 
 import common
+from common import read_json
 import numpy as np
 
 from magistral_jax.analysis.report import load_run_metrics
@@ -35,37 +33,10 @@ ABLATIONS = {
 }
 
 
-def run(argv, log_path):
-  # No persistent compilation cache (config.compilation_cache_dir) unless the caller set one:
-  # every variant and seed compiles its own programs, so wall times compare.
-  return common.run_logged(argv, log_path,
-                           env={"JAX_COMPILATION_CACHE_DIR": "", **os.environ})
-
-
 def tiny_config(*args: str) -> str:
   """`--config=configs/tiny.py[:a,b]` from the non-empty comma-separated argument lists."""
   joined = ",".join(a for a in args if a)
   return "--config=configs/tiny.py" + (f":{joined}" if joined else "")
-
-
-def ensure_sft(root: str, sft_steps: int | None, base_arg: str = "") -> str:
-  """The shared cold-start checkpoint (ROOT/sft/params), made once."""
-  wd = os.path.join(root, "sft")
-  if os.path.isdir(os.path.join(wd, "params")):
-    return wd
-  os.makedirs(wd, exist_ok=True)
-  print(f"cold-start SFT -> {wd}", flush=True)
-  dt = run([sys.executable, "launch/sft.py",
-            tiny_config(base_arg, f"sft_steps={sft_steps}" if sft_steps else ""),
-            f"--workdir={wd}"],
-           os.path.join(wd, "log.txt"))
-  print(f"  done in {dt:.0f}s", flush=True)
-  return wd
-
-
-def read_json(path: str):
-  with open(path) as f:
-    return json.load(f)
 
 
 def variant_stats(workdir: str, wall_s: float) -> dict:
@@ -101,31 +72,34 @@ def plot(name: str, results: dict, out_dir: str) -> str:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--which", default="clip,adv_norm,async,minibatch")
-  ap.add_argument("--batches", type=int, default=30, help="RL batches per variant")
-  ap.add_argument("--seeds", default="0", help="comma-separated RL seeds per variant")
-  ap.add_argument("--root", default=os.path.join(ROOT, "runs", "ablations"))
-  ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "ablations"))
-  ap.add_argument("--sft_steps", type=int, default=0, help="0 = configs/tiny.py's sft.num_steps")
-  ap.add_argument("--sft_params", default="",
-                  help="an existing cold-start params dir (launch/sft.py WORKDIR/params) to share")
-  ap.add_argument("--heldout", type=int, default=64)
-  ap.add_argument("--base_arg", default="slip=0,n_mini_per_batch=1",
-                  help="configs/tiny.py arguments under every variant (and the shared cold start): "
-                       "the paper's setting, n_batch = n_mini, on clean cold-start traces")
+  ap = common.argument_parser(
+      __doc__, which="clip,adv_norm,async,minibatch", batches=(30, "RL batches per variant"),
+      seeds=("0", "comma-separated RL seeds per variant"),
+      root=os.path.join(ROOT, "runs", "ablations"), docs=os.path.join(ROOT, "docs", "ablations"),
+      sft_steps=(0, "0 = configs/tiny.py's sft.num_steps"),
+      sft_params=("", "an existing cold-start params dir (launch/sft.py WORKDIR/params) to share"),
+      heldout=64,
+      base_arg=("slip=0,n_mini_per_batch=1", "configs/tiny.py arguments under every variant (and "
+                "the shared cold start): the paper's setting, n_batch = n_mini, on clean "
+                "cold-start traces"))
   args = ap.parse_args()
+  # No persistent compilation cache (config.compilation_cache_dir) unless the caller set one:
+  # every variant and seed compiles its own programs, so wall times compare.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
   which = [w for w in args.which.split(",") if w]
-  for w in which:
-    if w not in ABLATIONS:
-      sys.exit(f"--which: unknown ablation {w!r}; choose from {sorted(ABLATIONS)}")
+  if set(which) - set(ABLATIONS):
+    ap.error(f"--which: unknown {sorted(set(which) - set(ABLATIONS))}; from {sorted(ABLATIONS)}")
   seeds = [int(s) for s in args.seeds.split(",")]
   root = os.path.abspath(args.root)
   os.makedirs(args.docs, exist_ok=True)
-  sft = os.path.dirname(os.path.abspath(args.sft_params)) if args.sft_params else ensure_sft(
-      root, args.sft_steps or None, args.base_arg)
-  all_results = {}
-  headline = {}
+  # The cold-start checkpoint every variant starts from: --sft_params, else ROOT/sft's, made once.
+  sft = os.path.dirname(os.path.abspath(args.sft_params or os.path.join(root, "sft", "params")))
+  if not args.sft_params:
+    os.makedirs(sft, exist_ok=True)
+    steps = f"sft_steps={args.sft_steps}" if args.sft_steps else ""
+    common.run_phase("sft", ["launch/sft.py", tiny_config(args.base_arg, steps),
+                             f"--workdir={sft}"], sft, done=os.path.join(sft, "params"))
+  all_results, headline = {}, {}
   for name in which:
     results = {}
     for variant, arg in ABLATIONS[name]:
@@ -134,13 +108,12 @@ def main():
         summary = os.path.join(wd, "summary.json")
         if not os.path.exists(summary) or "heldout_accuracy_after" not in read_json(summary):
           os.makedirs(wd, exist_ok=True)
-          print(f"[{name}] {variant} seed {seed} -> {wd}", flush=True)
-          wall = run([sys.executable, "launch/train.py", tiny_config(args.base_arg, arg),
-                      f"--workdir={wd}", "--config.init.source=orbax",
-                      f"--config.init.path={os.path.join(sft, 'params')}",
-                      f"--config.num_batches={args.batches}", f"--config.seed={seed}",
-                      f"--config.data.heldout={args.heldout}"],
-                     os.path.join(wd, "log.txt"))
+          wall = common.run_phase(
+              f"{name}_{variant}_s{seed}",
+              ["launch/train.py", tiny_config(args.base_arg, arg), f"--workdir={wd}",
+               "--config.init.source=orbax", f"--config.init.path={os.path.join(sft, 'params')}",
+               f"--config.num_batches={args.batches}", f"--config.seed={seed}",
+               f"--config.data.heldout={args.heldout}"], wd)
         else:
           wall = read_json(summary).get("wall_time_s", 0.0)
         results.setdefault(variant, []).append(variant_stats(wd, wall))

@@ -6,8 +6,6 @@ perturbation-grid points with one Engine (update_params) against a fresh Engine 
 
 Last line: one JSON object with every number.
 """
-from __future__ import annotations
-
 import common
 
 common.use_cpu_devices()
@@ -72,16 +70,11 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
             max_concurrent_decodes=8, max_prefill_length=64)
   reward_cfg = config_lib.validate(config).reward
   with VerifierPool(1, reward_cfg) as pool:
-    def ours():
-      with ld.GridScorer(model_cfg, tok, reward_cfg, problems, grid[0], pool=pool, **kw) as s:
-        return [s.score(p)["length"] for p in grid]
-
-    def baseline():
-      out = []
-      for p in grid:
-        with ld.GridScorer(model_cfg, tok, reward_cfg, problems, p, pool=pool, **kw) as s:
-          out.append(s.score(p)["length"])
-      return out
+    def lengths(points):   # one GridScorer (one Engine) for all of `points`
+      with ld.GridScorer(model_cfg, tok, reward_cfg, problems, points[0], pool=pool, **kw) as s:
+        return [s.score(p)["length"] for p in points]
+    ours = lambda: lengths(grid)
+    baseline = lambda: [lengths([p])[0] for p in grid]   # a fresh Engine per point
     baseline()   # warm the verifier processes and Python-side caches for both
     t_ours, l_ours = common.time_once(ours, block=False)
     t_base, l_base = common.time_once(baseline, block=False)
@@ -92,14 +85,12 @@ def bench_grid(points: int, prompts: int, samples: int, max_new_tokens: int) -> 
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, T=16, W="814208,4000000", repeats=2, points=5)
-  args = ap.parse_args()
+  args = common.argument_parser(__doc__, T=16, W="814208,4000000", repeats=2,
+                                points=5).parse_args()
   res = {"pca": []}
-  for w in (int(v) for v in args.W.split(",")):
-    r = bench_pca(args.T, w, args.repeats)
-    common.emit(r)
-    res["pca"].append(r)
+  for w in args.W.split(","):
+    res["pca"].append(bench_pca(args.T, int(w), args.repeats))
+    common.emit(res["pca"][-1])
   res["grid"] = bench_grid(args.points, prompts=4, samples=2, max_new_tokens=32)
   common.emit(res["grid"])
   common.emit(res)

@@ -6,8 +6,6 @@ SmolLM2-135M-Instruct's GGUF: GGUF import, HF safetensors save/load, orbax resto
 
 Last line: one JSON object with every number.
 """
-from __future__ import annotations
-
 import functools
 import json
 import os

@@ -5,8 +5,6 @@ calls of the seconds per call; several callables run in turn within a round (`al
 reverses the order every other round) so a drifting host slows every side alike. `emit` prints
 the JSON object that ends each bench's output. This module does not import jax.
 """
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import json
@@ -34,22 +32,31 @@ def use_cpu_devices(count: int | None = None) -> None:
                                f" {_DEVICE_COUNT_FLAG}={count}").strip()
 
 
-def argument_parser(doc: str | None) -> argparse.ArgumentParser:
-  """The benches' flag parser: argparse, with the module docstring as the --help text."""
-  return argparse.ArgumentParser(description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def argument_parser(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
+  """The benches' flag parser: argparse, with the module docstring as the --help text, and a
+  --NAME flag per keyword of `flags` (add_flags)."""
+  parser = argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_flags(parser, **flags)
+  return parser
 
 
 def add_flags(parser: argparse.ArgumentParser, **defaults: Any) -> None:
   """A --NAME flag per keyword, of its default's type (False: a switch; a type: that type, with
-  None as the default)."""
-  for name, default in defaults.items():
-    if default is False:
-      parser.add_argument(f"--{name}", action="store_true")
-    elif isinstance(default, type):
-      parser.add_argument(f"--{name}", type=default, default=None)
-    else:
-      parser.add_argument(f"--{name}", type=type(default), default=default)
+  None as the default; a list: one of its items, the first by default); a (default, help) pair
+  gives the flag its help text too."""
+  for name, value in defaults.items():
+    default, text = value if isinstance(value, tuple) else (value, None)
+    kind = (dict(action="store_true") if default is False else
+            dict(type=default, default=None) if isinstance(default, type) else
+            dict(choices=default, default=default[0]) if isinstance(default, list) else
+            dict(type=type(default), default=default))
+    parser.add_argument(f"--{name}", help=text, **kind)
+
+
+def read_json(path: str) -> Any:
+  with open(path) as f:
+    return json.load(f)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -162,6 +169,20 @@ def run_logged(argv: list[str], log_path: str, *, timeout: float | None = None,
   return time.perf_counter() - t
 
 
+def run_phase(name: str, argv: list[str], log_dir: str, timeout: float | None = None,
+              done: str | None = None) -> float:
+  """Runs a launcher (`argv`, after this interpreter) as a bench's phase, its log in
+  log_dir/NAME.log; returns its wall seconds, 0 when `done` (a file it leaves) exists already."""
+  if done and os.path.exists(done):
+    print(f"== {name}: done before ({done})", flush=True)
+    return 0.0
+  cmd = [sys.executable] + argv
+  print(f"== {name}: {' '.join(cmd)}", flush=True)
+  wall = run_logged(cmd, os.path.join(log_dir, f"{name}.log"), timeout=timeout)
+  print(f"   {name}: rc=0 in {wall:.0f} s", flush=True)
+  return wall
+
+
 def run_json(argv: list[str], *, env: Mapping[str, str] | None = None,
              timeout: float | None = None) -> dict:
   """Runs a bench (or a part of one) from the repository root, its stderr passing through, and
@@ -218,6 +239,13 @@ def hf_causal_lm(path: str, dtype: str):
   where = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
   return transformers.AutoModelForCausalLM.from_pretrained(
       os.path.dirname(path) if where else path, dtype=getattr(torch, dtype), **where)
+
+
+def lognormal_lengths(rng, mean: float, size: int, hi: int):
+  """Long-tailed lengths (int32): lognormal with sigma 1 and mean `mean`, clipped to [1, hi]."""
+  import math
+  import numpy as np
+  return np.clip(rng.lognormal(math.log(mean) - 0.5, 1.0, size), 1, hi).astype(np.int32)
 
 
 def proc_status_kb(key: str, pid: int | str = "self") -> int:

@@ -5,8 +5,6 @@ an empty cache (cold) and on that cache again (warm): wall time, compile seconds
 
 Last line, one JSON object: per-launch figures and warm_over_off.
 """
-from __future__ import annotations
-
 import json
 import os
 import sys
@@ -47,8 +45,7 @@ def launch(args, cache_dir: str, scratch: str, tag: str) -> dict:
   # The launch process is the one that compiled the most (its workers compile nothing).
   out = max((json.load(open(os.path.join(counters, f))) for f in os.listdir(counters)),
             key=lambda c: c["compiles"])
-  out["wall_s"] = round(wall, 1)
-  out["compile_s"] = round(out["compile_s"], 1)
+  out.update(wall_s=round(wall, 1), compile_s=round(out["compile_s"], 1))
   print(f"{tag:5s} wall {out['wall_s']:7.1f} s | {out['compiles']} programs compiled or loaded in "
         f"{out['compile_s']:.1f} s | cache hits {out['cache_hits']}", flush=True)
   return out
@@ -65,15 +62,14 @@ def main():
     with open(os.path.join(scratch, "site", "sitecustomize.py"), "w") as f:
       f.write(SITECUSTOMIZE)
     cache = os.path.join(scratch, "xla")
-    off = launch(args, "", scratch, "off")
-    cold = launch(args, cache, scratch, "cold")
-    warm = launch(args, cache, scratch, "warm")
+    runs = {tag: launch(args, c, scratch, tag) for tag, c in (("off", ""), ("cold", cache),
+                                                              ("warm", cache))}
     cache_mb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache)
                    for f in fs) / 2**20
   common.emit({"bench": "compilation_cache", "config": args.config, "flags": args.flags,
-               "off": off, "cold": cold, "warm": warm, "cache_MB": cache_mb,
-               "cold_over_off": cold["wall_s"] / off["wall_s"],
-               "warm_over_off": warm["wall_s"] / off["wall_s"], **common.host_info()}, ndigits=3)
+               **runs, "cache_MB": cache_mb, **common.host_info(),
+               **{f"{k}_over_off": runs[k]["wall_s"] / runs["off"]["wall_s"]
+                  for k in ("cold", "warm")}}, ndigits=3)
 
 
 if __name__ == "__main__":

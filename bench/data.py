@@ -8,8 +8,6 @@ SmolLM2-135M shapes.
 Last line, one JSON object: loader and baseline examples/s and tokens/s, trainer tokens/s,
 loader_over_consumption (goal >= 10).
 """
-from __future__ import annotations
-
 import json
 import os
 import sys
@@ -23,27 +21,8 @@ from magistral_jax.data import gsm8k_traces
 from magistral_jax.data import loader
 from magistral_jax.data import records
 from magistral_jax.data import tfds_builders
+from magistral_jax.model import tokenizer as tk
 from magistral_jax.model.config import SMOLLM2_135M, ModelConfig
-
-
-def build_traces(data_dir: str) -> str:
-  """The test split as the cold-start recipe's traces (data/gsm8k_traces.py); their JSONL."""
-  path = os.path.join(data_dir, f"{gsm8k_traces.NAME}.jsonl")
-  gsm8k_traces.write_traces(path, source_path=records.shipped_path("gsm8k_test"),
-                            source="gsm8k_test")
-  tfds_builders.build_dataset("sft", gsm8k_traces.NAME, path, data_dir)
-  return path
-
-
-def make_tokenizers():
-  from magistral_jax.model import tokenizer as tk
-  out = {}
-  try:
-    out["smollm2_gguf"] = tk.HFTokenizer.from_gguf()
-  except Exception as e:  # noqa: BLE001  report, and measure with the other one
-    print(f"SmolLM2 GGUF tokenizer unavailable: {e}", file=sys.stderr)
-  out["tekken"] = tk.MistralCommonTokenizer("tekken_240911.json")
-  return out
 
 
 def measure_loader(data_dir, tok, seq_len, batch_size, seconds):
@@ -71,9 +50,8 @@ def measure_plain_loop(path, tok, seconds):
   while time.perf_counter() - t0 < seconds:
     with open(path, encoding="utf-8") as f:
       for line in f:
-        ex = fn(json.loads(line))
         n_ex += 1
-        n_tok += len(ex["tokens"])
+        n_tok += len(fn(json.loads(line))["tokens"])
         if time.perf_counter() - t0 >= seconds:
           break
   dt = time.perf_counter() - t0
@@ -102,21 +80,28 @@ def measure_trainer(cfg: ModelConfig, seq_len: int, batch_size: int, steps: int)
   step = jax.jit(jax.value_and_grad(loss_fn))
   t = common.time_fn(lambda: step(params, tokens, pos, seg, mask), steps)
   return {"step_s": t.median, "tokens_per_s": batch_size * seq_len / t.median,
-          "compile_s": t.warmup[0],
-          "params": cfg.num_params(), "batch": [batch_size, seq_len],
+          "compile_s": t.warmup[0], "params": cfg.num_params(), "batch": [batch_size, seq_len],
           "device": str(jax.devices()[0].platform)}
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, seq_len=512, loader_batch=8, loader_seconds=5.0, tiny_batch=8,
-                   smollm2_batch=1, steps=3, configs="tiny,smollm2")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, seq_len=512, loader_batch=8, loader_seconds=5.0, tiny_batch=8, smollm2_batch=1,
+      steps=3, configs="tiny,smollm2").parse_args()
 
   result = {"seq_len": args.seq_len, "loader": {}, "plain_loop_baseline": {}, "trainer": {}}
+  toks = {}
+  try:
+    toks["smollm2_gguf"] = tk.HFTokenizer.from_gguf()
+  except Exception as e:  # noqa: BLE001  report, and measure with the other one
+    print(f"SmolLM2 GGUF tokenizer unavailable: {e}", file=sys.stderr)
+  toks["tekken"] = tk.MistralCommonTokenizer("tekken_240911.json")
   with tempfile.TemporaryDirectory() as d:
-    path = build_traces(d)
-    toks = make_tokenizers()
+    # The test split as the cold-start recipe's traces (data/gsm8k_traces.py).
+    path = os.path.join(d, f"{gsm8k_traces.NAME}.jsonl")
+    gsm8k_traces.write_traces(path, source_path=records.shipped_path("gsm8k_test"),
+                              source="gsm8k_test")
+    tfds_builders.build_dataset("sft", gsm8k_traces.NAME, path, d)
     for name, tok in toks.items():
       result["loader"][name] = measure_loader(d, tok, args.seq_len, args.loader_batch, args.loader_seconds)
       result["plain_loop_baseline"][name] = measure_plain_loop(path, tok, args.loader_seconds)

@@ -121,23 +121,18 @@ def run_model(name: str, args, mesh, bw: dict, spec: float | None) -> dict:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, models="smollm2,llama1b", batch=256, prompt=128)
-  ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: by platform)")
-  ap.add_argument("--tensor", type=int, default=1, help="devices of the engine's tensor axis")
-  ap.add_argument("--greedy", action="store_true", help="greedy instead of temperature 1")
-  ap.add_argument("--max_new", type=int, default=None,
-                  help="a KV cache for this many new tokens (default: the timed steps only)")
-  ap.add_argument("--decode_attention", choices=("auto", "xla", "live"), default="xla",
-                  help="ModelConfig.decode_attention: xla reads the window, live (Pallas, "
-                       "interpreted on CPU) each slot's reached positions")
-  ap.add_argument("--attention_windows", type=int, default=1, help="1: dense over the cache")
-  ap.add_argument("--no_overlap", action="store_true", help="GeneratorLoop overlap_host=False")
-  common.add_flags(ap, warm_steps=4, loop_steps=32, engine_steps=32)
-  ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of loop and engine")
-  ap.add_argument("--bandwidth_mib", type=int, default=None,
-                  help="the bandwidth probe's array (default 2048; 512 on CPU)")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, models="smollm2,llama1b", batch=256, prompt=128,
+      dtype=(str, "float32 / bfloat16 (default: by platform)"),
+      tensor=(1, "devices of the engine's tensor axis"),
+      greedy=(False, "greedy instead of temperature 1"),
+      max_new=(int, "a KV cache for this many new tokens (default: the timed steps only)"),
+      decode_attention=(["xla", "auto", "live"], "ModelConfig.decode_attention: xla reads the "
+                        "window, live (Pallas, interpreted on CPU) each slot's reached positions"),
+      attention_windows=(1, "1: dense over the cache"),
+      no_overlap=(False, "GeneratorLoop overlap_host=False"), warm_steps=4, loop_steps=32,
+      engine_steps=32, rounds=(4, "interleaved rounds of loop and engine"),
+      bandwidth_mib=(int, "the bandwidth probe's array (default 2048; 512 on CPU)")).parse_args()
   from magistral_jax.parallel.sharding import make_mesh
   devices = jax.devices()[:args.tensor]
   if len(devices) < args.tensor:
@@ -146,8 +141,8 @@ def main():
   args.dtype = args.dtype or ("float32" if platform == "cpu" else "bfloat16")
   mesh = make_mesh({"tensor": args.tensor}, devices)
   kind = devices[0].device_kind
-  mib = args.bandwidth_mib or (512 if platform == "cpu" else 2048)
-  bw = common.stream_bandwidth(devices[0], mib << 20)
+  bw = common.stream_bandwidth(devices[0],
+                               (args.bandwidth_mib or (512 if platform == "cpu" else 2048)) << 20)
   spec = M.vendor_peak(kind)[1]
   common.emit({"device": kind, "bandwidth": bw, "spec_GBps": spec})
   runs = {}

@@ -118,14 +118,21 @@ def time_prefill_ours(eng, params, prompts, shared=None) -> float:
   return time.perf_counter() - t
 
 
-def hf_batches(hf, prompts, batch, group_size=1):
-  """(first prompt index, token tensor) per static batch of transformers: batch // group_size
-  prompts, each repeated group_size times (what num_return_sequences does before the prefill)."""
+def hf_batches(hf, prompts, batch, group_size=1, prefix_cache=None):
+  """(first prompt index, token tensor, past) per static batch of transformers: batch // group_size
+  prompts, each repeated group_size times (what num_return_sequences does before the prefill);
+  `past`, generate's keywords: with `prefix_cache` (hf_prefix_cache) a copy of it, repeated to the
+  batch, as past_key_values."""
+  import copy
   import torch
   per = max(1, batch // group_size)
   for s in range(0, len(prompts), per):
-    yield s, torch.tensor(prompts[s:s + per], dtype=torch.long,
-                          device=hf.device).repeat_interleave(group_size, 0)
+    x = torch.tensor(prompts[s:s + per], dtype=torch.long,
+                     device=hf.device).repeat_interleave(group_size, 0)
+    past = {} if prefix_cache is None else {"past_key_values": copy.deepcopy(prefix_cache)}
+    if past:
+      past["past_key_values"].batch_repeat_interleave(len(x))
+    yield s, x, past
 
 
 def time_prefill_hf(hf, prompts, batch, group_size=1, prefix_cache=None) -> float:
@@ -136,8 +143,7 @@ def time_prefill_hf(hf, prompts, batch, group_size=1, prefix_cache=None) -> floa
   n = 0 if prefix_cache is None else prefix_cache.get_seq_length()
   t = time.perf_counter()
   with torch.inference_mode():
-    for _, x in hf_batches(hf, prompts, batch, group_size):
-      past = {} if n == 0 else {"past_key_values": _batch_cache(prefix_cache, len(x))}
+    for _, x, past in hf_batches(hf, prompts, batch, group_size, prefix_cache):
       hf(x[:, n:], use_cache=True, logits_to_keep=1, **past)
     _sync(hf)
   return time.perf_counter() - t
@@ -152,13 +158,6 @@ def hf_prefix_cache(hf, prefix):
   with torch.inference_mode():
     hf(torch.tensor([prefix], dtype=torch.long, device=hf.device), past_key_values=cache,
        use_cache=True, logits_to_keep=1)
-  return cache
-
-
-def _batch_cache(prefix_cache, n):
-  import copy
-  cache = copy.deepcopy(prefix_cache)
-  cache.batch_repeat_interleave(n)
   return cache
 
 
@@ -192,12 +191,10 @@ def run_hf(hf, prompts, lengths, batch, args, prefix_cache=None):
   how = (dict(do_sample=False) if args.temperature <= 0 else
          dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0))
   with torch.inference_mode():
-    for s, x in hf_batches(hf, prompts, batch, g):
+    for s, x, past in hf_batches(hf, prompts, batch, g, prefix_cache):
       n = int(max(lengths[s:s + len(x) // g]))   # the batch runs to its longest
-      if prefix_cache is not None:
-        how["past_key_values"] = _batch_cache(prefix_cache, len(x))
       hf.generate(x, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                  use_cache=True, **how)
+                  use_cache=True, **how, **past)
       slot_steps += n * len(x)
     _sync(hf)
   wall = time.perf_counter() - t0
@@ -206,26 +203,22 @@ def run_hf(hf, prompts, lengths, batch, args, prefix_cache=None):
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, batches="16,64", requests_per_slot=1.5, prompt=128, min_new=8, n_updates=3,
-                   group_size=1)
-  ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled")
-  ap.add_argument("--top_p", type=float, default=1.0, help="nucleus mass when sampling")
-  ap.add_argument("--skip_hf", action="store_true")
-  ap.add_argument("--shared_prefix", type=int, default=0,
-                  help="the first N prompt tokens are every request's (ours prefills them once)")
-  ap.add_argument("--no_compact", action="store_true", help="GeneratorLoop compact_drain=False")
-  ap.add_argument("--attention_windows", type=int, default=1, help="Engine's (1: dense)")
-  ap.add_argument("--no_background_prefill", action="store_true",
-                  help="GeneratorLoop background_prefill=False")
-  ap.add_argument("--loop_prefill_below", type=float, default=0.5, help="GeneratorLoop's")
-  ap.add_argument("--repeats", type=int, default=1, help="runs per side and batch size")
-  ap.add_argument("--model", default="smollm2", help="smollm2 | llama1b (Llama-3.2-1B shapes)")
-  ap.add_argument("--weights", default="auto", help="gguf | random | auto (gguf if installed)")
-  ap.add_argument("--dtype", default="float32", help="float32 | bfloat16, both sides")
-  ap.add_argument("--hf_device", default="auto",
-                  help="cpu | cuda | auto (cuda where JAX runs on a GPU and torch sees one)")
+  ap = common.argument_parser(
+      __doc__, batches="16,64", requests_per_slot=1.5, prompt=128, min_new=8, n_updates=3,
+      group_size=1, temperature=(0.0, "0: greedy; > 0: sampled"),
+      top_p=(1.0, "nucleus mass when sampling"), skip_hf=False,
+      shared_prefix=(0, "the first N prompt tokens are every request's (ours prefills them once)"),
+      no_compact=(False, "GeneratorLoop compact_drain=False"),
+      attention_windows=(1, "Engine's (1: dense)"),
+      no_background_prefill=(False, "GeneratorLoop background_prefill=False"),
+      loop_prefill_below=(0.5, "GeneratorLoop's"), repeats=(1, "runs per side and batch size"),
+      model=("smollm2", "smollm2 | llama1b (Llama-3.2-1B shapes)"),
+      weights=("auto", "gguf | random | auto (gguf if installed)"),
+      dtype=("float32", "float32 | bfloat16, both sides"),
+      hf_device=("auto", "cpu | cuda | auto (cuda where JAX runs on a GPU and torch sees one)"))
   args = ap.parse_args()
+  if args.shared_prefix and not 0 < args.shared_prefix < args.prompt:
+    ap.error(f"--shared_prefix {args.shared_prefix} must lie in [1, --prompt)")
 
   import torch
   from magistral_jax.model import named
@@ -233,9 +226,8 @@ def main():
   cfg, params, weights, gguf_path = named.load_model(args.model, args.dtype, args.weights)
   if params is None:   # made on the default device; transformers gets the same values
     params = named.random_params(cfg)
-  hf_device = args.hf_device
-  if hf_device == "auto":
-    hf_device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+  hf_device = args.hf_device if args.hf_device != "auto" else (
+      "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu")
   hf = None if args.skip_hf else load_hf(cfg, params, gguf_path, args.dtype, hf_device)
   median_run = lambda rs: rs[int(np.argsort([x["tokens_per_s"] for x in rs])[(len(rs) - 1) // 2])]
 
@@ -245,8 +237,6 @@ def main():
     n_req = max(1, int(round(args.requests_per_slot * b / args.group_size)))
     prompts = rs.randint(0, cfg.vocab_size, (n_req, args.prompt))
     if args.shared_prefix:
-      if not 0 < args.shared_prefix < args.prompt:
-        raise SystemExit(f"--shared_prefix {args.shared_prefix} must lie in [1, --prompt)")
       prompts[:, :args.shared_prefix] = rs.randint(0, cfg.vocab_size, args.shared_prefix)
     prompts = prompts.tolist()
     lengths = rs.randint(args.min_new, 5 * args.min_new + 1, n_req)

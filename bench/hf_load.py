@@ -6,8 +6,6 @@ peak resident memory above the params (VmHWM - VmRSS).
 
 Last line, one JSON object: params_mb, baseline/sharded load_s and *_overhead_mb, speed_ratio.
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -42,10 +40,8 @@ def child(loader: str, path: str) -> None:
                                 shapes_tree=host)
     params = jax.block_until_ready(jax.device_put(host, shardings))
   else:
-    cfg, params = load_hf_sharded(path, mesh, TRAINER_RULES)
-    jax.block_until_ready(params)
-  load_s = time.perf_counter() - t
-  common.emit({"loader": loader, "load_s": load_s,
+    params = jax.block_until_ready(load_hf_sharded(path, mesh, TRAINER_RULES)[1])
+  common.emit({"loader": loader, "load_s": time.perf_counter() - t,
                "peak_mb": (common.proc_status_kb("VmHWM") - before_kb) / 1024,
                "params_mb": sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20,
                "devices": len(mesh.devices.flat)})
@@ -71,12 +67,10 @@ def write_checkpoint(shape: str, path: str) -> float:
 
 
 def main():
-  p = common.argument_parser(__doc__)
-  p.add_argument("--shape", choices=SHAPES, default="llama1b")
-  p.add_argument("--repeats", type=int, default=1)
-  p.add_argument("--dir", default=None, help="where to write the checkpoint (kept if given)")
+  p = common.argument_parser(
+      __doc__, shape=list(SHAPES), repeats=1,
+      dir=(str, "where to write the checkpoint (kept if given)"), path=(str, argparse.SUPPRESS))
   p.add_argument("--child", choices=("baseline", "sharded"), help=argparse.SUPPRESS)
-  p.add_argument("--path", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
     return child(args.child, args.path)

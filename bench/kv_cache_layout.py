@@ -12,12 +12,9 @@ import jax.numpy as jnp
 
 def main():
   from magistral_jax.model import named
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--batch", type=int, default=16)
-  ap.add_argument("--lengths", default="136,288,528", help="cache lengths S to measure")
-  ap.add_argument("--rounds", type=int, default=6)
-  ap.add_argument("--steps", type=int, default=4, help="decode steps timed per round")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, batch=16, lengths=("136,288,528", "cache lengths S to measure"), rounds=6,
+      steps=(4, "decode steps timed per round")).parse_args()
 
   from magistral_jax.generate import xla_cpu as E
   from magistral_jax.model import transformer as T

@@ -8,8 +8,6 @@ control from the same weights. Each phase is a launcher, resumable on the same -
 
 Last line: one JSON object.
 """
-from __future__ import annotations
-
 import json
 import os
 import signal
@@ -18,11 +16,15 @@ import tarfile
 import time
 
 import common   # bench/common.py, beside the script
+from common import read_json   # noqa: F401  (tests/bench/test_learn.py reads learn.read_json)
 
 from magistral_jax.analysis.report import load_heldout_curve as curve, load_run_metrics
 from magistral_jax.eval.paired import compare_evals
 
 HEADROOM_SETS = "gsm8k_test,math500,synthetic/20/1-3,synthetic/99/2-3,synthetic/999/2-4"
+# headroom_max_new 256: the learn recipe's evaluation length, so both compile one engine (XLA's).
+GPU_HEADROOM = dict(headroom_sets=HEADROOM_SETS, headroom_k=16, headroom_problems=64,
+                    headroom_max_new=256)
 # 2 CPU cores: the synthetic sets only, fewer and shorter samples (GSM8K's ~130-token answers
 # x 16 samples x 64 problems would take an hour here).
 CPU_HEADROOM = dict(headroom_sets="synthetic/20/1-3,synthetic/99/2-3", headroom_k=8,
@@ -67,11 +69,6 @@ def mean_accuracy(workdir: str) -> float:
   return sum(vals) / len(vals)
 
 
-def read_json(path):
-  with open(path) as f:
-    return json.load(f)
-
-
 def gain_line(label: str, g: dict) -> str:
   return (f"{label} {100 * g['gain']:+.1f} points [{100 * g['ci_low']:+.1f}, "
           f"{100 * g['ci_high']:+.1f}] ({g['before']:.3f} -> {g['after']:.3f})")
@@ -109,46 +106,26 @@ def pack(wd: str, path: str) -> str:
   return path
 
 
-def phase(name, argv, log_dir, timeout_s, done):
-  """Runs one launcher (skipped when `done` exists); its log in log_dir/NAME.log."""
-  if done and os.path.exists(done):
-    print(f"== {name}: done before ({done})", flush=True)
-    return 0.0
-  cmd = [sys.executable] + argv
-  print(f"== {name}: {' '.join(cmd)}", flush=True)
-  wall = common.run_logged(cmd, os.path.join(log_dir, f"{name}.log"), timeout=timeout_s)
-  print(f"   {name}: rc=0 in {wall:.0f} s", flush=True)
-  return wall
-
-
 def main():
-  p = common.argument_parser(__doc__)
-  p.add_argument("--workdir", default="runs/learn")
-  p.add_argument("--gpu", action="store_true", help="the configs' `gpu,colocated` sizes")
-  p.add_argument("--shrink", action="store_true", help="sizes divided down to seconds (rehearsal)")
-  p.add_argument("--task", default="", help="synthetic/OPERAND/STEPS; default: from the headroom")
-  p.add_argument("--headroom_sets", default=None, help="default: HEADROOM_SETS (CPU: fewer)")
-  p.add_argument("--headroom_problems", type=int, default=None, help="default 64 (CPU: 32)")
-  p.add_argument("--headroom_k", type=int, default=None, help="default 16 (CPU: 8)")
-  # 256: the learn recipe's evaluation length, so both compile one engine (XLA's cache).
-  p.add_argument("--headroom_max_new", type=int, default=None, help="default 256 (CPU: 64)")
-  p.add_argument("--batches", type=int, default=0, help="RL batches (0: the recipe's)")
-  p.add_argument("--sft_steps", type=int, default=0, help="SFT steps (0: the recipe's epoch)")
+  p = common.argument_parser(
+      __doc__, workdir="runs/learn", gpu=(False, "the configs' `gpu,colocated` sizes"),
+      shrink=(False, "sizes divided down to seconds (rehearsal)"),
+      task=("", "synthetic/OPERAND/STEPS; default: from the headroom"),
+      headroom_sets=(str, "default: HEADROOM_SETS (CPU: fewer)"),
+      headroom_problems=(int, "default 64 (CPU: 32)"), headroom_k=(int, "default 16 (CPU: 8)"),
+      headroom_max_new=(int, "default 256 (CPU: 64)"), batches=(0, "RL batches (0: the recipe's)"),
+      sft_steps=(0, "SFT steps (0: the recipe's epoch)"),
+      skip=("", "phases to skip, comma-separated (headroom)"), timeout_s=(3600.0, "per phase"),
+      out=(os.environ.get("OUT", ""), "where the report goes"))
   p.add_argument("--rl_flag", action="append", default=[], help="a flag for both RL runs")
-  p.add_argument("--skip", default="", help="phases to skip, comma-separated (headroom)")
-  p.add_argument("--timeout_s", type=float, default=3600.0, help="per phase")
-  p.add_argument("--out", default=os.environ.get("OUT", ""), help="where the report goes")
   a = p.parse_args()
-  gpu_headroom = dict(headroom_sets=HEADROOM_SETS, headroom_k=16, headroom_problems=64,
-                      headroom_max_new=256)
-  for key, value in (gpu_headroom if a.gpu else CPU_HEADROOM).items():
+  for key, value in (GPU_HEADROOM if a.gpu else CPU_HEADROOM).items():
     if getattr(a, key) is None:
       setattr(a, key, value)
   wd = os.path.abspath(a.workdir)
   out = os.path.abspath(a.out or wd)
-  os.makedirs(out, exist_ok=True)
-  os.makedirs(wd, exist_ok=True)
   logs = os.path.join(wd, "logs")
+  os.makedirs(out, exist_ok=True)
   os.makedirs(logs, exist_ok=True)
   # A time limit's SIGTERM (gpu_suite.sh's `timeout`) still packs what the phases left.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench/learn.py: stopped by SIGTERM"))
@@ -174,22 +151,24 @@ def run_all(a, wd, out, logs) -> dict:
     with open(os.path.join(out, "learn.json"), "w") as f:
       json.dump(summary, f, indent=1)
 
+  def phase(name, argv, done):
+    """One launcher, skipped where its `done` file exists; returns that file's JSON."""
+    walls[name] = common.run_phase(name, argv, logs, a.timeout_s, done)
+    return read_json(done)
+
   sft_dir = os.path.join(wd, "sft")
-  params = os.path.join(sft_dir, "params")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
   # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2_learn.py `sft`).
   sft_cfg = (f"configs/smollm2.py:sft{sizes}" if a.gpu else
              f"configs/smollm2_learn.py:sft{',task=' + a.task if a.task else ''}{sizes}")
-  walls["sft"] = phase("sft", ["launch/sft.py", f"--config={sft_cfg}",
-                               f"--workdir={sft_dir}"] + sft_args, logs, a.timeout_s,
-                       os.path.join(sft_dir, "sft_summary.json"))
-  report(sft=read_json(os.path.join(sft_dir, "sft_summary.json")))
-  init = f"init={params}"
+  report(sft=phase("sft", ["launch/sft.py", f"--config={sft_cfg}", f"--workdir={sft_dir}"]
+                   + sft_args, os.path.join(sft_dir, "sft_summary.json")))
+  init = f"init={os.path.join(sft_dir, 'params')}"
   headroom = None
   if "headroom" not in a.skip:
     hd = os.path.join(wd, "headroom")
-    walls["headroom"] = phase(
+    headroom = phase(
         "headroom", ["launch/eval.py",
                      f"--config=configs/{'smollm2' if a.gpu else 'smollm2_learn'}.py:{init}{sizes}",
                      "--checkpoint=init", f"--sets={a.headroom_sets}",
@@ -197,9 +176,7 @@ def run_all(a, wd, out, logs) -> dict:
                      f"--config.eval.k={a.headroom_k}",
                      f"--config.eval.max_new_tokens={a.headroom_max_new}",
                      f"--config.engine.max_concurrent_decodes={256 if a.gpu else 64}"]
-        + shrink.get("eval", []),
-        logs, a.timeout_s, os.path.join(hd, "eval_init.json"))
-    headroom = read_json(os.path.join(hd, "eval_init.json"))
+        + shrink.get("eval", []), os.path.join(hd, "eval_init.json"))
     report(headroom={name: {k: r[k] for k in ("pass@1", "headroom", "format_rate", "pass_at",
                                               "num_problems", "response_length_mean", "k")}
                      for name, r in headroom["sets"].items()})
@@ -209,10 +186,9 @@ def run_all(a, wd, out, logs) -> dict:
   more = (shrink.get("rl", []) + ([f"--config.num_batches={a.batches}"] if a.batches else [])
           + a.rl_flag)
   rl_dir, ctl_dir = os.path.join(wd, "rl"), os.path.join(wd, "control")
-  walls["rl"] = phase("rl", ["launch/train.py", learn, f"--workdir={rl_dir}"] + more, logs,
-                      a.timeout_s, os.path.join(rl_dir, "eval_after.json"))
+  after = phase("rl", ["launch/train.py", learn, f"--workdir={rl_dir}"] + more,
+                os.path.join(rl_dir, "eval_after.json"))
   before = read_json(os.path.join(rl_dir, "eval_before.json"))
-  after = read_json(os.path.join(rl_dir, "eval_after.json"))
   gain = compare_evals(before["rows"], after["rows"])
   rate = mean_accuracy(rl_dir)
   report(task=task or "default", heldout_problems=gain["n"], k=before["k"], gain=gain,
@@ -220,12 +196,10 @@ def run_all(a, wd, out, logs) -> dict:
          format_after=after["format_rate"], length_before=before["response_length_mean"],
          length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
   print(gain_line("gain", gain), flush=True)
-  walls["control"] = phase(
-      "control", ["launch/train.py",
-                  learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
-                  f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"] + more,
-      logs, a.timeout_s, os.path.join(ctl_dir, "eval_after.json"))
-  ctl = read_json(os.path.join(ctl_dir, "eval_after.json"))
+  ctl = phase("control", ["launch/train.py",
+                          learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
+                          f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"]
+              + more, os.path.join(ctl_dir, "eval_after.json"))
   control = compare_evals(before["rows"], ctl["rows"])
   png = plot(os.path.join(out, "learn.png"), {"rl": rl_dir, "control (random reward)": ctl_dir},
              before)

@@ -75,19 +75,16 @@ def max_tokens(cfg, params, points: dict, budget: int, degree: int, step: int, s
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, lengths="4096,16384,32768", hidden=64, heads=4, kv_heads=2, head_dim=16,
-                   layers=2, vocab=256)
-  ap.add_argument("--block", type=int, default=512, help="attention_block_q and _k")
-  ap.add_argument("--segments", type=int, default=1, help="sequences packed in the row")
-  ap.add_argument("--impls", default="dense,blockwise",
-                  help="attention_impl values beside dense and blockwise (auto: the accelerator's)")
-  ap.add_argument("--dtype", default="float32", help="compute dtype (cuDNN needs bfloat16)")
-  ap.add_argument("--no_time", action="store_true", help="memory only: compile, never run")
-  ap.add_argument("--run_budget_gib", type=float, default=2.0, help="time what fits this")
-  ap.add_argument("--budget_gib", type=float, default=1.0, help="of max_tokens_in_budget")
-  common.add_flags(ap, repeats=2, token_step=1024)
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, lengths="4096,16384,32768", hidden=64, heads=4, kv_heads=2, head_dim=16,
+      layers=2, vocab=256, block=(512, "attention_block_q and _k"),
+      segments=(1, "sequences packed in the row"),
+      impls=("dense,blockwise",
+             "attention_impl values beside dense and blockwise (auto: the accelerator's)"),
+      dtype=("float32", "compute dtype (cuDNN needs bfloat16)"),
+      no_time=(False, "memory only: compile, never run"),
+      run_budget_gib=(2.0, "time what fits this"), budget_gib=(1.0, "of max_tokens_in_budget"),
+      repeats=2, token_step=1024).parse_args()
   lengths = [int(x) for x in args.lengths.split(",")]
   impls = ["dense", "blockwise"] + [i for i in args.impls.split(",")
                                     if i not in ("dense", "blockwise")]
@@ -102,8 +99,7 @@ def main():
         f"H={args.heads} K={args.kv_heads} Dh={args.head_dim} L={args.layers} "
         f"{args.dtype} block={args.block} segments={args.segments}")
   print(f"{'program':<11} {'T':>6} {'impl':<9} {'peak MiB':>10} {'time s':>8}")
-  peaks = {p: {i: {} for i in impls} for p in PROGRAMS}
-  times = {p: {i: {} for i in impls} for p in PROGRAMS}
+  peaks, times = ({p: {i: {} for i in impls} for p in PROGRAMS} for _ in range(2))
   for program in PROGRAMS:
     for t in lengths:
       for impl in impls:

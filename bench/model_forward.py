@@ -17,18 +17,15 @@ import numpy as np
 
 def main():
   from magistral_jax.model import named
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, batch=8, prompt=128, new_tokens=64)
-  ap.add_argument("--repeats", type=int, default=3, help="rounds of every program, ours and HF")
-  ap.add_argument("--skip_hf", action="store_true")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, batch=8, prompt=128, new_tokens=64, skip_hf=False,
+      repeats=(3, "rounds of every program, ours and HF")).parse_args()
 
   import torch
   from magistral_jax.generate.xla_cpu import generate_compiler_options
   from magistral_jax.model import transformer as T
 
-  threads = os.cpu_count()
-  torch.set_num_threads(threads)
+  torch.set_num_threads(os.cpu_count())
   # Device arrays: numpy leaves would be copied on every call of the jitted functions.
   cfg, params, _, path = named.load_model("smollm2", "float32", "gguf")
   params = jax.block_until_ready(params)
@@ -80,7 +77,6 @@ def main():
                hf_pre=lambda: gen(1))
   with torch.inference_mode():
     t = {k: v.median for k, v in common.time_rounds(fns, args.repeats, block=False).items()}
-  fwd_s, dec_s, pre_s = t["fwd"], t["dec"], t["pre"]
 
   def rates(side):   # "" (ours) or "hf_"
     f, d, p = (t[side + k] for k in ("fwd", "dec", "pre"))
@@ -90,18 +86,16 @@ def main():
   result = {**common.host_info(), "jax_backend": jax.default_backend(), "batch": b, "prompt": s,
             "new_tokens": n, **rates("")}
   if not args.skip_hf:
-    hf_logits_s, hf_fwd_s, hf_dec_s, hf_pre_s = (t[k] for k in ("hf_logits", "hf_fwd", "hf_dec",
-                                                                 "hf_pre"))
     with torch.inference_mode():
       hf_tokens = gen()[:, s:].numpy()
       ref_logits = hf(tt[:2]).logits.numpy()
     ours_logits = np.asarray(jax.jit(lambda p, t: T.forward_logits(p, cfg, t))(params, tok_j[:2]))
     result.update({
-        **rates("hf_"), "forward_speedup": hf_fwd_s / fwd_s,
-        "decode_speedup": hf_dec_s / dec_s,
-        "decode_only_speedup": (hf_dec_s - hf_pre_s) / (dec_s - pre_s),
-        "hf_logits_tokens_per_s": b * s / hf_logits_s,
-        "forward_speedup_vs_hf_logits": hf_logits_s / fwd_s,
+        **rates("hf_"), "forward_speedup": t["hf_fwd"] / t["fwd"],
+        "decode_speedup": t["hf_dec"] / t["dec"],
+        "decode_only_speedup": (t["hf_dec"] - t["hf_pre"]) / (t["dec"] - t["pre"]),
+        "hf_logits_tokens_per_s": b * s / t["hf_logits"],
+        "forward_speedup_vs_hf_logits": t["hf_logits"] / t["fwd"],
         "max_abs_logit_diff_vs_hf": float(np.max(np.abs(ours_logits - ref_logits))),
         "greedy_tokens_agree_frac": float(np.mean(ours_tokens == hf_tokens)),
     })

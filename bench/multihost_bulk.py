@@ -6,8 +6,6 @@ timed to the receiver's numpy array and the sender's acknowledgement.
 
 Last line, one JSON object: MB/s per size and way, bulk_over_kv_throughput (median over sizes).
 """
-from __future__ import annotations
-
 import json
 import pickle
 import statistics
@@ -64,9 +62,7 @@ def child(args) -> None:
 
 
 def main() -> None:
-  p = common.argument_parser(__doc__)
-  p.add_argument("--sizes", default="1,16,64,256,1024", help="MB, comma-separated")
-  p.add_argument("--reps", type=int, default=3)
+  p = common.argument_parser(__doc__, sizes=("1,16,64,256,1024", "MB, comma-separated"), reps=3)
   args = common.cluster_main(p, child)
   if args is None:
     return

@@ -6,8 +6,6 @@ the received params in the generator.
 
 Last line, one JSON object: cross_process_over_local_copy, cross_process_GBps, both times.
 """
-from __future__ import annotations
-
 import json
 import statistics
 import time
@@ -46,8 +44,7 @@ def child(args) -> None:
     tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
     shardings = param_shardings(T.param_logical_axes(cfg), tmesh, TRAINER_RULES,
                                 T.param_shapes(cfg))
-    params = named.random_params(cfg, shardings)
-    jax.block_until_ready(params)
+    params = jax.block_until_ready(named.random_params(cfg, shardings))
     push_s = []
     for r in range(rounds):
       t = time.perf_counter()
@@ -59,11 +56,10 @@ def child(args) -> None:
       push_s.append(time.perf_counter() - t)
     # The other trainer process stays until the last pull is done: its part of the staging
     # program runs asynchronously, and a process that exits takes it along.
-    if layout.is_leader:
-      mailbox.send("trainers_done", True)
-    else:
+    if not layout.is_leader:
       mailbox.receive("trainers_done", 600)
-    if layout.is_leader:
+    else:
+      mailbox.send("trainers_done", True)
       copy_s, nbytes = mailbox.receive(out_stream(0, 1), 600)
       push, copy = statistics.median(push_s[1:]), statistics.median(copy_s[1:])
       common.emit({
@@ -98,9 +94,8 @@ def child(args) -> None:
 
 
 def main() -> None:
-  p = common.argument_parser(__doc__)
-  p.add_argument("--model", default="smollm2", choices=("smollm2", "llama1b", "tiny"))
-  common.add_flags(p, param_dtype="float32", gen_dtype="bfloat16", reps=5)
+  p = common.argument_parser(__doc__, model=["smollm2", "llama1b", "tiny"],
+                             param_dtype="float32", gen_dtype="bfloat16", reps=5)
   if common.cluster_main(p, child) is not None:
     print(json.dumps(common.cluster_json(__file__, 3, 2, 0, "multihost_push")), flush=True)
 

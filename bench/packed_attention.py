@@ -8,8 +8,6 @@ On CPU the Pallas kernels run interpreted (times not meaningful; the JSON says s
 Last line, one JSON object per T: <T>_rel_err_<kernel>_*, <T>_fwd_bwd_ms_<kernel>,
 <T>_blockwise_over_<kernel>_time, <T>_flash_noskip_over_flash_time, <T>_visited_tile_fraction.
 """
-from __future__ import annotations
-
 import math
 
 import common
@@ -60,13 +58,10 @@ def kernels(t: int, segments, blocks: FS.Blocks, impls, blockwise, on_cpu: bool)
 
 
 def main(argv=None):
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--lengths", default=None,
-                  help="comma-separated row lengths (default 2048,8192,32768; 512 on a CPU)")
-  ap.add_argument("--impls", default="flash,flash_noskip,cudnn",
-                  help=f"kernels timed beside blockwise, from {IMPLS}")
-  ap.add_argument("--blocks", default=None, help="the kernel's tiles q,k,bwd_q,bwd_k")
-  common.add_flags(ap, mean_len=1024, repeats=5)
+  ap = common.argument_parser(
+      __doc__, lengths=(str, "comma-separated row lengths (default 2048,8192,32768; 512 on a CPU)"),
+      impls=("flash,flash_noskip,cudnn", f"kernels timed beside blockwise, from {IMPLS}"),
+      blocks=(str, "the kernel's tiles q,k,bwd_q,bwd_k"), mean_len=1024, repeats=5)
   args = ap.parse_args(argv)
   impls = [x for x in args.impls.split(",") if x]
   if set(impls) - set(IMPLS):

@@ -9,8 +9,6 @@ sequences a paged pool of the dense cache's memory holds, over its slots.
 Last line: {"bench": "paged_attention", "runs": [{slots, impl: {step_ms, kv_read_over_live,
 live_gb_per_s[, of_copy_bandwidth]}, paged_over_dense_step, in_flight_ratio}], ...}.
 """
-from __future__ import annotations
-
 import math
 
 import common
@@ -23,10 +21,7 @@ from magistral_jax.model import paged_attention as pa
 
 
 def lengths_for(slots: int, cache: int, mean_frac: float, tail: int, seed: int) -> np.ndarray:
-  r = np.random.default_rng(seed)
-  sigma = 1.0
-  mu = math.log(mean_frac * cache) - sigma ** 2 / 2
-  n = np.clip(r.lognormal(mu, sigma, size=slots), 1, cache).astype(np.int32)
+  n = common.lognormal_lengths(np.random.default_rng(seed), mean_frac * cache, slots, cache)
   n[:min(tail, slots)] = cache
   if slots <= 4:   # the long tail of a batch: the few slots left are the long ones
     n[:] = cache
@@ -105,16 +100,12 @@ def one_run(slots: int, args, rng_seed: int) -> dict:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--gpu", action="store_true", help="Small's per-chip shapes, + pallas_gpu")
-  ap.add_argument("--slots", default=None, help="comma list of slot counts")
-  ap.add_argument("--cache", type=int, default=None, help="positions per slot")
-  ap.add_argument("--mean_frac", type=float, default=0.2, help="mean live length / cache")
-  ap.add_argument("--tail", type=int, default=1, help="slots at full length (the long tail)")
-  common.add_flags(ap, page_size=int, q_heads=int, kv_heads=int, head_dim=int, dtype=str,
-                   repeats=5, seed=0)
-  ap.add_argument("--copy_mb", type=int, default=1024, help="--gpu: the bandwidth probe's size")
-  a = ap.parse_args()
+  a = common.argument_parser(
+      __doc__, gpu=(False, "Small's per-chip shapes, + pallas_gpu"),
+      slots=(str, "comma list of slot counts"), cache=(int, "positions per slot"),
+      mean_frac=(0.2, "mean live length / cache"), tail=(1, "slots at full length (the long tail)"),
+      page_size=int, q_heads=int, kv_heads=int, head_dim=int, dtype=str, repeats=5, seed=0,
+      copy_mb=(1024, "--gpu: the bandwidth probe's size")).parse_args()
   # CPU: SmolLM2-135M's attention (9 query / 3 KV heads of 64), an 8K cache; GPU: Small's
   # per-chip shapes (8 query / 2 KV heads of 128, bf16, 45,056 positions) and a 4-slot tail.
   cpu = dict(slots="16", cache=8192, page_size=64, q_heads=9, kv_heads=3, head_dim=64,

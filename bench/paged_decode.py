@@ -13,18 +13,14 @@ Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per secon
 prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
 their slots hold: the live pages in whole chunks of each step, paged_attention.bytes_read; the
 dense cache's length for each slot a step computes) for both, and
-`paged_read_per_token_over_dense`;
-`in_flight_ratio` (sequences per decode step while requests wait for a slot, paged over dense:
-what the same memory holds at once; the drain's steps, which the longest samples set, are
-left out); `preempted_frac` (samples
-parked for want of pages, over all samples); `same_samples` (share of samples with the dense run's
-tokens: the batches differ, so the last bits of the float sums may).
+`paged_read_per_token_over_dense`; `in_flight_ratio` (sequences per decode step while requests
+wait for a slot, paged over dense: what the same memory holds at once; the drain's steps, which
+the longest samples set, are left out); `preempted_frac` (samples parked for want of pages, over
+all samples); `same_samples` (share of samples with the dense run's tokens: the batches differ,
+so the last bits of the float sums may).
 
   python bench/paged_decode.py [--requests 32] [--cache 8192] [--layers 4]
 """
-from __future__ import annotations
-
-import math
 import time
 
 import common
@@ -44,16 +40,11 @@ from magistral_jax.model.named import random_params
 from magistral_jax.parallel.sharding import make_mesh
 
 
-def lognormal(r, mean: float, size: int, hi: int) -> np.ndarray:
-  sigma = 1.0
-  return np.clip(r.lognormal(math.log(mean) - sigma ** 2 / 2, sigma, size), 1, hi).astype(int)
-
-
 def workload(a, vocab: int) -> list[Request]:
   r = np.random.default_rng(a.seed)
   half = a.cache // 2
-  prompts = lognormal(r, a.prompt_mean, a.requests, half)
-  news = lognormal(r, a.new_mean, a.requests, half)
+  prompts = common.lognormal_lengths(r, a.prompt_mean, a.requests, half)
+  news = common.lognormal_lengths(r, a.new_mean, a.requests, half)
   return [Request(f"r{i}", r.integers(1, vocab, p).tolist(), max_new_tokens=int(n), seed=i)
           for i, (p, n) in enumerate(zip(prompts, news))]
 
@@ -93,17 +84,9 @@ def run(engine: Engine, params, reqs, sampling) -> dict:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--requests", type=int, default=32)
-  ap.add_argument("--cache", type=int, default=8192, help="positions per sequence")
-  ap.add_argument("--prompt_mean", type=float, default=1024)
-  ap.add_argument("--new_mean", type=float, default=96)
-  ap.add_argument("--layers", type=int, default=4)
-  ap.add_argument("--dense_slots", type=int, default=8)
-  ap.add_argument("--paged_slots", type=int, default=32)
-  ap.add_argument("--page_size", type=int, default=16)
-  ap.add_argument("--seed", type=int, default=0)
-  a = ap.parse_args()
+  a = common.argument_parser(
+      __doc__, requests=32, cache=(8192, "positions per sequence"), prompt_mean=1024.0,
+      new_mean=96.0, layers=4, dense_slots=8, paged_slots=32, page_size=16, seed=0).parse_args()
   cfg = model_config.SMOLLM2_135M.replace(num_layers=a.layers, dtype="float32",
                                           param_dtype="float32")
   sampling = SamplingConfig(greedy=True, max_new_tokens=a.cache // 2)

@@ -35,11 +35,10 @@ def _host_cpu_jiffies() -> tuple[int, int]:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, batches=10, repeats=5, sft_steps=250, seed=1)   # batches, runs per mode
-  ap.add_argument("--layout", default="4,2,2", help="devices of the trainer, then each generator")
-  ap.add_argument("--colocated", action="store_true",
-                  help="one generator on the trainer's devices (--layout N: theirs)")
+  ap = common.argument_parser(
+      __doc__, batches=10, repeats=5, sft_steps=250, seed=1,   # batches, runs per mode
+      layout=("4,2,2", "devices of the trainer, then each generator"),
+      colocated=(False, "one generator on the trainer's devices (--layout N: theirs)"))
   args = ap.parse_args()
   if args.colocated and args.layout == "4,2,2":
     args.layout = "1"
@@ -107,12 +106,11 @@ def main():
 
   def run_mode(mode: str, num_batches: int, lengths: list | None = None):
     state = init_state(cfg, rl_tx, jax.random.PRNGKey(0), tmesh, TRAINER_RULES, params=params)
-    gens = [GeneratorLoop(e, params, 0, seed=args.seed + i, sampling=e.sampling) for i, e in enumerate(engines)]
-    ends = []
-    trainer = Trainer(train_step, state, tmesh, TRAINER_RULES)
+    gens = [GeneratorLoop(e, params, 0, seed=args.seed + i, sampling=e.sampling)
+            for i, e in enumerate(engines)]
+    ends, trainer = [], Trainer(train_step, state, tmesh, TRAINER_RULES)
     pipe = Rollouts(generators=gens, pool=pool, tokenizer=tok, prompts=problems(args.seed),
-                    grpo_cfg=grpo,
-                    cfg=PipelineConfig(mode=mode, batch_timeout_s=300),
+                    grpo_cfg=grpo, cfg=PipelineConfig(mode=mode, batch_timeout_s=300),
                     system_prompt=synthetic.TINY_SYSTEM_PROMPT, seed=args.seed,
                     colocated=args.colocated)
     if lengths is not None:   # record every generated completion's length (dropped groups too)
@@ -157,8 +155,7 @@ def main():
     # The warm-up batch compiles prefill/insert/generate, the train step and the pushes.
     warm_s = common.time_once(lambda: run_mode("sync", 1), block=False)[0]
     print(f"warm-up batch (compiles): {warm_s:.1f}s", flush=True)
-    lengths = []
-    runs = {"sync": [], "async": []}
+    lengths, runs = [], {"sync": [], "async": []}
     for r in range(args.repeats):   # alternate the order so drifting host load hits both modes
       for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
         runs[mode].append(run_mode(mode, args.batches, lengths))
@@ -166,6 +163,7 @@ def main():
   finally:
     pool.close()
   L = np.asarray(lengths)
+  p10, p50, p90 = (float(np.percentile(L, q)) for q in (10, 50, 90))
   med = lambda k, m: float(np.median([x[k] for x in runs[m]]))
   ratio = lambda k: med(k, "async") / med(k, "sync")
   per_repeat = lambda k: [a[k] / s[k] for a, s in zip(runs["async"], runs["sync"])]
@@ -185,14 +183,12 @@ def main():
           "completions_per_s", "trained_completions_per_s", "decode_step_ms",
           "tokens_per_decode_step")},
       groups_dropped_frac=float(np.mean([x["groups_dropped_frac"] for m in runs for x in runs[m]])),
-      response_length_min=int(L.min()), response_length_p10=float(np.percentile(L, 10)),
-      response_length_p50=float(np.percentile(L, 50)),
-      response_length_p90=float(np.percentile(L, 90)), response_length_max=int(L.max()),
-      response_length_spread_p90_over_p10=float(np.percentile(L, 90) / np.percentile(L, 10)),
+      response_length_min=int(L.min()), response_length_p10=p10, response_length_p50=p50,
+      response_length_p90=p90, response_length_max=int(L.max()),
+      response_length_spread_p90_over_p10=p90 / p10,
       response_length_spread_max_over_min=float(L.max() / L.min()),
-      batches_per_mode=args.batches, repeats=args.repeats, sft_s=sft_s, warmup_s=warm_s)
-
-  out["colocated"] = args.colocated
+      batches_per_mode=args.batches, repeats=args.repeats, sft_s=sft_s, warmup_s=warm_s,
+      colocated=args.colocated)
   if args.colocated:
     out.update({f"{m}_{k.replace('/', '_')}": med(k, m) for m in runs for k in runs[m][0]
                 if "peak" in k})

@@ -51,9 +51,8 @@ def engine_steps(batch: int, rounds: int):
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, batches="16,64", vocab=49152, rounds=7, skip_engine=False)
-  args = ap.parse_args()
+  args = common.argument_parser(__doc__, batches="16,64", vocab=49152, rounds=7,
+                                skip_engine=False).parse_args()
   settings = [(0, 1.0), (0, 0.95), (0, 0.7), (50, 1.0), (50, 0.95), (1000, 1.0)]
   runs = []
   for b in [int(x) for x in args.batches.split(",")]:
@@ -61,37 +60,30 @@ def main():
     # Gaussian logits, std 2.5: a wide nucleus, as an RL policy's at temperature 1.
     lg = jnp.asarray((rs.randn(b, args.vocab) * 2.5).astype(np.float32))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b))
-    for top_k, top_p in settings:
-      fns = {"ours": sampler(xla_cpu.truncate, xla_cpu.draw, top_k, top_p),
-             "sort": sampler(S.truncate, gumbel_draw, top_k, top_p)}
-      t = common.time_rounds({k: (lambda f=f: f(lg, keys)) for k, f in fns.items()}, args.rounds,
+    # (ours, the baseline) per case: each (top_k, top_p) sampled; then greedy, the blocked argmax
+    # against jnp.argmax (XLA:CPU's (value, index) pair reduction), whose output is the "mask".
+    cases = {(k, p): (sampler(xla_cpu.truncate, xla_cpu.draw, k, p),
+                      sampler(S.truncate, gumbel_draw, k, p)) for k, p in settings}
+    cases["argmax"] = (jax.jit(xla_cpu.argmax), jax.jit(lambda x: jnp.argmax(x, -1)))
+    for case, (ours, sort) in cases.items():
+      greedy, xs = case == "argmax", (lg,) if case == "argmax" else (lg, keys)
+      t = common.time_rounds({"ours": lambda: ours(*xs), "sort": lambda: sort(*xs)}, args.rounds,
                              calls=3, alternate=True)
-      outs = {k: v.result for k, v in t.items()}
-      equal = bool((np.asarray(outs["ours"][1]) == np.asarray(outs["sort"][1])).all())
-      med = {k: 1e3 * v.median for k, v in t.items()}
-      r = {"batch": b, "top_k": top_k, "top_p": top_p, "ours_ms": med["ours"],
-           "sort_ms": med["sort"], "speedup_vs_sort": med["sort"] / med["ours"],
-           "masks_equal": equal, "kept_mean": float(np.asarray(outs["ours"][1]).sum(-1).mean())}
+      mask = {k: np.asarray(v.result if greedy else v.result[1]) for k, v in t.items()}
+      r = {"batch": b, **({"argmax": True} if greedy else {"top_k": case[0], "top_p": case[1]}),
+           "ours_ms": 1e3 * t["ours"].median, "sort_ms": 1e3 * t["sort"].median,
+           "speedup_vs_sort": t["sort"].median / t["ours"].median,
+           "masks_equal": bool((mask["ours"] == mask["sort"]).all())}
+      if not greedy:
+        r["kept_mean"] = float(mask["ours"].sum(-1).mean())
       runs.append(r)
       common.emit(r)
-    # Greedy: the blocked argmax against jnp.argmax (XLA:CPU's (value, index) pair reduction).
-    fns = {"ours": jax.jit(xla_cpu.argmax), "jnp": jax.jit(lambda x: jnp.argmax(x, -1))}
-    t = common.time_rounds({k: (lambda f=f: f(lg)) for k, f in fns.items()}, args.rounds,
-                           calls=3, alternate=True)
-    same = bool((np.asarray(t["ours"].result) == np.asarray(t["jnp"].result)).all())
-    r = {"batch": b, "argmax": True, "ours_ms": 1e3 * t["ours"].median,
-         "sort_ms": 1e3 * t["jnp"].median, "speedup_vs_sort": t["jnp"].median / t["ours"].median,
-         "masks_equal": same}
-    runs.append(r)
-    common.emit(r)
   result = {"machine": f"{jax.default_backend()} x{os.cpu_count()}", "vocab": args.vocab,
-            "runs": runs,
-            "speedup_vs_sort_min": min(r["speedup_vs_sort"] for r in runs),
+            "runs": runs, "speedup_vs_sort_min": min(r["speedup_vs_sort"] for r in runs),
             "masks_equal": all(r["masks_equal"] for r in runs)}
   if not args.skip_engine:
     b = int(args.batches.split(",")[0])
-    result["engine_batch"] = b
-    result["engine_step_ms"] = engine_steps(b, args.rounds)
+    result.update(engine_batch=b, engine_step_ms=engine_steps(b, args.rounds))
   common.emit(result)
 
 

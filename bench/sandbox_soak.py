@@ -10,8 +10,6 @@ busy worker that often. Baseline: the correct/wrong programs run bare, interleav
 Last line, one JSON object: verdict_accuracy, tasks_lost, faulted, chaos_kills,
 worker_deaths_beyond_chaos, honest_verifier_faults, leaks per kind, throughput_ratio, ....
 """
-from __future__ import annotations
-
 import collections
 import concurrent.futures
 import os
@@ -45,11 +43,6 @@ FAULTS = {"verifier worker died": "worker_died", "could not send task to worker"
           getattr(reward_mod, "VERIFIER_FAULT", "verifier fault"): "verifier_fault"}
 
 
-def fault_kind(error: str | None) -> str | None:
-  return next((kind for prefix, kind in FAULTS.items() if error and error.startswith(prefix)),
-              None)
-
-
 def rss_mb(pids) -> dict[str, float]:
   out = {}
   for pid in pids:
@@ -62,9 +55,10 @@ def rss_mb(pids) -> dict[str, float]:
 
 class Chaos(threading.Thread):
   """SIGKILLs a busy worker (one with sandboxed processes under it) about every `every_s`
-  seconds: a worker lost with its runs alive, as a hostile program or the host can make happen.
-  Busy workers are drawn with weights = their processes, so the ones running daemons and holders
-  are hit most. The pool must resolve the task with an error and leave nothing of it alive."""
+  seconds (never where every_s <= 0): a worker lost with its runs alive, as a hostile program or
+  the host can make happen. Busy workers are drawn with weights = their processes, so the ones
+  running daemons and holders are hit most. The pool must resolve the task with an error and
+  leave nothing of it alive."""
 
   def __init__(self, pool: VerifierPool, every_s: float, seed: int):
     super().__init__(name="soak-chaos", daemon=True)
@@ -74,7 +68,7 @@ class Chaos(threading.Thread):
     self._halt = threading.Event()
 
   def run(self):
-    while not self._halt.wait(self.every_s * self.r.uniform(0.5, 1.5)):
+    while self.every_s > 0 and not self._halt.wait(self.every_s * self.r.uniform(0.5, 1.5)):
       busy = {}
       for pid in self.pool.worker_pids():
         try:
@@ -100,12 +94,9 @@ class Chaos(threading.Thread):
 
 def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float, seen_pids: set,
          progress: bool = True, chaos_every_s: float = 0.0, seed: int = 0) -> dict:
-  t0 = time.perf_counter()
-  futs = []
-  step = max(1, len(items) // 10)
-  chaos = Chaos(pool, chaos_every_s, seed) if chaos_every_s > 0 else None
-  if chaos:
-    chaos.start()
+  t0, futs, step = time.perf_counter(), [], max(1, len(items) // 10)
+  chaos = Chaos(pool, chaos_every_s, seed)
+  chaos.start()
   try:
     for k, it in enumerate(items):
       futs.append(pool.submit(it.task, code_response(it.src, it.lang), None, k))
@@ -116,14 +107,12 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     done, _ = concurrent.futures.wait(futs, timeout=wait_s)
   finally:
-    if chaos:
-      chaos.stop()
+    chaos.stop()
   wall = time.perf_counter() - t0
   seen_pids.update(pool.worker_pids())
-  kills = chaos.kills if chaos else []
+  kills = chaos.kills
   seen_pids.update(k["pid"] for k in kills)   # their run dirs are the pool's to remove
-  wrong, errors, faulted, by_cat = [], [], [], {}
-  fault_counts: dict[str, int] = {}
+  wrong, errors, faulted, by_cat, fault_counts = [], [], [], {}, collections.Counter()
   honest_faults = 0   # a verifier fault on a correct or wrong program: our limits, not its doing
   for it, f in zip(items, futs):
     c = by_cat.setdefault(it.category, {"tasks": 0, "right": 0, "faulted": 0})
@@ -131,10 +120,10 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
     if f not in done:
       continue
     res = f.result()
-    kind = fault_kind(res.error)
+    kind = next((k for prefix, k in FAULTS.items() if (res.error or "").startswith(prefix)), None)
     if kind:   # no verdict: dropped, neither right nor wrong
       c["faulted"] += 1
-      fault_counts[kind] = fault_counts.get(kind, 0) + 1
+      fault_counts[kind] += 1
       if kind == "verifier_fault" and it.category != "hostile":
         honest_faults += 1
       faulted.append(f"{it.category}/{it.name}: {res.error[:120]}")
@@ -153,7 +142,7 @@ def soak(pool: VerifierPool, items: list[Item], cfg: RewardConfig, wait_s: float
               verdicts=verdicts,
               verdict_accuracy=(verdicts - len(wrong)) / verdicts if verdicts else 0.0,
               wrong_verdicts_count=len(wrong), wrong_verdicts=wrong[:8],
-              faulted=len(faulted), faulted_by_kind=fault_counts, faulted_first=faulted[:5],
+              faulted=len(faulted), faulted_by_kind=dict(fault_counts), faulted_first=faulted[:5],
               honest_verifier_faults=honest_faults,
               chaos_every_s=chaos_every_s, chaos_kills=len(kills), chaos_kills_first=kills[:5],
               errors_count=len(errors), errors_first=errors[:5], by_category=by_cat,
@@ -164,8 +153,7 @@ def throughput_phase(pool: VerifierPool, items: list[Item], workers: int, bare_d
                      chunk: int) -> dict:
   """Pool vs bare on the same correct/wrong programs, interleaved in chunks so that load from
   other processes hits both alike."""
-  pool_s = bare_s = 0.0
-  bare_right = 0
+  pool_s, bare_s, bare_right = 0.0, 0.0, 0
   with concurrent.futures.ThreadPoolExecutor(workers) as ex:
     for i in range(0, len(items), chunk):
       part = items[i:i + chunk]
@@ -190,8 +178,7 @@ def run(a) -> dict:
              cpp_share=a.cpp_share, test_timeout_s=a.test_timeout_s,
              isolation_level=sandbox.isolation_level(), ipc_attacks=list(IPC_ATTACKS))
   bare_dir = tempfile.mkdtemp(prefix="mj_soak_bare_")
-  planted = host_leaks.plant_files(SECRET)
-  planted_ipc = host_leaks.plant_ipc(SECRET)
+  planted, planted_ipc = host_leaks.plant_files(SECRET), host_leaks.plant_ipc(SECRET)
   try:
     # The keys of this process's sandbox uids (the pool's slots are among them) before any run.
     block = sandbox.process_uid_base()
@@ -202,8 +189,8 @@ def run(a) -> dict:
     ratio_items = build_mix(a.ratio_tasks, seed + 1, a.hostile_share, a.cpp_share, catalog,
                             categories=("correct", "wrong")) if a.ratio_tasks else []
     res.update(catalog_s=time.perf_counter() - t, catalog_programs=len(catalog._ok),
-               catalog_dropped=len(catalog.dropped), catalog_dropped_first=catalog.dropped[:5])
-    res.update(mix=dict(sorted(collections.Counter(f"{it.category}/{it.shape}"
+               catalog_dropped=len(catalog.dropped), catalog_dropped_first=catalog.dropped[:5],
+               mix=dict(sorted(collections.Counter(f"{it.category}/{it.shape}"
                                                    for it in items).items())),
                hostile_variants=len(ATTACKS),
                always_in_mix=sorted({it.name for it in items} & set(ALWAYS)))
@@ -255,21 +242,15 @@ def run(a) -> dict:
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--tasks", type=int, default=5000, help="tasks in the soak")
-  ap.add_argument("--workers", type=int, default=2, help="pool size")
-  ap.add_argument("--hostile_share", type=float, default=0.2)
-  ap.add_argument("--cpp_share", type=float, default=0.05,
-                  help="share of C++ tasks (of the benign and of the hostile ones)")
-  ap.add_argument("--test_timeout_s", type=float, default=2.0, help="per-run CPU/wall limit")
-  ap.add_argument("--task_timeout_s", type=float, default=60.0, help="pool's per-task deadline")
-  ap.add_argument("--ratio_tasks", type=int, default=200,
-                  help="correct/wrong tasks timed through the pool and bare (0: skip)")
-  common.add_flags(ap, max_tasks_per_worker=1000, seed=0)
-  ap.add_argument("--chaos_every_s", type=float, default=0.0,
-                  help="SIGKILL a busy worker about this often during the soak (0: never)")
-  ap.add_argument("--no_progress", action="store_true", help="no progress lines during the soak")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, tasks=(5000, "tasks in the soak"), workers=(2, "pool size"), hostile_share=0.2,
+      cpp_share=(0.05, "share of C++ tasks (of the benign and of the hostile ones)"),
+      test_timeout_s=(2.0, "per-run CPU/wall limit"),
+      task_timeout_s=(60.0, "pool's per-task deadline"),
+      ratio_tasks=(200, "correct/wrong tasks timed through the pool and bare (0: skip)"),
+      max_tasks_per_worker=1000, seed=0,
+      chaos_every_s=(0.0, "SIGKILL a busy worker about this often during the soak (0: never)"),
+      no_progress=(False, "no progress lines during the soak")).parse_args()
   # SIGTERM (e.g. from `timeout`) unwinds through run()'s cleanup: the planted files go.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   common.emit(run(args), ndigits=4)

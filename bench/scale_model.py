@@ -8,8 +8,6 @@ scoring (the run's VerifierPool).
 Last line, one JSON object: predicted and measured per-batch time, predicted_over_measured,
 the rates (with rates.message_s) and the run's workload.
 """
-from __future__ import annotations
-
 import dataclasses
 import json
 import os
@@ -34,25 +32,13 @@ def batch_rows(workdir: str) -> list[dict]:
     return [r for r in map(json.loads, filter(str.strip, f)) if "train_time_s" in r]
 
 
-def run_cpu(workdir: str, args) -> None:
-  """The 3-process run, as README.md "Many hosts" starts it."""
-  cmd = [sys.executable, os.path.join(common.ROOT, "launch/local_cluster.py"),
-         "--num_processes=3", "--devices_per_process=2", "--",
-         os.path.join(common.ROOT, "launch/train.py"),
-         f"--config={CPU_CONFIG},sft_steps={args.sft_steps},batches={args.batches}",
-         f"--workdir={workdir}"]
-  os.makedirs(workdir, exist_ok=True)
-  wall = common.run_logged(cmd, os.path.join(workdir, "local_cluster.log"),
-                           env=dict(os.environ, PYTHONPATH=common.ROOT))
-  print(f"[cpu run] {wall:.0f}s: {workdir}", file=sys.stderr, flush=True)
-
-
 def cpu_workload(run, rows: list[dict], skip: int) -> tuple[dict, M.Workload]:
   """The measured per-batch time and the run's workload, from its batch rows."""
   rows = rows[skip:]
   if len(rows) < 3:
     raise SystemExit(f"scale_model: {len(rows)} batches after the first {skip}; need 3")
   gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
+  tasks, tok, system = tasks_and_tokenizer(run, 64)
   kept_groups = len(rows) * run.rl.n_batch / run.rl.group_size
   measured = {"batch_s": statistics.median(gaps), "batches": len(gaps),
               "batch_s_rounds": [round(g, 3) for g in gaps],
@@ -61,7 +47,8 @@ def cpu_workload(run, rows: list[dict], skip: int) -> tuple[dict, M.Workload]:
   w = M.Workload(
       n_batch=run.rl.n_batch, n_mini=run.rl.n_mini, group_size=run.rl.group_size,
       n_async=run.pipeline.n_async or 2 * run.rl.n_batch, mode=run.pipeline.mode,
-      prompt_tokens=prompt_tokens(run),
+      prompt_tokens=statistics.mean(len(tok.apply_chat_template(t["problem"], system))
+                                    for t in tasks),
       response_tokens=statistics.mean(r["response_length_mean"] for r in rows),
       keep=kept_groups / sum(r["groups_scored"] for r in rows),
       microbatch_tokens=run.rl.microbatch_tokens,
@@ -77,11 +64,6 @@ def tasks_and_tokenizer(run, n: int):
   tok, _, _ = load_policy(run.model, run.init, run.tokenizer, load_weights=False)
   opts = synthetic.options(run.data)
   return synthetic.take(n, run.seed, **opts), tok, system_prompt_for(run.system_prompt)
-
-
-def prompt_tokens(run) -> float:
-  tasks, tok, system = tasks_and_tokenizer(run, 64)
-  return statistics.mean(len(tok.apply_chat_template(t["problem"], system)) for t in tasks)
 
 
 def verifier_rate(run, n: int) -> float:
@@ -110,13 +92,12 @@ def child(args) -> None:
   layout = multihost.process_layout(run.devices)
   mailbox = multihost.Mailbox("scale_model")
   wl = json.loads(os.environ["SCALE_MODEL_WORKLOAD"])
-  me = jax.process_index()
   if not layout.is_trainer:
     result = measure_generation(run, layout, wl, args.reps)
     for p in layout.trainer_processes:
       mailbox.send(f"to{p}", result)
     return
-  generation = mailbox.receive(f"to{me}", 1800, what="the generator's measurement")
+  generation = mailbox.receive(f"to{jax.process_index()}", 1800, what="the generator's measurement")
   train = measure_train(run, layout, wl, args.reps)
   if not layout.is_leader:
     mailbox.send("cores", train["cores_busy"])
@@ -144,28 +125,19 @@ def measure_generation(run, layout, wl: dict, reps: int) -> dict:
                            mesh_shape=run.devices.generator_mesh,
                            rules=run.sharding.generator_rules,
                            shared_prefix=shared_prefix_for(run.engine, tok, system))
-  done, lock, counter = threading.Event(), threading.Lock(), [0, 0]
-
-  def on_sample(_):
-    with lock:
-      counter[0] += 1
-      if counter[0] == counter[1]:
-        done.set()
-  loop.callback = on_sample
+  finished = threading.Semaphore(0)   # released once per completion
+  loop.callback = lambda _: finished.release()
   loop.start()
   # Four batches' worth a round: the run generates without pause, this drains every round.
   groups = max(1, round(4 * wl["completions"] / run.rl.group_size))
   n, it, round_ids = groups * run.rl.group_size, iter(tasks), iter(range(reps + 2))
 
   def one_round():
-    done.clear()
-    with lock:
-      counter[:] = [0, n]
     r = next(round_ids)
     for g in range(groups):
       loop.submit(Request(id=(r, g), group_size=run.rl.group_size, seed=g,
                           prompt_tokens=tok.apply_chat_template(next(it)["problem"], system)))
-    if not done.wait(1200):
+    if not all(finished.acquire(timeout=1200) for _ in range(n)):
       raise TimeoutError("generation did not finish")
   # Two untimed rounds: the first compiles, the second catches up.
   t = common.time_fn(one_round, reps, warmup=2, block=False)
@@ -216,8 +188,16 @@ def cpu_check(args) -> dict:
   from magistral_jax.run.recipes import load_recipe
   run = config_lib.validate(load_recipe(CPU_CONFIG, common.ROOT))
   workdir = args.cpu_run_workdir or tempfile.mkdtemp(prefix="scale_model_")
-  if len(batch_rows(workdir)) < args.skip + 4:
-    run_cpu(workdir, args)
+  if len(batch_rows(workdir)) < args.skip + 4:   # the run, as README.md "Many hosts" starts it
+    os.makedirs(workdir, exist_ok=True)
+    wall = common.run_logged(
+        [sys.executable, os.path.join(common.ROOT, "launch/local_cluster.py"),
+         "--num_processes=3", "--devices_per_process=2", "--",
+         os.path.join(common.ROOT, "launch/train.py"),
+         f"--config={CPU_CONFIG},sft_steps={args.sft_steps},batches={args.batches}",
+         f"--workdir={workdir}"], os.path.join(workdir, "local_cluster.log"),
+        env=dict(os.environ, PYTHONPATH=common.ROOT))
+    print(f"[cpu run] {wall:.0f}s: {workdir}", file=sys.stderr, flush=True)
   measured, w = cpu_workload(run, batch_rows(workdir), args.skip)
   print(f"[cpu run] {workdir}: {measured['batches']} batch intervals, median "
         f"{measured['batch_s']:.2f}s; workload {dataclasses.asdict(w)}", file=sys.stderr)
@@ -264,20 +244,17 @@ def cpu_check(args) -> dict:
 
 
 def main() -> None:
-  p = common.argument_parser(__doc__)
-  p.add_argument("--cpu_run_workdir", default="", help="the 3-process run's workdir")
-  p.add_argument("--sft_steps", type=int, default=200, help="when this script runs it")
-  p.add_argument("--batches", type=int, default=14, help="when this script runs it")
-  p.add_argument("--skip", type=int, default=2, help="first batches left out (compilation)")
-  common.add_flags(p, reps=5, verify_tasks=200)
+  p = common.argument_parser(
+      __doc__, cpu_run_workdir=("", "the 3-process run's workdir"),
+      sft_steps=(200, "when this script runs it"), batches=(14, "when this script runs it"),
+      skip=(2, "first batches left out (compilation)"), reps=5, verify_tasks=200)
   args = common.cluster_main(p, child)
   if args is None:
     return
   check = cpu_check(args)
-  result = {"bench": "scale_model", "cpu_check": check,
-            "predicted_over_measured": round(check["predicted_over_measured"], 3)}
-  result.update(common.host_info())
-  common.emit(result)
+  common.emit({"bench": "scale_model", "cpu_check": check,
+               "predicted_over_measured": round(check["predicted_over_measured"], 3),
+               **common.host_info()})
 
 
 if __name__ == "__main__":

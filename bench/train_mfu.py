@@ -8,8 +8,6 @@ against a plain cross-entropy step, per `--shapes` (ROWSxROW_LEN:REMAT[:SEQS]): 
 Last line, one JSON object, per shape: tokens_per_s_grpo, mfu_grpo, tokens_per_s_ce, mfu_ce,
 grpo_over_ce_time, mfu_vs_matmul, peak memory, attention implementation, device.
 """
-from __future__ import annotations
-
 import common
 import jax
 import jax.numpy as jnp
@@ -85,10 +83,9 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
                   f"row, remat {remat}",
          "tokens_per_step": args.micro * rows * row_len, "attention": attention_impl(cfg, row_len)}
   makers = {"grpo": lambda: S.make_grpo_step(cfg, gcfg, tx), "ce": lambda: make_sft_step(cfg, tx)}
-  steps = {k: makers[k]() for k in args.steps.split(",")}   # jitted, donating
   compiled = {}
-  for k, fn in steps.items():
-    compiled[k], out[f"compile_s_{k}"] = common.compile_timed(fn, state, batch)
+  for k in args.steps.split(","):   # the makers' steps come jitted, donating
+    compiled[k], out[f"compile_s_{k}"] = common.compile_timed(makers[k](), state, batch)
     out[f"peak_gib_{k}"] = compiled_memory(compiled[k])[0] / 2 ** 30
     print(f"[{name}] compiled {k} in {out[f'compile_s_{k}']:.1f}s, peak "
           f"{out[f'peak_gib_{k}']:.1f} GiB", flush=True)
@@ -98,9 +95,8 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
   out["model_tflop_per_step"] = flops / 1e12
   for k, t in times.items():
     s = t.median
-    out[f"step_s_{k}"] = s
-    out[f"tokens_per_s_{k}"] = out["tokens_per_step"] / s
-    out[f"mfu_vs_matmul_{k}"] = flops / s / 1e12 / mm_tf
+    out.update({f"step_s_{k}": s, f"tokens_per_s_{k}": out["tokens_per_step"] / s,
+                f"mfu_vs_matmul_{k}": flops / s / 1e12 / mm_tf})
     if peak_tf:
       out[f"mfu_{k}"] = flops / s / 1e12 / peak_tf
   if "grpo" in times and "ce" in times:
@@ -115,15 +111,13 @@ def run_shape(base_cfg, rows: int, row_len: int, remat: str, args, peak_tf: floa
 
 
 def main(argv=None):
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--shapes", default="4x2048:none,1x8192:none,1x32768:full",
-                  help="ROWSxROW_LEN:REMAT[:SEQS], comma-separated")
-  ap.add_argument("--steps", default="grpo,ce", help="the steps timed: grpo, ce or both")
-  ap.add_argument("--micro", type=int, default=2, help="microbatches per optimizer step")
-  common.add_flags(ap, param_dtype="float32", dtype="bfloat16", attention_impl="auto")
-  ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
-  ap.add_argument("--hidden", type=int, default=None, help="a smaller hidden size (smoke run)")
-  common.add_flags(ap, matmul_n=8192, repeats=5)
+  ap = common.argument_parser(
+      __doc__, shapes=("4x2048:none,1x8192:none,1x32768:full",
+                       "ROWSxROW_LEN:REMAT[:SEQS], comma-separated"),
+      steps=("grpo,ce", "the steps timed: grpo, ce or both"),
+      micro=(2, "microbatches per optimizer step"), param_dtype="float32", dtype="bfloat16",
+      attention_impl="auto", layers=(int, "fewer layers (a CPU smoke run)"),
+      hidden=(int, "a smaller hidden size (smoke run)"), matmul_n=8192, repeats=5)
   args = ap.parse_args(argv)
   if not args.steps or set(args.steps.split(",")) - {"grpo", "ce"}:
     ap.error(f"--steps: grpo, ce or grpo,ce, got {args.steps!r}")

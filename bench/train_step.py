@@ -6,8 +6,6 @@ GRPO step's peak memory with remat none against full.
 
 Last line: one JSON object with every figure.
 """
-from __future__ import annotations
-
 import common
 import jax
 import numpy as np
@@ -62,10 +60,8 @@ def make_batch(rng, cfg: GRPOConfig, vocab: int):
 
 
 def main(argv=None):
-  ap = common.argument_parser(__doc__)
-  common.add_flags(ap, rows=2, row_len=256, repeats=3)
-  ap.add_argument("--layers", type=int, default=SMOLLM2_135M.num_layers)
-  args = ap.parse_args(argv)
+  args = common.argument_parser(__doc__, rows=2, row_len=256, repeats=3,
+                                layers=SMOLLM2_135M.num_layers).parse_args(argv)
 
   model_cfg = SMOLLM2_135M.replace(num_layers=args.layers)
   rng = np.random.default_rng(0)
@@ -86,15 +82,14 @@ def main(argv=None):
   init_s, state = common.time_once(lambda: S.init_state(model_cfg, tx, jax.random.PRNGKey(0)))
   print(f"[init] {init_s:.1f}s", flush=True)
 
-  steps = {"grpo": S.make_grpo_step(model_cfg, gcfg, tx), "ce": make_sft_step(model_cfg, tx)}
   compiled = {}
-  for name, fn in steps.items():
+  for name, fn in {"grpo": S.make_grpo_step(model_cfg, gcfg, tx),
+                   "ce": make_sft_step(model_cfg, tx)}.items():
     compiled[name], result[f"compile_s_{name}"] = common.compile_timed(
         jax.jit(fn, donate_argnums=0), state, batch)
     print(f"[compile] {name}: {result[f'compile_s_{name}']:.1f}s", flush=True)
-  result["peak_bytes_no_remat"], result["temp_bytes_no_remat"] = compiled_memory(
-      compiled["grpo"])
-  result["peak_bytes_ce"], result["temp_bytes_ce"] = compiled_memory(compiled["ce"])
+    tag = "no_remat" if name == "grpo" else name   # the GRPO step with remat comes below
+    result[f"peak_bytes_{tag}"], result[f"temp_bytes_{tag}"] = compiled_memory(compiled[name])
 
   # On a shared host the wall clock mostly measures the other jobs: the ratio is of CPU seconds.
   carry = common.Carry(state)

@@ -74,13 +74,9 @@ def bench_math(n_workers, n):
               math_pool_latency_p95_s=m["latency_p95_s"])
 
 
-def humaneval_programs(n):
-  rows = random.Random(0).sample(_jsonl("humaneval_full.jsonl"), n)
-  return [(r["prompt"] + r["canonical_solution"], r["test"], r["entry_point"]) for r in rows]
-
-
 def bench_python(n):
-  progs = humaneval_programs(n)
+  progs = [(r["prompt"] + r["canonical_solution"], r["test"], r["entry_point"])
+           for r in random.Random(0).sample(_jsonl("humaneval_full.jsonl"), n)]
   python = code_check.default_python()
   sbx = sandbox.default_sandbox()
   limits = Limits(cpu_s=4.0, memory_mb=300)
@@ -138,13 +134,10 @@ def bench_cpp(repeats):
 
 
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                  help="the math pool's size")
-  ap.add_argument("--math_items", type=int, default=400, help="answers verified")
-  ap.add_argument("--code_items", type=int, default=100, help="HumanEval programs run")
-  ap.add_argument("--cpp_repeats", type=int, default=3, help="compiles each way")
-  args = ap.parse_args()
+  args = common.argument_parser(
+      __doc__, workers=(max(1, (os.cpu_count() or 2) - 1), "the math pool's size"),
+      math_items=(400, "answers verified"), code_items=(100, "HumanEval programs run"),
+      cpp_repeats=(3, "compiles each way")).parse_args()
   res = dict(bench="verifiers", workers=args.workers, cpus=os.cpu_count())
   res.update(bench_math(args.workers, args.math_items))
   print("math", {k: v for k, v in res.items() if k.startswith("math")}, flush=True)

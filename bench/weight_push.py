@@ -7,8 +7,6 @@ over 2 each (the push reshards onto generator 0, the copy moves its params onto 
 
 Last line, one JSON object, per model: push_over_copy_time, push_GBps, push_s, copy_s.
 """
-from __future__ import annotations
-
 import sys
 
 import common
@@ -62,13 +60,10 @@ def bench_model(name: str, args) -> dict:
 
 
 def main(argv=None):
-  ap = common.argument_parser(__doc__)
-  ap.add_argument("--models", default="smollm2,llama1b")
-  ap.add_argument("--param_dtype", default="float32", help="the trainer's master weights")
-  ap.add_argument("--gen_dtype", default="bfloat16", help="the generator's weights")
-  ap.add_argument("--reps", type=int, default=10)
-  ap.add_argument("--reshard", action="store_true", help="trainer FSDP-4 -> generators TP-2")
-  args = ap.parse_args(argv)
+  args = common.argument_parser(
+      __doc__, models="smollm2,llama1b", param_dtype=("float32", "the trainer's master weights"),
+      gen_dtype=("bfloat16", "the generator's weights"), reps=10,
+      reshard=(False, "trainer FSDP-4 -> generators TP-2")).parse_args(argv)
   dev = jax.devices()[0]
   result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "param_dtype": args.param_dtype, "gen_dtype": args.gen_dtype,

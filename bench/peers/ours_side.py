@@ -6,8 +6,6 @@ the shared workload, timed from hooks on the loop's parts; the counterpart of tu
 Last line: one JSON object, the same per-iteration figures as the tunix side plus
 generator_per_iteration and generator_compiles_in_timed_iterations.
 """
-from __future__ import annotations
-
 import dataclasses
 import os
 import statistics
@@ -17,8 +15,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # bench/: common, vs_tunix (the workload's tokenizer)
 import common  # noqa: E402
-from peer_common import (jitter, peak_memory_bytes, side_main, side_summary,  # noqa: E402
-                         time_calls, versions, weights_checksum)
+from peer_common import (jitter, side_main, side_summary, time_calls, versions,  # noqa: E402
+                         weights_checksum)
 from vs_tunix import progress, shared_tokenizer  # noqa: E402
 
 # Our generator's loop counters (generate.counters.LoopCounters), per timed iteration (medians).
@@ -126,11 +124,10 @@ def run_ours(spec: dict) -> dict:
   checksum = weights_checksum(jax.tree.leaves(params))
   B, G = spec["prompts_per_iteration"], spec["group_size"]
   n, N, P = B * G, spec["max_new_tokens"], spec["max_prompt_length"]
-  row = P + N
   # One optimizer step over gradients accumulated across microbatches of micro_prompts x G rows.
   m = spec.get("micro_prompts", B) * G
   grpo = GRPOConfig(n_batch=n, n_mini=n, group_size=G, microbatch_rows=m,
-                    microbatch_tokens=m * row)
+                    microbatch_tokens=m * (P + N))
   devices = jax.devices()[:1]
   tmesh = make_mesh({"fsdp": len(devices)}, devices)
   tx = make_optimizer(OptimizerConfig(learning_rate=spec["learning_rate"]))
@@ -164,8 +161,6 @@ def run_ours(spec: dict) -> dict:
 
   gen_counters = lambda: {k: sum(getattr(g.counters, k) for g in rollouts.generators)
                           for k in GEN_COUNTERS}
-  snaps = [gen_counters()]   # generator counters at the start and at each iteration's end
-
   def on_batch(_trainer, _metrics):
     ev["iter_end"].append(time.perf_counter())
     (a, b), i = ev["step"][-1], len(ev["iter_end"])
@@ -175,12 +170,15 @@ def run_ours(spec: dict) -> dict:
     if len(ev["iter_end"]) == spec["warmup"]:
       counts.append(compiles())
 
+  snaps = [gen_counters()]   # generator counters at the start and at each iteration's end
   t0 = time.perf_counter()
-  snaps[0] = gen_counters()
   try:
     with rollouts:
       history = train(trainer, rollouts, grpo, total, seed=spec["seed"], on_batch=on_batch)
-    workers_hwm = verifier_workers_peak_rss(pool)
+    try:   # the verifier workers' peak RSS (VmHWM), where /proc tells
+      workers_hwm = 1024 * sum(common.proc_status_kb("VmHWM", p) for p in pool.worker_pids())
+    except (OSError, StopIteration, AttributeError):
+      workers_hwm = None
   finally:
     pool.close()
   if len(history) != total:
@@ -189,48 +187,32 @@ def run_ours(spec: dict) -> dict:
   if dropped:
     raise RuntimeError(f"{dropped} groups were dropped: the workloads would differ")
 
-  iters, gen_t, toks = [], np.asarray(ev["gen"]), np.asarray(ev["tokens"])
-  starts = [t0] + ev["iter_end"][:-1]
-  for i in range(total):
-    s, e = starts[i], ev["iter_end"][i]
+  gen_t, toks = np.asarray(ev["gen"]), np.asarray(ev["tokens"])
+
+  def record(i, s, e, within):
     inside = (gen_t > s) & (gen_t <= e)
     last_gen = float(gen_t[inside].max())
-    within = lambda key: sum(b - a for a, b in ev[key] if s <= a < e)
-    iters.append({"iteration_s": e - s, "rollout_s": last_gen - s,
-                  "scoring_s": ev["batch_end"][i][1] - last_gen,
-                  "train_step_s": within("step"), "weight_sync_s": within("push"),
-                  "generated_tokens": int(toks[inside].sum()),
-                  "completions": int(inside.sum()),
-                  "generator": {k: snaps[i + 1][k] - snaps[i][k] for k in GEN_COUNTERS}})
+    return {"iteration_s": e - s, "rollout_s": last_gen - s,
+            "scoring_s": ev["batch_end"][i][1] - last_gen,
+            "train_step_s": within("step"), "weight_sync_s": within("push"),
+            "generated_tokens": int(toks[inside].sum()), "completions": int(inside.sum())}
   counts.append(compiles())
   if counts[-1] != counts[-2]:
     print(f"[vs_tunix] WARNING: our generator compiled {counts[-1] - counts[-2]} program(s) "
           "during the timed iterations", file=sys.stderr, flush=True)
-  mem, mem_kind = peak_memory_bytes()
-  out = side_summary(iters[spec["warmup"]:], spec, warmup=iters[:spec["warmup"]])
-  timed = [x["generator"] for x in iters[spec["warmup"]:]]
-  gen = {k: float(statistics.median(x[k] for x in timed)) for k in GEN_COUNTERS}
+  gen = {k: float(statistics.median(snaps[i + 1][k] - snaps[i][k]
+                                    for i in range(spec["warmup"], total))) for k in GEN_COUNTERS}
   gen["decode_step_ms"] = 1e3 * gen["decode_time_s"] / max(1, gen["steps"])
-  lib = rollouts.generators[0].engine.generate_library   # None off CPU
-  out.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind, generator_per_iteration=gen,
-             generator_dot_library=lib,
-             generator_tuning=rollouts.generators[0].engine.generate_tuning,
-             verifier_workers_peak_rss_bytes=workers_hwm, setup_s=setup_s,
-             weights_checksum=checksum, optimizer_steps=trainer.opt_steps,
-             generator_compiles_in_warmup=counts[-2] - counts[0],
-             generator_compiles_in_timed_iterations=counts[-1] - counts[-2],
-             reward_mean=float(np.mean([h.get("reward", 0.0) for h in history])),
-             device=f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
-             versions=versions(("jax", "jaxlib", "flax", "optax")))
-  return out
-
-
-def verifier_workers_peak_rss(pool) -> int | None:
-  """Sum of the verifier worker processes' peak RSS (VmHWM), where /proc tells."""
-  try:
-    return 1024 * sum(common.proc_status_kb("VmHWM", pid) for pid in pool.worker_pids())
-  except (OSError, StopIteration, AttributeError):
-    return None
+  eng = rollouts.generators[0].engine
+  return side_summary(
+      spec, t0, ev, record, generator_per_iteration=gen,
+      generator_dot_library=eng.generate_library,   # None off CPU
+      generator_tuning=eng.generate_tuning, verifier_workers_peak_rss_bytes=workers_hwm,
+      setup_s=setup_s, weights_checksum=checksum, optimizer_steps=trainer.opt_steps,
+      generator_compiles_in_warmup=counts[-2] - counts[0],
+      generator_compiles_in_timed_iterations=counts[-1] - counts[-2],
+      reward_mean=float(np.mean([h.get("reward", 0.0) for h in history])),
+      versions=versions(("jax", "jaxlib", "flax", "optax")))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
 """What both sides of bench/vs_tunix.py compute alike: the reward tie-breaker, the weights
 checksum, peak memory, a side's summary and its command line. Both venvs import it, so it imports
 nothing of either framework (numpy and jax, which both have, inside the functions)."""
-from __future__ import annotations
-
 import argparse
 import importlib.metadata as md
 import json
@@ -57,9 +55,19 @@ def time_calls(obj, name: str, spans: list, after=None) -> None:
   setattr(obj, name, timed)
 
 
-def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
-  """A side's figures from its per-iteration records (the same code for both sides)."""
+def side_summary(spec: dict, t0: float, spans: dict, record, **extra) -> dict:
+  """A side's figures (the same code for both sides). Iteration i runs from the previous one's
+  end (t0 for the first) to spans["iter_end"][i]; record(i, start, end, within) gives its figures,
+  within(key) the seconds of the (start, end) spans[key] that begin inside it. The first
+  spec["warmup"] iterations stay out of the medians. Then the peak memory, the device, `extra`."""
+  import jax
+  ends, iters = spans["iter_end"], []
+  for i, (s, e) in enumerate(zip([t0] + ends[:-1], ends)):
+    iters.append(record(i, s, e, lambda key: sum(b - a for a, b in spans[key] if s <= a < e)))
+  warmup, iters = iters[:spec["warmup"]], iters[spec["warmup"]:]
   med = lambda k: float(statistics.median(x[k] for x in iters))
+  mem, mem_kind = peak_memory_bytes()
+  dev = jax.devices()[0]
   n = spec["prompts_per_iteration"] * spec["group_size"]
   return {
       "completions_per_s": n / med("iteration_s"),
@@ -76,6 +84,8 @@ def side_summary(iters: list[dict], spec: dict, warmup: list[dict]) -> dict:
       "warmup_iteration_s": [round(x["iteration_s"], 3) for x in warmup],
       "generated_tokens_per_iteration": [x["generated_tokens"] for x in iters],
       "completions_per_iteration": [x["completions"] for x in iters],
+      "peak_memory_bytes": mem, "peak_memory_kind": mem_kind,
+      "device": f"{dev.platform}: {dev.device_kind}", **extra,
   }
 
 

@@ -5,14 +5,12 @@ under the peer's own interpreter (nothing of magistral_jax); bench/peers/README.
 
 Last line: one JSON object with the same per-iteration figures as ours_side.py.
 """
-from __future__ import annotations
-
 import os
 import sys
 import time
 
-from peer_common import (jitter, peak_memory_bytes, side_main, side_summary, time_calls,
-                         versions, weights_checksum)
+from peer_common import (jitter, side_main, side_summary, time_calls, versions,
+                         weights_checksum)
 
 
 def boxed(text: str) -> str | None:
@@ -166,26 +164,17 @@ def run(spec: dict) -> dict:
   if len(ev["iter_end"]) != total:
     raise RuntimeError(f"tunix ran {len(ev['iter_end'])} of {total} iterations")
 
-  iters = []
-  starts = [t0] + ev["iter_end"][:-1]
-  for i in range(total):
-    s, e = starts[i], ev["iter_end"][i]
-    within = lambda key: sum(b - a for a, b in ev[key] if s <= a < e)
-    iters.append({"iteration_s": e - s, "rollout_s": within("generate"),
-                  "scoring_s": within("rewards"), "train_step_s": within("update"),
-                  "weight_sync_s": within("sync"),
-                  "generated_tokens": ev["tokens"][i], "completions": ev["completions"][i]})
-  mem, mem_kind = peak_memory_bytes()
-  out = side_summary(iters[spec["warmup"]:], spec, iters[:spec["warmup"]])
-  out.update(peak_memory_bytes=mem, peak_memory_kind=mem_kind, setup_s=setup_s,
-             weights_checksum=checksum, optimizer_steps=int(cluster.actor_trainer.train_steps),
-             epsilon_high=eps_high,
-             device=f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
-             versions=versions(("google-tunix", "jax", "jaxlib", "flax", "optax",
-                                "orbax-checkpoint", "safetensors")),
-             safetensors_from=os.path.dirname(sys.modules["safetensors"].__file__)
-             if "safetensors" in sys.modules else None)
-  return out
+  record = lambda i, s, e, within: {
+      "iteration_s": e - s, "rollout_s": within("generate"), "scoring_s": within("rewards"),
+      "train_step_s": within("update"), "weight_sync_s": within("sync"),
+      "generated_tokens": ev["tokens"][i], "completions": ev["completions"][i]}
+  return side_summary(
+      spec, t0, ev, record, setup_s=setup_s, weights_checksum=checksum,
+      optimizer_steps=int(cluster.actor_trainer.train_steps), epsilon_high=eps_high,
+      versions=versions(("google-tunix", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+                         "safetensors")),
+      safetensors_from=os.path.dirname(sys.modules["safetensors"].__file__)
+      if "safetensors" in sys.modules else None)
 
 
 if __name__ == "__main__":   # --score imports no tunix: our interpreter runs it too
