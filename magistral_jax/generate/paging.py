@@ -79,8 +79,8 @@ class LoopPages:
     return True
 
   def reserve(self, slot: int, length: int) -> bool:
-    """Pages for `slot`'s first `length` positions (a tool's result going into a live slot), if
-    the pool has them."""
+    """Pages for `slot`'s first `length` positions (its next step's write, or a tool's result
+    going into it), if the pool has them."""
     try:
       if self.pool.reserve(slot, length):
         self._changed()
@@ -92,10 +92,7 @@ class LoopPages:
     """Reserves, for each active slot, the pages of its first `reached[slot]` positions (what the
     next step writes below). Returns None, or the slot that could not grow when the pool is dry."""
     for slot, n in reached.items():
-      try:
-        if self.pool.reserve(slot, n):
-          self._changed()
-      except OutOfPages:
+      if not self.reserve(slot, n):
         return slot
     return None
 
