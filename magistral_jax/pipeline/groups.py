@@ -222,10 +222,17 @@ def batch_metrics(batch: RolloutBatch, trained_version: int) -> dict:
   out["groups_scored"] = float(len(window))
   for reason in DROP_REASONS:
     out[f"groups_{reason}"] = float(sum(g.dropped == reason for g in window))
-  lens = np.asarray([len(s.tokens) for g in window for s in g.info])
+  samples = [s for g in window for s in g.info]
+  lens = np.asarray([len(s.tokens) for s in samples])
   out.update(response_length_mean=float(lens.mean()), response_length_max=float(lens.max()))
-  # Off-policy accounting: lag of every trained token behind the version that trains on it.
-  versions = np.concatenate([np.asarray(s.versions) for g in batch.groups for s in g.info])
+  if any(s.tool_mask is not None for s in samples):   # tool calls (generate/tool_turns.py)
+    out.update(tool_calls_per_sample=float(np.mean([s.num_tool_results for s in samples])),
+               tool_result_tokens_mean=float(np.mean([len(s.tokens) - s.num_policy_tokens
+                                                      for s in samples])))
+  # Off-policy accounting: lag of every trained token behind the version that trains on it (a
+  # tool's result tokens are not trained on).
+  versions = np.concatenate([np.asarray(s.versions)[s.action_mask] if s.tool_mask is not None
+                             else np.asarray(s.versions) for g in batch.groups for s in g.info])
   lag = trained_version - versions
   out.update(version_lag_max=float(lag.max()), version_lag_mean=float(lag.mean()),
              versions_in_batch=float(len(np.unique(versions))))

@@ -394,6 +394,8 @@ def test_tool_calls_round_trip_through_the_sandbox_the_verifier_and_the_loss(set
   assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
   assert history[-1]["generator_tool_calls"] >= 2 * GRPO.n_batch
   assert history[-1]["generator_tool_errors"] == 0
+  assert all(h["tool_calls_per_sample"] == 1.0 and h["tool_result_tokens_mean"] > 0
+             for h in history)
   block = tok.encode(result_block("42\n", cfg.max_output_chars))
   called = [c for mb in packed for c in mb.completions if c.action_mask is not None]
   assert called and all(c.completion_tokens[4:4 + len(block)].tolist() == block for c in called)
