@@ -5,7 +5,7 @@
 # at the end: issue #55). Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
 #   bash bench/gpu_suite.sh [stage] \
-#     [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged]
+#     [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
@@ -23,6 +23,8 @@
 # `learn`: issue #51's one command, SmolLM2-135M's SFT -> headroom table -> GRPO -> control
 # (bench/learn.py --gpu; LEARN_ARGS adds to it: `LEARN_ARGS=--shrink` is the CPU rehearsal, the
 # same script with its sizes divided down; LEARN_TIMEOUT bounds it). Needs the staged bundle.
+# `learn_tools`: issue #67's, the same with the interpreter (bench/learn.py --gpu --tools: the
+# tool recipe's cold start, GRPO, control, then the recipe without the tool); LEARN_ARGS too.
 # `stage`: tools/device_stage.sh installs what tools/device_bundle.sh built (carried as the
 # git-ignored device_bundle/) into $SITE (default /tmp/magistral_site): its wheels, and the
 # SmolLM2 GGUF joined from its parts once all have arrived, checked against gguf.sha256. The
@@ -47,8 +49,8 @@ if [ "$what" = stage ]; then   # the device bundle's files that have arrived (to
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|flash|tunix|live|paged]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -105,9 +107,10 @@ if [ "$what" = recipes ]; then
     --workdir="$w/rl"
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
-if [ "$what" = learn ]; then
-  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu --sft_steps="${LEARN_SFT_STEPS:-160}" \
-    --workdir="${LEARN_WORKDIR:-/tmp/magistral_learn}" \
+if [ "$what" = learn ] || [ "$what" = learn_tools ]; then
+  tools=""; [ "$what" = learn_tools ] && tools=--tools
+  run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu $tools \
+    --sft_steps="${LEARN_SFT_STEPS:-160}" --workdir="${LEARN_WORKDIR:-/tmp/magistral_$what}" \
     --out="$out" ${LEARN_ARGS:-}
   grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
 fi

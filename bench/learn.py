@@ -5,6 +5,12 @@ control from the same weights. Each phase is a launcher, resumable on the same -
   python bench/learn.py --workdir=runs/learn
   bash bench/gpu_suite.sh learn                          # one H100 (--gpu)
   python bench/learn.py --gpu --shrink --workdir=/tmp/l  # the GPU command shrunk, on CPU
+  python bench/learn.py --tools --workdir=runs/learn_tools  # issue #67: with the interpreter
+
+--tools (issue #67): configs/smollm2_learn.py's `tools` recipe (a cold start that calls the
+interpreter in some traces, on a task the model fails at without it), GRPO and the control as
+above, then the same recipe without the tool (its own cold start and RL, the same lengths and
+held-out problems): the tool recipe's end against it, paired by problem.
 
 Last line: one JSON object.
 """
@@ -115,7 +121,9 @@ def main():
       headroom_problems=(int, "default 64 (CPU: 32)"), headroom_k=(int, "default 16 (CPU: 8)"),
       headroom_max_new=(int, "default 256 (CPU: 64)"), batches=(0, "RL batches (0: the recipe's)"),
       sft_steps=(0, "SFT steps (0: the recipe's epoch)"),
-      skip=("", "phases to skip, comma-separated (headroom)"), timeout_s=(3600.0, "per phase"),
+      skip=("", "phases to skip, comma-separated (headroom, notool)"),
+      tools=(False, "issue #67: the tool recipe, its control and the recipe without the tool"),
+      timeout_s=(3600.0, "per phase"),
       out=(os.environ.get("OUT", ""), "where the report goes"))
   p.add_argument("--rl_flag", action="append", default=[], help="a flag for both RL runs")
   a = p.parse_args()
@@ -159,14 +167,16 @@ def run_all(a, wd, out, logs) -> dict:
   sft_dir = os.path.join(wd, "sft")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
-  # GPU: the GSM8K cold start; CPU: the task's own worked traces (configs/smollm2_learn.py `sft`).
-  sft_cfg = (f"configs/smollm2.py:sft{sizes}" if a.gpu else
-             f"configs/smollm2_learn.py:sft{',task=' + a.task if a.task else ''}{sizes}")
+  # GPU: the GSM8K cold start; CPU, and with the tool: the task's own worked traces
+  # (configs/smollm2_learn.py `sft`).
+  tools = ",tools" if a.tools else ""
+  sft_cfg = (f"configs/smollm2.py:sft{sizes}" if a.gpu and not a.tools else
+             f"configs/smollm2_learn.py:sft{tools}{',task=' + a.task if a.task else ''}{sizes}")
   report(sft=phase("sft", ["launch/sft.py", f"--config={sft_cfg}", f"--workdir={sft_dir}"]
                    + sft_args, os.path.join(sft_dir, "sft_summary.json")))
   init = f"init={os.path.join(sft_dir, 'params')}"
   headroom = None
-  if "headroom" not in a.skip:
+  if "headroom" not in a.skip and not a.tools:   # the tool recipe's task is fixed
     hd = os.path.join(wd, "headroom")
     headroom = phase(
         "headroom", ["launch/eval.py",
@@ -182,7 +192,8 @@ def run_all(a, wd, out, logs) -> dict:
                      for name, r in headroom["sets"].items()})
   task = a.task or (choose_task(headroom) if headroom else None) or ""
   print(f"== task: {task or 'the recipe default'}", flush=True)
-  learn = f"--config=configs/smollm2_learn.py:{init}{',task=' + task if task else ''}{sizes}"
+  learn = (f"--config=configs/smollm2_learn.py:{init}{tools}{',task=' + task if task else ''}"
+           f"{sizes}")
   more = (shrink.get("rl", []) + ([f"--config.num_batches={a.batches}"] if a.batches else [])
           + a.rl_flag)
   rl_dir, ctl_dir = os.path.join(wd, "rl"), os.path.join(wd, "control")
@@ -194,19 +205,53 @@ def run_all(a, wd, out, logs) -> dict:
   report(task=task or "default", heldout_problems=gain["n"], k=before["k"], gain=gain,
          control_rate=rate, format_before=before["format_rate"],
          format_after=after["format_rate"], length_before=before["response_length_mean"],
-         length_after=after["response_length_mean"], curve_rl=curve(rl_dir))
+         length_after=after["response_length_mean"], curve_rl=curve(rl_dir),
+         **({"tool_calls_before": before["tool_calls_mean"],
+             "tool_calls_after": after["tool_calls_mean"]} if a.tools else {}))
   print(gain_line("gain", gain), flush=True)
   ctl = phase("control", ["launch/train.py",
                           learn.replace("smollm2_learn.py:", "smollm2_learn.py:control,"),
                           f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"]
               + more, os.path.join(ctl_dir, "eval_after.json"))
   control = compare_evals(before["rows"], ctl["rows"])
-  png = plot(os.path.join(out, "learn.png"), {"rl": rl_dir, "control (random reward)": ctl_dir},
-             before)
-  report(control=control, format_control=ctl["format_rate"], curve_control=curve(ctl_dir),
-         plot=png)
+  report(control=control, format_control=ctl["format_rate"], curve_control=curve(ctl_dir))
   print(gain_line("control", control), flush=True)
+  runs = {"rl": rl_dir, "control (random reward)": ctl_dir}
+  if a.tools and "notool" not in a.skip:
+    report(**without_tool(a, wd, sizes, shrink, more, phase, after))
+    runs["the same recipe without the tool"] = os.path.join(wd, "rl_notool")
+  report(plot=plot(os.path.join(out, "learn.png"), runs, before))
   return summary
+
+
+def without_tool(a, wd, sizes, shrink, more, phase, after) -> dict:
+  """The tool recipe's baseline (issue #67): the same recipe, cold start and RL, without the
+  tool (configs/smollm2_learn.py with the tool recipe's task and lengths, tools off), and the
+  tool recipe's end against its end, paired over the same held-out problems."""
+  tools_recipe = smollm2_learn().get_config("tools,colocated")
+  plain = (f"task={a.task or smollm2_learn().TOOLS_TASK},"
+           f"new_tokens={tools_recipe.sampling.max_new_tokens}{sizes}")
+  sft_dir, rl_dir = os.path.join(wd, "sft_notool"), os.path.join(wd, "rl_notool")
+  sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
+                                       if a.sft_steps else [])
+  phase("sft_notool", ["launch/sft.py", f"--config=configs/smollm2_learn.py:sft,{plain}",
+                       f"--workdir={sft_dir}"] + sft_args, os.path.join(sft_dir, "sft_summary.json"))
+  init = f"init={os.path.join(sft_dir, 'params')}"
+  plain_after = phase("rl_notool", ["launch/train.py",
+                                    f"--config=configs/smollm2_learn.py:{init},{plain}",
+                                    f"--workdir={rl_dir}"] + more,
+                      os.path.join(rl_dir, "eval_after.json"))
+  plain_before = read_json(os.path.join(rl_dir, "eval_before.json"))
+  over = compare_evals(plain_after["rows"], after["rows"])
+  print(gain_line("tool recipe over the recipe without it:", over), flush=True)
+  return {"over_no_tool": over, "no_tool_before": plain_before["pass@1"],
+          "no_tool_after": plain_after["pass@1"], "curve_no_tool": curve(rl_dir)}
+
+
+def smollm2_learn():
+  """configs/smollm2_learn.py, loaded by path as the launchers do."""
+  from magistral_jax.run.recipes import recipe_module
+  return recipe_module(os.path.join(common.ROOT, "configs", "smollm2_learn.py"))
 
 
 if __name__ == "__main__":

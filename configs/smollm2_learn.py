@@ -28,15 +28,21 @@ from magistral_jax.run.recipes import recipe_args, recipe_module
 smollm2 = recipe_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2.py"))
 
 LEARN_TASK = "synthetic/20/1-3"   # picked from the headroom table (BENCHMARKS.md "Headroom")
+# With `tools` (issue #67): a task whose arithmetic the model fails at without the interpreter
+# (0.000 at pass@16 in the headroom table), and the cold start's share of traces that call it.
+TOOLS_TASK = "synthetic/999/2-4"
+TOOL_RATE = 0.25
 
 
 def get_config(arg=None):
   args = recipe_args(arg, "configs/smollm2_learn.py",
-                     switches=("sft", "gpu", "colocated", "control"),
-                     values=("task", "init", "batches", "sft_steps", "heldout"))
+                     switches=("sft", "gpu", "colocated", "control", "tools"),
+                     values=("task", "init", "batches", "sft_steps", "heldout", "tool_rate",
+                             "new_tokens"))
   c = smollm2.get_config(",".join(k for k in ("sft", "gpu", "colocated") if k in args))
+  default_task = TOOLS_TASK if "tools" in args else LEARN_TASK
   c.data.update(source="synthetic", heldout_source="", heldout=256,
-                **synthetic.set_options(args.get("task", LEARN_TASK)))
+                **synthetic.set_options(args.get("task", default_task)))
   c.sampling.update(temperature=1.0, max_new_tokens=256)
   c.reward.update(l_max=256, l_cache=64)
   c.eval.update(k=4, temperature=0.7, max_new_tokens=256, every=5)
@@ -57,20 +63,31 @@ def get_config(arg=None):
     # no correct sample and were dropped. One optimizer step a batch: two smaller ones broke the
     # format (the noise of small steps at Adam's full step size). Rows of 160 tokens: a short
     # prompt + 64 new tokens; remat off (rows this short need no memory saving).
+    # `new_tokens=N` (default 64; 96 with `tools`, whose task's 4-step traces run to ~70
+    # tokens, as its baseline without the tool must have too) sets every length from it.
+    new = int(args.get("new_tokens", 96 if "tools" in args else 64))
     c.system_prompt = "tiny"
     c.model.remat = "none"
     c.engine.update(max_concurrent_decodes=32, max_prefill_length=96)
-    c.sampling.max_new_tokens = 64
-    c.reward.update(l_max=64, l_cache=16)
-    c.eval.update(max_new_tokens=64, every=0)
-    c.rl.update(n_batch=32, n_mini=32, group_size=8, microbatch_tokens=8 * 160,
+    c.sampling.max_new_tokens = new
+    c.reward.update(l_max=new, l_cache=new // 4)
+    c.eval.update(max_new_tokens=new, every=0)
+    c.rl.update(n_batch=32, n_mini=32, group_size=8, microbatch_tokens=8 * (96 + new),
                 microbatch_rows=8)
     c.optimizer.update(learning_rate=1.5e-5)
     c.num_batches = 24
     if "sft" in args:
       c.init.update(source="gguf", path="")
-      c.sft.update(num_steps=12, batch_size=8, rows_per_micro=8, row_len=128,
+      c.sft.update(num_steps=12, batch_size=8, rows_per_micro=8, row_len=64 + new,
                    learning_rate=2e-4)
+  if "tools" in args:
+    # Issue #67: the policy may call the interpreter (tool_use/protocol.py). Its cold start
+    # calls it in TOOL_RATE of the traces (synthetic.tool_trace: print the expression, copy
+    # the result into the box) and works the steps in the rest, so RL has a choice to learn:
+    # call the tool more. The same recipe without `tools` is its baseline (bench/learn.py
+    # --tools runs both).
+    c.tools.enabled = True
+    c.data.sft_tool_rate = float(args.get("tool_rate", TOOL_RATE))
   if "control" in args:
     c.reward.control = "random"
     c.eval.before = False

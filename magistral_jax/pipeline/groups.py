@@ -24,6 +24,7 @@ from magistral_jax.rewards.reward import BAD_TASK, RewardResult, reward_metrics
 from magistral_jax.rl.advantages import DROP_REASONS, VERIFIER_ERROR, ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion
 from magistral_jax.rl.config import GRPOConfig
+from magistral_jax.tool_use.protocol import void_trajectory
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +135,15 @@ class GroupAssembler:
   """Scored samples -> scored groups -> `ready` (kept) or dropped; `take` hands out a batch.
 
   max_consecutive_dropped: `stalled()` once this many groups in a row were dropped (0: never).
+  decode: a sample's tokens -> its text, to find multi-turn samples with a void turn
+    (GRPOConfig.drop_void_turns); None: none is looked for.
   """
 
-  def __init__(self, grpo_cfg: GRPOConfig, max_consecutive_dropped: int = 0):
+  def __init__(self, grpo_cfg: GRPOConfig, max_consecutive_dropped: int = 0,
+               decode: Callable[[Sequence[int]], str] | None = None):
     self.grpo_cfg = grpo_cfg
     self.max_consecutive_dropped = max_consecutive_dropped
+    self.decode = decode if grpo_cfg.drop_void_turns else None
     self.pending: dict[int, _Pending] = {}
     self.ready: collections.deque[ScoredGroup] = collections.deque()
     self.window: list[ScoredGroup] = []   # every group scored since the last batch
@@ -160,8 +165,8 @@ class GroupAssembler:
     # Arrival order depends on thread timing; sample order does not.
     p.scored.sort(key=lambda m: m[0].sample_index)
     samples = [s for s, _ in p.scored]
-    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs, action_mask=s.action_mask)
-                   for s in samples]
+    completions = [Completion(s.prompt_tokens, s.tokens, s.logprobs, action_mask=s.action_mask,
+                              trained=not self._void(s)) for s in samples]
     group = score_group(p.gid, completions, [r for _, r in p.scored], self.grpo_cfg, info=samples)
     self.counters["groups_scored"] += 1
     self.window.append(group)
@@ -178,6 +183,13 @@ class GroupAssembler:
                   "(%s: %s)", p.gid, len(errors), len(group.results), fault_kind(errors[0]),
                   errors[0][:300])
     return group
+
+  def _void(self, sample: Sample) -> bool:
+    """A multi-turn sample with a void turn, when those are looked for (counted)."""
+    void = bool(self.decode and sample.num_tool_results
+                and void_trajectory(self.decode(sample.tokens)))
+    self.counters["void_turn_samples"] += void
+    return void
 
   def take(self, need: int, wait_s: float) -> RolloutBatch:
     """The first `need` ready groups, and the groups dropped since the last batch."""
@@ -228,7 +240,10 @@ def batch_metrics(batch: RolloutBatch, trained_version: int) -> dict:
   if any(s.tool_mask is not None for s in samples):   # tool calls (generate/tool_turns.py)
     out.update(tool_calls_per_sample=float(np.mean([s.num_tool_results for s in samples])),
                tool_result_tokens_mean=float(np.mean([len(s.tokens) - s.num_policy_tokens
-                                                      for s in samples])))
+                                                      for s in samples])),
+               # Kept groups' samples with a void turn, trained on nothing (drop_void_turns).
+               void_turn_frac=float(np.mean([not c.trained for g in batch.groups
+                                             for c in g.completions])))
   # Off-policy accounting: lag of every trained token behind the version that trains on it (a
   # tool's result tokens are not trained on).
   versions = np.concatenate([np.asarray(s.versions)[s.action_mask] if s.tool_mask is not None

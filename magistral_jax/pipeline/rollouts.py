@@ -106,7 +106,7 @@ class Rollouts(LostGenerators):
     self._rng = np.random.default_rng(seed)
     self._scoring = Scoring(pool, tokenizer)
     self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
-    self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped)
+    self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped, tokenizer.decode)
     self.counters = self._groups.counters
     self._next_gid = 0
     self._stop = threading.Event()

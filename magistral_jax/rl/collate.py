@@ -39,6 +39,7 @@ class Completion:
   advantage: float = 0.0
   group_id: int = 0
   action_mask: np.ndarray | None = None
+  trained: bool = True     # False: packed, but no loss and no normaliser weight (a void turn)
 
   def __post_init__(self):
     self.prompt_tokens = np.asarray(self.prompt_tokens, np.int32).reshape(-1)
@@ -185,7 +186,7 @@ def pack(completions: Sequence[Completion], advantages, weights, row_len: int, r
       # Target j is seq[j+1]: completion tokens are targets j >= len(prompt) - 1.
       # Of those, only the policy's own (Completion.action_mask) are trained on.
       cs = slice(start + len(c.prompt_tokens) - 1, start + n)
-      act = c.actions
+      act = c.actions if c.trained else np.zeros(len(c.completion_tokens), bool)
       out["loss_mask"][r, cs] = act
       if c.old_logprobs is not None:
         out["old_logprobs"][r, cs] = np.where(act, c.old_logprobs, 0.0)

@@ -53,6 +53,11 @@ class GRPOConfig:
   # tiny length-only differences to unit size; pair it with 'drop' if that is not wanted.
   length_only_groups: str = "keep"
   reward_atol: float = 1e-6
+  # Multi-turn samples (issue #67, tool calls): one with a void turn (SimpleTIR: a turn after a
+  # tool's result with neither a complete call nor an answer) stays in its group's mean but is
+  # trained on nothing: no loss, no normaliser weight. Not in the paper (single-turn); a sample
+  # without tool results is never dropped by it.
+  drop_void_turns: bool = True
   # Batching (paper §4, §5): n_batch completions per step, minibatches of n_mini completions, one
   # optimizer step each (n_batch/n_mini steps; n_batch = n_mini is the paper's best); group_size
   # G completions per prompt (NOT STATED), at least 2, and a group never straddles minibatches.

@@ -95,9 +95,13 @@ def collate_minibatch(completions: Sequence[Completion], cfg: GRPOConfig,
   group_ids = np.asarray([c.group_id for c in completions])
   adv = normalize_advantages([c.advantage for c in completions], group_ids, cfg.adv_norm,
                              cfg.adv_eps)
-  # The normaliser counts the policy's own tokens (a tool's results are not actions).
-  lengths = np.asarray([c.num_actions for c in completions])
-  weights = aggregation_weights(lengths, group_ids, cfg.loss_agg)
+  # The normaliser counts the policy's own tokens (a tool's results are not actions) of the
+  # completions trained on (not a void turn's: GRPOConfig.drop_void_turns).
+  trained = np.asarray([c.trained for c in completions])
+  lengths = np.asarray([c.num_actions if c.trained else 0 for c in completions])
+  weights = np.zeros(len(completions))
+  if trained.any():
+    weights[trained] = aggregation_weights(lengths[trained], group_ids[trained], cfg.loss_agg)
   arrays, placement = pack(completions, adv, weights, cfg.row_len, cfg.microbatch_rows,
                            min_microbatches=min_microbatches)
   real = int(sum(c.num_tokens for c in completions))

@@ -103,6 +103,14 @@ def void_turn(turn: str) -> bool:
   return count_calls(turn) == 0 and "\\boxed" not in turn and "</think>" not in turn
 
 
+def void_trajectory(text: str) -> bool:
+  """A multi-turn response (one that read at least one result) with a void turn: what
+  GRPOConfig.drop_void_turns keeps out of training. A single-turn response is never one: the
+  paper trains on those whatever they hold (the length penalty handles a cut-off one)."""
+  turns = policy_turns(text)
+  return len(turns) > 1 and any(void_turn(t) for t in turns)
+
+
 def policy_turns(text: str) -> list[str]:
   """A response's text cut at its result blocks: the policy's turns, in order (the results'
   text dropped)."""

@@ -78,6 +78,66 @@ def test_result_tokens_need_no_finite_logprob_and_a_completion_needs_an_action()
     collate_minibatch([Completion([1], np.arange(3, 11), lp, action_mask=[True, True]), ok], CFG)
 
 
+def test_a_void_turn_s_sample_is_trained_on_nothing_and_the_others_as_without_it():
+  """GRPOConfig.drop_void_turns: a completion with trained=False is packed but carries no loss,
+  weight or gradient, and the normaliser is the others' alone (as if it were not there);
+  negative control: trained, the same completion gets weight and gradient."""
+  rng = np.random.default_rng(1)
+  void = Completion([1, 2], rng.integers(3, 50, 8), -rng.random(8), advantage=1.0,
+                    action_mask=~TOOL, trained=False)
+  other = Completion([1, 3], rng.integers(3, 50, 4), -rng.random(4), advantage=-1.0, group_id=1)
+  mb = collate_minibatch([void, other], CFG)
+  w0, w1 = _per_token(mb, "weights")
+  assert not w0.any() and not _per_token(mb, "loss_mask")[0].any()
+  np.testing.assert_allclose(w1, 1 / 4, rtol=1e-6)   # the other's 4 tokens alone
+  alone = collate_minibatch([other], CFG)
+  np.testing.assert_allclose(w1, _per_token(alone, "weights")[0], rtol=1e-6)
+  g0, g1 = _grad(mb)
+  assert not g0.any() and np.all(g1 != 0)
+  assert mb.stats["completion_tokens"] == 4
+  import dataclasses
+  trained = collate_minibatch([dataclasses.replace(void, trained=True), other], CFG)
+  t0, t1 = _per_token(trained, "weights")
+  np.testing.assert_allclose(t0, np.where(TOOL, 0.0, 1 / 9), rtol=1e-6)
+  assert np.all(_grad(trained)[0][~TOOL] != 0)
+  # Every completion of a minibatch void: nothing to train on, a zero loss (not a division by 0).
+  none = collate_minibatch([void, dataclasses.replace(other, trained=False)], CFG)
+  assert not none.arrays["weights"].any() and not np.isnan(_grad(none)[1]).any()
+
+
+def test_the_group_assembler_finds_void_turns_in_multi_turn_samples_only():
+  from magistral_jax.pipeline.groups import GroupAssembler, batch_metrics
+  from magistral_jax.rewards.reward import RewardResult, empty_parts
+  from magistral_jax.tool_use.protocol import result_block
+  # A char-level "tokenizer": token t is chr(t).
+  decode = lambda tokens: "".join(map(chr, tokens))
+  call = "<think>\n<tool>\nprint(2+2)\n</tool>"
+  texts = [(call, result_block("4\n", 400), "so the answer is"),      # cut off after a result
+           (call, result_block("4\n", 400), "</think>\n\\boxed{4}"),  # answered
+           ("<think>\nso the answer is", "", "")]                       # single-turn, cut off
+
+  def sample(i, parts):
+    toks = [ord(ch) for p in parts for ch in p]
+    mask = np.concatenate([np.full(len(p), j == 1) for j, p in enumerate(parts)])
+    return Sample(0, i, [1], toks, np.zeros(len(toks)), np.zeros(len(toks), np.int64), "length",
+                  tool_mask=mask if parts[1] else None)
+
+  for drop in (True, False):
+    a = GroupAssembler(GRPOConfig(n_batch=3, n_mini=3, group_size=3, drop_void_turns=drop),
+                       decode=decode)
+    a.open(0, 3)
+    for i, parts in enumerate(texts):
+      parts_r = empty_parts()
+      parts_r.update(format=0.1, correct=0.9 if i == 1 else 0.0)
+      group = a.add(sample(i, parts), RewardResult(1.0 if i == 1 else 0.0, parts_r))
+    assert [c.trained for c in group.completions] == [not drop, True, True]
+    assert a.counters["void_turn_samples"] == int(drop)
+    # The void sample's reward still sits in its group's mean.
+    assert [round(c.advantage, 3) for c in group.completions] == [-0.333, 0.667, -0.333]
+    m = batch_metrics(a.take(1, 0.0), trained_version=0)
+    assert m["void_turn_frac"] == pytest.approx(1 / 3 if drop else 0.0)
+
+
 def test_a_sample_s_tool_mask_reaches_the_length_penalty_and_crosses_processes():
   s = Sample("r", 0, [1, 2], list(range(3, 11)), np.zeros(8, np.float32),
              np.zeros(8, np.int64), "eos", tool_mask=TOOL.copy())

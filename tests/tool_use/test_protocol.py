@@ -45,6 +45,12 @@ def test_calls_turns_and_void_turns():
   # A turn after a result with no call and no answer (the model rambles, or stops): void.
   assert P.void_turn("\nhmm, that is strange and")
   assert P.count_calls("<tool>a</tool><tool>b") == 1
+  # A trajectory is void when it read a result and one of its turns is: cut off after a result.
+  assert not P.void_trajectory(text)
+  cut = text[:text.index("so it is")] + "so it is"
+  assert P.void_trajectory(cut)
+  # A single-turn response is never one, however it ends (the paper trains on those).
+  assert not P.void_trajectory("<think>\nhmm, that is strange and")
 
 
 def test_the_config_refuses_limits_that_cannot_work():
