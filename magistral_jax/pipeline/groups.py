@@ -24,7 +24,7 @@ from magistral_jax.rewards.reward import BAD_TASK, RewardResult, reward_metrics
 from magistral_jax.rl.advantages import DROP_REASONS, VERIFIER_ERROR, ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.tool_use.protocol import void_trajectory
+from magistral_jax.tool_use.protocol import graded_text, void_trajectory
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,15 @@ def describe(sample: Sample, result: RewardResult, decode: Callable[[Sequence[in
          if result.parts.get("failed_condition") else "")
   return (f"problem: {task.get('problem', '?')}\nreference: {task.get('answer', '?')}\n"
           f"reward={result.reward:.3f}{why} policy versions {min(sample.versions, default=-1)}"
-          f"..{max(sample.versions, default=-1)}\n{text}")
+          f"..{max(sample.versions, default=-1)}"
+          f"{f', tool calls {sample.num_tool_results}' if sample.num_tool_results else ''}\n{text}")
+
+
+def shown(batch: RolloutBatch) -> tuple[Sample, RewardResult]:
+  """The batch's completion samples.jsonl shows: its first that called a tool (the whole
+  transcript, results included), else its first."""
+  pairs = [(s, r) for g in batch.groups for s, r in zip(g.info, g.results)]
+  return next((p for p in pairs if p[0].num_tool_results), pairs[0])
 
 
 @dataclasses.dataclass
@@ -186,8 +194,8 @@ class GroupAssembler:
 
   def _void(self, sample: Sample) -> bool:
     """A multi-turn sample with a void turn, when those are looked for (counted)."""
-    void = bool(self.decode and sample.num_tool_results
-                and void_trajectory(self.decode(sample.tokens)))
+    void = bool(self.decode and sample.num_tool_results and void_trajectory(
+        graded_text(self.decode, sample.tokens, sample.tool_mask)))
     self.counters["void_turn_samples"] += void
     return void
 

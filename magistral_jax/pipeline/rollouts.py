@@ -55,7 +55,8 @@ from magistral_jax.generate.requests import Request, Sample
 from magistral_jax.pipeline.config import PipelineConfig
 from magistral_jax.pipeline.errors import PipelineError
 from magistral_jax.pipeline.generator_meter import GeneratorMeter
-from magistral_jax.pipeline.groups import GroupAssembler, RolloutBatch, batch_metrics, describe
+from magistral_jax.pipeline.groups import (GroupAssembler, RolloutBatch, batch_metrics, describe,
+                                           shown)
 from magistral_jax.pipeline.lost_generators import LostGenerators
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.pipeline.scoring import Scoring
@@ -380,9 +381,8 @@ class Rollouts(LostGenerators):
     return {**batch_metrics(batch, trained_version), **self._system_metrics()}
 
   def sample_text(self, batch: RolloutBatch) -> str:
-    """The first completion of the batch, decoded, with its task and reward."""
-    g = batch.groups[0]
-    return describe(g.info[0], g.results[0], self.tokenizer.decode)
+    """The batch's completion to show (groups.shown), decoded, with its task and reward."""
+    return describe(*shown(batch), self.tokenizer.decode)
 
   def _system_metrics(self) -> dict:
     return {

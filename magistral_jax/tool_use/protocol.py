@@ -81,6 +81,26 @@ def result_block(output: str, max_chars: int) -> str:
   return f"\n{RESULT_OPEN}\n{output}\n{RESULT_CLOSE}\n"
 
 
+# What stands for a result in the text the verifiers grade (`graded_text`).
+GRADED_RESULT = f"\n{RESULT_OPEN}\n{RESULT_CLOSE}\n"
+
+
+def graded_text(decode, tokens, tool_mask) -> str:
+  """The response as the verifiers read it: the policy's own tokens decoded, each result in
+  between replaced by an empty result block. What a tool printed is never graded: an output that
+  holds "</think>" or "\\boxed{...}" cannot pass the format or give the answer for the policy,
+  and the language bonus reads the policy's words. tool_mask None: every token is the policy's.
+  The full transcript (results included) is what the logs and samples.jsonl show."""
+  if tool_mask is None:
+    return decode(tokens)
+  pieces, start = [], 0
+  for i in range(1, len(tokens) + 1):
+    if i == len(tokens) or bool(tool_mask[i]) != bool(tool_mask[start]):
+      pieces.append(GRADED_RESULT if tool_mask[start] else decode(list(tokens[start:i])))
+      start = i
+  return "".join(pieces)
+
+
 def count_calls(text: str) -> int:
   """Complete calls in a response: each TOOL_CLOSE preceded by its own TOOL_OPEN."""
   n, i = 0, 0

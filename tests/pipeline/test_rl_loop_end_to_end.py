@@ -373,15 +373,22 @@ class _CallsAfterFour(ToolTurns):
     return slots.results(slot) == 0 and super().maybe_call(slots, slot)
 
 
-def test_tool_calls_round_trip_through_the_sandbox_the_verifier_and_the_loss(setup):
-  """Colocated: each sample calls the real sandboxed interpreter mid-sequence, reads its result
-  and goes on; the batch trains with the result tokens out of the loss."""
+@pytest.mark.parametrize("layout", ["colocated", "one_host"])
+def test_tool_calls_round_trip_through_the_sandbox_the_verifier_and_the_loss(setup, layout):
+  """Each sample calls the real sandboxed interpreter mid-sequence, reads its result and goes
+  on; the batch trains with the result tokens out of the loss. Colocated (the generator takes
+  turns with the trainer on its 2 devices, sync) and on one host (the trainer on 4 devices, two
+  generators on 2 each, async, weights pushed device to device while samples wait for calls).
+  Three processes: tests/launch/test_multihost_run.py."""
   tok = setup["tok"]
   cfg = ToolConfig(enabled=True, max_result_tokens=40, cpu_s=1.0)
   runner = ToolRunner(cfg)
-  tmesh, colocated_devs, _ = _two_device_layouts()
-  run = Run(setup, "sync", tmesh=tmesh, gdevs=colocated_devs, colocated=True,
-            tools=lambda: _CallsAfterFour(cfg, runner, lambda t: tok.encode(t), tok.decode))
+  tools = lambda: _CallsAfterFour(cfg, runner, lambda t: tok.encode(t), tok.decode)
+  if layout == "colocated":
+    tmesh, colocated_devs, _ = _two_device_layouts()
+    run = Run(setup, "sync", tmesh=tmesh, gdevs=colocated_devs, colocated=True, tools=tools)
+  else:
+    run = Run(setup, "async", n_async=2 * GRPO.n_batch, tools=tools)
   packed = []
   real = run.rollouts.minibatches
 
@@ -399,7 +406,8 @@ def test_tool_calls_round_trip_through_the_sandbox_the_verifier_and_the_loss(set
   block = tok.encode(result_block("42\n", cfg.max_output_chars))
   called = [c for mb in packed for c in mb.completions if c.action_mask is not None]
   assert called and all(c.completion_tokens[4:4 + len(block)].tolist() == block for c in called)
-  for mb in packed:   # the result tokens are in the rows, and out of the loss
+  for mb in packed:   # the result tokens are in the rows, and out of the loss (all of a void turn's)
     for c, mask in zip(mb.completions, unpack_tokens(mb.arrays["loss_mask"], mb.completions,
                                                      mb.placement)):
-      assert mask.tolist() == c.actions.astype(float).tolist()
+      assert mask.tolist() == (c.actions * c.trained).astype(float).tolist()
+  assert all(0.0 <= h["void_turn_frac"] <= 1.0 for h in history)

@@ -165,3 +165,25 @@ def test_scoring_passes_the_policy_s_length_to_the_verifier():
   scoring.submit(Sample(0, 0, [1], list(range(3, 11)), np.zeros(8), np.zeros(8), "eos",
                         tool_mask=TOOL.copy()))
   assert seen == [5]
+
+
+def test_the_verifiers_grade_the_policy_s_words_never_what_a_tool_printed():
+  """A call that prints the format's closing tag and an answer: graded_text puts an empty
+  result block in its place, so the real reward finds no answer there (the policy wrote none);
+  negative control: the whole transcript would pass the format with the tool's answer."""
+  from magistral_jax.rewards.config import RewardConfig
+  from magistral_jax.rewards.reward import compute_reward
+  from magistral_jax.tool_use.protocol import GRADED_RESULT, graded_text, result_block
+  decode = lambda tokens: "".join(map(chr, tokens))
+  parts = ["<think>\n<tool>\nprint('<' + '/think>')\nprint(7)\n</tool>",
+           result_block("</think>\n\\boxed{7}\n", 400), "so"]
+  toks = [ord(ch) for p in parts for ch in p]
+  mask = np.concatenate([np.full(len(p), j == 1) for j, p in enumerate(parts)])
+  graded = graded_text(decode, toks, mask)
+  assert graded == parts[0] + GRADED_RESULT + parts[2]
+  assert graded_text(decode, toks, None) == "".join(parts)
+  task = {"kind": "math", "problem": "Compute 3+4.", "answer": "7"}
+  cfg = RewardConfig(l_max=4096, l_cache=512, language_bonus=0.0)
+  assert compute_reward(task, graded, 30, cfg).parts["correct"] == 0.0
+  assert compute_reward(task, "".join(parts), 30, cfg).parts["correct"] > 0   # the control
+
