@@ -31,7 +31,7 @@ LEARN_TASK = "synthetic/20/1-3"   # picked from the headroom table (BENCHMARKS.m
 # With `tools` (issue #67): a task whose arithmetic the model fails at without the interpreter
 # (0.000 at pass@16 in the headroom table), and the cold start's share of traces that call it.
 TOOLS_TASK = "synthetic/999/2-4"
-TOOL_RATE = 0.25
+TOOL_RATE = 0.5
 
 
 def get_config(arg=None):

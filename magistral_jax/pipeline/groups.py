@@ -24,7 +24,7 @@ from magistral_jax.rewards.reward import BAD_TASK, RewardResult, reward_metrics
 from magistral_jax.rl.advantages import DROP_REASONS, VERIFIER_ERROR, ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.tool_use.protocol import graded_text, void_trajectory
+from magistral_jax.tool_use.protocol import graded_text, open_call, void_trajectory
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,14 @@ def describe(sample: Sample, result: RewardResult, decode: Callable[[Sequence[in
           f"reward={result.reward:.3f}{why} policy versions {min(sample.versions, default=-1)}"
           f"..{max(sample.versions, default=-1)}"
           f"{f', tool calls {sample.num_tool_results}' if sample.num_tool_results else ''}\n{text}")
+
+
+def last_turn(sample: Sample) -> list[int]:
+  """A sample's tokens after its last tool result (all of them, with no result)."""
+  if sample.tool_mask is None:
+    return sample.tokens
+  n = int(np.argmax(np.asarray(sample.tool_mask, bool)[::-1]))
+  return sample.tokens[len(sample.tokens) - n:] if n else []
 
 
 def shown(batch: RolloutBatch) -> tuple[Sample, RewardResult]:
@@ -233,9 +241,12 @@ class GroupAssembler:
             f"dropped ({_counts(dropped)}){rewards}; {self.streak.groups} dropped in a row")
 
 
-def batch_metrics(batch: RolloutBatch, trained_version: int) -> dict:
+def batch_metrics(batch: RolloutBatch, trained_version: int,
+                  decode: Callable[[Sequence[int]], str] | None = None) -> dict:
   """The batch's reward, drop and off-policy metrics. `trained_version`: the policy version of the
-  batch's first optimizer step."""
+  batch's first optimizer step. `decode` (tokens -> text): also the share of samples cut off by
+  the token budget in the middle of a tool call (reported once any sample is multi-turn or cut
+  there)."""
   window = batch.groups + batch.dropped
   out = reward_metrics(verified(window))
   out["filtered_group_frac"] = float(np.mean([bool(g.dropped) for g in window]))
@@ -252,6 +263,11 @@ def batch_metrics(batch: RolloutBatch, trained_version: int) -> dict:
                # Kept groups' samples with a void turn, trained on nothing (drop_void_turns).
                void_turn_frac=float(np.mean([not c.trained for g in batch.groups
                                              for c in g.completions])))
+  if decode is not None:   # each cut-off sample's last turn (after its last result) decoded
+    cut = np.mean([s.finish_reason == "length" and open_call(decode(last_turn(s)))
+                   for s in samples])
+    if cut or "tool_calls_per_sample" in out:
+      out["tool_call_cut_frac"] = float(cut)
   # Off-policy accounting: lag of every trained token behind the version that trains on it (a
   # tool's result tokens are not trained on).
   versions = np.concatenate([np.asarray(s.versions)[s.action_mask] if s.tool_mask is not None

@@ -378,7 +378,8 @@ class Rollouts(LostGenerators):
     """The batch's reward, drop and off-policy metrics (pipeline.groups.batch_metrics), and the
     generators' and verifiers' since the last call. `trained_version`: the policy version of the
     batch's first optimizer step."""
-    return {**batch_metrics(batch, trained_version), **self._system_metrics()}
+    return {**batch_metrics(batch, trained_version, self.tokenizer.decode),
+            **self._system_metrics()}
 
   def sample_text(self, batch: RolloutBatch) -> str:
     """The batch's completion to show (groups.shown), decoded, with its task and reward."""

@@ -62,6 +62,13 @@ def pending_call(text: str) -> str | None:
   return strip_fence(body[start + len(TOOL_OPEN):])
 
 
+def open_call(text: str) -> bool:
+  """Whether `text` (a response, or its last turn) has a call begun and never closed: what a
+  sample cut off by its token budget in the middle of a call ends with."""
+  start = text.rfind(TOOL_OPEN)
+  return start >= 0 and TOOL_CLOSE not in text[start:]
+
+
 def strip_fence(source: str) -> str:
   """A call's source without a markdown fence around it (```python ... ```), which policies
   trained on markdown often write."""

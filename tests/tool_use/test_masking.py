@@ -134,8 +134,27 @@ def test_the_group_assembler_finds_void_turns_in_multi_turn_samples_only():
     assert a.counters["void_turn_samples"] == int(drop)
     # The void sample's reward still sits in its group's mean.
     assert [round(c.advantage, 3) for c in group.completions] == [-0.333, 0.667, -0.333]
-    m = batch_metrics(a.take(1, 0.0), trained_version=0)
+    m = batch_metrics(a.take(1, 0.0), trained_version=0, decode=decode)
     assert m["void_turn_frac"] == pytest.approx(1 / 3 if drop else 0.0)
+    assert m["tool_call_cut_frac"] == 0.0
+
+
+def test_a_sample_cut_off_in_the_middle_of_a_call_is_measured():
+  from magistral_jax.pipeline.groups import RolloutBatch, batch_metrics
+  from magistral_jax.rl.advantages import score_group
+  from magistral_jax.rl.collate import Completion as C
+  from magistral_jax.rewards.reward import RewardResult, empty_parts
+  decode = lambda tokens: "".join(map(chr, tokens))
+  texts = {"length": ["<think>\n<tool>\nprint(2", "<think>\nso 4\n</think>\n\\boxed{4}"],
+           "eos": ["<think>\n<tool>\nprint(2"]}
+  samples = [Sample(0, i, [1], [ord(ch) for ch in t], np.zeros(len(t)), np.zeros(len(t), int),
+                    reason) for reason, ts in texts.items() for i, t in enumerate(ts)]
+  group = score_group(0, [C([1], s.tokens) for s in samples],
+                      [RewardResult(float(i), empty_parts()) for i in range(3)],
+                      GRPOConfig(group_size=3, n_batch=3, n_mini=3), info=samples)
+  m = batch_metrics(RolloutBatch([group], [], 0.0), trained_version=0, decode=decode)
+  assert m["tool_call_cut_frac"] == pytest.approx(1 / 3)   # cut by the budget, in a call
+  assert "tool_call_cut_frac" not in batch_metrics(RolloutBatch([group], [], 0.0), 0)
 
 
 def test_a_sample_s_tool_mask_reaches_the_length_penalty_and_crosses_processes():
