@@ -3,12 +3,16 @@
 All conditions must hold, else the reward is 0 and grading stops:
   1. the response starts with `<think>` and has exactly one `<think>` and one `</think>`;
   2. math: a `\\boxed{}` answer after `</think>`;
-  3. code: at least one fenced markdown code block with a language tag after `</think>`.
+  3. code: at least one fenced markdown code block with a language tag after `</think>`;
+  4. beyond the paper (issue #67, tool_use/protocol.py): tool calls and their results belong to
+     the reasoning: no `<tool>` or `<result>` block after `</think>`.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+
+from magistral_jax.tool_use.protocol import RESULT_OPEN, TOOL_OPEN
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -18,6 +22,7 @@ STARTS_WITH_THINK = "starts_with_think"
 ONE_THINK_PAIR = "one_think_pair"
 BOXED_AFTER_THINK = "boxed_after_think"
 CODE_BLOCK_AFTER_THINK = "code_block_after_think"
+TOOLS_INSIDE_THINK = "tools_inside_think"
 
 # ```lang\n ... ``` or an untagged ```\n ... ```; a tag is a word (python, cpp, c++, py3 ...).
 # Each match runs from an opening fence to the next fence, which closes it, so successive matches
@@ -94,6 +99,8 @@ def check_format(response: str, kind: str) -> FormatResult:
   close = response.index(THINK_CLOSE)
   thoughts = response[len(THINK_OPEN):close]
   answer = response[close + len(THINK_CLOSE):]
+  if TOOL_OPEN in answer or RESULT_OPEN in answer:
+    return FormatResult(False, TOOLS_INSIDE_THINK, thoughts, answer)
   if kind == "math" and not find_boxed(answer):
     return FormatResult(False, BOXED_AFTER_THINK, thoughts, answer)
   if kind == "code" and not any(tag for tag, _ in code_blocks(answer)):

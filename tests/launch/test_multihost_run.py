@@ -203,3 +203,29 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   assert step == summary["optimizer_steps"] and meta["batches"] == BATCHES
   for x in jax.tree.leaves(restored.params):
     assert x.sharding.mesh.devices.size == 2 and bool(np.isfinite(np.asarray(x)).all())
+
+
+@pytest.mark.slow
+def test_three_process_run_with_tool_calls(tmp_path):
+  """configs/tiny.py:multihost,tools (issue #67): the cold start teaches the tiny model to call
+  the interpreter; in RL the generator process parks samples for their calls (the real sandbox),
+  scores them itself (verifier.placement=generators: graded_text), and ships them with their
+  tool masks to the trainer processes, which train with the results out of the loss; the
+  held-out evaluation on the generator process calls the tool too."""
+  workdir = str(tmp_path / "run")
+  cmd = [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
+         "--devices_per_process=2", "--grace_s=60", "--",
+         os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
+         "--config=configs/tiny.py:multihost,tools,sft_steps=150,batches=2",
+         "--config.data.heldout=8", "--config.eval.k=1", "--config.verifier.placement=generators"]
+  r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200)
+  assert r.returncode == 0, r.stdout[-6000:]
+  rows = _rl_rows(workdir)
+  assert [int(row["batch"]) for row in rows] == [1, 2]
+  assert sum(row["tool_calls_per_sample"] for row in rows) > 0, rows
+  assert rows[-1]["generator_tool_calls"] > 0 and rows[-1]["tool_result_tokens_mean"] > 0
+  assert all(0.0 <= row["void_turn_frac"] <= 1.0 and np.isfinite(row["loss"]) for row in rows)
+  shown = [json.loads(l)["text"] for l in open(os.path.join(workdir, "samples.jsonl"))]
+  assert any("<result>" in t and "tool calls" in t for t in shown), shown
+  after = json.load(open(os.path.join(workdir, "eval_after.json")))
+  assert after["tool_calls_mean"] > 0, after

@@ -35,6 +35,12 @@ MATH = {"kind": "math", "problem": "What is two plus three? Give the number.", "
     ("<think>\nok\n</think>\n```\nprint(0)\n```cpp\nx\n```", "code",
      fmt.CODE_BLOCK_AFTER_THINK),
     ("<think>\n```python\nprint(1)\n```\n</think>\nno code", "code", fmt.CODE_BLOCK_AFTER_THINK),
+    # Tool calls (issue #67) inside the reasoning pass; after </think> they do not.
+    ("<think>\n<tool>\nprint(2+3)\n</tool>\n<result>\n\n</result>\n</think>\n\\boxed{5}",
+     "math", None),
+    ("<think>\nok\n</think>\n<tool>\nprint(2+3)\n</tool>\n\\boxed{5}", "math",
+     fmt.TOOLS_INSIDE_THINK),
+    ("<think>\nok\n</think>\n<result>\n5\n</result>\n\\boxed{5}", "math", fmt.TOOLS_INSIDE_THINK),
 ])
 def test_format_check_reports_the_failed_condition(response, kind, failed):
   res = check_format(response, kind)
