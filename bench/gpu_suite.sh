@@ -108,11 +108,12 @@ if [ "$what" = recipes ]; then
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
 if [ "$what" = learn ] || [ "$what" = learn_tools ]; then
-  tools=""; [ "$what" = learn_tools ] && tools=--tools
+  # The tool recipe saturates in a few batches (BENCHMARKS.md "Tools"): 8 of them, 5 phases.
+  tools=""; [ "$what" = learn_tools ] && tools="--tools --batches=${LEARN_BATCHES:-8}"
   run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu $tools \
     --sft_steps="${LEARN_SFT_STEPS:-160}" --workdir="${LEARN_WORKDIR:-/tmp/magistral_$what}" \
     --out="$out" ${LEARN_ARGS:-}
-  grep -E "^== |rc=|^gain|^control" "$out/learn.log" | tail -12
+  grep -E "^== |rc=|^gain|^control|^tool" "$out/learn.log" | tail -14
 fi
 # `live` (issue #54): decode at batch 256 over an RL-length cache (prompt 128 + 4096 new
 # positions, the timed steps early in the completions), SmolLM2-135M then the 1B shape: XLA's

@@ -103,3 +103,20 @@ def test_gpu_suite_knows_the_learn_mode():
   r = subprocess.run(["bash", "bench/gpu_suite.sh", "nosuchmode"], cwd=ROOT, capture_output=True,
                      text=True, timeout=60)
   assert r.returncode == 2 and "learn" in r.stderr
+
+
+def test_the_tool_recipe_and_its_baseline_differ_only_in_the_tool(learn):
+  """bench/learn.py --tools compares configs/smollm2_learn.py:tools with the same recipe without
+  the tool (its task and lengths given, as learn.without_tool gives them): every setting but the
+  tool's own (tools.enabled, the cold start's tool rate) is the same, in both phases."""
+  m = learn.smollm2_learn()
+  for phase in ("", "sft,"):
+    tools = m.get_config(f"{phase}tools,colocated").to_dict()
+    plain = m.get_config(f"{phase}task={m.TOOLS_TASK},new_tokens="
+                         f"{tools['sampling']['max_new_tokens']},colocated").to_dict()
+    assert tools["tools"]["enabled"] and not plain["tools"]["enabled"]
+    assert tools["data"].pop("sft_tool_rate") == m.TOOL_RATE and plain["data"].pop(
+        "sft_tool_rate") == 0.0
+    for c in (tools, plain):
+      c.pop("tools")
+    assert tools == plain
