@@ -113,7 +113,7 @@ if [ "$what" = learn ] || [ "$what" = learn_tools ]; then
   run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu $tools \
     --sft_steps="${LEARN_SFT_STEPS:-160}" --workdir="${LEARN_WORKDIR:-/tmp/magistral_$what}" \
     --out="$out" ${LEARN_ARGS:-}
-  grep -E "^== |rc=|^gain|^control|^tool" "$out/learn.log" | tail -14
+  grep -E "^== |rc=|^gain|^control|^rl over|^tool" "$out/learn.log" | tail -15
 fi
 # `live` (issue #54): decode at batch 256 over an RL-length cache (prompt 128 + 4096 new
 # positions, the timed steps early in the completions), SmolLM2-135M then the 1B shape: XLA's

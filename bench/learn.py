@@ -214,8 +214,13 @@ def run_all(a, wd, out, logs) -> dict:
                           f"--workdir={ctl_dir}", f"--config.reward.control_rate={rate:.6f}"]
               + more, os.path.join(ctl_dir, "eval_after.json"))
   control = compare_evals(before["rows"], ctl["rows"])
-  report(control=control, format_control=ctl["format_rate"], curve_control=curve(ctl_dir))
+  # What the verdict did beyond what training on a coin did: the two ends, paired by problem.
+  over_control = compare_evals(ctl["rows"], after["rows"])
+  report(control=control, over_control=over_control, format_control=ctl["format_rate"],
+         curve_control=curve(ctl_dir),
+         **({"tool_calls_control": ctl["tool_calls_mean"]} if a.tools else {}))
   print(gain_line("control", control), flush=True)
+  print(gain_line("rl over control", over_control), flush=True)
   runs = {"rl": rl_dir, "control (random reward)": ctl_dir}
   if a.tools and "notool" not in a.skip:
     report(**without_tool(a, wd, sizes, shrink, more, phase, after))

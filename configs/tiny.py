@@ -114,7 +114,7 @@ def _apply_arg(c, arg):
       c.sampling.max_new_tokens = c.eval.max_new_tokens = 128
       c.reward.update(l_max=128, l_cache=32)
       c.engine.max_prefill_length = 96
-      c.rl.microbatch_tokens = 4 * 288
+      c.rl.microbatch_tokens = c.rl.microbatch_rows * 288   # rows of 96 + 128 + slack
       c.sft.row_len = 512
     elif key == "batches":
       c.num_batches = int(value)

@@ -115,6 +115,8 @@ class _Outbox:
     counters = {} if c is None else dict(
         decode_time_s=c.decode_time_s, steps=c.steps, active_slot_steps=c.active_slot_steps,
         idle_time_s=c.idle_time_s, shared_prefix_hits=c.shared_prefix_hits)
+    if loop is not None and loop.tools is not None:   # the tool calls' counts, for the meter
+      counters["tool_counts"] = dict(loop.tools.counts)
     arrays, rest = pack_samples(samples)
     self.channel.send(arrays, ("samples", rest, counters))
 

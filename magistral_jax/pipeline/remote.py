@@ -25,6 +25,8 @@ for `pipeline.generator_rejoin_s`.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -50,6 +52,13 @@ log = logging.getLogger(__name__)
 # evaluation before it stops with an error naming the process (a dead process is found sooner,
 # by its heartbeats).
 REPLY_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class ToolCounts:
+  """A generator process's tool-call counts (generate/tool_turns.ToolTurns.counts), as its last
+  completions reported them: what pipeline/generator_meter.py reads of a local loop's tools."""
+  counts: collections.Counter
 
 
 class GeneratorLost(PipelineError):
@@ -82,6 +91,7 @@ class RemoteGenerator:
     self.stage: int | None = None
     self.callback: Callable[[Sample], None] | None = None
     self.counters = LoopCounters()
+    self.tools: ToolCounts | None = None   # the process's tool-call counts, when it calls tools
     self.incarnation = 0
     self.serving = False
     self.lost_reason: str | None = None
@@ -258,6 +268,8 @@ class RemoteGenerator:
         raise GeneratorLost(f"{self.name}: its completions could not be pulled: "
                             f"{type(e).__name__}: {e}") from e
       samples = unpack_samples(arrays, rest)
+      if "tool_counts" in counters:
+        self.tools = ToolCounts(collections.Counter(counters.pop("tool_counts")))
       for name, value in counters.items():
         setattr(self.counters, name, value)
       callback = self.callback
