@@ -93,8 +93,7 @@ class Rollouts(LostGenerators):
                seed: int = 0, colocated: bool = False):
     if not generators:
       raise ValueError("Rollouts needs at least one generator")
-    self.grpo_cfg, self.cfg = grpo_cfg, cfg
-    self.group_size = grpo_cfg.group_size
+    self.grpo_cfg, self.cfg, self.group_size = grpo_cfg, cfg, grpo_cfg.group_size
     self.n_async, self.max_queue = cfg.bounds(grpo_cfg)
     self.generators = list(generators)
     # A generator cuts or refuses a prompt over its max_prefill_length and stops a completion at
@@ -107,7 +106,8 @@ class Rollouts(LostGenerators):
     self._rng = np.random.default_rng(seed)
     self._scoring = Scoring(pool, tokenizer)
     self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
-    self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped, tokenizer.decode)
+    self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped,
+                                  getattr(tokenizer, "decode", None))
     self.counters = self._groups.counters
     self._next_gid = 0
     self._stop = threading.Event()
