@@ -223,22 +223,20 @@ def run_all(a, wd, out, logs) -> dict:
   print(gain_line("rl over control", over_control), flush=True)
   runs = {"rl": rl_dir, "control (random reward)": ctl_dir}
   if a.tools and "notool" not in a.skip:
-    report(**without_tool(a, wd, sizes, shrink, more, phase, after))
+    report(**without_tool(a, wd, sizes, sft_args, more, phase, after))
     runs["the same recipe without the tool"] = os.path.join(wd, "rl_notool")
   report(plot=plot(os.path.join(out, "learn.png"), runs, before))
   return summary
 
 
-def without_tool(a, wd, sizes, shrink, more, phase, after) -> dict:
+def without_tool(a, wd, sizes, sft_args, more, phase, after) -> dict:
   """The tool recipe's baseline (issue #67): the same recipe, cold start and RL, without the
   tool (configs/smollm2_learn.py with the tool recipe's task and lengths, tools off), and the
   tool recipe's end against its end, paired over the same held-out problems."""
-  tools_recipe = smollm2_learn().get_config("tools,colocated")
-  plain = (f"task={a.task or smollm2_learn().TOOLS_TASK},"
-           f"new_tokens={tools_recipe.sampling.max_new_tokens}{sizes}")
+  recipes = smollm2_learn()
+  new_tokens = recipes.get_config("tools" + sizes).sampling.max_new_tokens
+  plain = f"task={a.task or recipes.TOOLS_TASK},new_tokens={new_tokens}{sizes}"
   sft_dir, rl_dir = os.path.join(wd, "sft_notool"), os.path.join(wd, "rl_notool")
-  sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
-                                       if a.sft_steps else [])
   phase("sft_notool", ["launch/sft.py", f"--config=configs/smollm2_learn.py:sft,{plain}",
                        f"--workdir={sft_dir}"] + sft_args, os.path.join(sft_dir, "sft_summary.json"))
   init = f"init={os.path.join(sft_dir, 'params')}"

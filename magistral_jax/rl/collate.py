@@ -57,6 +57,12 @@ class Completion:
     return self.action_mask
 
   @property
+  def trained_actions(self) -> np.ndarray:
+    """[completion tokens] bool: the actions the loss and the normaliser count (none when the
+    completion is not trained on)."""
+    return self.actions if self.trained else np.zeros(len(self.completion_tokens), bool)
+
+  @property
   def num_actions(self) -> int:
     """Completion tokens the policy sampled: what the token normaliser counts."""
     return int(self.actions.sum())
@@ -186,7 +192,7 @@ def pack(completions: Sequence[Completion], advantages, weights, row_len: int, r
       # Target j is seq[j+1]: completion tokens are targets j >= len(prompt) - 1.
       # Of those, only the policy's own (Completion.action_mask) are trained on.
       cs = slice(start + len(c.prompt_tokens) - 1, start + n)
-      act = c.actions if c.trained else np.zeros(len(c.completion_tokens), bool)
+      act = c.trained_actions
       out["loss_mask"][r, cs] = act
       if c.old_logprobs is not None:
         out["old_logprobs"][r, cs] = np.where(act, c.old_logprobs, 0.0)

@@ -98,7 +98,7 @@ def collate_minibatch(completions: Sequence[Completion], cfg: GRPOConfig,
   # The normaliser counts the policy's own tokens (a tool's results are not actions) of the
   # completions trained on (not a void turn's: GRPOConfig.drop_void_turns).
   trained = np.asarray([c.trained for c in completions])
-  lengths = np.asarray([c.num_actions if c.trained else 0 for c in completions])
+  lengths = np.asarray([c.trained_actions.sum() for c in completions])
   weights = np.zeros(len(completions))
   if trained.any():
     weights[trained] = aggregation_weights(lengths[trained], group_ids[trained], cfg.loss_agg)
