@@ -47,23 +47,22 @@ from magistral_jax.generate.paging import LoopPages
 from magistral_jax.generate.prefill_worker import PrefillWorker, prefill_requests
 from magistral_jax.generate.prefix_cache import SharedPrefixCache
 from magistral_jax.generate.refill import Refill
-from magistral_jax.generate.requests import GeneratorError, Request, RequestSamples, Sample
+from magistral_jax.generate.requests import (GeneratorError, Request, RequestSamples, Sample,
+                                             request_key)
 from magistral_jax.generate.slots import SlotTable
 from magistral_jax.generate.tool_turns import ToolTurns
 from magistral_jax.generate.weights import transfer_params
 
 log = logging.getLogger(__name__)
 
-# A bare GeneratorLoop prefills in its own thread, between steps: a caller that steps the loop
-# itself (run_until_idle, a colocated phase, most tests) then gets the same schedule on every
-# run, with no worker thread racing it. A run's generators take the `engine` section instead
-# (pipeline.generators.make_generators), whose default prefills in the background.
+# A bare GeneratorLoop prefills between its own steps, not in a worker thread: a caller that steps
+# it (run_until_idle, a colocated phase, most tests) gets the same schedule on every run. A run's
+# generators take the `engine` section (pipeline.generators.make_generators): in the background.
 DIRECT = EngineConfig(background_prefill=False)
 
 
 class GeneratorLoop:
-  """Continuous-batching generator over one Engine; see the module docstring. Its counters are
-  `loop.counters` (counters.LoopCounters)."""
+  """Continuous-batching generator over one Engine (module docstring); `loop.counters`."""
 
   def __init__(self, engine: Engine, params, version: int = 0, *,
                sampling: SamplingConfig, options: EngineConfig = DIRECT,
@@ -149,7 +148,7 @@ class GeneratorLoop:
       raise ValueError(f"request {request.id!r}: {e}") from None
     prompt = list(np.asarray(request.prompt_tokens).reshape(-1)[-n:].tolist())
     seed = request.seed if request.seed is not None else int(self._rng.integers(2**31))
-    key = np.asarray(jax.random.PRNGKey(seed))
+    key = request_key(seed)
     rest = self._shared.rest_length(prompt) if self._shared else 0
     if rest:
       padded, _, _ = self.engine.pad_prompt(prompt[-rest:])
@@ -284,6 +283,9 @@ class GeneratorLoop:
     self._flush()
     if self.tools is not None and self.tools.busy():   # their calls' results go in first
       self.state = self.tools.resume(self.parts, self.params, self.version, self.state, True)
+    # What the phase launched (a prefill for samples still waiting for slots, too) ends here: the
+    # caller's train step then runs alone on these devices (docs/design_notes.md, "Hangs").
+    jax.block_until_ready((self.state, [g.prefix for g in self.parts.groups]))
     if carry:
       self.carry.suspend(self.parts.slots, self.parts.pages)
     elif not self.idle():

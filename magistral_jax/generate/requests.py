@@ -6,9 +6,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from magistral_jax.generate.state import Prefixes
+
+
+def request_key(seed: int) -> np.ndarray:
+  """jax.random.PRNGKey(seed) as a host array, computed on the host where that is exact (the
+  default threefry key of a 32-bit seed is [0, seed]). GeneratorLoop.submit runs in its caller's
+  thread (the pipeline's feeder), so it launches no device work: only the thread that steps a
+  loop launches programs onto its devices (GeneratorLoop.release)."""
+  if 0 <= seed < 2**32 and jax.config.jax_default_prng_impl == "threefry2x32" \
+      and not jax.config.jax_enable_x64:
+    return np.array([0, seed], np.uint32)
+  return np.asarray(jax.random.PRNGKey(seed))
 
 
 class GeneratorError(RuntimeError):

@@ -15,7 +15,7 @@ from magistral_jax.generate import sampling as S, xla_cpu
 from magistral_jax.generate.config import EngineConfig, SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import DIRECT, GeneratorLoop
-from magistral_jax.generate.requests import GeneratorError, Request
+from magistral_jax.generate.requests import GeneratorError, Request, request_key
 from magistral_jax.generate.weights import NonFiniteError, ParamsMismatchError
 from magistral_jax.generate.xla_cpu import tune_generate
 from magistral_jax.model import transformer as T
@@ -84,6 +84,13 @@ def score(params, seq):
   """(full-forward logits [len, V], trainer log-probs of seq[1:] at T=0.7) for one sequence."""
   lg, lp = _score(params, jnp.asarray([seq + [0] * (PAD_TO - len(seq))]))
   return np.asarray(lg[:len(seq)]), np.asarray(lp[:len(seq) - 1])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 3])
+def test_a_request_key_is_jax_s_key_computed_on_the_host(seed):
+  """submit may run in any thread, so it computes the key without a device op: the same key."""
+  np.testing.assert_array_equal(request_key(seed), np.asarray(jax.random.PRNGKey(seed)))
+  assert request_key(seed).dtype == np.uint32
 
 
 def test_greedy_equals_argmax_of_full_forward_step_by_step(params, mesh):
