@@ -283,9 +283,9 @@ class GeneratorLoop:
     self._flush()
     if self.tools is not None and self.tools.busy():   # their calls' results go in first
       self.state = self.tools.resume(self.parts, self.params, self.version, self.state, True)
-    # What the phase launched (a prefill for samples still waiting for slots, too) ends here: the
-    # caller's train step then runs alone on these devices (docs/design_notes.md, "Hangs").
-    jax.block_until_ready((self.state, [g.prefix for g in self.parts.groups]))
+    # All the phase launched ends first: the next train step runs alone (design_notes, "Hangs").
+    held = jax.tree.leaves((self.state, [g.prefix for g in self.parts.groups]))
+    jax.block_until_ready([x for x in held if isinstance(x, jax.Array) and not x.is_deleted()])
     if carry:
       self.carry.suspend(self.parts.slots, self.parts.pages)
     elif not self.idle():
