@@ -138,3 +138,17 @@ def test_a_jax_without_the_wrapped_functions_keeps_its_own_keys(monkeypatch):
   monkeypatch.setattr(cache_key, "_hash_serialized_compile_options", lambda h, o: None)
   assert not cache_key_patch.share_cpu_executables_across_devices()
   assert cache_key.get.__name__ == "<lambda>"   # left as it was
+
+
+def test_a_cpu_key_tells_one_process_from_several():
+  """The same program on the same device ids gets another key once the run has several processes
+  (gloo collectives, devices in other processes), and another for each process layout; a
+  one-process key is JAX's (stripped of the device assignment) unchanged."""
+  from magistral_jax.parallel.cache_key_patch import with_process_layout
+  key = "jit_step-" + "ab" * 32
+  assert with_process_layout(key, (1, (0, 0, 0, 0))) == key
+  two = with_process_layout(key, (3, (0, 0, 1, 1)))
+  one = with_process_layout(key, (3, (0, 0, 0, 0)))
+  assert len({key, two, one}) == 3
+  assert two.startswith("jit_step-") and len(two) == len(key)
+  assert with_process_layout(key, (3, (0, 0, 1, 1))) == two   # the same in every process

@@ -211,12 +211,14 @@ def test_three_process_run_with_tool_calls(tmp_path):
   the interpreter; in RL the generator process parks samples for their calls (the real sandbox),
   scores them itself (verifier.placement=generators: graded_text), and ships them with their
   tool masks to the trainer processes, which train with the results out of the loss; the
-  held-out evaluation on the generator process calls the tool too."""
+  held-out evaluation on the generator process calls the tool too. 60 cold-start steps: the
+  cold start is most of this test's time (FSDP over two processes, gloo), and 60 already leave a
+  policy that calls the tool in about a third of its samples."""
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
          "--devices_per_process=2", "--grace_s=60", "--",
          os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
-         "--config=configs/tiny.py:multihost,tools,sft_steps=150,batches=2",
+         "--config=configs/tiny.py:multihost,tools,sft_steps=60,batches=2",
          "--config.data.heldout=8", "--config.eval.k=1", "--config.verifier.placement=generators",
          "--config.pipeline.sample_every=1"]
   r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200)
