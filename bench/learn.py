@@ -53,6 +53,12 @@ SHRINK = {
            "--config.engine.max_concurrent_decodes=8", "--config.checkpoint.async_save=False",
            "--config.num_batches=2"],
 }
+# With --tools: a call and its result do not fit 32 new tokens (every sample was cut, every group
+# dropped), so the shrunk runs keep the CPU tool recipe's 96, and the cold start its 12 steps.
+SHRINK_TOOLS = {"sft": ["--config.sft.num_steps=12"],
+                "rl": ["--config.sampling.max_new_tokens=96", "--config.reward.l_max=96",
+                       "--config.reward.l_cache=24", "--config.eval.max_new_tokens=96",
+                       "--config.rl.microbatch_tokens=2432"]}   # 4 rows of 512 + 96
 
 
 def choose_task(headroom: dict, lo: float = 0.1, hi: float = 0.6) -> str | None:
@@ -149,7 +155,8 @@ def run_all(a, wd, out, logs) -> dict:
   measured before it."""
   # One device either way: on 2 CPU cores the generator and the trainer would fight for them.
   sizes = ",gpu,colocated" if a.gpu else ",colocated"
-  shrink = SHRINK if a.shrink else {}
+  shrink = ({k: v + (SHRINK_TOOLS.get(k, []) if a.tools else []) for k, v in SHRINK.items()}
+            if a.shrink else {})   # later flags win
   t0, walls = time.time(), {}
   summary = {"bench": "learn", "model": "SmolLM2-135M-Instruct", "gpu": a.gpu,
              "shrink": a.shrink, "walls_s": walls}
