@@ -213,7 +213,7 @@ def test_three_process_run_with_tool_calls(tmp_path):
   tool masks to the trainer processes, which train with the results out of the loss; the
   held-out evaluation on the generator process calls the tool too. 60 cold-start steps: the
   cold start is most of this test's time (FSDP over two processes, gloo), and 60 already leave a
-  policy that calls the tool in about a third of its samples."""
+  policy that calls the tool often (the runs are in git history)."""
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
          "--devices_per_process=2", "--grace_s=60", "--",

@@ -6,8 +6,8 @@ The full run (`make run`) is measured in BENCHMARKS.md ("Tiny default run"). Her
 is cut short on clean traces, the task is narrowed (small operands, few steps), and RL takes one
 optimizer step per large batch at a raised lr (the flags below), so that a few dozen batches move
 the policy well beyond the run-to-run noise of the async pipeline. Not higher: at twice this lr
-a single step now and then broke the format (format rate 0.93 -> 0.55 in one step), and the
-reward took most of the run to recover.
+a single step now and then broke the format, and the reward took most of the run to recover
+(the runs are in git history).
 
 Why this form: with the default task and so short a cold start the answers stay near chance and
 RL has little to reinforce; with half the completions a batch the reward's rise is within the
