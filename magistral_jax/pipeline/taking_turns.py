@@ -20,12 +20,15 @@ load at its start. The methods are those of every schedule (pipeline.schedule.Sc
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Sequence
 
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.parallel.memory import bytes_in_use
 from magistral_jax.pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
 
 
 class TakingTurns:
@@ -41,6 +44,12 @@ class TakingTurns:
         raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
                          "build them with background_prefill=False")
     self.generators = list(generators)
+    devices = {d for g in self.generators for d in g.engine.mesh.devices.flat}
+    if len(devices) > 1 and all(d.platform == "cpu" for d in devices):
+      log.warning("colocated on %d CPU devices: XLA:CPU can deadlock a train step there (two "
+                  "devices waiting in different collectives of one launch; "
+                  "docs/design_notes.md, 'Hangs on the simulated devices'); one device "
+                  "(devices.trainer=1) is the colocated layout that is tested", len(devices))
     # End a phase with samples still generating: they carry into the next (generate/carry.py).
     self.carry_over = carry_over
     self._latest: tuple | None = None   # (params, version) of the newest push, not loaded yet
