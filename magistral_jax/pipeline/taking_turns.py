@@ -44,12 +44,14 @@ class TakingTurns:
         raise ValueError("colocated sync mode steps the generators in the trainer's thread; "
                          "build them with background_prefill=False")
     self.generators = list(generators)
-    devices = {d for g in self.generators for d in g.engine.mesh.devices.flat}
-    if len(devices) > 1 and all(d.platform == "cpu" for d in devices):
+    # The generators' devices, in order: each phase's memory is measured on them (end).
+    self.devices = list(dict.fromkeys(d for g in self.generators
+                                      for d in g.engine.mesh.devices.flat))
+    if len(self.devices) > 1 and all(d.platform == "cpu" for d in self.devices):
       log.warning("colocated on %d CPU devices: XLA:CPU can deadlock a train step there (two "
                   "devices waiting in different collectives of one launch; "
                   "docs/design_notes.md, 'Hangs on the simulated devices'); one device "
-                  "(devices.trainer=1) is the colocated layout that is tested", len(devices))
+                  "(devices.trainer=1) is the colocated layout that is tested", len(self.devices))
     # End a phase with samples still generating: they carry into the next (generate/carry.py).
     self.carry_over = carry_over
     self._latest: tuple | None = None   # (params, version) of the newest push, not loaded yet
@@ -94,11 +96,12 @@ class TakingTurns:
   def end(self) -> None:
     """Measures the phase's memory, then frees the generators' weights copies and KV caches for
     the training phase."""
-    devices = list(dict.fromkeys(d for g in self.generators for d in g.engine.mesh.devices.flat))
-    peak = bytes_in_use(devices)
+    peak = bytes_in_use(self.devices)
     for g in self.generators:
       g.release(carry=self.carry_over)
-    self.metrics.update({"generation_phase_s": time.time() - self._phase_t0,
+    phase_s = time.time() - self._phase_t0
+    released = peak - bytes_in_use(self.devices)
+    self.metrics.update({"generation_phase_s": phase_s,
                          "carried_samples": float(sum(len(g.carry) for g in self.generators)),
                          "memory/generate_peak_bytes": float(peak),
-                         "memory/generation_released_bytes": float(peak - bytes_in_use(devices))})
+                         "memory/generation_released_bytes": float(released)})
