@@ -60,6 +60,7 @@ from magistral_jax.pipeline.groups import (GroupAssembler, RolloutBatch, batch_m
 from magistral_jax.pipeline.lost_generators import LostGenerators
 from magistral_jax.pipeline.schedule import schedule_for
 from magistral_jax.pipeline.scoring import Scoring
+from magistral_jax.pipeline.seeded_prompts import SeededPrompts
 from magistral_jax.rewards.reward import RewardResult
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.minibatch import Minibatch, make_minibatches
@@ -83,14 +84,15 @@ class Rollouts(LostGenerators):
     prompts: iterator of task dicts ({"id", "kind", "problem", "answer", ...}).
     grpo_cfg: group size, n_batch and the group-drop rule. cfg: the pipeline's bounds and mode.
     system_prompt: the prompt template ({problem} placeholder); None = the bare problem.
-    seed: draws each request's sampling seed.
+    seed, seeds_drawn: each group's sampling seed, drawn with its prompt (SeededPrompts);
+      seeds_drawn is a resumed run's `stream_state()`.
     colocated: the generators share the trainer's devices (see the module docstring).
   """
 
   def __init__(self, *, generators: Sequence[Generator], pool, tokenizer,
                prompts: Iterator[dict], grpo_cfg: GRPOConfig,
                cfg: PipelineConfig = PipelineConfig(), system_prompt: str | None = None,
-               seed: int = 0, colocated: bool = False):
+               seed: int = 0, seeds_drawn: int = 0, colocated: bool = False):
     if not generators:
       raise ValueError("Rollouts needs at least one generator")
     self.grpo_cfg, self.cfg, self.group_size = grpo_cfg, cfg, grpo_cfg.group_size
@@ -101,9 +103,8 @@ class Rollouts(LostGenerators):
     # meets a sequence longer than a row, whoever built the generators.
     for g in self.generators:
       grpo_cfg.check_row_fits(g.engine.max_prefill_length, g.engine.max_decode_length)
-    self.pool, self.tokenizer, self.prompts = pool, tokenizer, prompts
-    self.system_prompt = system_prompt
-    self._rng = np.random.default_rng(seed)
+    self.pool, self.tokenizer, self.system_prompt = pool, tokenizer, system_prompt
+    self.prompts = SeededPrompts(prompts, seed, seeds_drawn)
     self._scoring = Scoring(pool, tokenizer)
     self._generated: queue.Queue[tuple[int, Sample, RewardResult | None]] = queue.Queue()
     self._groups = GroupAssembler(grpo_cfg, cfg.max_consecutive_dropped,
@@ -119,7 +120,6 @@ class Rollouts(LostGenerators):
     self._queued = 0            # returned by a generator, not yet consumed or dropped
     self.max_generating = 0     # high-water marks: max_generating <= n_async and
     self.max_inflight = 0       # max_inflight (generating + queued) <= n_async + max_queue
-    self._prompts_exhausted = False
     self._started = False
     self._gen_load = [0] * len(self.generators)   # samples submitted, not yet returned
     self._init_lost_generators()
@@ -212,26 +212,27 @@ class Rollouts(LostGenerators):
         log.error("pipeline %s failed: %s", name, traceback.format_exc())
     return run
 
-  def _next_task(self):
+  def _next_task(self) -> tuple[dict, int] | None:
+    """The next prompt (a lost generator's first) and its group's sampling seed, drawn together
+    under the lock `stream_state` reads both under."""
     with self._lock:
-      if self._retry:
-        return self._retry.popleft()
-      if self._prompts_exhausted:
-        return None
-      try:
-        return next(self.prompts)
-      except StopIteration:
-        self._prompts_exhausted = True
-        return None
+      task = self._retry.popleft() if self._retry else self.prompts.next()
+      return None if task is None else (task, self.prompts.seed())
+
+  def stream_state(self) -> tuple[dict, dict]:
+    """SeededPrompts.state() (a checkpoint's), read under the lock the draws take."""
+    with self._lock:
+      return self.prompts.state()
 
   def _submit_group(self) -> bool:
     """Submits the next prompt as a group of G samples to the least-loaded generator."""
     with self._lock:
       if self._serving_generator() is None:   # all lost: wait for one to rejoin
         return False
-    task = self._next_task()
-    if task is None:
+    drawn = self._next_task()
+    if drawn is None:
       return False
+    task, seed = drawn
     prompt = self.tokenizer.apply_chat_template(task["problem"], self.system_prompt)
     with self._lock:
       gid = self._next_gid
@@ -249,9 +250,8 @@ class Rollouts(LostGenerators):
       self._gen_load[i] += self.group_size
       self._assigned[gid] = (i, task)
     try:
-      self.generators[i].submit(Request(id=gid, prompt_tokens=prompt,
-                                        group_size=self.group_size, metadata=task,
-                                        seed=int(self._rng.integers(2**31))))
+      self.generators[i].submit(Request(id=gid, prompt_tokens=prompt, seed=seed,
+                                        group_size=self.group_size, metadata=task))
     except ValueError as e:
       # A prompt no generator can take (longer than engine.max_prefill_length with truncation
       # off): one bad problem, not a reason to stop feeding. Skipped, counted, logged.
@@ -280,7 +280,7 @@ class Rollouts(LostGenerators):
         return
       if not self._submit_group():
         with self._lock:
-          if self._prompts_exhausted and not self._retry:
+          if self.prompts.exhausted and not self._retry:
             return
         time.sleep(0.1)   # no generator serves: one may rejoin
 
@@ -359,7 +359,7 @@ class Rollouts(LostGenerators):
       while len(ready) < need:
         while len(ready) + len(pending) < need and self._submit_group():
           pass
-        if not pending and self._prompts_exhausted and not self._retry:
+        if not pending and self.prompts.exhausted and not self._retry:
           raise StopIteration
         # Taking turns, the generation phase runs in this thread, the scoring alongside.
         tick(0.0 if self.schedule.generate() else 0.05)
@@ -368,7 +368,7 @@ class Rollouts(LostGenerators):
       self.schedule.begin()
       while len(ready) < need:
         tick(0.0 if self.schedule.generate() else 0.05)
-        if (self._prompts_exhausted and not self._retry and not pending
+        if (self.prompts.exhausted and not self._retry and not pending
             and self._scoring.scored.empty() and len(ready) < need):
           raise StopIteration
       self.schedule.end()

@@ -168,7 +168,7 @@ class RLRun:
       self.train_stage(stage, n_batches, progress, total)
       if stopped:
         break
-      self.meta.update(stage=stage.index + 1, batch_in_stage=0)
+      self.meta.update(stage=stage.index + 1, batch_in_stage=0, rng=None)   # a stage's own seeds
     if stopped:
       log.info("stopping after %d batches (stop_after_batches=%d): checkpoint %d, stage %d, "
                "batch %d of it; relaunch on this workdir to resume", self.meta["batches"],
@@ -234,13 +234,14 @@ class RLRun:
     rollouts = self.topology.rollouts(
         stage, prompts, self.tmesh, generators=gens, pool=self.pool, tokenizer=self.tok,
         grpo_cfg=srun.rl, cfg=srun.pipeline, system_prompt=self.system_prompt,
-        seed=self.run.seed + si)
+        seed=self.run.seed + si, seeds_drawn=(meta["rng"] or {}).get("seeds_drawn", 0))
     every = self.run.eval.every   # 0: no held-out evaluation between before and after
 
     def on_batch(trainer, m):
+      data, rng = (rollouts.stream_state() if prompts is not None
+                   else (meta["data"], meta["rng"]))
       meta.update(stage=si, batch_in_stage=meta["batch_in_stage"] + 1, batches=trainer.batches,
-                  version=trainer.version, opt_steps=trainer.opt_steps,
-                  data=prompts.state() if prompts is not None else meta["data"])
+                  version=trainer.version, opt_steps=trainer.opt_steps, data=data, rng=rng)
       if self.leader:
         log.info(progress.line(meta["batches"], m))
         if self.trained.hits:   # the rule broken: stop at once, not after the whole run

@@ -5,7 +5,7 @@ through the two launches the recipe names: a cold start from the Hugging Face ch
 (launch/sft.py) and GRPO from its weights (launch/train.py), stopped after half its batches and
 resumed by a second process on the same workdir; the reward rises on the tiny task (narrowed as
 tests/launch/test_tiny_learns.py narrows it: operands 0..4, 1-2 steps, one optimizer step per
-batch of 128 completions at lr 1e-3).
+batch of 128 completions at lr 5e-4).
 
 The architecture's own parts (q/k norms, a head_dim apart from hidden/heads) are in every
 forward, decode and train step here; their parity with transformers is

@@ -404,3 +404,47 @@ def test_samples_scored_by_their_generator_process_skip_the_leaders_pool():
     batch = r.next_batch()
   rewards = [res.reward for g in batch.groups for res in g.results]
   assert len(rewards) == GRPO.n_batch and set(rewards) == {0.1, 1.0}   # wrong, right answers
+
+
+class CountedPrompts:
+  """math_task(0), math_task(1), ... from `start`, with the state a checkpoint keeps."""
+
+  def __init__(self, start=0):
+    self.consumed = start
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.consumed += 1
+    return math_task(self.consumed - 1)
+
+  def state(self):
+    return {"consumed": self.consumed}
+
+
+def test_a_resumed_run_draws_the_prompts_and_seeds_after_its_checkpoints():
+  def run(batches, start=0, seeds_drawn=0):
+    drawn, gen = [], ScriptedGenerator(right_or_wrong)
+    submit = gen.submit
+    gen.submit = lambda r: (drawn.append((r.metadata["id"], r.seed)), submit(r))
+    pipe = Rollouts(generators=[gen], pool=InlinePool(), tokenizer=TOK,
+                    prompts=CountedPrompts(start), grpo_cfg=GRPO, seeds_drawn=seeds_drawn,
+                    seed=7, cfg=PipelineConfig(mode="sync"))
+    with pipe:
+      states = []
+      for _ in range(batches):
+        pipe.next_batch()
+        states.append(pipe.stream_state())
+    return drawn, states
+
+  whole, states = run(2)
+  data, rng = states[0]   # what the checkpoint after batch 1 holds
+  assert rng["seeds_drawn"] == data["consumed"] >= 2 and len(whole) > rng["seeds_drawn"]
+  resumed, _ = run(1, data["consumed"], rng["seeds_drawn"])
+  n = rng["seeds_drawn"]
+  assert resumed == whole[n:n + len(resumed)]
+  # Negative control: a stream started again from its seed gives the first batch's seeds again.
+  restarted, _ = run(1, data["consumed"])
+  assert [s for _, s in restarted] == [s for _, s in whole[:len(restarted)]]
+  assert [s for _, s in restarted] != [s for _, s in resumed]
