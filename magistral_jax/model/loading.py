@@ -12,7 +12,9 @@ from magistral_jax.model.hf_checkpoint import load_hf_safetensors
 from magistral_jax.model.hf_sharded import load_hf_sharded
 from magistral_jax.model.orbax_params import read_orbax_config, restore_params_orbax
 from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
+from magistral_jax.model import transformer
 from magistral_jax.parallel.config import DEFAULT_RULES
+from magistral_jax.parallel.sharding import param_shardings
 
 
 # The fields of the run's `model` section a checkpoint's architecture does not replace: the
@@ -33,8 +35,9 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
 
   mesh (and rules, default parallel.config.DEFAULT_RULES): where the params will live. An hf
   checkpoint is then loaded straight onto it, laid out by `rules` as train/step.py's init_state
-  takes them, with no host copy of the whole model (model/hf_sharded.py); the other sources
-  return their params as they do without a mesh.
+  takes them, with no host copy of the whole model (model/hf_sharded.py); an orbax one is
+  restored onto it by the processes that hold it (in a run of many, the trainer's: a generator
+  process restores nothing); gguf returns its params as it does without a mesh.
   """
   src, path = init.source, init.path
   model_cfg = model
@@ -60,7 +63,8 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
     model_cfg = read_orbax_config(path).replace(**keep)
     if load_weights:
       sub = os.path.join(path, "params")
-      params = restore_params_orbax(sub if os.path.isdir(sub) else path)
+      params = restore_params_orbax(sub if os.path.isdir(sub) else path,
+                                    **_onto(mesh, rules, model_cfg))
   if tok is None:
     tok = char_tokenizer() if tokenizer == "char" else load_tokenizer(tokenizer)
   if model_cfg.vocab_size < tok.vocab_size:
@@ -68,3 +72,15 @@ def load_policy(model: ModelConfig, init: InitConfig, tokenizer: str = "char",
                      f"{tok.vocab_size} ({tokenizer})")
   model_cfg = model_cfg.replace(eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
   return tok, model_cfg, params
+
+
+def _onto(mesh, rules, cfg: ModelConfig) -> dict:
+  """restore_params_orbax's arguments that lay a checkpoint onto `mesh` by `rules` (none without a
+  mesh: the default device)."""
+  if mesh is None:
+    return {}
+  shardings = param_shardings(transformer.param_logical_axes(cfg), mesh,
+                              DEFAULT_RULES if rules is None else rules,
+                              shapes_tree=transformer.param_shapes(cfg))
+  return {"target_shardings": shardings,
+          "processes": tuple(sorted({d.process_index for d in mesh.devices.flat}))}

@@ -31,7 +31,8 @@ def save_params_orbax(path: str, params: Any, cfg: ModelConfig | None = None) ->
       json.dump(cfg.to_hf_config(), f, indent=2)
 
 
-def restore_params_orbax(path: str, target_shardings: Any = None, abstract: Any = None) -> Any:
+def restore_params_orbax(path: str, target_shardings: Any = None, abstract: Any = None,
+                         processes: tuple[int, ...] | None = None) -> Any:
   """Restores a param tree, onto any layout.
 
   target_shardings: a tree (same structure) of jax.sharding.Sharding, or one sharding for all.
@@ -39,13 +40,20 @@ def restore_params_orbax(path: str, target_shardings: Any = None, abstract: Any 
   target_shardings. With neither, arrays come back on the default device.
   Shapes and dtypes come from the checkpoint's own metadata, so restoring onto a different mesh
   (or device count) needs only the new shardings.
+  processes: in a run of many processes, the ones that restore (those of the shardings' devices:
+  the trainer's). Orbax syncs the processes that restore; by default it waits for every process,
+  and a generator process, which holds no trainer weights, never comes.
   """
   import jax
   import orbax.checkpoint as ocp
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"no orbax checkpoint at {path}")
-  with ocp.StandardCheckpointer() as ckptr:
+  multi = (ocp.options.MultiprocessingOptions(
+      primary_host=min(processes), active_processes=set(processes),
+      barrier_sync_key_prefix="params") if processes and jax.process_count() > 1
+           else ocp.options.MultiprocessingOptions())
+  with ocp.StandardCheckpointer(multiprocessing_options=multi) as ckptr:
     if abstract is None:
       meta = ckptr.metadata(path)
       meta = getattr(meta, "item_metadata", meta)

@@ -207,18 +207,26 @@ def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
 
 @pytest.mark.slow
 def test_three_process_run_with_tool_calls(tmp_path):
-  """configs/tiny.py:multihost,tools (issue #67): the cold start teaches the tiny model to call
-  the interpreter; in RL the generator process parks samples for their calls (the real sandbox),
-  scores them itself (verifier.placement=generators: graded_text), and ships them with their
-  tool masks to the trainer processes, which train with the results out of the loss; the
-  held-out evaluation on the generator process calls the tool too. 60 cold-start steps: the
-  cold start is most of this test's time (FSDP over two processes, gloo), and 60 already leave a
-  policy that calls the tool often (the runs are in git history)."""
-  workdir = str(tmp_path / "run")
+  """configs/tiny.py:multihost,tools (issue #67) from a cold start that taught the tiny model to
+  call the interpreter: in RL the generator process parks samples for their calls (the real
+  sandbox), scores them itself (verifier.placement=generators: graded_text), and ships them with
+  their tool masks to the trainer processes, which train with the results out of the loss; the
+  held-out evaluation on the generator process calls the tool too. The cold start (60 steps,
+  which already leave a policy that calls the tool often) runs on its own, on one device
+  (launch/sft.py; the cold start over two processes is the test above's): through gloo it was
+  most of this test's time. So the 3-process run also restores weights saved by one process onto
+  its FSDP mesh over two."""
+  sft, workdir = str(tmp_path / "sft"), str(tmp_path / "run")
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "launch/sft.py"), f"--workdir={sft}",
+                      "--config=configs/tiny.py:tools,colocated,sft_steps=60"], cwd=ROOT,
+                     env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+                     capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   cmd = [sys.executable, os.path.join(ROOT, "launch/local_cluster.py"), "--num_processes=3",
          "--devices_per_process=2", "--grace_s=60", "--",
          os.path.join(ROOT, "launch/train.py"), f"--workdir={workdir}",
-         "--config=configs/tiny.py:multihost,tools,sft_steps=60,batches=2",
+         "--config=configs/tiny.py:multihost,tools,batches=2", "--config.init.source=orbax",
+         f"--config.init.path={sft}/params",
          "--config.data.heldout=8", "--config.eval.k=1", "--config.verifier.placement=generators",
          "--config.pipeline.sample_every=1"]
   r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200)

@@ -291,6 +291,29 @@ def test_orbax_restore_with_the_model_param_shardings(hf_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_an_orbax_init_loads_onto_the_trainers_mesh_by_its_rules(tmp_path):
+  """load_policy(init.source=orbax, mesh=...) restores each param laid out as init_state takes
+  it, not on the default device: in a run of many processes that device may be another
+  process's (tests/launch/test_multihost_run.py restores an SFT checkpoint onto two)."""
+  from magistral_jax.model.config import InitConfig
+  from magistral_jax.model.loading import load_policy
+  from magistral_jax.model.transformer import init_params, param_logical_axes
+  from magistral_jax.parallel.sharding import make_mesh, param_shardings
+  cfg = ModelConfig(vocab_size=104, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16)
+  host = jax.device_get(init_params(cfg, jax.random.PRNGKey(0)))
+  save_params_orbax(str(tmp_path / "sft" / "params"), host, cfg)
+  mesh = make_mesh({"fsdp": 4}, jax.devices()[:4])
+  _, got_cfg, params = load_policy(cfg, InitConfig(source="orbax",
+                                                   path=str(tmp_path / "sft" / "params")),
+                                   tokenizer="char", mesh=mesh)
+  want = param_shardings(param_logical_axes(got_cfg), mesh, shapes_tree=host)
+  for x, sh, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(host)):
+    assert x.sharding == sh
+    np.testing.assert_array_equal(np.asarray(x), ref)
+  assert any(len(sh.device_set) == 4 and not sh.is_fully_replicated for sh in jax.tree.leaves(want))
+
+
 def test_orbax_restore_of_missing_checkpoint_is_clear(tmp_path):
   with pytest.raises(CheckpointError, match="no orbax checkpoint"):
     restore_params_orbax(str(tmp_path / "nope"))
