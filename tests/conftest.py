@@ -73,9 +73,8 @@ SERIAL = {
 # -O0, no expensive LLVM passes; the HLO passes, and so the programs' semantics, are unchanged) cut
 # their CPU time (docs/design_notes.md, "The test suite"). These keep the default, as a
 # user's run has it: the compute-bound end-to-end runs, and the real 135M model's parity tests
-# (slower or no faster without the optimisation), and the notebooks' tiny run: it compiles the
-# tiny default's programs, which test_tiny_learns then finds in the cache (the cache key holds the
-# optimisation level; compiled at -O0 they would slow test_tiny_learns down). The launch/*.py
+# (slower or no faster without the optimisation), and the notebooks' tiny run (colocated: as fast
+# either way, so it runs as a user's would). The launch/*.py
 # subprocesses a test starts follow it through JAX_DISABLE_MOST_OPTIMIZATIONS.
 FULL_OPTIMIZATION = {
     "tests/launch/test_smollm2_rl.py", "tests/launch/test_tiny_learns.py",
