@@ -5,7 +5,7 @@
 # at the end: issue #55). Its image has jax, flax, optax, transformers
 # and torch; the working tree travels with the call; nothing is installed. From the repo root:
 #   bash bench/gpu_suite.sh [stage] \
-#     [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged]
+#     [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|learn_gsm8k_tools|flash|tunix|live|paged]
 #   (device tool: run with this command)
 # `all` (the default: roofline + generate) fits one 10-minute call; `roofline` and `generate`
 # split it over two. `rlcache` (a further call) times SmolLM2-135M's batch-256 step with a cache
@@ -25,6 +25,9 @@
 # same script with its sizes divided down; LEARN_TIMEOUT bounds it). Needs the staged bundle.
 # `learn_tools`: issue #67's, the same with the interpreter (bench/learn.py --gpu --tools: the
 # tool recipe's cold start, GRPO, control, then the recipe without the tool); LEARN_ARGS too.
+# `learn_gsm8k_tools`: what the tool does on GSM8K (bench/learn.py --gpu --tools --gsm8k: cold starts
+# on GSM8K's traces with and without the calculator calls, each evaluated on the test split);
+# resumable: a second call on the same LEARN_WORKDIR runs only the phases left.
 # `stage`: tools/device_stage.sh installs what tools/device_bundle.sh built (carried as the
 # git-ignored device_bundle/) into $SITE (default /tmp/magistral_site): its wheels, and the
 # SmolLM2 GGUF joined from its parts once all have arrived, checked against gguf.sha256. The
@@ -49,8 +52,8 @@ if [ "$what" = stage ]; then   # the device bundle's files that have arrived (to
   [ $# -ge 2 ] || exit 0
   what=$2
 fi
-case $what in all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged) ;;
-  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|flash|tunix|live|paged]" >&2
+case $what in all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|learn_gsm8k_tools|flash|tunix|live|paged) ;;
+  *) echo "usage: $0 [stage] [all|roofline|generate|rlcache|train|push|recipes|learn|learn_tools|learn_gsm8k_tools|flash|tunix|live|paged]" >&2
      exit 2;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$site" ] && export PYTHONPATH=$PYTHONPATH:$site
@@ -107,9 +110,10 @@ if [ "$what" = recipes ]; then
     --workdir="$w/rl"
   grep -h "saved SFT params\|held-out pass@1" "$out"/tiny_colocated.log "$out"/smollm2_*.log
 fi
-if [ "$what" = learn ] || [ "$what" = learn_tools ]; then
+if [ "$what" = learn ] || [ "$what" = learn_tools ] || [ "$what" = learn_gsm8k_tools ]; then
   # The tool recipe saturates in a few batches (BENCHMARKS.md "Tools"): 8 of them, 5 phases.
   tools=""; [ "$what" = learn_tools ] && tools="--tools --batches=${LEARN_BATCHES:-8}"
+  [ "$what" = learn_gsm8k_tools ] && tools="--tools --gsm8k"
   run learn "${LEARN_TIMEOUT:-560}" bench/learn.py --gpu $tools \
     --sft_steps="${LEARN_SFT_STEPS:-160}" --workdir="${LEARN_WORKDIR:-/tmp/magistral_$what}" \
     --out="$out" ${LEARN_ARGS:-}

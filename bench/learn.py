@@ -6,11 +6,17 @@ control from the same weights. Each phase is a launcher, resumable on the same -
   bash bench/gpu_suite.sh learn                          # one H100 (--gpu)
   python bench/learn.py --gpu --shrink --workdir=/tmp/l  # the GPU command shrunk, on CPU
   python bench/learn.py --tools --workdir=runs/learn_tools  # issue #67: with the interpreter
+  python bench/learn.py --tools --gsm8k --gpu --workdir=runs/learn_gsm8k_tools   # on GSM8K
 
 --tools (issue #67): configs/smollm2_learn.py's `tools` recipe (a cold start that calls the
 interpreter in some traces, on a task the model fails at without it), GRPO and the control as
 above, then the same recipe without the tool (its own cold start and RL, the same lengths and
 held-out problems): the tool recipe's end against it, paired by problem.
+
+--tools --gsm8k: what the tool does on GSM8K (`gsm8k_tool`): two cold starts on GSM8K's train
+split, one whose traces call the interpreter for the solutions' calculator annotations
+(configs/smollm2.py `tools`), one without, each evaluated on the same never-trained problems of
+the test split, paired by problem.
 
 Last line: one JSON object.
 """
@@ -129,6 +135,8 @@ def main():
       sft_steps=(0, "SFT steps (0: the recipe's epoch)"),
       skip=("", "phases to skip, comma-separated (headroom, notool)"),
       tools=(False, "issue #67: the tool recipe, its control and the recipe without the tool"),
+      gsm8k=(False, "with --tools: GSM8K cold starts with and without the tool, evaluated"),
+      gsm8k_problems=(128, "with --gsm8k: GSM8K test problems evaluated"),
       timeout_s=(3600.0, "per phase"),
       out=(os.environ.get("OUT", ""), "where the report goes"))
   p.add_argument("--rl_flag", action="append", default=[], help="a flag for both RL runs")
@@ -171,9 +179,12 @@ def run_all(a, wd, out, logs) -> dict:
     walls[name] = common.run_phase(name, argv, logs, a.timeout_s, done)
     return read_json(done)
 
-  sft_dir = os.path.join(wd, "sft")
   sft_args = shrink.get("sft", []) + ([f"--config.sft.num_steps={a.sft_steps}"]
                                        if a.sft_steps else [])
+  if a.tools and a.gsm8k:
+    report(**gsm8k_tool(a, wd, sizes, phase))
+    return summary
+  sft_dir = os.path.join(wd, "sft")
   # GPU: the GSM8K cold start; CPU, and with the tool: the task's own worked traces
   # (configs/smollm2_learn.py `sft`).
   tools = ",tools" if a.tools else ""
@@ -256,6 +267,50 @@ def without_tool(a, wd, sizes, sft_args, more, phase, after) -> dict:
   print(gain_line("tool recipe over the recipe without it:", over), flush=True)
   return {"over_no_tool": over, "no_tool_before": plain_before["pass@1"],
           "no_tool_after": plain_after["pass@1"], "curve_no_tool": curve(rl_dir)}
+
+
+# --shrink with --gsm8k: the GSM8K cold starts cut to seconds (their traces kept: the point is the
+# tool's calls in them), the evaluations to a few problems with room for a call and its result.
+SHRINK_GSM8K = {"sft": ["--config.sft.num_steps=2", "--config.sft.batch_size=4",
+                        "--config.sft.rows_per_micro=4"],
+                "eval": ["--config.eval.k=1", "--config.eval.max_new_tokens=64",
+                         "--config.engine.max_concurrent_decodes=8"]}
+
+
+def gsm8k_tool(a, wd, sizes, phase) -> dict:
+  """What the tool does on GSM8K's held-out problems (issue #67): the cold start whose traces call
+  the interpreter for GSM8K's calculator annotations (configs/smollm2.py `tools`, every trace
+  that computes) against the same cold start on the plain traces; each evaluated on the same
+  `--gsm8k_problems` of the test split (never trained on: launch/eval.py checks), the first with
+  the interpreter. Both evaluations decode up to the tool recipe's budget."""
+  shrink = SHRINK_GSM8K if a.shrink else {}
+  sft_args = ([f"--config.sft.num_steps={a.sft_steps}"] if a.sft_steps else []) + shrink.get(
+      "sft", [])
+  budget = smollm2().get_config("tools" + sizes).eval.max_new_tokens
+  evals = {}
+  for arm, recipe in (("tool", "tools,"), ("plain", "")):
+    sft_dir, ev = os.path.join(wd, f"sft_{arm}"), os.path.join(wd, f"eval_{arm}")
+    phase(f"sft_{arm}", ["launch/sft.py", f"--config=configs/smollm2.py:sft,{recipe}{sizes[1:]}",
+                         f"--workdir={sft_dir}"] + sft_args,
+          os.path.join(sft_dir, "sft_summary.json"))
+    evals[arm] = phase(
+        f"eval_{arm}", ["launch/eval.py",
+                        f"--config=configs/smollm2.py:{recipe}init={sft_dir}/params{sizes}",
+                        "--checkpoint=init", "--sets=gsm8k_test",
+                        f"--num_problems={a.gsm8k_problems}", f"--workdir={ev}",
+                        f"--config.eval.max_new_tokens={budget}"] + shrink.get("eval", []),
+        os.path.join(ev, "eval_init.json"))["sets"]["gsm8k_test"]
+  over = compare_evals(evals["plain"]["rows"], evals["tool"]["rows"])
+  print(gain_line("GSM8K: the tool's cold start over the plain one:", over), flush=True)
+  keys = ("pass@1", "format_rate", "response_length_mean", "num_problems", "k", "tool_calls_mean")
+  return {"gsm8k": {arm: {k: r.get(k) for k in keys} for arm, r in evals.items()},
+          "gsm8k_tool_over_plain": over}
+
+
+def smollm2():
+  """configs/smollm2.py, loaded by path as the launchers do."""
+  from magistral_jax.run.recipes import recipe_module
+  return recipe_module(os.path.join(common.ROOT, "configs", "smollm2.py"))
 
 
 def smollm2_learn():

@@ -24,8 +24,10 @@ the prompt RL and evaluation use, and the format it describes is what the traces
 Arguments (comma-separated): `sft` (the SFT run), `ci` (CI-sized: a short SFT with `sft,ci`, one
 small RL batch with `ci`), `gpu` (an accelerator's sizes, with or without `sft`; on 2 devices
 as it stands), `colocated` (one device: the trainer and one generator share it and take turns;
-with `gpu`, the one-GPU recipe of the README, run on an H100: BENCHMARKS.md), `init=PATH` (RL
-start: an SFT params dir, or `gguf` for the raw model), `batches=N`, `sft_steps=N`, `heldout=N`.
+with `gpu`, the one-GPU recipe of the README, run on an H100: BENCHMARKS.md), `tools` (issue #67:
+the interpreter, and a cold start whose traces call it for GSM8K's calculator annotations, in
+`tool_rate=` of them), `init=PATH` (RL start: an SFT params dir, or `gguf` for the raw model),
+`batches=N`, `sft_steps=N`, `heldout=N`.
 The learning recipe of issue #51 (GRPO on a synthetic task with headroom, and its control) is
 configs/smollm2_learn.py, built on this one.
 
@@ -43,8 +45,8 @@ TRAIN, TEST = "gsm8k_train", "gsm8k_test"   # shipped GSM8K splits (data/sources
 
 def get_config(arg=None):
   args = recipe_args(arg, "configs/smollm2.py",
-                     switches=("sft", "ci", "gpu", "colocated"),
-                     values=("init", "batches", "sft_steps", "heldout"))
+                     switches=("sft", "ci", "gpu", "colocated", "tools"),
+                     values=("init", "batches", "sft_steps", "heldout", "tool_rate"))
   c = default_config()
   c.seed = 0
   c.init.update(source="orbax", path=SFT_WORKDIR_PARAMS)
@@ -129,6 +131,22 @@ def get_config(arg=None):
       c.eval.update(k=4, max_new_tokens=512)
       c.data.heldout = 128
       c.num_batches = 100
+
+  if "tools" in args:
+    # Issue #67 on GSM8K: the policy may call the interpreter (tool_use/protocol.py). GSM8K's
+    # solutions mark each computation with a calculator annotation; the cold start's traces turn
+    # each into a call before its line (data/gsm8k_traces.py tool_trace), in `tool_rate=` of
+    # them (default all). A solution computes on up to 9 lines, so up to 9 calls a sample.
+    c.tools.update(enabled=True, max_calls=10)
+    c.data.sft_tool_rate = float(args.get("tool_rate", 1.0))
+    if "ci" not in args:
+      # The calls and their results lengthen a trace: rows and budgets grow by 128 tokens, so
+      # that as many traces fit them as without the tool.
+      new = c.sampling.max_new_tokens + 128
+      c.sft.row_len += 128
+      c.sampling.max_new_tokens = c.eval.max_new_tokens = new
+      c.reward.update(l_max=new, l_cache=new // 4)
+      c.rl.microbatch_tokens = c.rl.microbatch_rows * (c.engine.max_prefill_length + new)
 
   if "colocated" in args:
     # One device for everything: the generator runs on the trainer's device between train

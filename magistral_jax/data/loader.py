@@ -20,6 +20,7 @@ import grain
 import numpy as np
 
 from magistral_jax.data import tfds_builders
+from magistral_jax.tool_use.protocol import encode_transcript
 
 STATE_VERSION = 1
 
@@ -218,15 +219,19 @@ class ProblemLoader(_StatefulLoader):
 # ---- SFT: tokenise and pack ------------------------------------------------------------------
 def sft_tokenize_fn(encode_prompt: Callable[[str], Sequence[int]],
                     encode_completion: Callable[[str], Sequence[int]], eos_id: int | None):
-  """Maps a trace {prompt, completion} to {tokens, loss_mask}: the loss sees completion + EOS.
+  """Maps a trace {prompt, completion} to {tokens, loss_mask}: the loss sees completion + EOS,
+  less the tokens of the tool results in it (issue #67: a trace with interpreter calls is
+  tokenized as the generator loop makes it, and a result is context, not a target).
 
   `encode_prompt` gives the full prompt ids (chat template, BOS); `encode_completion` plain ids.
   """
   def fn(rec: Mapping[str, str]) -> dict:
     p = list(encode_prompt(rec["prompt"]))
-    c = list(encode_completion(rec["completion"])) + ([eos_id] if eos_id is not None else [])
+    c, actions = encode_transcript(rec["completion"], encode_completion)
+    if eos_id is not None:
+      c, actions = c + [eos_id], actions + [True]
     tokens = np.asarray(p + c, np.int32)
-    mask = np.concatenate([np.zeros(len(p), np.int32), np.ones(len(c), np.int32)])
+    mask = np.concatenate([np.zeros(len(p), np.int32), np.asarray(actions, np.int32)])
     return {"tokens": tokens, "loss_mask": mask}
   return fn
 

@@ -74,7 +74,8 @@ def build_gsm8k_traces(config: mlc.ConfigDict, workdir: str) -> None:
   log.info("GSM8K traces (from %s; none of the %d problems of %s): %s", gsm8k_traces.SHIPPED,
            len(heldout), held,
            gsm8k_traces.build_trace_dataset(config.data.data_dir, heldout=heldout,
-                                            heldout_name=f"data.heldout_source={held!r}"))
+                                            heldout_name=f"data.heldout_source={held!r}",
+                                            tool_rate=config.data.sft_tool_rate))
 
 
 def _batches(run: config_lib.RunConfig, tok, system_prompt, start_step: int, data_state: dict,

@@ -173,3 +173,15 @@ def split_results(text: str) -> list[tuple[str, bool]]:
   if i < len(text):
     out.append((text[i:], False))
   return out
+
+
+def encode_transcript(text: str, encode) -> tuple[list[int], list[bool]]:
+  """A response's tokens as the generator loop makes them (the policy's text, and each result
+  block tokenized on its own: `split_results`) and their action mask: True for the policy's
+  tokens, False for a tool's. What a cold start on traces with calls trains on."""
+  ids, mask = [], []
+  for piece, is_result in split_results(text):
+    tokens = list(encode(piece))
+    ids += tokens
+    mask += [not is_result] * len(tokens)
+  return ids, mask

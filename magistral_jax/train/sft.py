@@ -25,7 +25,7 @@ from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.train.config import SFTConfig
 from magistral_jax.rl.collate import Completion, aggregation_weights, pack
-from magistral_jax.tool_use.protocol import split_results
+from magistral_jax.tool_use.protocol import encode_transcript
 from magistral_jax.parallel.multihost import to_host
 from magistral_jax.train.step import make_train_step, shard_batch
 
@@ -67,17 +67,11 @@ def sft_pairs_to_tokens(pairs: Iterable[tuple[str, str]], tokenizer, system_prom
     if room < 1:
       raise ValueError(f"sft: a prompt of {len(prompt)} tokens leaves no room for its response "
                        f"in a row of sft.row_len={row_len} tokens; raise sft.row_len")
-    pieces = split_results(completion)
-    response, mask = [], []
-    for text, is_result in pieces:
-      ids = tokenizer.encode(text)
-      response += ids
-      mask += [not is_result] * len(ids)
+    response, mask = encode_transcript(completion, tokenizer.encode)
     response.append(tokenizer.eos_id)
     mask.append(True)
     cut += len(response) > room
-    tool = any(r for _, r in pieces)
-    out.append((prompt, response[:room]) + ((mask[:room],) if tool else ()))
+    out.append((prompt, response[:room]) + ((mask[:room],) if not all(mask) else ()))
   return out, cut
 
 

@@ -120,3 +120,21 @@ def test_the_tool_recipe_and_its_baseline_differ_only_in_the_tool(learn):
     for c in (tools, plain):
       c.pop("tools")
     assert tools == plain
+
+
+def test_the_gsm8k_arms_differ_only_in_the_tool_and_its_room(learn):
+  """bench/learn.py --tools --gsm8k compares configs/smollm2.py's cold start with the tool
+  (`tools`) against the same without it: they differ in the tool's own settings and in the
+  lengths that make room for its calls (both evaluations then decode to the tool's budget)."""
+  m = learn.smollm2()
+  room = {("sft", "row_len"), ("sampling", "max_new_tokens"), ("eval", "max_new_tokens"),
+          ("reward", "l_max"), ("reward", "l_cache"), ("rl", "microbatch_tokens"),
+          ("data", "sft_tool_rate")}
+  for phase in ("sft,", "", "gpu,sft,", "gpu,"):
+    tools = m.get_config(f"{phase}tools,colocated").to_dict()
+    plain = m.get_config(f"{phase}colocated").to_dict()
+    assert tools.pop("tools")["enabled"] and not plain.pop("tools")["enabled"]
+    differ = {(s, k) for s in tools for k in (tools[s] if isinstance(tools[s], dict) else [None])
+              if (tools[s].get(k) if k else tools[s]) != (plain[s].get(k) if k else plain[s])}
+    assert differ <= room, differ - room
+    assert ("data", "sft_tool_rate") in differ

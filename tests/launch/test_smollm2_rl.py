@@ -52,6 +52,72 @@ def test_shipped_traces_pass_the_format_gate_and_grade_correct():
   assert wrong.parts["format"] == cfg.format_reward and wrong.parts["correct"] == 0.0
 
 
+TOOL_TRACE = ("<think>\n<tool>\nprint(16-3-4)\n</tool>\n<result>\n9\n</result>\n"
+              "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\n"
+              "<tool>\nprint(9*2)\n</tool>\n<result>\n18\n</result>\n"
+              "She makes 9 * 2 = $18 every day at the farmer's market.\n</think>\n\n"
+              "The answer is 18.\n\n\\boxed{18}")
+
+
+def test_tool_traces_call_the_interpreter_before_each_computed_line():
+  """Issue #67 on GSM8K: each calculator annotation becomes a call that prints its expression,
+  with the result block the tool returns (tests/rewards/test_tool_run.py runs them in the
+  sandbox), before the line that uses it."""
+  assert gsm8k_traces.trace(ROW["solution"], ROW["answer"], tool=True) == TOOL_TRACE
+  # Python's arithmetic, as `print` writes it; what is not arithmetic is refused, never run.
+  assert [gsm8k_traces.printed(e) for e in ("48/2", "2**3", "(3+4)*2.5", "-7//2")] == [
+      "24.0", "8", "17.5", "-4"]
+  for expr, reason in (("__import__('os').getcwd()", "calculator_not_arithmetic"),
+                       ("True+1", "calculator_not_arithmetic"), ("9**99**9", "calculator_large_power"),
+                       ("1/0", "calculator_error"), ("3+", "calculator_syntax")):
+    with pytest.raises(records.RowError, match=reason):
+      gsm8k_traces.printed(expr)
+  # Shipped rows: one call per annotation; graded as the verifiers read a transcript (each
+  # result emptied: tool_use/protocol.graded_text), the trace passes the format and is correct.
+  from magistral_jax.tool_use.protocol import GRADED_RESULT, count_calls, split_results
+  rows = [json.loads(l) for l in open(records.shipped_path(gsm8k_traces.SHIPPED))]
+  cfg = RewardConfig(l_max=512, l_cache=128)
+  for r in rows[::500]:
+    t = gsm8k_traces.trace(r["solution"], r["answer"], tool=True)
+    assert count_calls(t) == r["solution"].count("<<") > 0
+    graded = "".join(GRADED_RESULT if res else piece for piece, res in split_results(t))
+    res = compute_reward({"kind": "math", "problem": r["question"], "answer": r["answer"]},
+                         graded, 100, cfg)
+    assert res.parts["format"] == cfg.format_reward and res.parts["correct"] == cfg.correct_reward
+  # tool_rate: a coin per problem id, the same in every build.
+  ids = [f"gsm8k_train/{i}" for i in range(2000)]
+  share = sum(gsm8k_traces.calls_tool(i, 0.5) for i in ids) / len(ids)
+  assert 0.45 < share < 0.55
+  assert [gsm8k_traces.calls_tool(i, 0.5) for i in ids] == [gsm8k_traces.calls_tool(i, 0.5)
+                                                            for i in ids]
+  assert not any(gsm8k_traces.calls_tool(i, 0.0) for i in ids)
+
+
+def test_a_cold_start_on_tool_traces_learns_the_calls_not_the_results():
+  """The SFT datasets' tokenization (data/loader.sft_tokenize_fn, launch/sft.py's path for
+  gsm8k_traces) masks each result block out of the loss, and nothing else; a trace without calls
+  is all targets (the negative control)."""
+  from magistral_jax.data.loader import sft_tokenize_fn
+  from magistral_jax.model.gguf_file import default_gguf_path
+  from magistral_jax.model.tokenizer import load_tokenizer
+  from magistral_jax.tool_use.protocol import split_results
+  tok = load_tokenizer(default_gguf_path())
+  fn = sft_tokenize_fn(tok.encode, tok.encode, tok.eos_id)
+  ex = fn({"prompt": "Q", "completion": TOOL_TRACE})
+  n_prompt = len(tok.encode("Q"))
+  pieces = split_results(TOOL_TRACE)
+  want = [0] * n_prompt
+  for piece, is_result in pieces:
+    want += [int(not is_result)] * len(tok.encode(piece))
+  assert list(ex["loss_mask"]) == want + [1] and len(ex["tokens"]) == len(want) + 1
+  results = "".join(piece for piece, is_result in pieces if is_result)
+  assert results == "\n<result>\n9\n</result>\n\n<result>\n18\n</result>\n"
+  masked = [t for t, m in zip(ex["tokens"][n_prompt:], ex["loss_mask"][n_prompt:]) if not m]
+  assert tok.decode(masked) == results
+  plain = fn({"prompt": "Q", "completion": gsm8k_traces.trace(ROW["solution"], ROW["answer"])})
+  assert plain["loss_mask"][n_prompt:].all()
+
+
 def test_bad_rows_are_skipped_and_counted_and_held_out_ids_are_excluded(tmp_path):
   src = tmp_path / "g.jsonl"
   rows = [dict(ROW, idx=i) for i in range(5)]
@@ -66,6 +132,11 @@ def test_bad_rows_are_skipped_and_counted_and_held_out_ids_are_excluded(tmp_path
                                     "missing_field:solution": 1, "malformed_json": 1}
   (got,) = [json.loads(l) for l in open(out)]
   assert got["id"] == "gsm8k_train/0" and got["prompt"] == ROW["question"]
+  assert rep["tool_traces"] == 0 and "<tool>" not in got["completion"]
+  rep = gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_train/4"], source_path=str(src),
+                                  tool_rate=1.0)
+  (got,) = [json.loads(l) for l in open(out)]
+  assert rep["tool_traces"] == 1 and got["completion"] == TOOL_TRACE
   with pytest.raises(ValueError, match="no GSM8K trace"):
     gsm8k_traces.write_traces(str(out), exclude_ids=["gsm8k_train/0", "gsm8k_train/4"],
                               source_path=str(src))
@@ -99,8 +170,15 @@ def test_sft_and_rl_train_on_gsm8k_train_and_evaluate_on_gsm8k_test(tmp_path):
   # Every variant is a valid run configuration (gpu: a 2-accelerator layout, or one GPU
   # colocated: the README's recipe).
   for arg, devices in (("", 8), ("ci", 8), ("sft,ci", 8), ("gpu", 2), ("sft,gpu", 2),
-                       ("gpu,colocated", 1), ("sft,gpu,colocated", 1)):
+                       ("gpu,colocated", 1), ("sft,gpu,colocated", 1), ("tools", 8),
+                       ("sft,tools,colocated", 1), ("gpu,colocated,tools,tool_rate=0.5", 1)):
     config_lib.validate(smollm2.get_config(arg), devices)
+  # `tools` (issue #67): the interpreter on, every trace that computes calls it, and room for it.
+  tools, plain = smollm2.get_config("sft,tools"), smollm2.get_config("sft")
+  assert tools.tools.enabled and tools.data.sft_tool_rate == 1.0
+  assert tools.sft.row_len > plain.sft.row_len
+  assert smollm2.get_config("tools").sampling.max_new_tokens > smollm2.get_config(
+      "").sampling.max_new_tokens
   assert smollm2.get_config("ci,init=/x/params").init.to_dict() == {"source": "orbax",
                                                                      "path": "/x/params"}
   assert smollm2.get_config("init=gguf").init.source == "gguf"

@@ -74,3 +74,17 @@ def test_hostile_calls_are_contained_and_read_nothing(sbx):
   # Nothing of the slot's uid lives on (the default mode runs calls as that uid).
   assert not [p.pid for p in psutil.process_iter(["uids"])
               if p.info["uids"] and sbx.uid in p.info["uids"]]
+
+
+def test_gsm8k_tool_traces_hold_what_the_tool_prints(sbx):
+  """The cold start's GSM8K traces (data/gsm8k_traces.py, issue #67) show each call's result as
+  the tool returns it: a sample of the train split's calculator expressions, run as calls."""
+  import json
+  import re
+  from magistral_jax.data import gsm8k_traces, records
+  rows = [json.loads(l) for l in open(records.shipped_path(gsm8k_traces.SHIPPED))]
+  exprs = [e for r in rows[::400] for e in re.findall(r"<<([^<>=]*)=", r["solution"])]
+  assert len(exprs) >= 40 and any("/" in e for e in exprs)
+  for e in exprs:
+    r = run_call(f"print({e})", CFG, sandbox=sbx, python=PY)
+    assert (r.output, r.error) == (gsm8k_traces.printed(e) + "\n", None), e
