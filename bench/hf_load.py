@@ -29,15 +29,14 @@ def child(loader: str, path: str) -> None:
   from magistral_jax.model.hf_checkpoint import load_hf_safetensors
   from magistral_jax.model.hf_sharded import load_hf_sharded
   from magistral_jax.parallel.config import TRAINER_RULES
-  from magistral_jax.parallel.sharding import make_mesh, param_shardings
+  from magistral_jax.parallel.sharding import make_mesh
   mesh = make_mesh({"fsdp": -1})
   jax.block_until_ready(jax.jit(lambda: jax.numpy.zeros(8))())   # the runtime, before the mark
   before_kb = common.proc_status_kb("VmRSS")
   t = time.perf_counter()
   if loader == "baseline":
     cfg, host = load_hf_safetensors(path)
-    shardings = param_shardings(T.param_logical_axes(cfg), mesh, TRAINER_RULES,
-                                shapes_tree=host)
+    shardings = T.params_on(cfg, mesh, TRAINER_RULES)
     params = jax.block_until_ready(jax.device_put(host, shardings))
   else:
     params = jax.block_until_ready(load_hf_sharded(path, mesh, TRAINER_RULES)[1])

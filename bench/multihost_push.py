@@ -20,7 +20,7 @@ def child(args) -> None:
   from magistral_jax.model import named
   from magistral_jax.model import transformer as T
   from magistral_jax.parallel import multihost
-  from magistral_jax.parallel.sharding import make_mesh, param_shardings
+  from magistral_jax.parallel.sharding import make_mesh
   from magistral_jax.parallel.config import GENERATOR_RULES, TRAINER_RULES
   from magistral_jax.pipeline.generator_service import in_stream, out_stream
   from magistral_jax.pipeline.remote import weight_transfer
@@ -42,8 +42,7 @@ def child(args) -> None:
   rounds = args.reps + 1
   if layout.is_trainer:
     tmesh = make_mesh({"fsdp": -1}, layout.trainer_devices())
-    shardings = param_shardings(T.param_logical_axes(cfg), tmesh, TRAINER_RULES,
-                                T.param_shapes(cfg))
+    shardings = T.params_on(cfg, tmesh, TRAINER_RULES)
     params = jax.block_until_ready(named.random_params(cfg, shardings))
     push_s = []
     for r in range(rounds):

@@ -20,7 +20,7 @@ from magistral_jax.generate.config import SamplingConfig  # noqa: E402
 from magistral_jax.generate.engine import Engine  # noqa: E402
 from magistral_jax.model import named  # noqa: E402
 from magistral_jax.model import transformer as T  # noqa: E402
-from magistral_jax.parallel.sharding import make_mesh, param_shardings  # noqa: E402
+from magistral_jax.parallel.sharding import make_mesh  # noqa: E402
 from magistral_jax.parallel.config import TRAINER_RULES  # noqa: E402
 from magistral_jax.generate.weights import transfer_params  # noqa: E402
 
@@ -36,8 +36,7 @@ def bench_model(name: str, args) -> dict:
     raise SystemExit(f"--reshard needs 8 devices (trainer 4, two generators 2 each), "
                      f"{len(devs)} here")
   tdev, gdevs = (devs[:4], [devs[4:6], devs[6:8]]) if args.reshard else (devs[:1], [devs[:1]])
-  trainer_sh = param_shardings(T.param_logical_axes(cfg), make_mesh({"fsdp": len(tdev)}, tdev),
-                               TRAINER_RULES, T.param_shapes(cfg))
+  trainer_sh = T.params_on(cfg, make_mesh({"fsdp": len(tdev)}, tdev), TRAINER_RULES)
   master = named.random_params(cfg, trainer_sh)
   gen_cfg = cfg.replace(param_dtype=args.gen_dtype, dtype=args.gen_dtype)
   engs = [Engine(gen_cfg, make_mesh({"tensor": len(d)}, d), max_concurrent_decodes=8,

@@ -4,8 +4,8 @@ load_hf_safetensors (model/hf_checkpoint.py) reads every tensor into host memory
 layers before anything is placed, so the host holds the whole model (and, through the memory
 map, the whole file) at once. `load_hf_sharded` returns the same params as that loader followed
 by `jax.device_put(params, shardings)`, bit for bit, where `shardings` is
-`param_shardings(param_logical_axes(cfg), mesh, rules, shapes_tree=param_shapes(cfg))`: the
-layout train/step.py's init_state and generate/weights.py take (so init_state's device_put of
+`transformer.params_on(cfg, mesh, rules)`: the layout train/step.py's init_state and
+generate/weights.py take (so init_state's device_put of
 them is a no-op). Each leaf is created already laid out and filled piece by piece:
 
 - The stacked leaves (everything under 'layers', stacked over the layers on axis 0; see
@@ -69,7 +69,6 @@ from magistral_jax.model.hf_checkpoint import (open_safetensors, read_config, re
 from magistral_jax.model.hf_layout import (CheckpointError, hf_to_ours_layer, layer_tensors,
                                            validate_tensor_shapes)
 from magistral_jax.parallel.config import DEFAULT_RULES
-from magistral_jax.parallel.sharding import param_shardings
 
 # Rows of a tensor read through one memory map: bounds the mapped pages resident at once.
 _CHUNK_BYTES = 64 << 20
@@ -92,8 +91,7 @@ def load_hf_sharded(path: str, mesh: Mesh, rules=DEFAULT_RULES, cfg: ModelConfig
   reader = _Reader(where, shapes)
   want = None if dtype is None else np.dtype(dtype)
   param_shapes = transformer.param_shapes(cfg)
-  shardings = param_shardings(transformer.param_logical_axes(cfg), mesh, rules,
-                              shapes_tree=param_shapes)
+  shardings = transformer.params_on(cfg, mesh, rules)
 
   # The plan, checked against the tree the model expects before anything is read.
   plan = []   # (leaf path, HF names (one per layer, or one), layer suffix or None, transposed)

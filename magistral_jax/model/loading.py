@@ -14,7 +14,6 @@ from magistral_jax.model.orbax_params import read_orbax_config, restore_params_o
 from magistral_jax.model.tokenizer import HFTokenizer, load_tokenizer
 from magistral_jax.model import transformer
 from magistral_jax.parallel.config import DEFAULT_RULES
-from magistral_jax.parallel.sharding import param_shardings
 
 
 # The fields of the run's `model` section a checkpoint's architecture does not replace: the
@@ -79,8 +78,6 @@ def _onto(mesh, rules, cfg: ModelConfig) -> dict:
   mesh: the default device)."""
   if mesh is None:
     return {}
-  shardings = param_shardings(transformer.param_logical_axes(cfg), mesh,
-                              DEFAULT_RULES if rules is None else rules,
-                              shapes_tree=transformer.param_shapes(cfg))
+  shardings = transformer.params_on(cfg, mesh, DEFAULT_RULES if rules is None else rules)
   return {"target_shardings": shardings,
           "processes": tuple(sorted({d.process_index for d in mesh.devices.flat}))}

@@ -31,6 +31,18 @@ def save_params_orbax(path: str, params: Any, cfg: ModelConfig | None = None) ->
       json.dump(cfg.to_hf_config(), f, indent=2)
 
 
+def syncing(processes, prefix: str):
+  """orbax's multiprocessing options: synced over `processes` only (the ones that save or
+  restore; in a run of many processes the trainer's, never a generator process), under their
+  own barrier keys `prefix`; every process when None."""
+  import orbax.checkpoint as ocp
+  if not processes:
+    return ocp.options.MultiprocessingOptions()
+  return ocp.options.MultiprocessingOptions(primary_host=min(processes),
+                                            active_processes=set(processes),
+                                            barrier_sync_key_prefix=prefix)
+
+
 def restore_params_orbax(path: str, target_shardings: Any = None, abstract: Any = None,
                          processes: tuple[int, ...] | None = None) -> Any:
   """Restores a param tree, onto any layout.
@@ -49,10 +61,7 @@ def restore_params_orbax(path: str, target_shardings: Any = None, abstract: Any 
   path = os.path.abspath(path)
   if not os.path.isdir(path):
     raise CheckpointError(f"no orbax checkpoint at {path}")
-  multi = (ocp.options.MultiprocessingOptions(
-      primary_host=min(processes), active_processes=set(processes),
-      barrier_sync_key_prefix="params") if processes and jax.process_count() > 1
-           else ocp.options.MultiprocessingOptions())
+  multi = syncing(processes if jax.process_count() > 1 else None, "params")
   with ocp.StandardCheckpointer(multiprocessing_options=multi) as ckptr:
     if abstract is None:
       meta = ckptr.metadata(path)

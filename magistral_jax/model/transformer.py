@@ -42,7 +42,7 @@ from magistral_jax.model.kv_cache import (KVCache, PagedKVCache, cache_logical_a
                                           paged_cache_logical_axes, stack_cache, unstack_cache)
 from magistral_jax.model.layers import (DecodeLayer, DecoderLayer, RMSNorm, embed_tokens,
                                         logical_param)
-from magistral_jax.parallel.sharding import ShardingCtx, is_logical_axes
+from magistral_jax.parallel.sharding import ShardingCtx, is_logical_axes, param_shardings
 
 Array = jax.Array
 
@@ -135,6 +135,12 @@ def param_logical_axes(cfg: ModelConfig) -> dict:
 def param_shapes(cfg: ModelConfig) -> dict:
   """Tree of ShapeDtypeStructs for the params (no allocation)."""
   return _from_module_params(nn.meta.unbox(_abstract_boxed(cfg)))
+
+
+def params_on(cfg: ModelConfig, mesh, rules) -> dict:
+  """Tree of each parameter's NamedSharding on `mesh` by `rules` (its logical axes; a dimension
+  a mesh axis does not divide stays whole): where a loader or the trainer puts it."""
+  return param_shardings(param_logical_axes(cfg), mesh, rules, shapes_tree=param_shapes(cfg))
 
 
 def hidden_states(params, cfg: ModelConfig, tokens, positions=None, segment_ids=None,

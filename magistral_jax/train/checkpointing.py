@@ -15,6 +15,8 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from magistral_jax.model.orbax_params import syncing
+
 log = logging.getLogger(__name__)
 
 
@@ -28,9 +30,7 @@ class RunCheckpointer:
     self.directory = os.path.abspath(directory)
     if processes:   # orbax leaves the directory of a subset of processes to them
       os.makedirs(self.directory, exist_ok=True)
-    multi = ocp.options.MultiprocessingOptions(
-        primary_host=processes[0], active_processes=set(processes),
-        barrier_sync_key_prefix="trainer") if processes else ocp.options.MultiprocessingOptions()
+    multi = syncing(processes, "trainer")
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=keep, keep_period=keep_every or None,
         enable_async_checkpointing=async_save, create=not processes,

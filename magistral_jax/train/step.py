@@ -21,8 +21,7 @@ import optax
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.bulk import LocalRows
-from magistral_jax.parallel.sharding import (ShardingCtx, logical_sharding, param_shardings,
-                                             replicated)
+from magistral_jax.parallel.sharding import ShardingCtx, logical_sharding, replicated
 from magistral_jax.parallel.config import DEFAULT_RULES
 from magistral_jax.rl.config import GRPOConfig
 from magistral_jax.rl.loss import combine_metrics, empty_metrics, grpo_loss, summarize_metrics
@@ -46,9 +45,8 @@ class TrainState(NamedTuple):
 def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh, rules=DEFAULT_RULES):
   """TrainState of NamedShardings: params by their logical axes; optimizer moments like the params
   they belong to; counters replicated."""
-  shapes = tfm.param_shapes(model_cfg)
-  p_sh = param_shardings(tfm.param_logical_axes(model_cfg), mesh, rules, shapes)
-  opt_abstract = jax.eval_shape(tx.init, shapes)
+  p_sh = tfm.params_on(model_cfg, mesh, rules)
+  opt_abstract = jax.eval_shape(tx.init, tfm.param_shapes(model_cfg))
   rep = replicated(mesh)
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, p_sh,
                                  transform_non_params=lambda _: rep)
