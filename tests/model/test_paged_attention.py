@@ -56,7 +56,7 @@ def test_ragged_reads_only_live_pages_and_gives_dense_s_result(lengths):
   for chunk in (1, 3, 64):   # chunks that split slots, and one holding every page
     got = jax.jit(pa.ragged, static_argnames="chunk")(*args, chunk=chunk)
     np.testing.assert_allclose(got, pa.dense(*args), rtol=1e-5, atol=1e-5)
-  page, slot, first, real = pa.flat_pages(args[3], args[4], total + 5, PS)
+  page, slot, first, real = map(np.asarray, pa.flat_pages(args[3], args[4], total + 5, PS))
   assert int(real.sum()) == total
   want = {(i, j) for i, L in enumerate(lengths) for j in range(pa.pages_for(L, PS))}
   assert {(int(s), int(f) // PS) for s, f, r in zip(slot, first, real) if r} == want
