@@ -1,7 +1,7 @@
 # The two commands (see README.md):
 #   make run    set up .venv and run the main job (tiny CPU default)
 #   make test   set up .venv and run the test suite (8 simulated CPU devices)
-.PHONY: run test setup setup-test train-tiny answer clean
+.PHONY: run test test-full setup setup-test train-tiny answer clean
 WORKDIR ?= runs/tiny
 
 setup:
@@ -23,6 +23,11 @@ answer: setup
 
 test: setup-test
 	tools/test.sh $(PYTEST_ARGS)
+
+# The suite with the end-to-end learning proofs (tests marked `long`): before a release, and after
+# a change to what a run learns.
+test-full: setup-test
+	MAGISTRAL_TEST_FULL=1 tools/test.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv runs

@@ -251,7 +251,7 @@ def without_tool(a, wd, sizes, sft_args, more, phase, after) -> dict:
   """The tool recipe's baseline (issue #67): the same recipe, cold start and RL, without the
   tool (configs/smollm2_learn.py with the tool recipe's task and lengths, tools off), and the
   tool recipe's end against its end, paired over the same held-out problems."""
-  recipes = smollm2_learn()
+  recipes = recipe("smollm2_learn")
   new_tokens = recipes.get_config("tools" + sizes).sampling.max_new_tokens
   plain = f"task={a.task or recipes.TOOLS_TASK},new_tokens={new_tokens}{sizes}"
   sft_dir, rl_dir = os.path.join(wd, "sft_notool"), os.path.join(wd, "rl_notool")
@@ -286,16 +286,16 @@ def gsm8k_tool(a, wd, sizes, phase) -> dict:
   shrink = SHRINK_GSM8K if a.shrink else {}
   sft_args = ([f"--config.sft.num_steps={a.sft_steps}"] if a.sft_steps else []) + shrink.get(
       "sft", [])
-  budget = smollm2().get_config("tools" + sizes).eval.max_new_tokens
+  budget = recipe("smollm2").get_config("tools" + sizes).eval.max_new_tokens
   evals = {}
-  for arm, recipe in (("tool", "tools,"), ("plain", "")):
+  for arm, switch in (("tool", "tools,"), ("plain", "")):
     sft_dir, ev = os.path.join(wd, f"sft_{arm}"), os.path.join(wd, f"eval_{arm}")
-    phase(f"sft_{arm}", ["launch/sft.py", f"--config=configs/smollm2.py:sft,{recipe}{sizes[1:]}",
+    phase(f"sft_{arm}", ["launch/sft.py", f"--config=configs/smollm2.py:sft,{switch}{sizes[1:]}",
                          f"--workdir={sft_dir}"] + sft_args,
           os.path.join(sft_dir, "sft_summary.json"))
     evals[arm] = phase(
         f"eval_{arm}", ["launch/eval.py",
-                        f"--config=configs/smollm2.py:{recipe}init={sft_dir}/params{sizes}",
+                        f"--config=configs/smollm2.py:{switch}init={sft_dir}/params{sizes}",
                         "--checkpoint=init", "--sets=gsm8k_test",
                         f"--num_problems={a.gsm8k_problems}", f"--workdir={ev}",
                         f"--config.eval.max_new_tokens={budget}"] + shrink.get("eval", []),
@@ -307,16 +307,10 @@ def gsm8k_tool(a, wd, sizes, phase) -> dict:
           "gsm8k_tool_over_plain": over}
 
 
-def smollm2():
-  """configs/smollm2.py, loaded by path as the launchers do."""
+def recipe(name):
+  """configs/<name>.py, loaded by path as the launchers do."""
   from magistral_jax.run.recipes import recipe_module
-  return recipe_module(os.path.join(common.ROOT, "configs", "smollm2.py"))
-
-
-def smollm2_learn():
-  """configs/smollm2_learn.py, loaded by path as the launchers do."""
-  from magistral_jax.run.recipes import recipe_module
-  return recipe_module(os.path.join(common.ROOT, "configs", "smollm2_learn.py"))
+  return recipe_module(os.path.join(common.ROOT, "configs", f"{name}.py"))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,15 @@ from magistral_jax.parallel.cache_key_patch import (  # noqa: E402
 
 share_cpu_executables_across_devices()
 
+# Two tiers. CI's `make test` leaves out the tests marked `long`: the end-to-end learning proofs
+# (the tiny default, the real 135M model, the Qwen recipe, the 3-process run with its kills), 4-9
+# minutes each on 2 cores, whose learning figures BENCHMARKS.md records from their own commands.
+# What they run is in CI in shorter tests: launch/train.py's tiny runs (tests/launch), the 135M
+# model's parity and its GSM8K launches, Qwen3's parity and sharded load, the rehearsals, the
+# 3-process run with tool calls, a killed trainer or generator process (tests/parallel) and a
+# lost and rejoined generator (tests/pipeline). `make test-full` runs every test; run it after a
+# change to what a run learns, and before a release.
+#
 # `make test` runs the suite in two parts (tools/test.sh): first every test not listed here, on 2
 # pytest-xdist workers (most wait on single-threaded XLA compiles, so two at once keep both cores
 # busy: 1.5x on tests/model + tests/rl); then these, one at a time. They are either end-to-end

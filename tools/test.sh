@@ -9,6 +9,9 @@
 #      time limit;
 #   2. the serial ones (compute-bound end-to-end runs, wall-time-bounded and host-scanning
 #      tests), one at a time.
+# Two tiers: `make test` (CI's, tools/test.sh) leaves out the tests marked `long`, the end-to-end
+# learning proofs whose figures BENCHMARKS.md records from their benches; `make test-full`
+# (MAGISTRAL_TEST_FULL=1) runs them too, in part 2 beside the serial tests.
 # Both parts share one XLA compilation cache (unless MAGISTRAL_TEST_XLA_CACHE is set: a directory
 # to keep, or 0 for none), removed at the end. Both parts always run; the suite fails if either
 # does. Extra arguments go to both (a part they leave empty counts as passed).
@@ -24,9 +27,11 @@ part() {
   [ "$rc" -eq 5 ] && rc=0   # no test selected
   return "$rc"
 }
+second="serial and not long"
+[ "${MAGISTRAL_TEST_FULL:-0}" = 1 ] && second="serial or long"
 start=$(date +%s)
 part --durations=25 -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
-  -m "not serial" tests "$@"; a=$?
-part --durations=25 -m serial tests "$@"; b=$?
+  -m "not serial and not long" tests "$@"; a=$?
+part --durations=25 -m "$second" tests "$@"; b=$?
 echo "tools/test.sh: part 1 exit $a, part 2 exit $b, $(( $(date +%s) - start )) s in all"
 [ "$a" -eq 0 ] && [ "$b" -eq 0 ]

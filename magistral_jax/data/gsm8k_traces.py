@@ -43,7 +43,7 @@ from typing import Iterable, Iterator, Mapping
 
 from magistral_jax.data import jsonl, records, splits
 from magistral_jax.tool_use.config import ToolConfig
-from magistral_jax.tool_use.protocol import TOOL_CLOSE, TOOL_OPEN, result_block
+from magistral_jax.tool_use.protocol import TOOL_OPEN, call_block
 
 NAME = "gsm8k_traces"          # the SFT dataset name that launch/sft.py builds on first use
 SHIPPED = "gsm8k_train"        # the shipped GSM8K split the traces (and the RL problems) come from
@@ -87,8 +87,7 @@ def printed(expr: str) -> str:
 
 def call(expr: str) -> str:
   """One tool call that prints `expr`, with the result block the tool answers it with."""
-  return (f"{TOOL_OPEN}\nprint({expr.strip()})\n{TOOL_CLOSE}"
-          + result_block(printed(expr), ToolConfig.max_output_chars))
+  return call_block(f"print({expr.strip()})", printed(expr), ToolConfig.max_output_chars)
 
 
 def trace(solution: str, answer: str, tool: bool = False) -> str:

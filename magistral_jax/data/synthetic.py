@@ -34,7 +34,7 @@ import re
 from typing import Iterator
 
 from magistral_jax.data.splits import normalise_text
-from magistral_jax.tool_use.protocol import TOOL_CLOSE, TOOL_OPEN, result_block
+from magistral_jax.tool_use.protocol import call_block
 
 TINY_SYSTEM_PROMPT = "Think in <think></think>, then answer in \\boxed{}.\n{problem}"
 # With the interpreter (issue #67): as short, for a character-level tokenizer's prompts.
@@ -81,9 +81,8 @@ def tool_trace(problem: dict) -> str:
   prints the problem's expression, the result block the tool returns for it, then the boxed
   answer. What the generator loop would hold for a policy that calls the tool this way."""
   expr = problem["problem"][len("Compute "):-1]
-  return ("<think>\n" + TOOL_OPEN + "\nprint(" + expr + ")\n" + TOOL_CLOSE
-          + result_block(problem["answer"] + "\n", 400) + "</think>\n\\boxed{"
-          + problem["answer"] + "}")
+  return ("<think>\n" + call_block(f"print({expr})", problem["answer"] + "\n", 400)
+          + "</think>\n\\boxed{" + problem["answer"] + "}")
 
 
 def slipped_trace(problem: dict, rng: random.Random) -> str:

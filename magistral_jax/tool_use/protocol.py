@@ -88,6 +88,12 @@ def result_block(output: str, max_chars: int) -> str:
   return f"\n{RESULT_OPEN}\n{output}\n{RESULT_CLOSE}\n"
 
 
+def call_block(source: str, output: str, max_chars: int) -> str:
+  """One call as a transcript holds it: `source` between the tool tags, then the result block of
+  what it printed. What a cold start's worked traces write for a policy that calls the tool."""
+  return f"{TOOL_OPEN}\n{source}\n{TOOL_CLOSE}" + result_block(output, max_chars)
+
+
 # What stands for a result in the text the verifiers grade (`graded_text`).
 GRADED_RESULT = f"\n{RESULT_OPEN}\n{RESULT_CLOSE}\n"
 

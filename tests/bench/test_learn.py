@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_the_tool_recipe_and_its_baseline_differ_only_in_the_tool(learn):
   """bench/learn.py --tools compares configs/smollm2_learn.py:tools with the same recipe without
   the tool (its task and lengths given, as learn.without_tool gives them): every setting but the
   tool's own (tools.enabled, the cold start's tool rate) is the same, in both phases."""
-  m = learn.smollm2_learn()
+  m = learn.recipe("smollm2_learn")
   for phase in ("", "sft,"):
     tools = m.get_config(f"{phase}tools,colocated").to_dict()
     plain = m.get_config(f"{phase}task={m.TOOLS_TASK},new_tokens="
@@ -126,7 +127,7 @@ def test_the_gsm8k_arms_differ_only_in_the_tool_and_its_room(learn):
   """bench/learn.py --tools --gsm8k compares configs/smollm2.py's cold start with the tool
   (`tools`) against the same without it: they differ in the tool's own settings and in the
   lengths that make room for its calls (both evaluations then decode to the tool's budget)."""
-  m = learn.smollm2()
+  m = learn.recipe("smollm2")
   room = {("sft", "row_len"), ("sampling", "max_new_tokens"), ("eval", "max_new_tokens"),
           ("reward", "l_max"), ("reward", "l_cache"), ("rl", "microbatch_tokens"),
           ("data", "sft_tool_rate")}
@@ -138,3 +139,32 @@ def test_the_gsm8k_arms_differ_only_in_the_tool_and_its_room(learn):
               if (tools[s].get(k) if k else tools[s]) != (plain[s].get(k) if k else plain[s])}
     assert differ <= room, differ - room
     assert ("data", "sft_tool_rate") in differ
+
+
+def test_the_gsm8k_comparison_runs_two_arms_apart_only_in_the_tool(learn, tmp_path):
+  """gsm8k_tool's launches, recorded instead of run: a cold start and an evaluation per arm, the
+  tool's arm with the `tools` switch and nothing else apart; both evaluations on the same test
+  problems at the tool recipe's budget, compared pairwise."""
+  launched = []
+
+  def phase(name, cmd, out):
+    launched.append((name, cmd))
+    if not name.startswith("eval_"):
+      return {}
+    rows = [{"id": f"gsm8k_test/{i}", "n": 1, "correct": int(name == "eval_tool" or i % 2)}
+            for i in range(8)]
+    return {"sets": {"gsm8k_test": {"rows": rows, "pass@1": 0.5, "k": 1, "num_problems": 8}}}
+
+  a = SimpleNamespace(shrink=True, sft_steps=0, gsm8k_problems=8)
+  out = learn.gsm8k_tool(a, str(tmp_path), ",ci", phase)
+  assert [n for n, _ in launched] == ["sft_tool", "eval_tool", "sft_plain", "eval_plain"]
+  cmds = dict(launched)
+  budget = learn.recipe("smollm2").get_config("tools,ci").eval.max_new_tokens
+  for arm in ("tool", "plain"):
+    assert f"--config.eval.max_new_tokens={budget}" in cmds[f"eval_{arm}"]
+    assert "--sets=gsm8k_test" in cmds[f"eval_{arm}"] and "--num_problems=8" in cmds[f"eval_{arm}"]
+  strip = lambda cmd, arm: [c.replace("tools,", "").replace(f"_{arm}", "_ARM") for c in cmd]
+  assert strip(cmds["sft_tool"], "tool") == strip(cmds["sft_plain"], "plain")
+  assert strip(cmds["eval_tool"], "tool") == strip(cmds["eval_plain"], "plain")
+  assert "tools," in cmds["sft_tool"][1] and "tools" not in cmds["sft_plain"][1]
+  assert out["gsm8k_tool_over_plain"]["gain"] == 0.5

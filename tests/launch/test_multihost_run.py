@@ -157,6 +157,7 @@ def _assert_stopped_cleanly(rc, out, took, tree, victim):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_three_process_run_survives_kills_resumes_and_learns(tmp_path):
   workdir = str(tmp_path / "run")
   # 1. The generator process dies and comes back; 2. a trainer process dies.

@@ -46,6 +46,7 @@ def _qwen3_checkpoint(path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_qwen3_checkpoint_cold_starts_learns_on_one_device_and_resumes(tmp_path):
   ckpt, sft, rl = tmp_path / "qwen3", tmp_path / "sft", tmp_path / "rl"
   _qwen3_checkpoint(ckpt)

@@ -3,7 +3,8 @@ RL on SmolLM2-135M-Instruct with the full Magistral reward.
 
 The trace tests are fast; the end-to-end test is the short form of the learning recipe (a few
 SFT steps on the synthetic task's traces, a few RL batches, launch/sft.py and launch/train.py on
-the real 135M model), so it is marked slow (it still runs in CI).
+the real 135M model), so it is marked slow, and long: `make test-full` runs it, CI does not
+(tests/conftest.py).
 """
 import json
 import os
@@ -200,6 +201,7 @@ def _launch(script, workdir, *flags):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_real_model_learns_short_form(tmp_path):
   """The short form of the learning recipe (configs/smollm2_learn.py; bench/learn.py records
   the full one): a cold start on the task's worked traces too short to settle the format, then a

@@ -44,6 +44,7 @@ def _train(workdir, batches):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_tiny_default_reward_improves_over_its_first_batches(tmp_path):
   """Run in two launches, the second with a larger budget (what a user does to train longer):
   besides the learning, the run's outputs and its resume are checked here."""
