@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from magistral_jax.generate.state import Prefixes
+from magistral_jax.tool_use.protocol import graded_text
 
 
 def request_key(seed: int) -> np.ndarray:
@@ -63,6 +64,15 @@ class Sample:
   metadata: Any = None
   prompt_truncated: bool = False
   tool_mask: np.ndarray | None = None
+  _graded: str | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  def graded(self, decode: Callable[[Sequence[int]], str]) -> str:
+    """The text the verifiers grade (protocol.graded_text: the tool's results left out), decoded
+    once: the leader's scoring and its void-turn check both read it, with the run's one
+    tokenizer."""
+    if self._graded is None:
+      self._graded = graded_text(decode, self.tokens, self.tool_mask)
+    return self._graded
 
   @property
   def num_policy_tokens(self) -> int:

@@ -24,7 +24,7 @@ from magistral_jax.rewards.reward import BAD_TASK, RewardResult, reward_metrics
 from magistral_jax.rl.advantages import DROP_REASONS, VERIFIER_ERROR, ScoredGroup, score_group
 from magistral_jax.rl.collate import Completion
 from magistral_jax.rl.config import GRPOConfig
-from magistral_jax.tool_use.protocol import graded_text, open_call, void_trajectory
+from magistral_jax.tool_use.protocol import open_call, void_trajectory
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,8 @@ class GroupAssembler:
 
   def _void(self, sample: Sample) -> bool:
     """A multi-turn sample with a void turn, when those are looked for (counted)."""
-    void = bool(self.decode and sample.num_tool_results and void_trajectory(
-        graded_text(self.decode, sample.tokens, sample.tool_mask)))
+    void = bool(self.decode and sample.num_tool_results
+                and void_trajectory(sample.graded(self.decode)))
     self.counters["void_turn_samples"] += void
     return void
 

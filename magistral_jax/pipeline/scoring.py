@@ -15,7 +15,6 @@ import numpy as np
 
 from magistral_jax.generate.requests import Sample
 from magistral_jax.rewards.reward import RewardResult, failed_result
-from magistral_jax.tool_use.protocol import graded_text
 
 
 def settled(future: Future) -> RewardResult:
@@ -43,7 +42,7 @@ class Scoring:
     if result is not None:
       self.scored.put((sample, result))
       return
-    response = graded_text(self.tokenizer.decode, sample.tokens, sample.tool_mask)
+    response = sample.graded(self.tokenizer.decode)
     t_submit = time.time()
     try:
       # The length penalty counts the policy's tokens: a tool's results are not its length.

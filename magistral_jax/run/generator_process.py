@@ -17,7 +17,6 @@ from magistral_jax.pipeline.generator_service import serve_generator
 from magistral_jax.pipeline.generators import make_generators, tool_turns_for
 from magistral_jax.pipeline.remote import weight_transfer
 from magistral_jax.run.stages import Stage, training_sampling
-from magistral_jax.tool_use.protocol import graded_text
 from magistral_jax.verify.pool import VerifierPool
 
 log = logging.getLogger(__name__)
@@ -48,8 +47,7 @@ def run_generator_process(run: RunConfig, stages: list[Stage], layout: ProcessLa
   score = None   # the leader scores, unless this host's pool does (verifier.placement)
   if run.verifier.placement == "generators":
     def score(sample):
-      return pool.submit(sample.metadata, graded_text(tok.decode, sample.tokens, sample.tool_mask),
-                         sample.num_policy_tokens,
+      return pool.submit(sample.metadata, sample.graded(tok.decode), sample.num_policy_tokens,
                          int(sample.request_id))
   inc = multihost.incarnation()
   log.info("process %d: %s on %d device(s)%s", layout.process_id, layout.role, len(devices),

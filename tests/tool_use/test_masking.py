@@ -206,3 +206,46 @@ def test_the_verifiers_grade_the_policy_s_words_never_what_a_tool_printed():
   assert compute_reward(task, graded, 30, cfg).parts["correct"] == 0.0
   assert compute_reward(task, "".join(parts), 30, cfg).parts["correct"] > 0   # the control
 
+
+
+def test_the_leader_decodes_a_sample_once_for_its_score_and_its_void_check():
+  """pipeline/scoring.Scoring hands the verifier the graded text, and the group assembler's
+  void-turn check reads the same text: the sample is decoded once (Sample.graded), and what each
+  reads is protocol.graded_text's."""
+  from concurrent.futures import Future
+  from magistral_jax.pipeline.groups import GroupAssembler
+  from magistral_jax.pipeline.scoring import Scoring
+  from magistral_jax.rewards.reward import RewardResult, empty_parts
+  from magistral_jax.tool_use.protocol import graded_text, result_block
+  calls = []
+
+  def decode(tokens):
+    calls.append(len(tokens))
+    return "".join(map(chr, tokens))
+
+  parts = ("<think>\n<tool>\nprint(2+2)\n</tool>", result_block("4\n", 400), "so the answer is")
+  toks = [ord(ch) for p in parts for ch in p]
+  mask = np.concatenate([np.full(len(p), j == 1) for j, p in enumerate(parts)])
+  samples = [Sample(0, i, [1], toks, np.zeros(len(toks)), np.zeros(len(toks), np.int64),
+                    "length", tool_mask=mask) for i in range(2)]
+  submitted = []
+
+  class Pool:
+    def submit(self, task, response, n_tokens, seed):
+      submitted.append(response)
+      f = Future()
+      f.set_result(RewardResult(0.0, empty_parts()))
+      return f
+
+  scoring = Scoring(Pool(), type("Tok", (), {"decode": staticmethod(decode)})())
+  a = GroupAssembler(GRPOConfig(n_batch=2, n_mini=2, group_size=2, drop_void_turns=True),
+                     decode=decode)
+  a.open(0, 2)
+  for sample in samples:
+    scoring.submit(sample)
+    a.add(*scoring.scored.get_nowait())
+  assert a.counters["void_turn_samples"] == 2
+  once = len(calls) // 2
+  calls.clear()
+  assert submitted == 2 * [graded_text(decode, toks, mask)]
+  assert len(calls) == once   # the leader decoded each sample as one graded_text does
