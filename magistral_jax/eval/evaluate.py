@@ -18,7 +18,6 @@ import numpy as np
 from magistral_jax.eval.pass_at_k import pass_at_k_curve
 from magistral_jax.generate.loop import GeneratorLoop
 from magistral_jax.generate.requests import Request
-from magistral_jax.tool_use.protocol import graded_text
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ def evaluate(loop: GeneratorLoop, pool, tokenizer, problems: Sequence[dict], *, 
       log.info("%s %d/%d samples in %.0fs (%.1f/s, ETA %s)", name, len(completions), total,
                now - t0, rate, eta)
   # The length penalty counts the policy's tokens (a tool's results are not its length).
-  futures = [(c, pool.submit(c.metadata, graded_text(tokenizer.decode, c.tokens, c.tool_mask),
+  futures = [(c, pool.submit(c.metadata, c.graded(tokenizer.decode),
                              c.num_policy_tokens, 0)) for c in completions]
   per = collections.defaultdict(list)
   for c, f in futures:
