@@ -109,8 +109,13 @@ class Engine:
     self.decode_param_shardings = self._weights.decode_param_shardings
 
     rep = NamedSharding(mesh, P())
+    # One page pool per data replica (model/kv_cache.py: the pages split as the slots are), each
+    # of kv_pages pages: a replica's slots hold pages of its own (generate/paging.py).
+    self.page_replicas = mesh.size // self.shard.sharding(("cache_pages",), (mesh.size,)
+                                                          ).shard_shape((mesh.size,))[0]
     empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype,
-                    None if self.kv_pages is None else (self.kv_pages, self.page_size))
+                    None if self.kv_pages is None
+                    else (self.kv_pages * self.page_replicas, self.page_size))
     self.state_shardings = state_shardings(self.shard, jax.eval_shape(empty))
 
     self.platform = mesh.devices.flat[0].platform
@@ -131,10 +136,18 @@ class Engine:
                     page_size=page_size, paged_attention=paged_attention,
                     cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
     slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
+    if self.kv_pages is not None and self.page_replicas not in (1, slot_shards):
+      raise ValueError(f"the page pools split over {self.page_replicas} replicas and the slots "
+                       f"over {slot_shards}: sharding rules 'cache_pages' and 'cache_batch' must "
+                       "name the same mesh axes")
     # A paged engine holds more slots in the same memory, and its drain is a table gather: it
-    # halves down to a sixteenth of its slots (a dense one: half and a quarter).
+    # halves down to a sixteenth of its slots (a dense one: half and a quarter). Not with a pool
+    # per replica: a gather would move slots between replicas, away from their pages (the
+    # drain is a CPU saving; a data axis is an accelerator mesh's).
     sizes = self.cpu.compact_sizes
-    if sizes is None and self.kv_pages is not None:
+    if self.kv_pages is not None and self.page_replicas > 1:
+      sizes = ()
+    elif sizes is None and self.kv_pages is not None:
       sizes = [self._slots >> i for i in range(1, 5) if self._slots >> i >= 1]
     self._compaction = Compaction(
         self._slots, compaction_sizes(sizes, self._slots, slot_shards),
