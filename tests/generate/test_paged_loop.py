@@ -1,7 +1,8 @@
 """The generator loop on a paged KV cache (generate/paging.py, model/paged_attention.py): the same
 samples as on the dense cache (fp32, greedy and seeded sampling) through group sharing, refill,
 drain compaction (a page-table gather), preemption when the pages run dry, a weight push mid-sequence, the recompute ablation and
-release/reload; with every paged implementation (the Pallas kernel in its interpreter)."""
+release/reload; with every paged implementation (the Pallas kernel in its interpreter); and on
+a generator mesh with a data axis, a pool per data replica."""
 import dataclasses
 
 import jax
@@ -176,16 +177,27 @@ def test_samples_carried_over_a_release_go_on_where_they_stopped(mesh, params, k
   assert all(list(s.versions) == sorted(s.versions) for s in got.values())
 
 
+_REPLICA_ENGINES = {}
+
+
+def replica_engine(**kw):
+  """An engine on a generator mesh with a data axis: data 2 x tensor 2."""
+  key = tuple(sorted(kw.items()))
+  if key not in _REPLICA_ENGINES:
+    mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    _REPLICA_ENGINES[key] = Engine(CFG, mesh, sampling=SAMPLED, **SHAPE, **kw)
+  return _REPLICA_ENGINES[key]
+
+
 @pytest.mark.parametrize("kv_pages", [20, 9], ids=["roomy", "dry"])
 def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
   """A generator mesh with a data axis (data 2 x tensor 2): one pool of kv_pages per replica,
   split over `data` as the slots are; each slot's pages are its replica's, group mates share
   pages within a replica only, and a dry pool (9 pages: one sample's 8 and the null page, for
   its 2 slots) preempts one of its own slots. The samples are the dense engine's on that mesh."""
-  mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
   reqs = requests(8, seed=3)
-  want, _ = run(Engine(CFG, mesh, sampling=SAMPLED, **SHAPE), params[0], reqs, SAMPLED)
-  eng = Engine(CFG, mesh, sampling=SAMPLED, kv_pages=kv_pages, page_size=4, **SHAPE)
+  want, _ = run(replica_engine(), params[0], reqs, SAMPLED)
+  eng = replica_engine(kv_pages=kv_pages, page_size=4)
   assert eng.page_replicas == 2 and eng.compact_sizes == ()
   loop = GeneratorLoop(eng, params[0], sampling=SAMPLED)
   for r in reqs:
@@ -206,3 +218,27 @@ def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
   pool = loop.state.cache.k[0]
   assert pool.shape[1] == 2 * kv_pages and pool.sharding.shard_shape(pool.shape)[1] == kv_pages
   assert (loop.metrics()["kv_preemptions"] > 0) == (kv_pages == 9)
+
+
+def test_a_pool_per_data_replica_keeps_its_pages_through_a_push_a_recompute_and_a_carry(params):
+  """On data 2 x tensor 2, as on one pool: new weights mid-sequence (kept KV, and the recompute
+  ablation, which prefills every slot again into its pages), then a release that carries the
+  unfinished samples over and a reload: the dense engine's samples and versions."""
+  outs = []
+  for kw in ({}, dict(kv_pages=20, page_size=4)):
+    for recompute in (False, True):
+      opts = dataclasses.replace(DIRECT, recompute_kv_on_update=recompute)
+      loop = GeneratorLoop(replica_engine(**kw), params[0], sampling=SAMPLED, options=opts)
+      for r in requests(6, seed=9):
+        loop.submit(r)
+      for _ in range(3):
+        loop.step()
+      loop.update_params(params[1], 1)
+      for _ in range(3):
+        loop.step()
+      loop.release(carry=True)
+      loop.reload(params[1], 2)
+      outs.append({(s.request_id, s.sample_index): s for s in loop.run_until_idle()})
+  same(outs[0], outs[2])
+  same(outs[1], outs[3])
+  assert any({1, 2} <= set(s.versions) for s in outs[2].values())
