@@ -65,10 +65,9 @@ class Engine:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
                        f"{max_decode_length}")
-    # A paged KV cache (model/paged_attention.py): kv_pages pages of page_size positions shared
-    # by the slots (page 0 the null page), handed out by the loop (paging.py); a decode step
-    # reads only the pages its slots have filled. Windows, which bound what a dense cache's step
-    # reads, have nothing left to do on it; compaction gathers table rows (the pools move).
+    # A paged KV cache (model/paged_attention.py): pages of page_size positions handed out by
+    # the loop (paging.py; page 0 the null page); a decode step reads only the pages its slots
+    # filled, so windows have nothing left to do on it; compaction gathers table rows.
     self.kv_pages, self.page_size = (None if kv_pages is None else int(kv_pages)), int(page_size)
     if self.kv_pages is not None:
       if self.kv_pages < 2 or self.page_size < 1:
@@ -109,13 +108,12 @@ class Engine:
     self.decode_param_shardings = self._weights.decode_param_shardings
 
     rep = NamedSharding(mesh, P())
-    # One page pool per data replica (model/kv_cache.py: the pages split as the slots are), each
-    # of kv_pages pages: a replica's slots hold pages of its own (generate/paging.py).
+    # One pool of kv_pages pages per data replica (model/kv_cache.py), for its slots (paging.py).
     self.page_replicas = mesh.size // self.shard.sharding(("cache_pages",), (mesh.size,)
                                                           ).shard_shape((mesh.size,))[0]
-    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype,
-                    None if self.kv_pages is None
-                    else (self.kv_pages * self.page_replicas, self.page_size))
+    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype, None
+                    if self.kv_pages is None else (self.kv_pages * self.page_replicas,
+                                                   self.page_size))
     self.state_shardings = state_shardings(self.shard, jax.eval_shape(empty))
 
     self.platform = mesh.devices.flat[0].platform
@@ -136,14 +134,12 @@ class Engine:
                     page_size=page_size, paged_attention=paged_attention,
                     cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
     slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
-    if self.kv_pages is not None and self.page_replicas not in (1, slot_shards):
+    if self.kv_pages is not None and self.page_replicas != slot_shards:
       raise ValueError(f"the page pools split over {self.page_replicas} replicas and the slots "
-                       f"over {slot_shards}: sharding rules 'cache_pages' and 'cache_batch' must "
-                       "name the same mesh axes")
-    # A paged engine holds more slots in the same memory, and its drain is a table gather: it
-    # halves down to a sixteenth of its slots (a dense one: half and a quarter). Not with a pool
-    # per replica: a gather would move slots between replicas, away from their pages (the
-    # drain is a CPU saving; a data axis is an accelerator mesh's).
+                       f"over {slot_shards}: the rules for 'cache_pages' and 'cache_batch' must "
+                       "name the same mesh axes, and the slots divide over them")
+    # A paged drain is a table gather: down to a sixteenth of the slots (dense: a half, a
+    # quarter); none with a pool per replica (a gather would move slots from their pages).
     sizes = self.cpu.compact_sizes
     if self.kv_pages is not None and self.page_replicas > 1:
       sizes = ()

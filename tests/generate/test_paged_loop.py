@@ -218,6 +218,11 @@ def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
   pool = loop.state.cache.k[0]
   assert pool.shape[1] == 2 * kv_pages and pool.sharding.shard_shape(pool.shape)[1] == kv_pages
   assert (loop.metrics()["kv_preemptions"] > 0) == (kv_pages == 9)
+  # Pools split otherwise than the slots would hand a replica's slots pages it does not hold.
+  from magistral_jax.parallel.config import GENERATOR_RULES
+  whole = tuple((n, None if n == "cache_pages" else a) for n, a in GENERATOR_RULES)
+  with pytest.raises(ValueError, match="must name the same mesh axes"):
+    Engine(CFG, eng.mesh, whole, sampling=SAMPLED, kv_pages=kv_pages, **SHAPE)
 
 
 def test_a_pool_per_data_replica_keeps_its_pages_through_a_push_a_recompute_and_a_carry(params):
