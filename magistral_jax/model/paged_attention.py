@@ -184,11 +184,12 @@ def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: A
   Dh]) are written at step.write_pos, then q [B, Hq, Dh] attends to each slot's live positions.
   Returns (out [B, Hq, Dh], k_pages, v_pages).
 
-  Under a mesh both run per shard (shard_map): each data replica's slots write to and read from
-  its own pool, the shard of the pages it holds, so no page crosses devices (XLA, seeing a
-  gather by page ids, could not know that every id is local); the Pallas kernels are not
-  partitioned by XLA at all. The table numbers pages across the pools, so that the programs
-  outside (prompt writes) index the whole array; here it is renumbered within the replica's."""
+  With a pool per data replica both run per shard (shard_map): each replica's slots write to
+  and read from its own pool, the shard of the pages it holds, so no page crosses devices (XLA,
+  seeing a gather by page ids, could not know that every id is local); so do the Pallas kernels
+  under any mesh (XLA does not partition them). The table numbers pages across the pools, so
+  that the programs outside (prompt writes) index the whole array; here it is renumbered within
+  the replica's. With one pool, dense and ragged are plain XLA, partitioned by it."""
   interpret = jax.devices()[0].platform not in ("gpu", "cuda", "tpu")
 
   def run(q, k_new, v_new, k_pages, v_pages, table, write_pos, lengths, first_page=0):
@@ -198,9 +199,11 @@ def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: A
             k_pages, v_pages)
 
   args = (q, k_new, v_new, k_pages, v_pages, step.page_table, step.write_pos, step.lengths)
-  if shard is None or shard.mesh.size == 1:
-    return run(*args)
   pool = ("act_kv_heads", "cache_pages", None, None)
+  if shard is None or shard.mesh.size == 1 or (
+      not step.impl.startswith("pallas")
+      and logical_to_spec(pool, shard.rules, k_pages.shape, shard.mesh)[1] is None):
+    return run(*args)   # one pool: XLA partitions dense and ragged itself
   axes = (("cache_batch", "act_heads", None), ("cache_batch", "act_kv_heads", None),
           ("cache_batch", "act_kv_heads", None), pool, pool, ("cache_batch", None),
           ("cache_batch",), ("cache_batch",))
