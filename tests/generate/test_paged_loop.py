@@ -189,6 +189,7 @@ def replica_engine(**kw):
   return _REPLICA_ENGINES[key]
 
 
+@pytest.mark.own_process
 @pytest.mark.parametrize("kv_pages", [20, 9], ids=["roomy", "dry"])
 def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
   """A generator mesh with a data axis (data 2 x tensor 2): one pool of kv_pages per replica,
@@ -225,6 +226,7 @@ def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
     Engine(CFG, eng.mesh, whole, sampling=SAMPLED, kv_pages=kv_pages, **SHAPE)
 
 
+@pytest.mark.own_process
 def test_a_pool_per_data_replica_keeps_its_pages_through_a_push_a_recompute_and_a_carry(params):
   """On data 2 x tensor 2, as on one pool: new weights mid-sequence (kept KV, and the recompute
   ablation, which prefills every slot again into its pages), then a release that carries the

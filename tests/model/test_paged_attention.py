@@ -152,6 +152,7 @@ def test_a_decode_step_on_pages_is_the_decode_step_on_a_per_slot_cache():
     T.decode(params, cfg, jnp.zeros((b, 2), jnp.int32), paged["dense"], paged="dense")
 
 
+@pytest.mark.own_process
 @pytest.mark.parametrize("impl", ["dense", "ragged", "pallas_gpu"])
 def test_each_data_replica_attends_within_its_own_pool(impl):
   """A generator mesh with a data axis (issue #66: one pool per data replica): the pages are
