@@ -85,14 +85,13 @@ class EngineConfig:
   # prefilled again later. "dense": each slot owns cache_length positions from the start, and a
   # step reads all of them (or its attention window). "auto": paged on accelerators, and on CPU
   # from xla_cpu.PAGED_MIN_POSITIONS_CPU positions per sequence (a short cache costs a CPU step
-  # less dense; BENCHMARKS.md, "Paged KV cache", has both ends, not the crossover); dense on a
-  # generator mesh with a data axis, where the pool would be whole on every device
-  # (pipeline.generators.paged_kv).
+  # less dense; BENCHMARKS.md, "Paged KV cache", has both ends, not the crossover). With a data
+  # axis in the generator mesh, one pool per data replica, for its share of the slots.
   kv_cache: str = "auto"
   page_size: int = 16                # positions per page
-  # Pages in the pool, the null page included; 0: as many as a dense cache of
-  # max_concurrent_decodes slots holds (the same memory), so raising max_concurrent_decodes puts
-  # more sequences in flight in that memory.
+  # Pages in each data replica's pool, the null page included; 0: as many as a dense cache of
+  # the replica's share of max_concurrent_decodes slots holds (the same memory), so raising
+  # max_concurrent_decodes puts more sequences in flight in that memory.
   kv_pages: int = 0
   # How a paged decode step attends: "auto" (jax's Pallas paged kernels on GPU and TPU, the ragged
   # gather on CPU) or one of model/paged_attention.IMPLS ("dense" reads every slot's whole table:

@@ -65,10 +65,9 @@ class Engine:
       raise ValueError("max_concurrent_decodes, max_prefill_length and max_decode_length must be "
                        f">= 1, got {max_concurrent_decodes}, {max_prefill_length}, "
                        f"{max_decode_length}")
-    # A paged KV cache (model/paged_attention.py): kv_pages pages of page_size positions shared
-    # by the slots (page 0 the null page), handed out by the loop (paging.py); a decode step
-    # reads only the pages its slots have filled. Windows, which bound what a dense cache's step
-    # reads, have nothing left to do on it; compaction gathers table rows (the pools move).
+    # A paged KV cache (model/paged_attention.py): pages of page_size positions handed out by
+    # the loop (paging.py; page 0 the null page); a decode step reads only the pages its slots
+    # filled, so windows have nothing left to do on it; compaction gathers table rows.
     self.kv_pages, self.page_size = (None if kv_pages is None else int(kv_pages)), int(page_size)
     if self.kv_pages is not None:
       if self.kv_pages < 2 or self.page_size < 1:
@@ -109,8 +108,12 @@ class Engine:
     self.decode_param_shardings = self._weights.decode_param_shardings
 
     rep = NamedSharding(mesh, P())
-    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype,
-                    None if self.kv_pages is None else (self.kv_pages, self.page_size))
+    # One pool of kv_pages pages per data replica (model/kv_cache.py), for its slots (paging.py).
+    self.page_replicas = mesh.size // self.shard.sharding(("cache_pages",), (mesh.size,)
+                                                          ).shard_shape((mesh.size,))[0]
+    empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype, None
+                    if self.kv_pages is None else (self.kv_pages * self.page_replicas,
+                                                   self.page_size))
     self.state_shardings = state_shardings(self.shard, jax.eval_shape(empty))
 
     self.platform = mesh.devices.flat[0].platform
@@ -131,10 +134,16 @@ class Engine:
                     page_size=page_size, paged_attention=paged_attention,
                     cpu=CpuOptions(self.cpu.dot_library, compact_sizes=()))
     slot_shards = self._slots // self.state_shardings.tokens.shard_shape((self._slots,))[0]
-    # A paged engine holds more slots in the same memory, and its drain is a table gather: it
-    # halves down to a sixteenth of its slots (a dense one: half and a quarter).
+    if self.kv_pages is not None and self.page_replicas != slot_shards:
+      raise ValueError(f"the page pools split over {self.page_replicas} replicas and the slots "
+                       f"over {slot_shards}: the rules for 'cache_pages' and 'cache_batch' must "
+                       "name the same mesh axes, and the slots divide over them")
+    # A paged drain is a table gather: down to a sixteenth of the slots (dense: a half, a
+    # quarter); none with a pool per replica (a gather would move slots from their pages).
     sizes = self.cpu.compact_sizes
-    if sizes is None and self.kv_pages is not None:
+    if self.kv_pages is not None and self.page_replicas > 1:
+      sizes = ()
+    elif sizes is None and self.kv_pages is not None:
       sizes = [self._slots >> i for i in range(1, 5) if self._slots >> i >= 1]
     self._compaction = Compaction(
         self._slots, compaction_sizes(sizes, self._slots, slot_shards),

@@ -11,16 +11,24 @@ pool, kept on the host beside the slot table, and the page table the device read
     what the recompute ablation does to every slot; the policy version of each sampled token is
     unchanged). Each one counts in `preemptions`.
   - A finished sample's pages go back at once (`release`).
-The table is sent to the device only when it changed (`sync`), before the program that reads it.
+With a data axis in the generator mesh there is one pool per data replica (engine.page_replicas,
+model/kv_cache.py): a slot takes pages of its replica's pool only (the slots are split over the
+replicas in blocks, as the device splits them), group mates share pages within a replica, and a
+dry pool preempts one of its own slots. The table numbers pages across the pools (replica r's
+are r * kv_pages ...). It is sent to the device only when it changed (`sync`), before the
+program that reads it.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from magistral_jax.generate.pages import OutOfPages, PagePool
 
 
 class LoopPages:
-  """The page pool of one engine's slots (engine.kv_pages pages of engine.page_size positions);
-  `set_pages(state, table)` puts the table into the decode state the slots run on."""
+  """The page pools of one engine's slots (engine.page_replicas pools of engine.kv_pages pages
+  of engine.page_size positions); `set_pages(state, table)` puts the table into the decode state
+  the slots run on."""
 
   def __init__(self, engine, set_pages):
     if engine.kv_pages - 1 < engine.max_pages_per_slot:
@@ -29,13 +37,15 @@ class LoopPages:
                        f"pages of {engine.page_size} besides the null page")
     self.engine = engine
     self._set_pages = set_pages   # Engine.set_pages, or compaction.Drain's while compacted
+    self._per_replica = engine.max_concurrent_decodes // engine.page_replicas
     self.reset()
 
   def reset(self) -> None:
     """Every page free (the loop released its cache, or starts)."""
     engine = self.engine
-    self.pool = PagePool(engine.kv_pages, engine.page_size, engine.max_pages_per_slot)
-    self._dirty = False   # the pool's page table changed since the device last got it
+    self.pools = [PagePool(engine.kv_pages, engine.page_size, engine.max_pages_per_slot)
+                  for _ in range(engine.page_replicas)]
+    self._dirty = False   # the pools' page table changed since the device last got it
     # Slots holding a prefilled row's prompt, per (prefill batch, row): a group mate inserted
     # from the same row shares their full pages. A mate prefilled again (new weights) has
     # another row, so it never shares pages holding another policy's keys and values.
@@ -44,23 +54,35 @@ class LoopPages:
     self.parked: list[int] = []   # preempted slots, in the order they are resumed
     self.peak_pages = 0
 
+  def replica(self, slot: int) -> int:
+    """The data replica whose pool `slot`'s pages come from."""
+    return slot // self._per_replica
+
+  def pool(self, slot: int) -> PagePool:
+    return self.pools[self.replica(slot)]
+
   @property
   def preemptions(self) -> int:
-    return self.pool.preemptions
+    return sum(p.preemptions for p in self.pools)
+
+  @property
+  def used_pages(self) -> int:
+    return sum(p.used_pages for p in self.pools)
 
   def _changed(self) -> None:
     self._dirty = True
-    self.peak_pages = max(self.peak_pages, self.pool.used_pages)
+    self.peak_pages = max(self.peak_pages, self.used_pages)
 
   def admit(self, slot: int, row: tuple[int, int], prompt_len: int) -> bool:
     """Pages for a new sample's prompt and first token in `slot`, sharing the full prompt pages
-    of a slot holding the same prefilled `row`; False (nothing taken) when they do not fit."""
-    mates = self._holders.get(row, ())
+    of a slot of its replica holding the same prefilled `row`; False (nothing taken) when they
+    do not fit."""
+    mates = [m for m in self._holders.get(row, ()) if self.replica(m) == self.replica(slot)]
     try:
       if mates:
-        self.pool.share(mates[0], slot, prompt_len)
+        self.pool(slot).share(mates[0], slot, prompt_len)
       else:
-        self.pool.admit(slot, prompt_len + 1)
+        self.pool(slot).admit(slot, prompt_len + 1)
     except OutOfPages:
       return False
     self._holders.setdefault(row, []).append(slot)
@@ -70,9 +92,9 @@ class LoopPages:
 
   def hold(self, slot: int, length: int) -> bool:
     """Pages of its own for `slot`'s `length` positions (a sample's tokens and the pending one),
-    if the pool has them."""
+    if its pool has them."""
     try:
-      self.pool.admit(slot, length)
+      self.pool(slot).admit(slot, length)
     except OutOfPages:
       return False
     self._changed()
@@ -82,7 +104,7 @@ class LoopPages:
     """Pages for `slot`'s first `length` positions (its next step's write, or a tool's result
     going into it), if the pool has them."""
     try:
-      if self.pool.reserve(slot, length):
+      if self.pool(slot).reserve(slot, length):
         self._changed()
     except OutOfPages:
       return False
@@ -106,35 +128,41 @@ class LoopPages:
   def release(self, slot: int) -> None:
     """Gives back a finished (or carried) slot's pages."""
     self._leave_row(slot)
-    self.pool.release(slot)
+    self.pool(slot).release(slot)
     self._changed()
 
   def park(self, slot: int) -> None:
     """Preempts `slot` (PagePool.preempt: its pages go back, counted); it waits in `parked` to
     be resumed."""
     self._leave_row(slot)
-    self.pool.preempt(slot)
+    self.pool(slot).preempt(slot)
     self._changed()
     self.parked.append(slot)
 
-  def victim(self, progress: dict[int, int]) -> int:
-    """The active slot to park: the least progress (PagePool.preempt_victim)."""
-    v = self.pool.preempt_victim(progress)
+  def victim(self, progress: dict[int, int], dry: int) -> int:
+    """The active slot to park when `dry`'s pool has no page for it: the least progress among
+    the slots of that pool (PagePool.preempt_victim)."""
+    pool = self.pool(dry)
+    v = pool.preempt_victim({s: n for s, n in progress.items()
+                             if self.replica(s) == self.replica(dry)})
     if v is None:
-      raise OutOfPages(f"no slot to preempt: the pool's {self.pool.num_pages - 1} pages cannot "
+      raise OutOfPages(f"no slot to preempt: the pool's {pool.num_pages - 1} pages cannot "
                        "hold one sample; give the engine more kv_pages")
     return v
 
   def budget(self):
-    """`fits(group)` for planning a refill: whether one more sample of `group` surely fits, its
-    pages counted as if it shared none (nothing fits while a slot is parked: it goes first)."""
-    left = [0 if self.parked else self.pool.free_pages]
+    """`fits(slot, group)` for planning a refill: whether one more sample of `group` surely fits
+    in `slot`'s pool, its pages counted as if it shared none (nothing fits in a pool while one
+    of its slots is parked: that one goes first)."""
+    parked = {self.replica(s) for s in self.parked}
+    left = [0 if r in parked else p.free_pages for r, p in enumerate(self.pools)]
 
-    def fits(group) -> bool:
-      need = self.pool.pages_for(group.true_length + 1)
-      if need > left[0]:
+    def fits(slot: int, group) -> bool:
+      r = self.replica(slot)
+      need = self.pools[r].pages_for(group.true_length + 1)
+      if need > left[r]:
         return False
-      left[0] -= need
+      left[r] -= need
       return True
     return fits
 
@@ -169,11 +197,11 @@ class LoopPages:
     is recorded first (`ahead`, the loop's DeviceLead: samples may finish and free pages, and the
     host then holds every token a parked slot is prefilled from again), then slots are parked,
     the least progress first, until the rest fit."""
-    while self.grow(slots.reached(ahead.positions())) is not None:
+    while (dry := self.grow(slots.reached(ahead.positions()))) is not None:
       if ahead.positions() is not None:
         ahead.flush()
         continue
-      slot = self.victim(slots.progress())
+      slot = self.victim(slots.progress(), dry)
       self.park(slot)
       slots.park(slot)
     return self.sync(drain.sync_active(state, slots))
@@ -181,11 +209,17 @@ class LoopPages:
   def sync(self, state):
     """The decode state with the pool's page table, if it changed since the last sync."""
     if self._dirty and state is not None:
-      state = self._set_pages(state, self.pool.table(self.engine.max_concurrent_decodes))
+      state = self._set_pages(state, self.table())
       self._dirty = False
     return state
 
+  def table(self):
+    """The page table of every slot, pages numbered across the pools."""
+    n, per = self.engine.max_concurrent_decodes, self._per_replica
+    return np.concatenate([p.table(n)[r * per:(r + 1) * per] + r * self.engine.kv_pages
+                           for r, p in enumerate(self.pools)])
+
   def metrics(self) -> dict[str, float]:
-    return {"kv_pages_used": float(self.pool.used_pages),
+    return {"kv_pages_used": float(self.used_pages),
             "kv_pages_peak": float(self.peak_pages),
             "kv_preemptions": float(self.preemptions)}

@@ -12,6 +12,7 @@ the inserts' first tokens are recorded with the next step's results (inflight.py
 from __future__ import annotations
 
 import queue
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -62,11 +63,14 @@ class Refill:
                                self.engine.max_concurrent_decodes,
                                self.parts.options.loop_prefill_below)
       plan = []  # (slot, group, sample index)
-      fits = None if self.parts.pages is None else self.parts.pages.budget()
+      budget = None if self.parts.pages is None else self.parts.pages.budget()
       for slot in slots.free():
+        fits = None if budget is None else partial(budget, int(slot))
         nxt = self.next_sample(take_request=not bg, fits=fits)
         if nxt is None:
-          break
+          if budget is None or len(self.parts.pages.pools) == 1:
+            break
+          continue   # another replica's free slot may have the pages
         plan.append((int(slot), *nxt))
       if not plan:
         break

@@ -28,8 +28,9 @@ class KVCache(NamedTuple):
 
 class PagedKVCache(NamedTuple):
   """A paged KV cache (model/paged_attention.py): k, v: tuples of L page pools [K, pages,
-  page_size, Dh], shared by all slots; page_table [B, max_pages]: the pool pages of each slot's
-  positions in order (the null page past them); lengths [B] as in KVCache. Only a decode step
+  page_size, Dh], the pages of every data replica's pool end to end; page_table [B, max_pages]:
+  the pages of each slot's positions in order (its pool's null page past them), numbered across
+  the pools; lengths [B] as in KVCache. Only a decode step
   (one token per slot) runs on it: prompts are prefilled into a KVCache and written into pages."""
   k: Any
   v: Any
@@ -38,9 +39,10 @@ class PagedKVCache(NamedTuple):
 
 
 def paged_cache_logical_axes(num_layers: int) -> PagedKVCache:
-  """Logical axes of a PagedKVCache's leaves: KV heads split as a per-slot cache's are, the pages
-  of one pool never split (a slot's pages may be anywhere in it)."""
-  pool = ("act_kv_heads", None, None, None)
+  """Logical axes of a PagedKVCache's leaves: KV heads split as a per-slot cache's are, and the
+  pages one pool per data replica (`cache_pages`, split as the slots are: a replica's slots hold
+  pages of its own pool only; generate/paging.py hands them out so)."""
+  pool = ("act_kv_heads", "cache_pages", None, None)
   return PagedKVCache(tuple(pool for _ in range(num_layers)),
                       tuple(pool for _ in range(num_layers)), ("cache_batch", None),
                       ("cache_batch",))

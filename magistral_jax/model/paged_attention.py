@@ -26,6 +26,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from magistral_jax.parallel.sharding import logical_to_spec
 
@@ -181,21 +182,41 @@ def decode_step(q: Array, k_new: Array, v_new: Array, k_pages: Array, v_pages: A
                 step: PagedStep, shard=None) -> tuple[Array, Array, Array]:
   """One layer's decode attention on a paged cache: the new keys/values (k_new, v_new [B, Hkv,
   Dh]) are written at step.write_pos, then q [B, Hq, Dh] attends to each slot's live positions.
-  Returns (out [B, Hq, Dh], k_pages, v_pages). The Pallas kernels run per shard under a mesh
-  (they are not partitioned by XLA); dense and ragged are plain XLA and are."""
-  k_pages, v_pages = write_tokens(k_pages, v_pages, step.page_table, step.write_pos, k_new, v_new)
+  Returns (out [B, Hq, Dh], k_pages, v_pages).
+
+  With a pool per data replica both run per shard (shard_map): each replica's slots write to
+  and read from its own pool, the shard of the pages it holds, so no page crosses devices (XLA,
+  seeing a gather by page ids, could not know that every id is local); so do the Pallas kernels
+  under any mesh (XLA does not partition them). The table numbers pages across the pools, so
+  that the programs outside (prompt writes) index the whole array; here it is renumbered within
+  the replica's. With one pool, dense and ragged are plain XLA, partitioned by it."""
   interpret = jax.devices()[0].platform not in ("gpu", "cuda", "tpu")
-  run = lambda q, kp, vp, t, n: attend(step.impl, q, kp, vp, t, n, interpret=interpret)
-  if step.impl.startswith("pallas") and shard is not None and shard.mesh.size > 1:
-    axes = (("cache_batch", "act_heads", None), ("act_kv_heads", None, None, None),
-            ("act_kv_heads", None, None, None), ("cache_batch", None), ("cache_batch",))
-    args = (q, k_pages, v_pages, step.page_table, step.lengths)
-    specs = tuple(logical_to_spec(a, shard.rules, x.shape, shard.mesh) for x, a in zip(args, axes))
-    out = jax.shard_map(run, mesh=shard.mesh, in_specs=specs, out_specs=specs[0],
-                        check_vma=False)(*args)
-  else:
-    out = run(q, k_pages, v_pages, step.page_table, step.lengths)
-  return out, k_pages, v_pages
+
+  def run(q, k_new, v_new, k_pages, v_pages, table, write_pos, lengths, first_page=0):
+    table = table - first_page
+    k_pages, v_pages = write_tokens(k_pages, v_pages, table, write_pos, k_new, v_new)
+    return (attend(step.impl, q, k_pages, v_pages, table, lengths, interpret=interpret),
+            k_pages, v_pages)
+
+  args = (q, k_new, v_new, k_pages, v_pages, step.page_table, step.write_pos, step.lengths)
+  pool = ("act_kv_heads", "cache_pages", None, None)
+  if shard is None or shard.mesh.size == 1 or (
+      not step.impl.startswith("pallas")
+      and logical_to_spec(pool, shard.rules, k_pages.shape, shard.mesh)[1] is None):
+    return run(*args)   # one pool: XLA partitions dense and ragged itself
+  axes = (("cache_batch", "act_heads", None), ("cache_batch", "act_kv_heads", None),
+          ("cache_batch", "act_kv_heads", None), pool, pool, ("cache_batch", None),
+          ("cache_batch",), ("cache_batch",))
+  specs = [logical_to_spec(a, shard.rules, x.shape, shard.mesh) for x, a in zip(args, axes)]
+  if specs[3][0] is None:   # KV heads too few to split: every shard takes all the heads
+    specs[:3] = [P(s[0], None, None) for s in specs[:3]]
+  replica = specs[3][1]   # the mesh axes the pages are split over (None: one pool)
+
+  def per_shard(*local):
+    first = 0 if replica is None else jax.lax.axis_index(replica) * local[3].shape[1]
+    return run(*local, first_page=first)
+  return jax.shard_map(per_shard, mesh=shard.mesh, in_specs=tuple(specs),
+                       out_specs=(specs[0], specs[3], specs[4]), check_vma=False)(*args)
 
 
 def default_impl(platform: str) -> str:

@@ -20,6 +20,8 @@ TRAINER_RULES: tuple[tuple[str, Any], ...] = (
     ("act_vocab", "tensor"),
     ("cache_batch", ("data", "fsdp")),
     ("cache_length", None),
+    # A paged KV cache's pages: one pool per data replica, split as the slots are (cache_batch).
+    ("cache_pages", ("data", "fsdp")),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),

@@ -44,12 +44,11 @@ def paged_kv(engine_cfg: EngineConfig, sampling: SamplingConfig, platform: str,
              data: int = 1) -> dict:
   """Engine's paged-cache keywords from the `engine` section, for a generator mesh on `platform`
   with a `data` axis of that size (none for a dense cache; "auto" resolved as EngineConfig
-  says). The pool is one per generator, whole on each device (its pages are not split over
-  `data`), so "auto" keeps a dense cache where data > 1; kv_pages 0 is a dense cache's worth of
-  one device's slots (the slots over `data`)."""
+  says). There is one pool per data replica (model/kv_cache.py), for the replica's share of the
+  slots: kv_pages (each pool's) 0 is a dense cache's worth of that share."""
   positions = engine_cfg.max_prefill_length + sampling.max_new_tokens
   paged = engine_cfg.kv_cache == "paged" or (
-      engine_cfg.kv_cache == "auto" and data == 1
+      engine_cfg.kv_cache == "auto"
       and (platform != "cpu" or positions >= PAGED_MIN_POSITIONS_CPU))
   if not paged:
     return {}

@@ -248,10 +248,13 @@ def decode_state_bytes(model_cfg: ModelConfig, slots: int, cache_length: int, ru
 def page_pool_bytes(model_cfg: ModelConfig, pages: int, page_size: int, rules, sizes,
                     cache_dtype=None) -> int:
   """One device's share of a paged KV cache's pools (model/kv_cache.py: [K, pages, page_size, Dh]
-  per layer for keys and values, the KV heads split as a per-slot cache's)."""
+  per layer for keys and values, the KV heads split as a per-slot cache's; `pages` each data
+  replica's pool, one pool per replica)."""
   c = model_cfg
-  pool = shard_elems((c.num_kv_heads, pages, page_size, c.head_dim),
-                     ("act_kv_heads", None, None, None), rules, sizes)
+  n = math.prod(sizes.values())
+  replicas = n // shard_elems((n,), ("cache_pages",), rules, sizes)
+  pool = shard_elems((c.num_kv_heads, pages * replicas, page_size, c.head_dim),
+                     ("act_kv_heads", "cache_pages", None, None), rules, sizes)
   return 2 * c.num_layers * pool * _itemsize(cache_dtype or c.dtype)
 
 

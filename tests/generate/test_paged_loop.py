@@ -1,7 +1,8 @@
 """The generator loop on a paged KV cache (generate/paging.py, model/paged_attention.py): the same
 samples as on the dense cache (fp32, greedy and seeded sampling) through group sharing, refill,
 drain compaction (a page-table gather), preemption when the pages run dry, a weight push mid-sequence, the recompute ablation and
-release/reload; with every paged implementation (the Pallas kernel in its interpreter)."""
+release/reload; with every paged implementation (the Pallas kernel in its interpreter); and on
+a generator mesh with a data axis, a pool per data replica."""
 import dataclasses
 
 import jax
@@ -79,7 +80,8 @@ def test_paged_samples_equal_dense_with_groups_and_refill(mesh, params, impl, sa
   m = loop.metrics()
   assert m["kv_preemptions"] == 0 and m["kv_pages_used"] == 0 and m["kv_pages_peak"] > 0
   assert loop.counters.compact_steps > 0   # the drain ran on fewer slots: a table gather
-  loop.parts.pages.pool.check()
+  for pool in loop.parts.pages.pools:
+    pool.check()
 
 
 def test_preemption_parks_and_resumes_with_the_same_samples(mesh, params):
@@ -92,7 +94,8 @@ def test_preemption_parks_and_resumes_with_the_same_samples(mesh, params):
   same(want, got)
   assert loop.metrics()["kv_preemptions"] > 0
   assert loop.metrics()["kv_pages_peak"] <= 16
-  loop.parts.pages.pool.check()
+  for pool in loop.parts.pages.pools:
+    pool.check()
   with pytest.raises(ValueError, match="kv_pages=8"):
     GeneratorLoop(engine(mesh, SAMPLED, kv_pages=8, page_size=4), p, sampling=SAMPLED)
 
@@ -123,7 +126,7 @@ def test_release_and_reload_give_back_every_page(mesh, params):
   loop = GeneratorLoop(eng, params[0], sampling=GREEDY)
   first = run_on(loop, requests(2))
   loop.release()
-  assert loop.parts.pages.pool.free_pages == 39
+  assert loop.parts.pages.pools[0].free_pages == 39
   loop.reload(params[0], 0)
   same(run_on(loop, requests(2)), first)
 
@@ -172,3 +175,77 @@ def test_samples_carried_over_a_release_go_on_where_they_stopped(mesh, params, k
   carried = [s for s in got.values() if 0 in s.versions]
   assert len(carried) == 4 and all(1 in s.versions for s in carried)
   assert all(list(s.versions) == sorted(s.versions) for s in got.values())
+
+
+_REPLICA_ENGINES = {}
+
+
+def replica_engine(**kw):
+  """An engine on a generator mesh with a data axis: data 2 x tensor 2."""
+  key = tuple(sorted(kw.items()))
+  if key not in _REPLICA_ENGINES:
+    mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+    _REPLICA_ENGINES[key] = Engine(CFG, mesh, sampling=SAMPLED, **SHAPE, **kw)
+  return _REPLICA_ENGINES[key]
+
+
+@pytest.mark.own_process
+@pytest.mark.parametrize("kv_pages", [20, 9], ids=["roomy", "dry"])
+def test_a_pool_per_data_replica_gives_the_dense_samples(params, kv_pages):
+  """A generator mesh with a data axis (data 2 x tensor 2): one pool of kv_pages per replica,
+  split over `data` as the slots are; each slot's pages are its replica's, group mates share
+  pages within a replica only, and a dry pool (9 pages: one sample's 8 and the null page, for
+  its 2 slots) preempts one of its own slots. The samples are the dense engine's on that mesh."""
+  reqs = requests(8, seed=3)
+  want, _ = run(replica_engine(), params[0], reqs, SAMPLED)
+  eng = replica_engine(kv_pages=kv_pages, page_size=4)
+  assert eng.page_replicas == 2 and eng.compact_sizes == ()
+  loop = GeneratorLoop(eng, params[0], sampling=SAMPLED)
+  for r in reqs:
+    loop.submit(r)
+  got, seen, idle = {}, np.zeros(4, bool), False
+  while not idle:
+    idle = loop.idle()
+    got.update({(s.request_id, s.sample_index): s for s in loop.run_until_idle(max_steps=1)})
+    table = loop.parts.pages.table()
+    for slot in range(4):   # slots 0-1 take pages of pool 0, slots 2-3 of pool 1
+      own = table[slot][table[slot] % kv_pages != 0] // kv_pages
+      seen[slot] |= own.size > 0
+      assert (own == slot // 2).all(), (slot, table[slot])
+    for pool in loop.parts.pages.pools:
+      pool.check()
+  assert seen.all()
+  same(want, got)
+  pool = loop.state.cache.k[0]
+  assert pool.shape[1] == 2 * kv_pages and pool.sharding.shard_shape(pool.shape)[1] == kv_pages
+  assert (loop.metrics()["kv_preemptions"] > 0) == (kv_pages == 9)
+  # Pools split otherwise than the slots would hand a replica's slots pages it does not hold.
+  from magistral_jax.parallel.config import GENERATOR_RULES
+  whole = tuple((n, None if n == "cache_pages" else a) for n, a in GENERATOR_RULES)
+  with pytest.raises(ValueError, match="must name the same mesh axes"):
+    Engine(CFG, eng.mesh, whole, sampling=SAMPLED, kv_pages=kv_pages, **SHAPE)
+
+
+@pytest.mark.own_process
+def test_a_pool_per_data_replica_keeps_its_pages_through_a_push_a_recompute_and_a_carry(params):
+  """On data 2 x tensor 2, as on one pool: new weights mid-sequence (kept KV, and the recompute
+  ablation, which prefills every slot again into its pages), then a release that carries the
+  unfinished samples over and a reload: the dense engine's samples and versions."""
+  outs = []
+  for kw in ({}, dict(kv_pages=20, page_size=4)):
+    for recompute in (False, True):
+      opts = dataclasses.replace(DIRECT, recompute_kv_on_update=recompute)
+      loop = GeneratorLoop(replica_engine(**kw), params[0], sampling=SAMPLED, options=opts)
+      for r in requests(6, seed=9):
+        loop.submit(r)
+      for _ in range(3):
+        loop.step()
+      loop.update_params(params[1], 1)
+      for _ in range(3):
+        loop.step()
+      loop.release(carry=True)
+      loop.reload(params[1], 2)
+      outs.append({(s.request_id, s.sample_index): s for s in loop.run_until_idle()})
+  same(outs[0], outs[2])
+  same(outs[1], outs[3])
+  assert any({1, 2} <= set(s.versions) for s in outs[2].values())

@@ -4,6 +4,7 @@ step compiled on CPU (a sound bound: at least the compiled peak, at most TRAIN_T
 it); a generator's decode state against the Engine's own arrays, exactly; the recipes' plans and
 the launcher's table."""
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -109,20 +110,21 @@ def test_generator_decode_state_is_the_engines_exactly():
 
 
 def test_a_paged_generator_counts_its_pools_and_a_dense_one_its_drain():
-  """A paged engine's pools on one device are the estimate's (tensor-split KV heads, whole page
-  axis); the plan counts them instead of a cache per slot, and no compaction peak; a dense
-  cache's drain compaction (half the slots) is counted beside it."""
+  """A paged engine's pools on one device are the estimate's (tensor-split KV heads, a pool per
+  data replica); the plan counts them instead of a cache per slot, and no compaction peak; a
+  dense cache's drain compaction (half the slots) is counted beside it."""
   cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
-  devices = jax.devices()[4:6]
-  engine = Engine(cfg, make_mesh({"tensor": 2}, devices), GENERATOR_RULES,
-                  max_concurrent_decodes=8, max_prefill_length=24, max_decode_length=40,
-                  kv_pages=33, page_size=16)
-  state = engine.init_decode_state()
-  pools_on_first = sum(s.data.nbytes for a in jax.tree.leaves((state.cache.k, state.cache.v))
-                       for s in a.addressable_shards if s.device == devices[0])
-  assert footprint.page_pool_bytes(cfg, 33, 16, GENERATOR_RULES,
-                                   footprint.mesh_sizes({"tensor": 2}, 2)) == pools_on_first
+  for shape in ({"tensor": 2}, {"data": 2, "tensor": 2}):
+    devices = jax.devices()[4:4 + math.prod(shape.values())]
+    engine = Engine(cfg, make_mesh(shape, devices), GENERATOR_RULES,
+                    max_concurrent_decodes=8, max_prefill_length=24, max_decode_length=40,
+                    kv_pages=33, page_size=16)
+    state = engine.init_decode_state()
+    pools_on_first = sum(s.data.nbytes for a in jax.tree.leaves((state.cache.k, state.cache.v))
+                         for s in a.addressable_shards if s.device == devices[0])
+    assert footprint.page_pool_bytes(cfg, 33, 16, GENERATOR_RULES, footprint.mesh_sizes(
+        shape, len(devices))) == pools_on_first == 2 * 3 * 33 * 16 * 16 * 2   # 1 KV head a device
   run = config_lib.validate(load_recipe("configs/tiny.py", ROOT))
   run = dataclasses.replace(run, devices=dataclasses.replace(run.devices,
                                                              generator_mesh={"tensor": -1}))
@@ -167,8 +169,9 @@ def test_small_recipe_plans():
   assert tr["parts"]["optimizer"] >= 2 * tr["parts"]["weights"]
   assert abs(gen["parts"]["weights"] - 2 * n / 4) / (2 * n / 4) < 0.01
   # 256 slots x (4k + 40k) positions x 40 layers x K and V x 8 kv heads x 128, bf16, over
-  # data 2 x tensor 4.
-  assert gen["parts"]["kv_cache"] == 256 * 45056 * 40 * 2 * 8 * 128 * 2 // 8
+  # data 2 x tensor 4: paged (on TPU), a pool per data replica of a dense cache's worth and its
+  # null page (16 positions).
+  assert gen["parts"]["kv_cache"] == (256 * 45056 + 2 * 16) * 40 * 2 * 8 * 128 * 2 // 8
   assert tr["attention"] == "tpu_flash" and p["trainer_without_remat"]["total"] > tr["total"]
   box = plan_lib.plan(p["run"], plan_lib.model_from_spec("mistral_small_3_24b", p["run"].model),
                       "8xH100", layout="colocated")

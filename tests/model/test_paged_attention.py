@@ -150,3 +150,41 @@ def test_a_decode_step_on_pages_is_the_decode_step_on_a_per_slot_cache():
     np.testing.assert_array_equal(np.asarray(cache.lengths), [19, 19, 0])
   with pytest.raises(ValueError, match="decode steps only"):
     T.decode(params, cfg, jnp.zeros((b, 2), jnp.int32), paged["dense"], paged="dense")
+
+
+@pytest.mark.own_process
+@pytest.mark.parametrize("impl", ["dense", "ragged", "pallas_gpu"])
+def test_each_data_replica_attends_within_its_own_pool(impl):
+  """A generator mesh with a data axis (issue #66: one pool per data replica): the pages are
+  split over `data` as the slots are, each replica's slots hold pages of its own pool only, and
+  the decode step, run per shard, gives the one-device step's outputs and writes, page for page
+  (the table numbers pages across the pools)."""
+  from magistral_jax.parallel.config import GENERATOR_RULES
+  from magistral_jax.parallel.sharding import ShardingCtx, make_mesh
+  shard = ShardingCtx(make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4]), GENERATOR_RULES)
+  lengths = (1, 7, 0, 40, 9, 128, 77, 0)   # slots 0-3 on replica 0, 4-7 on replica 1
+  q, k, v, _, lens = _case(3, lengths)
+  r = np.random.default_rng(4)
+  per = POOL // 2
+  table = np.zeros((len(lengths), MAX_PAGES), np.int32)
+  for rep in (0, 1):
+    free = list(r.permutation(np.arange(rep * per + 1, (rep + 1) * per)))   # not its null page
+    for i in range(4 * rep, 4 * rep + 4):
+      table[i] = rep * per   # its own pool's null page past its pages
+      for j in range(pa.pages_for(lengths[i], PS)):
+        table[i, j] = free.pop()
+  live = lens > 0
+  step = pa.PagedStep(jnp.asarray(table), jnp.where(live, lens - 1, -1), lens, impl)
+  k_new = jnp.asarray(r.normal(size=(len(lengths), 2, q.shape[-1])), q.dtype)
+  v_new = jnp.asarray(r.normal(size=k_new.shape), q.dtype)
+  run = jax.jit(lambda *a, shard=None: pa.decode_step(*a, step, shard), static_argnames="shard")
+  want = run(q, k_new, v_new, k, v)
+  got = run(q, k_new, v_new, k, v, shard=shard)
+  assert got[1].sharding.shard_shape(got[1].shape)[1] == per   # each replica holds its pool
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5)
+  pages = np.setdiff1d(np.arange(POOL), [0, per])   # an idle slot writes into its null page
+  for g, w in zip(got[1:], want[1:]):
+    np.testing.assert_array_equal(np.asarray(g)[:, pages], np.asarray(w)[:, pages])
+  # The one-device step is attention over each slot's live positions (after the writes).
+  np.testing.assert_allclose(np.asarray(want[0])[live],
+                             _numpy_reference(q, want[1], want[2], table, lens)[live], atol=2e-5)
