@@ -41,6 +41,7 @@ from magistral_jax.model import paged_attention as PA
 from magistral_jax.model import transformer as T
 from magistral_jax.model.decode_choice import decode_choice
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.model.kv_cache import page_replicas
 from magistral_jax.parallel.sharding import ShardingCtx
 from magistral_jax.parallel.config import GENERATOR_RULES
 
@@ -109,8 +110,7 @@ class Engine:
 
     rep = NamedSharding(mesh, P())
     # One pool of kv_pages pages per data replica (model/kv_cache.py), for its slots (paging.py).
-    self.page_replicas = mesh.size // self.shard.sharding(("cache_pages",), (mesh.size,)
-                                                          ).shard_shape((mesh.size,))[0]
+    self.page_replicas = page_replicas(self.shard.rules, dict(mesh.shape))
     empty = partial(empty_state, cfg, self._slots, self.cache_length, self.cache_dtype, None
                     if self.kv_pages is None else (self.kv_pages * self.page_replicas,
                                                    self.page_size))

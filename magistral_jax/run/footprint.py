@@ -42,6 +42,7 @@ from magistral_jax.config import RunConfig
 from magistral_jax.model import transformer as tfm
 from magistral_jax.model.attention import choose_impl
 from magistral_jax.model.config import ModelConfig
+from magistral_jax.model.kv_cache import page_replicas
 from magistral_jax.parallel.config import MESH_AXES
 from magistral_jax.parallel.sharding import is_logical_axes, logical_to_spec
 from magistral_jax.pipeline.generators import paged_kv
@@ -251,9 +252,7 @@ def page_pool_bytes(model_cfg: ModelConfig, pages: int, page_size: int, rules, s
   per layer for keys and values, the KV heads split as a per-slot cache's; `pages` each data
   replica's pool, one pool per replica)."""
   c = model_cfg
-  n = math.prod(sizes.values())
-  replicas = n // shard_elems((n,), ("cache_pages",), rules, sizes)
-  pool = shard_elems((c.num_kv_heads, pages * replicas, page_size, c.head_dim),
+  pool = shard_elems((c.num_kv_heads, pages * page_replicas(rules, sizes), page_size, c.head_dim),
                      ("act_kv_heads", "cache_pages", None, None), rules, sizes)
   return 2 * c.num_layers * pool * _itemsize(cache_dtype or c.dtype)
 
