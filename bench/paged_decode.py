@@ -75,7 +75,7 @@ def run(engine: Engine, params, reqs, sampling) -> dict:
     reads = [c.computed_slot_steps * engine.cache_length]
   return dict(wall_s=wall, tokens=sum(len(s.tokens) for s in samples),
               in_flight=c.active_slot_steps / max(1, c.steps), steps=c.steps,
-              in_flight_while_queued=float(np.mean(busy)) if busy else 0.0,
+              in_flight_while_queued=float(np.mean(busy)) if busy else None,
               compact_steps=c.compact_steps,
               kv_positions_read=int(sum(reads)), kv_read_over_live=sum(reads) / max(1, sum(lives)),
               mean_live=sum(lives) / max(1, c.active_slot_steps),
@@ -118,8 +118,10 @@ def main():
       kv_read_over_live=p["kv_read_over_live"],
       # Per generated token (both hold the same tokens at the same positions, step by step).
       paged_read_per_token_over_dense=p["kv_positions_read"] / max(1, d["kv_positions_read"]),
+      # None when a side never had requests waiting (as many slots as requests): its slots, not
+      # its memory, held it back, so the ratio says nothing about the memory.
       in_flight_ratio=(p["in_flight_while_queued"] / d["in_flight_while_queued"]
-                       if d["in_flight_while_queued"] else None),
+                       if p["in_flight_while_queued"] and d["in_flight_while_queued"] else None),
       preempted_frac=p["preemptions"] / a.requests, same_samples=float(same),
       host=common.host_info()), ndigits=4)
 
