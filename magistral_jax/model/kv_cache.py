@@ -5,14 +5,13 @@ model/paged_attention.py). model/transformer.decode runs on either.
 from __future__ import annotations
 
 import math
-import types
 from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from magistral_jax.model.config import ModelConfig
-from magistral_jax.parallel.sharding import logical_to_spec
+from magistral_jax.parallel.sharding import splits
 
 Array = jax.Array
 
@@ -44,10 +43,7 @@ class PagedKVCache(NamedTuple):
 def page_replicas(rules, sizes: Mapping[str, int]) -> int:
   """The pools a paged cache has on a mesh of `sizes` (axis name -> size): one per data replica,
   the mesh axes `cache_pages` names under `rules`."""
-  n = math.prod(sizes.values())
-  part = logical_to_spec(("cache_pages",), rules, (n,), types.SimpleNamespace(shape=sizes))[0]
-  names = () if part is None else (part,) if isinstance(part, str) else part
-  return math.prod(sizes[a] for a in names)
+  return splits((math.prod(sizes.values()),), ("cache_pages",), rules, sizes)[0]
 
 
 def paged_cache_logical_axes(num_layers: int) -> PagedKVCache:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import types
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -73,6 +74,16 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules=DEFAULT_RULES,
     used.update(keep)
     spec.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
   return P(*spec)
+
+
+def splits(shape: Sequence[int], logical_axes: Sequence[str | None], rules,
+           sizes: Mapping[str, int]) -> tuple[int, ...]:
+  """How many ways each dimension of an array of `shape` is split on a mesh of `sizes` (axis name
+  -> size), placed as logical_to_spec places it: for planning without the devices."""
+  spec = logical_to_spec(logical_axes, rules, shape, types.SimpleNamespace(shape=dict(sizes)))
+  parts = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return tuple(math.prod(sizes[a] for a in (() if p is None else (p,) if isinstance(p, str) else p))
+               for p in parts)
 
 
 def logical_sharding(logical_axes: Sequence[str | None], mesh: Mesh, rules=DEFAULT_RULES,

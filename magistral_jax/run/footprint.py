@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from typing import Any
 
 import jax
@@ -44,7 +43,7 @@ from magistral_jax.model.attention import choose_impl
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.model.kv_cache import page_replicas
 from magistral_jax.parallel.config import MESH_AXES
-from magistral_jax.parallel.sharding import is_logical_axes, logical_to_spec
+from magistral_jax.parallel.sharding import is_logical_axes, splits
 from magistral_jax.pipeline.generators import paged_kv
 from magistral_jax.train.optimizer import make_optimizer
 
@@ -69,12 +68,7 @@ def mesh_sizes(mesh_shape: dict, num_devices: int) -> dict[str, int]:
 def shard_elems(shape, axes, rules, sizes: dict[str, int]) -> int:
   """Elements of one device's shard of an array of `shape` with logical `axes` (mesh axes the
   dimension does not divide by are dropped, as logical_to_spec does)."""
-  spec = logical_to_spec(axes, rules, shape, types.SimpleNamespace(shape=sizes))
-  n = 1
-  for dim, part in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    names = () if part is None else (part,) if isinstance(part, str) else part
-    n *= dim // math.prod(sizes[a] for a in names)
-  return n
+  return math.prod(dim // k for dim, k in zip(shape, splits(shape, axes, rules, sizes)))
 
 
 def _param_tree(model_cfg: ModelConfig):
