@@ -7,7 +7,9 @@ cache of `--cache` positions per sequence.
 Baseline: the dense engine with `--dense_slots` slots (each owns `--cache` positions; one attention
 window, so every step reads every slot's whole cache). Against it: the paged engine with a pool of
 the same memory (dense_slots x cache positions, in pages of `--page_size`) under `--paged_slots`
-slots. Each engine runs the workload once to compile, then once timed.
+slots. Each engine's generate steps (its own and its drain's compacted ones) first take the faster
+XLA:CPU dot library, as a run's generators do (xla_cpu.tune_engine); then it runs the workload
+once to compile, then once timed.
 
 Figures (last line): `paged_over_dense_tokens_per_s` (generated tokens per second of wall time,
 prefills included); `kv_read_over_live` (KV positions the decode steps read, over the positions
@@ -34,6 +36,7 @@ from magistral_jax.generate.config import SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import DIRECT, GeneratorLoop
 from magistral_jax.generate.requests import Request
+from magistral_jax.generate.xla_cpu import tune_engine
 from magistral_jax.model import config as model_config
 from magistral_jax.model import paged_attention as pa
 from magistral_jax.model.named import random_params
@@ -102,9 +105,13 @@ def main():
   out = {}
   for name, eng in engines.items():
     p = eng.load_params(params)
+    tune_engine(eng, p)                         # as pipeline/generators.py does
     run(eng, p, reqs, sampling)                 # compiles every program the workload needs
     out[name] = run(eng, p, reqs, sampling)
     out[name]["tokens_per_s"] = out[name]["tokens"] / out[name]["wall_s"]
+    out[name]["dot_library"] = {n: e.generate_step.library for n, e in
+                                [(eng.max_concurrent_decodes, eng)] + [
+                                    (c, eng.compact_engine(c)) for c in eng.compact_sizes]}
   d, p = out["dense"], out["paged"]
   same = np.mean([d["samples"][k] == p["samples"][k] for k in d["samples"]])
   for r in out.values():
