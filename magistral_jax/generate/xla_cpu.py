@@ -17,7 +17,8 @@ jax's own (sampling.py) or the defaults.
    on one host Eigen was faster below 32 slots and YNNPACK from 32 on; on another, with AVX-512,
    YNNPACK was faster at every slot count. So with dot_library="auto" (the default) tune_engine
    (run by Engine.precompile, and by a run's generators with engine.tune) compiles the step both
-   ways and keeps the faster (GenerateStep.tune); until then, and with a fixed choice,
+   ways and keeps the faster (GenerateStep.tune; a paged engine's with its slots holding pages,
+   tuning_state); until then, and with a fixed choice,
    generate_compiler_options' slot-count rule applies. Only the generate step is affected;
    prefill's [N * bucket, D] matmuls keep the defaults. Off CPU the dot library is ignored.
 3. Thresholds: drain compaction's sizes (CpuOptions.compact_sizes; compaction.py: a step costs
@@ -35,6 +36,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from magistral_jax.generate.paging import LoopPages
 
 log = logging.getLogger(__name__)
 Array = jax.Array
@@ -300,11 +303,32 @@ class GenerateStep:
 def tune_generate(engine, params, rounds: int = 3, steps: int = 2) -> dict | None:
   """Times `engine`'s generate step with each CPU dot library and keeps the faster one (CPU only,
   and only with dot library "auto"; returns None otherwise), at the full window on a scratch
-  state with every slot active (GenerateStep.tune). `params` as returned by load_params."""
+  state with every slot active (GenerateStep.tune, on tuning_state). `params` as returned by
+  load_params."""
+  return engine.generate_step.tune(params, lambda: tuning_state(engine, 2 * (rounds + 1) * steps),
+                                   engine.cache_length, rounds, steps)
+
+
+def tuning_state(engine, steps: int):
+  """A scratch decode state to time `steps` generate steps on: every slot active. A dense step
+  reads every slot's whole cache whatever it holds; a paged one reads what its slots hold, so
+  here each slot holds an equal share of its pool's pages (the KV memory the engine was given),
+  up to the cache length, less `steps`: the timing then counts the attention over them, which
+  the dot library also computes (at no live position the weights alone would decide, and the
+  library faster for them alone can be the slower for a run's steps)."""
   slots = engine.max_concurrent_decodes
-  return engine.generate_step.tune(
-      params, lambda: engine.set_active(engine.init_decode_state(), np.ones((slots,), bool)),
-      engine.cache_length, rounds, steps)
+  state = engine.set_active(engine.init_decode_state(), np.ones((slots,), bool))
+  if engine.kv_pages is None:
+    return state
+  pages = LoopPages(engine, engine.set_pages)
+  per_replica = slots // engine.page_replicas
+  share = min(engine.cache_length, (engine.kv_pages - 1) // per_replica * engine.page_size)
+  for slot in range(slots):
+    pages.hold(slot, share)
+  state = pages.sync(state)
+  lengths = np.full((slots,), max(0, share - steps - 1), np.int32)
+  return state._replace(cache=state.cache._replace(
+      lengths=jax.device_put(lengths, state.cache.lengths.sharding)))
 
 
 def tune_engine(engine, params) -> dict | None:

@@ -13,6 +13,7 @@ from magistral_jax.generate.config import SamplingConfig
 from magistral_jax.generate.engine import Engine
 from magistral_jax.generate.loop import DIRECT, GeneratorLoop
 from magistral_jax.generate.requests import Request
+from magistral_jax.generate.xla_cpu import tune_engine, tuning_state
 from magistral_jax.model import transformer as T
 from magistral_jax.model.config import ModelConfig
 from magistral_jax.parallel.sharding import make_mesh
@@ -187,6 +188,31 @@ def replica_engine(**kw):
     mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
     _REPLICA_ENGINES[key] = Engine(CFG, mesh, sampling=SAMPLED, **SHAPE, **kw)
   return _REPLICA_ENGINES[key]
+
+
+def test_dot_library_tuning_times_a_paged_step_over_held_pages(mesh, params):
+  """The CPU dot-library tuning (xla_cpu.tune_engine) times a paged step with every slot holding
+  an equal share of the pool, up to the cache length, so the attention over live pages counts as
+  it does in a run (a dense step reads its whole cache anyway); the tuned engine gives the dense
+  samples."""
+  eng = Engine(CFG, mesh, sampling=GREEDY, **SHAPE, kv_pages=40, page_size=4,
+               cpu_dot_library="auto")
+  state = tuning_state(eng, 4)
+  table, lengths = np.asarray(state.cache.page_table), np.asarray(state.cache.lengths)
+  assert eng.cache_length == 32 and (39 // 4) * 4 > 32   # the share is capped by the cache
+  np.testing.assert_array_equal(lengths, 32 - 4 - 1)
+  assert np.all(table > 0) and len(np.unique(table)) == table.size == 4 * 8
+  assert np.asarray(state.active).all()
+  dense = engine(mesh, GREEDY)
+  assert not np.asarray(tuning_state(dense, 4).cache.lengths).any()
+
+  p = params[0]
+  tuning = tune_engine(eng, eng.load_params(p))
+  assert tuning["chosen"] == eng.generate_library and all(t > 0 for t in
+                                                         tuning["step_ms"].values())
+  want, _ = run(dense, p, requests(), GREEDY)
+  got, _ = run(eng, p, requests(), GREEDY)
+  same(want, got)
 
 
 @pytest.mark.own_process
