@@ -270,16 +270,16 @@ class GenerateStep:
     """Programs compiled over every dot library."""
     return sum(f._cache_size() for f in self._jits.values())
 
-  def tune(self, params, scratch_state: Callable[[], Any], window: int, rounds: int = 3,
+  def tune(self, params, scratch_state: Callable[[int], Any], window: int, rounds: int = 3,
            steps: int = 2) -> dict | None:
     """Times the step with each CPU dot library and keeps the faster one (only when tunable;
-    returns None otherwise). Both programs run on scratch_state() (every slot active),
-    alternating, `rounds` times `steps` steps each after one warm-up step; the choice is the
-    lower median. Returns and keeps {"chosen", "step_ms": {library: median ms}}."""
+    returns None otherwise). Both programs run on scratch_state(n) (every slot active; n: the
+    steps run on it), alternating, `rounds` times `steps` steps each after one warm-up step; the
+    choice is the lower median. Returns and keeps {"chosen", "step_ms": {library: median ms}}."""
     if not self.tunable:
       return None
     jits = {lib: self.jit(lib) for lib in CPU_DOT_LIBRARIES}
-    state = scratch_state()
+    state = scratch_state(len(jits) * (1 + rounds * steps))
     times: dict[str, list[float]] = {lib: [] for lib in jits}
     for lib, f in jits.items():  # compile and warm up
       state, res = f(params, state, window)
@@ -305,8 +305,8 @@ def tune_generate(engine, params, rounds: int = 3, steps: int = 2) -> dict | Non
   and only with dot library "auto"; returns None otherwise), at the full window on a scratch
   state with every slot active (GenerateStep.tune, on tuning_state). `params` as returned by
   load_params."""
-  return engine.generate_step.tune(params, lambda: tuning_state(engine, 2 * (rounds + 1) * steps),
-                                   engine.cache_length, rounds, steps)
+  return engine.generate_step.tune(params, lambda n: tuning_state(engine, n), engine.cache_length,
+                                   rounds, steps)
 
 
 def tuning_state(engine, steps: int):
